@@ -1,0 +1,55 @@
+"""Runs a plan on the CPU exactly the way the GPU does: one partial state per (chunk, query
+head), then the merge. It proves the decomposition math on any machine, and is the demo's
+fallback when there is no GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import validation as V
+from .merge import merge_states_n
+from .plan import Plan
+from .problem import PageTable
+from .reference import attend, to_float64
+
+
+def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_scale=None):
+    """Partial states, float64: (partial_o [num_chunks, num_qo_heads, head_dim],
+    partial_lse [num_chunks, num_qo_heads])."""
+    p = plan.problem
+    if not np.array_equal(page_table.kv_lens, p.kv_lens):
+        raise ValueError("page_table: its request lengths differ from the ones the plan was made for")
+    q64, k64, v64 = to_float64(q), to_float64(k_cache), to_float64(v_cache)
+    sm_scale = V.check_sm_scale(sm_scale, p.head_dim)
+    g, hk, d = p.group_size, p.num_kv_heads, p.head_dim
+    k_flat, v_flat = k64.reshape(-1, hk, d), v64.reshape(-1, hk, d)
+    partial_o = np.zeros((plan.num_chunks, p.num_qo_heads, d))
+    partial_lse = np.full((plan.num_chunks, p.num_qo_heads), -np.inf)
+    slots_by_request = {}
+    for c in range(plan.num_chunks):
+        b = int(plan.chunk_request[c])
+        if b not in slots_by_request:
+            slots_by_request = {b: page_table.token_slots(b)}
+        slots = slots_by_request[b][plan.chunk_start[c]:plan.chunk_end[c]]
+        for h in range(hk):
+            heads = slice(h * g, (h + 1) * g)
+            partial_o[c, heads], partial_lse[c, heads] = attend(
+                q64[plan.chunk_request[c], heads], k_flat[slots, h], v_flat[slots, h], sm_scale)
+    return partial_o, partial_lse
+
+
+def merge_partials(plan: Plan, partial_o: np.ndarray, partial_lse: np.ndarray):
+    """Combine each request's chunks in chunk order (the GPU merges in the same fixed order)."""
+    p = plan.problem
+    out = np.zeros((p.batch_size, p.num_qo_heads, p.head_dim), dtype=partial_o.dtype)
+    lse = np.full((p.batch_size, p.num_qo_heads), -np.inf)
+    for b in range(p.batch_size):
+        lo, hi = plan.merge_indptr[b], plan.merge_indptr[b + 1]
+        out[b], lse[b] = merge_states_n(partial_o[lo:hi], partial_lse[lo:hi])
+    return out, lse
+
+
+def execute_plan_cpu(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_scale=None):
+    """Returns (out [batch, num_qo_heads, head_dim], lse [batch, num_qo_heads]), float64."""
+    partial_o, partial_lse = compute_partials(plan, q, k_cache, v_cache, page_table, sm_scale)
+    return merge_partials(plan, partial_o, partial_lse)

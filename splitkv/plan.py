@@ -1,0 +1,146 @@
+"""The plan: the explicit work decomposition the GPU (or the CPU executor) runs.
+
+The KV of every request is cut into *chunks* (contiguous token ranges). One work item is
+(chunk, kv head): it reads that range of K and V once for all query heads of the GQA group and
+writes one partial state per query head. Chunks are stored sorted by request, so the partials
+of request b are chunks ``merge_indptr[b] : merge_indptr[b+1]``, and the partial slot of
+(chunk c, query head h) is ``c * num_qo_heads + h``.
+
+Every request has at least one chunk; a zero-length request has one empty chunk, which writes
+zeros and a log-sum-exp of ``-inf``.
+
+Strategies:
+  single       every request has exactly one chunk; the partial kernel writes the output.
+  split_merge  partial kernel, then a merge kernel (requests with one chunk are written
+               directly by the partial kernel and skipped by the merge).
+  fused        one kernel; the last CTA to finish for each (request, kv head) merges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import validation as V
+from .problem import DecodeProblem
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    problem: DecodeProblem
+    strategy: str
+    chunk_request: np.ndarray   # int32 [num_chunks]
+    chunk_start: np.ndarray     # int32 [num_chunks], token offset inside the request
+    chunk_end: np.ndarray       # int32 [num_chunks], exclusive
+    merge_indptr: np.ndarray    # int32 [batch_size + 1]
+    predicted_us: float | None = None
+
+    def __post_init__(self):
+        V.check_strategy(self.strategy)
+        for name in ("chunk_request", "chunk_start", "chunk_end", "merge_indptr"):
+            arr = np.ascontiguousarray(getattr(self, name), dtype=np.int32)
+            arr.setflags(write=False)
+            object.__setattr__(self, name, arr)
+        if self.strategy == "single" and self.num_chunks != self.problem.batch_size:
+            raise ValueError("strategy: 'single' needs exactly one chunk per request, "
+                             f"got {self.num_chunks} chunks for {self.problem.batch_size} requests")
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self.chunk_request.size)
+
+    @property
+    def chunks_per_request(self) -> np.ndarray:
+        return np.diff(self.merge_indptr)
+
+    @property
+    def num_splits(self) -> int:
+        """The largest number of chunks any request is cut into (1 = no split)."""
+        return int(self.chunks_per_request.max()) if self.problem.batch_size else 0
+
+    @property
+    def num_work_items(self) -> int:
+        return self.num_chunks * self.problem.num_kv_heads
+
+    @property
+    def needs_merge(self) -> bool:
+        return self.num_splits > 1
+
+    def with_prediction(self, predicted_us: float) -> "Plan":
+        return Plan(self.problem, self.strategy, self.chunk_request, self.chunk_start,
+                    self.chunk_end, self.merge_indptr, float(predicted_us))
+
+    def summary(self) -> dict:
+        sizes = (self.chunk_end - self.chunk_start).astype(np.int64)
+        return {
+            "strategy": self.strategy,
+            "num_splits": self.num_splits,
+            "num_chunks": self.num_chunks,
+            "num_work_items": self.num_work_items,
+            "chunk_tokens_max": int(sizes.max()) if sizes.size else 0,
+            "chunk_tokens_min": int(sizes.min()) if sizes.size else 0,
+            "predicted_us": self.predicted_us,
+        }
+
+    def __repr__(self) -> str:
+        s = self.summary()
+        pred = "n/a" if self.predicted_us is None else f"{self.predicted_us:.1f} us"
+        return (f"Plan(strategy={s['strategy']}, num_splits={s['num_splits']}, "
+                f"work_items={s['num_work_items']} ({s['num_chunks']} chunks x "
+                f"{self.problem.num_kv_heads} kv heads), chunk tokens "
+                f"{s['chunk_tokens_min']}..{s['chunk_tokens_max']}, predicted={pred}, "
+                f"problem={self.problem!r})")
+
+    __str__ = __repr__
+
+
+def plan_from_chunk_counts(problem: DecodeProblem, chunks_per_request, strategy: str,
+                           align: int = 1) -> Plan:
+    """Cut request b into ``chunks_per_request[b]`` near-equal token ranges.
+
+    Boundaries are rounded to multiples of ``align`` tokens (a tile or a page) where the length
+    allows, so no chunk straddles a tile needlessly; a chunk never ends up empty unless its
+    request is.
+    """
+    lens = problem.kv_lens
+    counts = np.asarray(chunks_per_request, dtype=np.int64)
+    if counts.shape != lens.shape:
+        raise ValueError(f"chunks_per_request: expected {lens.size} entries, got {counts.size}")
+    # A request of n tokens cannot have more than ceil(n / align) non-empty chunks.
+    max_chunks = np.maximum(1, -(-lens // max(1, align)))
+    counts = np.clip(counts, 1, max_chunks)
+    if strategy == "single" and np.any(counts > 1):
+        raise ValueError("strategy: 'single' cannot split a request; use 'split_merge' or 'fused'")
+    total = int(counts.sum())
+    chunk_request = np.repeat(np.arange(lens.size), counts)
+    merge_indptr = np.concatenate([[0], np.cumsum(counts)])
+    local = np.arange(total) - np.repeat(merge_indptr[:-1], counts)
+    n = np.repeat(lens, counts)
+    k = np.repeat(counts, counts)
+    units = -(-n // max(1, align))                       # tiles in the request
+    start_units = (local * units) // k
+    end_units = ((local + 1) * units) // k
+    start = np.minimum(start_units * align, n)
+    end = np.minimum(end_units * align, n)
+    return Plan(problem, strategy, chunk_request, start, end, merge_indptr)
+
+
+def plan_fixed_splits(problem: DecodeProblem, num_splits: int, strategy: str | None = None,
+                      align: int = 1) -> Plan:
+    """Every request cut into ``num_splits`` chunks (fewer if it is too short)."""
+    num_splits = V.check_int("num_splits", num_splits, 1)
+    if strategy is None:
+        strategy = "single" if num_splits == 1 else "split_merge"
+    counts = np.full(problem.batch_size, num_splits)
+    return plan_from_chunk_counts(problem, counts, strategy, align)
+
+
+def plan_chunk_tokens(problem: DecodeProblem, chunk_tokens: int, strategy: str,
+                      align: int = 1) -> Plan:
+    """Balanced for ragged batches: one chunk size for all, so long requests get more chunks."""
+    chunk_tokens = V.check_int("chunk_tokens", chunk_tokens, 1)
+    counts = np.maximum(1, -(-problem.kv_lens // chunk_tokens))
+    if strategy == "single":
+        counts = np.ones_like(counts)
+    return plan_from_chunk_counts(problem, counts, strategy, align)

@@ -1,0 +1,152 @@
+"""The decode batch: which pages hold each request's KV, and the shapes of the attention.
+
+``PageTable`` is built from what users already have (FlashInfer's ``kv_indptr`` /
+``kv_indices`` / ``kv_last_page_len``, vLLM's ``block_table`` / ``seq_lens``, or a contiguous
+cache) and always stored the FlashInfer way. ``DecodeProblem`` is what the planner sees: the
+lengths and the shapes, no page indices.
+
+Conventions: a zero-length request attends to nothing; its output is all zeros and its
+log-sum-exp is ``-inf``. An empty batch (``batch_size == 0``) gives empty outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import validation as V
+
+
+@dataclass(frozen=True, eq=False)
+class PageTable:
+    """Pages of each request, FlashInfer layout, on the host.
+
+    kv_indptr: int64 [batch_size + 1]; request b owns pages kv_indices[kv_indptr[b]:kv_indptr[b+1]].
+    kv_indices: int64 [total_pages]; indices into the first axis of the KV cache.
+    kv_last_page_len: int64 [batch_size]; tokens in the last page (1..page_size), 0 for no pages.
+    """
+
+    kv_indptr: np.ndarray
+    kv_indices: np.ndarray
+    kv_last_page_len: np.ndarray
+    page_size: int
+    kv_lens: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self):
+        pages = np.diff(self.kv_indptr)
+        lens = np.where(pages > 0, (pages - 1) * self.page_size + self.kv_last_page_len, 0)
+        object.__setattr__(self, "kv_lens", lens.astype(np.int64))
+        for arr in (self.kv_indptr, self.kv_indices, self.kv_last_page_len, self.kv_lens):
+            arr.setflags(write=False)
+
+    @property
+    def batch_size(self) -> int:
+        return self.kv_indptr.size - 1
+
+    @classmethod
+    def from_flashinfer(cls, kv_indptr, kv_indices, kv_last_page_len, page_size: int,
+                        num_pages: int | None = None) -> "PageTable":
+        """The layout FlashInfer's paged decode takes. ``num_pages`` bounds the indices if given."""
+        page_size = V.check_int("page_size", page_size, 1)
+        indptr = V.host_int_array("kv_indptr", kv_indptr, 1).copy()
+        indices = V.host_int_array("kv_indices", kv_indices, 1).copy()
+        last = V.host_int_array("kv_last_page_len", kv_last_page_len, 1).copy()
+        V.check_page_table(indptr, indices, last, page_size, num_pages)
+        return cls(indptr, indices, last, page_size)
+
+    @classmethod
+    def from_block_table(cls, block_table, seq_lens, page_size: int,
+                         num_pages: int | None = None) -> "PageTable":
+        """vLLM layout: ``block_table[b, i]`` is the i-th page of request b; only the first
+        ``ceil(seq_lens[b] / page_size)`` entries of a row are read (the rest may hold padding)."""
+        page_size = V.check_int("page_size", page_size, 1)
+        table = V.host_int_array("block_table", block_table, 2)
+        lens = V.host_int_array("seq_lens", seq_lens, 1)
+        if lens.size != table.shape[0]:
+            raise ValueError(f"seq_lens: expected {table.shape[0]} elements (one per block_table row), "
+                             f"got {lens.size}")
+        V.check_seq_lens(lens, table.shape[1] * page_size, page_size)
+        pages = -(-lens // page_size)
+        indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int64)
+        rows = np.repeat(np.arange(lens.size), pages)
+        cols = np.arange(indptr[-1]) - np.repeat(indptr[:-1], pages)
+        indices = table[rows, cols].astype(np.int64)
+        last = np.where(pages > 0, lens - (pages - 1) * page_size, 0)
+        V.check_page_table(indptr, indices, last, page_size, num_pages)
+        return cls(indptr, indices, last, page_size)
+
+    @classmethod
+    def contiguous(cls, seq_lens, max_len: int) -> "PageTable":
+        """A contiguous cache ``[batch, max_len, kv_heads, head_dim]`` seen as one page per request
+        of ``page_size = max_len``: pass that array itself as the KV cache."""
+        max_len = V.check_int("max_len", max_len, 1)
+        lens = V.host_int_array("seq_lens", seq_lens, 1)
+        V.check_seq_lens(lens, max_len, max_len)
+        table = np.arange(lens.size, dtype=np.int64)[:, None]
+        return cls.from_block_table(table, lens, max_len)
+
+    def token_slots(self, b: int) -> np.ndarray:
+        """Flat slot (page * page_size + offset) of every token of request b, in order."""
+        pages = self.kv_indices[self.kv_indptr[b]:self.kv_indptr[b + 1]]
+        n = int(self.kv_lens[b])
+        t = np.arange(n)
+        return pages[t // self.page_size] * self.page_size + t % self.page_size
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeProblem:
+    """What the planner needs to know about one decode call: lengths and shapes, no pages."""
+
+    kv_lens: np.ndarray
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        lens = V.host_int_array("kv_lens", self.kv_lens, 1)
+        if lens.size and lens.min() < 0:
+            raise ValueError(f"kv_lens: lengths must be >= 0, got {lens.min()}")
+        lens = lens.copy()
+        lens.setflags(write=False)
+        object.__setattr__(self, "kv_lens", lens)
+        hq, hk = V.check_heads(self.num_qo_heads, self.num_kv_heads)
+        object.__setattr__(self, "num_qo_heads", hq)
+        object.__setattr__(self, "num_kv_heads", hk)
+        object.__setattr__(self, "head_dim", V.check_head_dim(self.head_dim))
+        object.__setattr__(self, "page_size", V.check_int("page_size", self.page_size, 1))
+        object.__setattr__(self, "dtype", V.check_dtype("dtype", self.dtype))
+
+    @classmethod
+    def from_page_table(cls, page_table: PageTable, num_qo_heads: int, num_kv_heads: int,
+                        head_dim: int, dtype="bfloat16") -> "DecodeProblem":
+        return cls(page_table.kv_lens, num_qo_heads, num_kv_heads, head_dim, page_table.page_size,
+                   dtype)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.kv_lens.size)
+
+    @property
+    def group_size(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.kv_lens.sum())
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K and V that one call must read."""
+        return self.total_tokens * self.num_kv_heads * self.head_dim * 2 * 2
+
+    def __repr__(self) -> str:
+        lens = self.kv_lens
+        if lens.size <= 6:
+            lens_s = str(lens.tolist())
+        else:
+            lens_s = f"[{lens.size} requests, {lens.min()}..{lens.max()}, mean {lens.mean():.0f}]"
+        return (f"DecodeProblem(kv_lens={lens_s}, heads={self.num_qo_heads}/{self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, page_size={self.page_size}, dtype={self.dtype})")

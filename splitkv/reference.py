@@ -1,0 +1,55 @@
+"""Exact decode attention in float64 NumPy: the yardstick for every other path."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import validation as V
+from .problem import PageTable
+
+
+def to_float64(arr) -> np.ndarray:
+    """Host float64 copy of a NumPy/CuPy array, including bfloat16 stored as ml_dtypes or uint16."""
+    if hasattr(arr, "get"):
+        arr = arr.get()
+    arr = np.asarray(arr)
+    if arr.dtype == np.uint16:   # raw bfloat16 bits
+        return (arr.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return arr.astype(np.float64)
+
+
+def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float):
+    """One request, one kv head group. q: [G, D]; k, v: [N, D]. Returns (o [G, D], lse [G])."""
+    if k.shape[0] == 0:
+        return np.zeros_like(q), np.full(q.shape[0], -np.inf)
+    s = (q @ k.T) * sm_scale
+    m = s.max(axis=1, keepdims=True)
+    p = np.exp(s - m)
+    d = p.sum(axis=1, keepdims=True)
+    return (p @ v) / d, (m + np.log(d))[:, 0]
+
+
+def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float | None = None):
+    """Decode attention over a paged cache, in float64.
+
+    q: [batch, num_qo_heads, head_dim]; k_cache, v_cache: [num_pages, page_size, num_kv_heads,
+    head_dim] (NHD). Returns (out [batch, num_qo_heads, head_dim] float64,
+    lse [batch, num_qo_heads] float64, natural log of sum(exp(sm_scale * q.k))).
+    """
+    q64, k64, v64 = to_float64(q), to_float64(k_cache), to_float64(v_cache)
+    batch, hq, d = q64.shape
+    hk = k64.shape[2]
+    V.check_heads(hq, hk)
+    sm_scale = V.check_sm_scale(sm_scale, d)
+    g = hq // hk
+    k_flat = k64.reshape(-1, hk, d)
+    v_flat = v64.reshape(-1, hk, d)
+    out = np.zeros((batch, hq, d))
+    lse = np.full((batch, hq), -np.inf)
+    for b in range(batch):
+        slots = page_table.token_slots(b)
+        for h in range(hk):
+            heads = slice(h * g, (h + 1) * g)
+            out[b, heads], lse[b, heads] = attend(q64[b, heads], k_flat[slots, h], v_flat[slots, h],
+                                                  sm_scale)
+    return out, lse

@@ -1,0 +1,43 @@
+"""The only package that touches CuPy and the GPU: compiles the CUDA sources with NVRTC,
+uploads plans, launches kernels, times them."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+
+def gpu_available() -> tuple[bool, str]:
+    """(True, device name) when CuPy is installed and sees a CUDA device, else (False, why)."""
+    try:
+        import cupy
+    except ImportError:
+        return False, "CuPy is not installed (pip install 'splitkv[cuda12]' or 'splitkv[cuda13]')"
+    try:
+        if not cupy.cuda.is_available():
+            return False, "CuPy found no usable CUDA device (no GPU or no driver)"
+        return True, device_info()["name"]
+    except Exception as exc:  # driver present but unusable
+        return False, f"CUDA is not usable: {exc}"
+
+
+@lru_cache(maxsize=None)
+def _device_info(device_id: int) -> dict:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    name = props["name"]
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    return {"name": name, "num_sms": int(props["multiProcessorCount"]),
+            "l2_bytes": int(props["l2CacheSize"]), "cc": f"{props['major']}{props['minor']}",
+            "shared_per_block_optin": int(props.get("sharedMemPerBlockOptin", 0)),
+            "device_id": device_id}
+
+
+def device_info(device_id: int | None = None) -> dict:
+    """Name, SM count, L2 bytes and compute capability of the current (or given) device."""
+    import cupy
+
+    return _device_info(cupy.cuda.runtime.getDevice() if device_id is None else device_id)
+
+
+__all__ = ["gpu_available", "device_info"]

@@ -1,0 +1,308 @@
+// Split-KV decode attention over a paged KV cache: the partial kernel, the fused variant, and
+// the merge kernel.
+//
+// decode_partial: one CTA per work item (chunk, kv head, head tile). It streams the chunk's
+// tokens of K and V for that kv head through shared memory (cp.async, STAGES tiles of 64 tokens
+// in flight, page-table lookups per token) and computes attention for all query heads of the
+// GQA group at once on tensor cores: S = Q K^T and O += P V with mma.m16n8k16, query heads
+// packed into the 16 MMA rows (HEAD_TILES row tiles of 16), so every K/V byte is read once per
+// group. It writes either the final output (request not split) or an fp32 partial state
+// (partial_o, partial_lse). With `fused`, the last CTA of a (request, kv head, head tile) to
+// finish then merges all partials of that output itself.
+//
+// merge_partials: one warp per (request, qo head) of a split request; merges its partials.
+//
+// Compile-time parameters: SPLITKV_BF16, HEAD_DIM, HEAD_TILES (1, 2, 4), STAGES.
+#include "softmax_state.cuh"
+
+#ifndef HEAD_DIM
+#error "HEAD_DIM must be defined"
+#endif
+#ifndef HEAD_TILES
+#error "HEAD_TILES must be defined"
+#endif
+#ifndef STAGES
+#error "STAGES must be defined"
+#endif
+
+#define TILE_N 64                              // tokens per pipeline stage
+#define NUM_WARPS 4
+#define NUM_THREADS (NUM_WARPS * 32)
+#define WARPS_N (NUM_WARPS / HEAD_TILES)       // warps sharing one row tile split the tokens
+#define TOK_PER_WARP (TILE_N / WARPS_N)
+#define SUBTILES (TOK_PER_WARP / 16)
+#define ROWS (16 * HEAD_TILES)                 // query heads per CTA
+#define DCHUNKS (HEAD_DIM / 8)                 // 16-byte chunks per row
+#define KSTEPS (HEAD_DIM / 16)
+#define DTILES (HEAD_DIM / 8)
+
+// Shared-memory tile rows are HEAD_DIM halves; chunk c of row r lives at chunk c ^ (r & 7), so
+// the 8 rows one ldmatrix reads fall in 8 different bank groups.
+__device__ __forceinline__ u32 tile_offset_bytes(int row, int chunk) {
+  return (u32)(row * HEAD_DIM + ((chunk ^ (row & 7)) << 3)) * 2u;
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS)
+decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
+               const u16* __restrict__ v_cache, long long page_stride, long long token_stride,
+               const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
+               const int* __restrict__ chunk_request, const int* __restrict__ chunk_start,
+               const int* __restrict__ chunk_end, const int* __restrict__ merge_indptr,
+               u16* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ partial_o,
+               float* __restrict__ partial_lse, unsigned* __restrict__ counters,
+               int num_qo_heads, int num_kv_heads, int page_size, float scale_log2, int fused) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int is_last_cta;
+
+  const int chunk = blockIdx.x, kvh = blockIdx.y, htile = blockIdx.z;
+  const int group = num_qo_heads / num_kv_heads;
+  const int head0 = kvh * group + htile * ROWS;
+  const int rows_valid = min(ROWS, group - htile * ROWS);
+  const int req = chunk_request[chunk];
+  const int tok_begin = chunk_start[chunk], tok_end = chunk_end[chunk];
+  const int* pages = kv_indices + kv_indptr[req];
+  const int n_chunks = merge_indptr[req + 1] - merge_indptr[req];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
+  const int g = lane >> 2, t = lane & 3;
+
+  u16* k_smem = reinterpret_cast<u16*>(smem);
+  u16* v_smem = k_smem + STAGES * TILE_N * HEAD_DIM;
+  const u32 k_smem_u32 = smem_u32(k_smem), v_smem_u32 = smem_u32(v_smem);
+
+  // Q as MMA A-fragments, one row tile per warp; rows past the group are zero.
+  u32 qf[KSTEPS][4];
+  {
+    const int r0 = warp_m * 16 + g, r1 = r0 + 8;
+    const u16* q_rows = q + ((i64)req * num_qo_heads + head0) * HEAD_DIM;
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+      const int c0 = ks * 16 + 2 * t, c1 = c0 + 8;
+      qf[ks][0] = r0 < rows_valid ? *reinterpret_cast<const u32*>(q_rows + r0 * HEAD_DIM + c0) : 0u;
+      qf[ks][1] = r1 < rows_valid ? *reinterpret_cast<const u32*>(q_rows + r1 * HEAD_DIM + c0) : 0u;
+      qf[ks][2] = r0 < rows_valid ? *reinterpret_cast<const u32*>(q_rows + r0 * HEAD_DIM + c1) : 0u;
+      qf[ks][3] = r1 < rows_valid ? *reinterpret_cast<const u32*>(q_rows + r1 * HEAD_DIM + c1) : 0u;
+    }
+  }
+
+  const int num_tiles = (tok_end - tok_begin + TILE_N - 1) / TILE_N;
+  const i64 head_offset = (i64)kvh * HEAD_DIM;
+
+  // Issue the copies of tile `tile` into stage `stage`; tokens past the chunk are zero-filled.
+  auto load_tile = [&](int tile, int stage) {
+    const int base = tok_begin + tile * TILE_N;
+    const u32 stage_bytes = (u32)(stage * TILE_N * HEAD_DIM * 2);
+#pragma unroll
+    for (int i = 0; i < TILE_N * DCHUNKS / NUM_THREADS; ++i) {
+      const int idx = tid + i * NUM_THREADS;
+      const int row = idx / DCHUNKS, ch = idx % DCHUNKS;
+      const int tok = base + row;
+      const bool valid = tok < tok_end;
+      i64 off = 0;
+      if (valid) {
+        const int page = pages[tok / page_size];
+        off = (i64)page * page_stride + (i64)(tok % page_size) * token_stride + head_offset + ch * 8;
+      }
+      const u32 dst = stage_bytes + tile_offset_bytes(row, ch);
+      cp_async16(k_smem_u32 + dst, k_cache + off, valid ? 16 : 0);
+      cp_async16(v_smem_u32 + dst, v_cache + off, valid ? 16 : 0);
+    }
+  };
+
+  float o[DTILES][4];
+#pragma unroll
+  for (int i = 0; i < DTILES; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m_run[2] = {SPLITKV_NEG_INF, SPLITKV_NEG_INF};  // rows g and g+8, base-2 scores
+  float d_run[2] = {0.f, 0.f};                          // this lane's share of the denominators
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < num_tiles) load_tile(s, s);
+    cp_async_commit();
+  }
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile `tile` is visible to all warps; stage (tile-1) % STAGES is free
+    {
+      const int next = tile + STAGES - 1;
+      if (next < num_tiles) load_tile(next, next % STAGES);
+      cp_async_commit();
+    }
+    const int stage = tile % STAGES;
+    const u32 ks_base = k_smem_u32 + (u32)(stage * TILE_N * HEAD_DIM * 2);
+    const u32 vs_base = v_smem_u32 + (u32)(stage * TILE_N * HEAD_DIM * 2);
+    const int tile_tok0 = tok_begin + tile * TILE_N;
+
+    // S = Q K^T for this warp's tokens: s[st][nt] holds tokens n0 + 8 nt + 2t (+1), rows g, g+8.
+    float s[SUBTILES][2][4];
+#pragma unroll
+    for (int st = 0; st < SUBTILES; ++st) {
+      const int n0 = warp_n * TOK_PER_WARP + st * 16;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) s[st][nt][0] = s[st][nt][1] = s[st][nt][2] = s[st][nt][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks) {
+        const int r = n0 + (lane & 7) + ((lane >> 4) << 3);
+        const int c = ks * 2 + ((lane >> 3) & 1);
+        u32 b0, b1, b2, b3;
+        ldmatrix_x4(b0, b1, b2, b3, ks_base + tile_offset_bytes(r, c));
+        mma_16816(s[st][0], qf[ks], b0, b1);
+        mma_16816(s[st][1], qf[ks], b2, b3);
+      }
+    }
+
+    // Online softmax over the tile, in base 2; masked tokens get -inf.
+    float tile_max[2] = {SPLITKV_NEG_INF, SPLITKV_NEG_INF};
+#pragma unroll
+    for (int st = 0; st < SUBTILES; ++st)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = tile_tok0 + warp_n * TOK_PER_WARP + st * 16 + nt * 8 + 2 * t + (e & 1);
+          const float v = tok < tok_end ? s[st][nt][e] * scale_log2 : SPLITKV_NEG_INF;
+          s[st][nt][e] = v;
+          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], v);
+        }
+    float alpha[2], m_use[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+      const float m_new = fmaxf(m_run[r], tile_max[r]);
+      m_use[r] = safe_max(m_new);
+      alpha[r] = fast_exp2(m_run[r] - m_use[r]);
+      m_run[r] = m_new;
+      d_run[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int i = 0; i < DTILES; ++i) {
+      o[i][0] *= alpha[0]; o[i][1] *= alpha[0];
+      o[i][2] *= alpha[1]; o[i][3] *= alpha[1];
+    }
+
+    // O += P V. The S accumulators of two 8-token n-tiles are exactly the A fragment of P.
+#pragma unroll
+    for (int st = 0; st < SUBTILES; ++st) {
+      float p[2][4];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          p[nt][e] = fast_exp2(s[st][nt][e] - m_use[e >> 1]);
+          d_run[e >> 1] += p[nt][e];
+        }
+      const u32 a[4] = {pack2(p[0][0], p[0][1]), pack2(p[0][2], p[0][3]),
+                        pack2(p[1][0], p[1][1]), pack2(p[1][2], p[1][3])};
+      const int n0 = warp_n * TOK_PER_WARP + st * 16;
+#pragma unroll
+      for (int dp = 0; dp < DTILES / 2; ++dp) {
+        const int r = n0 + (lane & 7) + (((lane >> 3) & 1) << 3);
+        const int c = dp * 2 + (lane >> 4);
+        u32 b0, b1, b2, b3;
+        ldmatrix_x4_trans(b0, b1, b2, b3, vs_base + tile_offset_bytes(r, c));
+        mma_16816(o[2 * dp], a, b0, b1);
+        mma_16816(o[2 * dp + 1], a, b2, b3);
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the pipeline buffers are reused below
+
+  // Combine the warps that share a row tile (they saw different tokens) through shared memory.
+  float* so = reinterpret_cast<float*>(smem);                 // [NUM_WARPS][16][HEAD_DIM]
+  float* sm = so + NUM_WARPS * 16 * HEAD_DIM;                 // [NUM_WARPS][16]
+  float* sd = sm + NUM_WARPS * 16;                            // [NUM_WARPS][16]
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    d_run[r] += __shfl_xor_sync(0xffffffffu, d_run[r], 1);
+    d_run[r] += __shfl_xor_sync(0xffffffffu, d_run[r], 2);
+  }
+  {
+    float* wo = so + warp * 16 * HEAD_DIM;
+#pragma unroll
+    for (int i = 0; i < DTILES; ++i) {
+      const int col = i * 8 + 2 * t;
+      *reinterpret_cast<float2*>(wo + g * HEAD_DIM + col) = make_float2(o[i][0], o[i][1]);
+      *reinterpret_cast<float2*>(wo + (g + 8) * HEAD_DIM + col) = make_float2(o[i][2], o[i][3]);
+    }
+    if (t == 0) {
+      sm[warp * 16 + g] = m_run[0]; sm[warp * 16 + g + 8] = m_run[1];
+      sd[warp * 16 + g] = d_run[0]; sd[warp * 16 + g + 8] = d_run[1];
+    }
+  }
+  __syncthreads();
+
+  const bool direct = n_chunks == 1;
+  for (int idx = tid; idx < ROWS * (HEAD_DIM / 4); idx += NUM_THREADS) {
+    const int row = idx / (HEAD_DIM / 4), dim = (idx % (HEAD_DIM / 4)) * 4;
+    if (row >= rows_valid) continue;
+    const int mt = row >> 4, lr = row & 15;
+    float m = SPLITKV_NEG_INF;
+#pragma unroll
+    for (int wn = 0; wn < WARPS_N; ++wn) m = fmaxf(m, sm[(mt * WARPS_N + wn) * 16 + lr]);
+    const float mu = safe_max(m);
+    float d = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll
+    for (int wn = 0; wn < WARPS_N; ++wn) {
+      const int w = mt * WARPS_N + wn;
+      const float scale = fast_exp2(sm[w * 16 + lr] - mu);
+      d += sd[w * 16 + lr] * scale;
+      const float4 v = *reinterpret_cast<const float4*>(so + (w * 16 + lr) * HEAD_DIM + dim);
+      a0 += v.x * scale; a1 += v.y * scale; a2 += v.z * scale; a3 += v.w * scale;
+    }
+    const float inv = d > 0.f ? 1.f / d : 0.f;
+    const float lse2 = d > 0.f ? mu + fast_log2(d) : SPLITKV_NEG_INF;
+    const int head = head0 + row;
+    if (direct) {
+      store4(out + ((i64)req * num_qo_heads + head) * HEAD_DIM + dim, a0 * inv, a1 * inv, a2 * inv, a3 * inv);
+      if (lse_out != nullptr && dim == 0) lse_out[(i64)req * num_qo_heads + head] = lse2 * SPLITKV_LN2;
+    } else {
+      const i64 prow = (i64)chunk * num_qo_heads + head;
+      *reinterpret_cast<float4*>(partial_o + prow * HEAD_DIM + dim) = make_float4(a0 * inv, a1 * inv, a2 * inv, a3 * inv);
+      if (dim == 0) partial_lse[prow] = lse2;
+    }
+  }
+  if (direct || !fused) return;
+
+  // Fused merge. Release: every thread fences its own partial stores, then the barrier makes
+  // all those fences happen-before thread 0's atomic. The CTA whose ticket is n_chunks - 1 saw
+  // every other CTA's increment, hence (by their fences) every other CTA's partials. atomicInc
+  // with limit n_chunks - 1 wraps the counter back to 0 on that last arrival, so the next launch
+  // and every CUDA-graph replay start from zero without a memset.
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    const unsigned slot = ((unsigned)req * num_kv_heads + kvh) * gridDim.z + htile;
+    const unsigned ticket = atomicInc(counters + slot, (unsigned)(n_chunks - 1));
+    is_last_cta = ticket == (unsigned)(n_chunks - 1);
+  }
+  __syncthreads();
+  if (!is_last_cta) return;
+  __threadfence();  // acquire: the partial reads below (ld.cg, from L2) come after the ticket
+  const int lo = merge_indptr[req], hi = merge_indptr[req + 1];
+  for (int row = warp; row < rows_valid; row += NUM_WARPS) {
+    const int head = head0 + row;
+    merge_row_warp<HEAD_DIM>(partial_o, partial_lse, lo, hi, head, num_qo_heads,
+                             out + ((i64)req * num_qo_heads + head) * HEAD_DIM,
+                             lse_out != nullptr ? lse_out + (i64)req * num_qo_heads + head : nullptr,
+                             lane);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS)
+merge_partials(const float* __restrict__ partial_o, const float* __restrict__ partial_lse,
+               const int* __restrict__ merge_indptr, u16* __restrict__ out,
+               float* __restrict__ lse_out, int batch_size, int num_qo_heads) {
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * NUM_WARPS + (threadIdx.x >> 5);
+  if (row >= batch_size * num_qo_heads) return;
+  const int req = row / num_qo_heads, head = row % num_qo_heads;
+  const int lo = merge_indptr[req], hi = merge_indptr[req + 1];
+  if (hi - lo <= 1) return;  // the partial kernel wrote this row directly
+  merge_row_warp<HEAD_DIM>(partial_o, partial_lse, lo, hi, head, num_qo_heads,
+                           out + (i64)row * HEAD_DIM,
+                           lse_out != nullptr ? lse_out + row : nullptr, lane);
+}

@@ -1,0 +1,124 @@
+"""Zero-copy views of device arrays from CuPy, PyTorch, JAX or anything that speaks
+``__cuda_array_interface__`` / DLPack. We only need a pointer, a shape, strides and a dtype;
+no framework is imported here (PyTorch tensors are recognised by duck typing)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from .. import validation as V
+
+_TYPESTR = {"<f2": "float16", "<f4": "float32", "<u2": "uint16", "<i4": "int32", "<u4": "uint32",
+            "<V2": "bfloat16"}
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "uint16": 2, "float32": 4, "int32": 4, "uint32": 4}
+
+
+@dataclass(frozen=True)
+class DeviceArray:
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]     # in elements
+    dtype: str
+    device: int | None
+    owner: object                # keeps the memory alive
+
+    @property
+    def is_contiguous(self) -> bool:
+        if 0 in self.shape:
+            return True
+        expect, ok = 1, True
+        for size, stride in zip(reversed(self.shape), reversed(self.strides)):
+            if size > 1 and stride != expect:
+                ok = False
+            expect *= size
+        return ok
+
+
+def _from_cupy(obj) -> DeviceArray:
+    item = obj.dtype.itemsize
+    name = V.dtype_name(obj.dtype)
+    return DeviceArray(int(obj.data.ptr), tuple(obj.shape), tuple(s // item for s in obj.strides),
+                       name, int(obj.device.id), obj)
+
+
+def _from_torch_like(name: str, obj) -> DeviceArray:
+    if not getattr(obj, "is_cuda", False):
+        raise TypeError(f"{name}: expected a tensor on a CUDA device, got one on {obj.device}")
+    return DeviceArray(int(obj.data_ptr()), tuple(int(s) for s in obj.shape),
+                       tuple(int(s) for s in obj.stride()), V.dtype_name(obj.dtype),
+                       int(obj.device.index), obj)
+
+
+def _from_cai(name: str, obj) -> DeviceArray:
+    cai = obj.__cuda_array_interface__
+    dtype = _TYPESTR.get(cai["typestr"])
+    if dtype is None:
+        raise TypeError(f"{name}: unsupported element type {cai['typestr']!r}")
+    shape = tuple(int(s) for s in cai["shape"])
+    item = _ITEMSIZE[dtype]
+    if cai.get("strides") is None:
+        strides, acc = [], 1
+        for s in reversed(shape):
+            strides.append(acc)
+            acc *= s
+        strides = tuple(reversed(strides))
+    else:
+        strides = tuple(int(s) // item for s in cai["strides"])
+    ptr = int(cai["data"][0]) if cai["data"][0] is not None else 0
+    return DeviceArray(ptr, shape, strides, dtype, None, obj)
+
+
+def as_device_array(name: str, obj) -> DeviceArray:
+    """Describe ``obj`` (a device array of any common framework) without copying it."""
+    import cupy
+
+    if isinstance(obj, cupy.ndarray):
+        return _from_cupy(obj)
+    if isinstance(obj, np.ndarray):
+        raise TypeError(f"{name}: expected a device array (CuPy, PyTorch CUDA tensor, ...), got a "
+                        "NumPy array; move it to the GPU first (cupy.asarray)")
+    if callable(getattr(obj, "data_ptr", None)) and callable(getattr(obj, "stride", None)):
+        return _from_torch_like(name, obj)
+    if hasattr(obj, "__cuda_array_interface__"):
+        try:
+            return _from_cai(name, obj)
+        except (TypeError, KeyError):
+            pass
+    if hasattr(obj, "__dlpack__"):
+        try:
+            return _from_cupy(cupy.from_dlpack(obj))
+        except Exception as exc:  # the producer's own error says why
+            raise TypeError(f"{name}: could not import it through DLPack: {exc}") from None
+    raise TypeError(f"{name}: expected a device array (CuPy, or an object with "
+                    f"__cuda_array_interface__ or __dlpack__), got {type(obj).__name__}")
+
+
+def check_storage_dtype(name: str, arr: DeviceArray, dtype: str) -> None:
+    """q/k/v/out hold ``dtype``; a uint16 array is accepted as its raw 16-bit patterns (the way
+    to pass bfloat16 from a CuPy build without a bfloat16 dtype)."""
+    if arr.dtype != dtype and arr.dtype != "uint16":
+        raise TypeError(f"{name}: expected dtype {dtype} (or uint16 holding its bits), got {arr.dtype}")
+
+
+def cupy_storage_dtype(dtype: str):
+    """The CuPy dtype used for outputs of ``dtype``: native if CuPy handles it, else uint16 bits."""
+    import cupy
+
+    return cupy.float16 if dtype == "float16" else _bfloat16_dtype()
+
+
+@lru_cache(maxsize=None)
+def _bfloat16_dtype():
+    import cupy
+
+    try:
+        import ml_dtypes
+
+        dt = np.dtype(ml_dtypes.bfloat16)
+        cupy.empty(1, dtype=dt)
+        return dt
+    except Exception:  # no ml_dtypes, or a CuPy without bfloat16 arrays
+        return np.dtype(np.uint16)

@@ -1,0 +1,100 @@
+"""The one loader of kernel sources: reads ``splitkv/kernels_cu``, inlines its local includes,
+and names each compiled variant. Needs neither CuPy nor a GPU, so CI can check every variant
+compiles through NVRTC on a CPU-only machine."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+NVRTC_OPTIONS = ("--std=c++17", "-default-device")
+TILE_TOKENS = 64          # tokens per pipeline stage of decode_partial (TILE_N in decode.cu)
+THREADS_PER_CTA = 128     # NUM_THREADS in decode.cu
+MAX_ROWS_PER_CTA = 64     # query heads one CTA handles (16 * largest HEAD_TILES)
+
+
+@lru_cache(maxsize=None)
+def read_source(name: str) -> str:
+    """Source of ``kernels_cu/<name>`` with its ``#include "..."`` files inlined once each."""
+    seen: set[str] = set()
+
+    def expand(fname: str) -> str:
+        if fname in seen:
+            return ""
+        seen.add(fname)
+        text = resources.files("splitkv.kernels_cu").joinpath(fname).read_text()
+        text = text.replace("#pragma once", "")
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(name)
+
+
+@dataclass(frozen=True)
+class DecodeVariant:
+    """One compiled specialisation of decode.cu."""
+
+    dtype: str          # "float16" | "bfloat16"
+    head_dim: int       # 64 | 128 | 256
+    head_tiles: int     # 1, 2 or 4 row tiles of 16 query heads per CTA
+
+    @property
+    def stages(self) -> int:
+        # Pipeline depth: about 96 KiB of K+V in flight per CTA for 64/128, 128 KiB for 256.
+        return {64: 4, 128: 3, 256: 2}[self.head_dim]
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.head_tiles
+
+    @property
+    def shared_bytes(self) -> int:
+        pipeline = self.stages * TILE_TOKENS * self.head_dim * 2 * 2
+        combine = 4 * 16 * self.head_dim * 4 + 2 * 4 * 16 * 4   # reused after the pipeline
+        return max(pipeline, combine)
+
+    @property
+    def defines(self) -> dict[str, int]:
+        return {"SPLITKV_BF16": int(self.dtype == "bfloat16"), "HEAD_DIM": self.head_dim,
+                "HEAD_TILES": self.head_tiles, "STAGES": self.stages}
+
+    @property
+    def name(self) -> str:
+        return f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}"
+
+    def source(self) -> str:
+        header = "".join(f"#define {k} {v}\n" for k, v in self.defines.items())
+        return header + read_source("decode.cu")
+
+    @staticmethod
+    def for_problem(dtype: str, head_dim: int, group_size: int) -> "DecodeVariant":
+        rows = min(group_size, MAX_ROWS_PER_CTA)
+        head_tiles = 1 if rows <= 16 else 2 if rows <= 32 else 4
+        return DecodeVariant(dtype, head_dim, head_tiles)
+
+
+def all_variants() -> list[DecodeVariant]:
+    return [DecodeVariant(dt, d, ht) for dt in ("float16", "bfloat16") for d in (64, 128, 256)
+            for ht in (1, 2, 4)]
+
+
+def compile_cubin(source: str, arch: str, name: str = "kernel.cu", verbose: bool = False):
+    """Compile with NVRTC to a CUBIN without touching a GPU. Returns (cubin bytes, log)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    options = [*NVRTC_OPTIONS, f"-arch={arch}"]
+    if verbose:
+        options += ["-Xptxas", "-v"]
+    prog = nvrtc.createProgram(source, name, [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as exc:
+            log = nvrtc.getProgramLog(prog).rstrip("\x00")
+            raise RuntimeError(f"NVRTC failed to compile {name} for {arch}: {exc}\n{log}") from None
+        return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog).rstrip("\x00")
+    finally:
+        nvrtc.destroyProgram(prog)

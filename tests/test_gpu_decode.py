@@ -1,0 +1,208 @@
+"""GPU decode against the float64 reference. Skipped with a reason where there is no GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from splitkv import reference_decode
+from splitkv.runtime import gpu_available
+
+ok, why = gpu_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=f"no usable GPU: {why}")]
+
+if ok:
+    import cupy
+
+    from splitkv.runtime.testing import random_device_array, scattered_page_table
+    from splitkv.runtime.wrapper import BatchDecodeWrapper
+
+TOL = {"bfloat16": 1e-2, "float16": 5e-3}
+POISON = 0xFFFF  # a NaN in both float16 and bfloat16
+
+
+def rel_err(out, ref) -> float:
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def host(arr, dtype):
+    a = arr.get()
+    if a.dtype == np.uint16 and dtype == "bfloat16":
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.float64)
+
+
+def make_case(rng, lens, hq, hk, d, page, dtype):
+    pt, num_pages = scattered_page_table(lens, page, rng)
+    q = random_device_array((len(lens), hq, d), dtype, rng)
+    k = random_device_array((num_pages, page, hk, d), dtype, rng)
+    v = random_device_array((num_pages, page, hk, d), dtype, rng)
+    return pt, q, k, v
+
+
+def poisoned(shape, dtype):
+    out = cupy.empty(shape, dtype=cupy.float16 if dtype == "float16" else cupy.uint16)
+    out.view(cupy.uint16).fill(POISON)
+    return out
+
+
+def run_checked(w, pt, q, k, v, dtype, **plan_kw):
+    plan = w.plan(pt, **plan_kw)
+    out = poisoned(q.shape, dtype)
+    lse = cupy.full(q.shape[:2], np.nan, dtype=cupy.float32)
+    w.run(q, k, v, out=out, lse=lse)
+    cupy.cuda.runtime.deviceSynchronize()
+    o = host(out, dtype)
+    assert not np.isnan(o).any(), f"unwritten or NaN outputs with {plan}"
+    return plan, o, lse.get()
+
+
+def check_against_reference(rng, lens, hq, hk, d, page, dtype, strategies=("single", "split_merge", "fused"),
+                            splits=(1, 3, 16)):
+    pt, q, k, v = make_case(rng, lens, hq, hk, d, page, dtype)
+    ref_o, ref_lse = reference_decode(q.get() if dtype == "float16" else q.get(), k.get(), v.get(), pt)
+    w = BatchDecodeWrapper(hq, hk, d, page, dtype)
+    results = {}
+    for strategy in strategies:
+        for n in splits:
+            if strategy == "single" and n != 1:
+                continue
+            if strategy != "single" and n == 1:
+                continue
+            plan, o, lse = run_checked(w, pt, q, k, v, dtype, num_splits=n, strategy=strategy)
+            err = rel_err(o, ref_o)
+            assert err < TOL[dtype], f"rel err {err:.2e} for {plan}"
+            finite = np.isfinite(ref_lse)
+            assert np.array_equal(np.isfinite(lse), finite)
+            np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=2e-3, atol=2e-3)
+            results[(strategy, n)] = o
+    return results
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 4, 5, 8, 32])
+def test_matches_reference_ragged(dtype, head_dim, group):
+    rng = np.random.default_rng(hash((dtype, head_dim, group)) % 2**32)
+    page = [1, 16, 64][(head_dim // 64 + group) % 3]
+    lens = [1, max(1, page - 1), page, page + 1, 1000, 0, 77]
+    hk = 2
+    check_against_reference(rng, lens, hk * group, hk, head_dim, page, dtype)
+
+
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_page_sizes_equal_lengths(page):
+    rng = np.random.default_rng(page)
+    check_against_reference(rng, [1000] * 3, 32, 8, 128, page, "bfloat16")
+
+
+@pytest.mark.parametrize("dtype,group", [("bfloat16", 4), ("float16", 8), ("bfloat16", 64)])
+def test_long_context_128k(dtype, group):
+    rng = np.random.default_rng(7)
+    check_against_reference(rng, [131072], group, 1, 128, 16, dtype,
+                            strategies=("split_merge", "fused"), splits=(64,))
+
+
+def test_mqa_group_64_and_beyond():
+    rng = np.random.default_rng(3)
+    check_against_reference(rng, [500, 3000], 96, 1, 128, 16, "bfloat16", splits=(1, 5))
+
+
+def test_every_split_count_and_fused_equals_split_merge():
+    rng = np.random.default_rng(11)
+    res = check_against_reference(rng, [5000, 17, 2500], 32, 8, 128, 16, "bfloat16",
+                                  splits=(1, 2, 3, 7, 16, 64))
+    base = res[("single", 1)]
+    for (strategy, n), o in res.items():
+        assert rel_err(o, base) < 1e-2
+        if strategy == "fused":
+            np.testing.assert_array_equal(o, res[("split_merge", n)])
+
+
+def test_extreme_logits_no_nan():
+    rng = np.random.default_rng(5)
+    pt, q, k, v = make_case(rng, [3000, 64], 8, 2, 128, 16, "float16")
+    q = (q.astype(cupy.float32) * 40).astype(cupy.float16)   # scores of order 1e3
+    ref_o, _ = reference_decode(q.get(), k.get(), v.get(), pt)
+    w = BatchDecodeWrapper(8, 2, 128, 16, "float16")
+    for n in (1, 8):
+        _, o, lse = run_checked(w, pt, q, k, v, "float16", num_splits=n)
+        assert np.isfinite(lse).all()
+        assert rel_err(o, ref_o) < 2e-2
+
+
+def test_zero_length_and_empty_batch():
+    rng = np.random.default_rng(2)
+    pt, q, k, v = make_case(rng, [0, 10, 0], 8, 2, 64, 16, "bfloat16")
+    w = BatchDecodeWrapper(8, 2, 64, 16, "bfloat16")
+    _, o, lse = run_checked(w, pt, q, k, v, "bfloat16", num_splits=2, strategy="fused")
+    assert (o[0] == 0).all() and (o[2] == 0).all() and np.isneginf(lse[[0, 2]]).all()
+    pt0, q0, k0, v0 = make_case(rng, [], 8, 2, 64, 16, "bfloat16")
+    w.plan(pt0)
+    out = w.run(q0, k0, v0)
+    assert out.shape == (0, 8, 64)
+
+
+def test_graph_replay_matches_eager():
+    rng = np.random.default_rng(9)
+    pt, q, k, v = make_case(rng, [4000, 900], 32, 8, 128, 16, "bfloat16")
+    w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16")
+    for strategy in ("fused", "split_merge"):
+        w.plan(pt, num_splits=8, strategy=strategy)
+        eager = poisoned(q.shape, "bfloat16")
+        w.run(q, k, v, out=eager)
+        out = poisoned(q.shape, "bfloat16")
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            w.run(q, k, v, out=out, stream=stream)
+            graph = stream.end_capture()
+            for _ in range(100):
+                graph.launch(stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(out.get(), eager.get())
+
+
+def test_torch_tensors_zero_copy():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    rng = np.random.default_rng(4)
+    pt, q, k, v = make_case(rng, [700, 1500], 16, 4, 128, 16, "float16")
+    w = BatchDecodeWrapper(16, 4, 128, 16, "float16")
+    w.plan(pt, num_splits=4)
+    ref = w.run(q, k, v)
+    tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+    tout = torch.empty_like(tq)
+    w.run(tq, tk, tv, out=tout)
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(tout.cpu().numpy(), ref.get())
+    # bfloat16 tensors, which CuPy itself cannot hold, go through by pointer.
+    tqb, tkb, tvb = (x.to(torch.bfloat16) for x in (tq, tk, tv))
+    wb = BatchDecodeWrapper(16, 4, 128, 16, "bfloat16")
+    wb.plan(pt, num_splits=4)
+    outb = torch.empty_like(tqb)
+    wb.run(tqb, tkb, tvb, out=outb)
+    torch.cuda.synchronize()
+    ref_o, _ = reference_decode(tqb.float().cpu().numpy(), tkb.float().cpu().numpy(),
+                                tvb.float().cpu().numpy(), pt)
+    assert rel_err(outb.float().cpu().numpy(), ref_o) < TOL["bfloat16"]
+
+
+def test_bad_inputs_rejected_before_launch():
+    rng = np.random.default_rng(1)
+    pt, q, k, v = make_case(rng, [100, 200], 8, 2, 64, 16, "float16")
+    w = BatchDecodeWrapper(8, 2, 64, 16, "float16")
+    with pytest.raises(RuntimeError, match="plan"):
+        w.run(q, k, v)
+    w.plan(pt)
+    with pytest.raises(ValueError, match="q"):
+        w.run(q[:1], k, v)
+    with pytest.raises(TypeError, match="k_cache"):
+        w.run(q, k.astype(cupy.float32), v)
+    with pytest.raises(ValueError, match="k_cache"):
+        w.run(q, k[:2], v[:2])
+    with pytest.raises(TypeError, match="q"):
+        w.run(q.get(), k, v)
+    with pytest.raises(ValueError, match="page_size"):
+        BatchDecodeWrapper(8, 2, 64, 32, "float16").plan(pt)

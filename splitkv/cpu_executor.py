@@ -16,11 +16,18 @@ from .reference import attend, to_float64
 def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_scale=None):
     """Partial states, float64: (partial_o [num_chunks, num_qo_heads, head_dim],
     partial_lse [num_chunks, num_qo_heads])."""
+    V.check_instance("plan", plan, Plan)
+    V.check_instance("page_table", page_table, PageTable)
     p = plan.problem
     if not np.array_equal(page_table.kv_lens, p.kv_lens):
         raise ValueError("page_table: its request lengths differ from the ones the plan was made for")
-    q64, k64, v64 = to_float64(q), to_float64(k_cache), to_float64(v_cache)
+    if page_table.page_size != p.page_size:
+        raise ValueError(f"page_table: page_size {page_table.page_size} differs from the plan's "
+                         f"page_size {p.page_size}")
+    V.check_attention_arrays(q, k_cache, v_cache, p.batch_size, p.page_size, page_table.kv_indices,
+                             p.num_qo_heads, p.num_kv_heads, p.head_dim)
     sm_scale = V.check_sm_scale(sm_scale, p.head_dim)
+    q64, k64, v64 = to_float64(q), to_float64(k_cache), to_float64(v_cache)
     g, hk, d = p.group_size, p.num_kv_heads, p.head_dim
     k_flat, v_flat = k64.reshape(-1, hk, d), v64.reshape(-1, hk, d)
     partial_o = np.zeros((plan.num_chunks, p.num_qo_heads, d))
@@ -50,6 +57,8 @@ def merge_partials(plan: Plan, partial_o: np.ndarray, partial_lse: np.ndarray):
 
 
 def execute_plan_cpu(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_scale=None):
-    """Returns (out [batch, num_qo_heads, head_dim], lse [batch, num_qo_heads]), float64."""
+    """Run ``plan`` on the host. q: [batch, num_qo_heads, head_dim]; k_cache, v_cache:
+    [num_pages, page_size, num_kv_heads, head_dim] (NHD), any float dtype (computed in float64).
+    Returns (out [batch, num_qo_heads, head_dim], lse [batch, num_qo_heads]), float64."""
     partial_o, partial_lse = compute_partials(plan, q, k_cache, v_cache, page_table, sm_scale)
     return merge_partials(plan, partial_o, partial_lse)

@@ -37,9 +37,12 @@ class Plan:
     predicted_us: float | None = None
 
     def __post_init__(self):
+        V.check_instance("problem", self.problem, DecodeProblem)
         V.check_strategy(self.strategy)
-        for name in ("chunk_request", "chunk_start", "chunk_end", "merge_indptr"):
-            arr = np.ascontiguousarray(getattr(self, name), dtype=np.int32)
+        arrays = V.check_plan_chunks(self.chunk_request, self.chunk_start, self.chunk_end,
+                                     self.merge_indptr, self.problem.kv_lens)
+        for name, arr in zip(("chunk_request", "chunk_start", "chunk_end", "merge_indptr"), arrays):
+            arr = np.ascontiguousarray(arr, dtype=np.int32)
             arr.setflags(write=False)
             object.__setattr__(self, name, arr)
         if self.strategy == "single" and self.num_chunks != self.problem.batch_size:
@@ -101,14 +104,15 @@ def plan_from_chunk_counts(problem: DecodeProblem, chunks_per_request, strategy:
 
     Boundaries are rounded to multiples of ``align`` tokens (a tile or a page) where the length
     allows, so no chunk straddles a tile needlessly; a chunk never ends up empty unless its
-    request is.
+    request is. Counts below 1 become 1, and counts above ``ceil(n / align)`` (more chunks than
+    a request of n tokens has tiles) become that.
     """
+    V.check_instance("problem", problem, DecodeProblem)
     lens = problem.kv_lens
-    counts = np.asarray(chunks_per_request, dtype=np.int64)
-    if counts.shape != lens.shape:
-        raise ValueError(f"chunks_per_request: expected {lens.size} entries, got {counts.size}")
+    counts = V.check_chunk_counts(chunks_per_request, lens.size)
+    align = V.check_int("align", align, 1)
     # A request of n tokens cannot have more than ceil(n / align) non-empty chunks.
-    max_chunks = np.maximum(1, -(-lens // max(1, align)))
+    max_chunks = np.maximum(1, -(-lens // align))
     counts = np.clip(counts, 1, max_chunks)
     if strategy == "single" and np.any(counts > 1):
         raise ValueError("strategy: 'single' cannot split a request; use 'split_merge' or 'fused'")
@@ -118,7 +122,7 @@ def plan_from_chunk_counts(problem: DecodeProblem, chunks_per_request, strategy:
     local = np.arange(total) - np.repeat(merge_indptr[:-1], counts)
     n = np.repeat(lens, counts)
     k = np.repeat(counts, counts)
-    units = -(-n // max(1, align))                       # tiles in the request
+    units = -(-n // align)                               # tiles in the request
     start_units = (local * units) // k
     end_units = ((local + 1) * units) // k
     start = np.minimum(start_units * align, n)
@@ -129,6 +133,7 @@ def plan_from_chunk_counts(problem: DecodeProblem, chunks_per_request, strategy:
 def plan_fixed_splits(problem: DecodeProblem, num_splits: int, strategy: str | None = None,
                       align: int = 1) -> Plan:
     """Every request cut into ``num_splits`` chunks (fewer if it is too short)."""
+    V.check_instance("problem", problem, DecodeProblem)
     num_splits = V.check_int("num_splits", num_splits, 1)
     if strategy is None:
         strategy = "single" if num_splits == 1 else "split_merge"
@@ -139,6 +144,7 @@ def plan_fixed_splits(problem: DecodeProblem, num_splits: int, strategy: str | N
 def plan_chunk_tokens(problem: DecodeProblem, chunk_tokens: int, strategy: str,
                       align: int = 1) -> Plan:
     """Balanced for ragged batches: one chunk size for all, so long requests get more chunks."""
+    V.check_instance("problem", problem, DecodeProblem)
     chunk_tokens = V.check_int("chunk_tokens", chunk_tokens, 1)
     counts = np.maximum(1, -(-problem.kv_lens // chunk_tokens))
     if strategy == "single":

@@ -34,11 +34,20 @@ class PageTable:
     kv_lens: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self):
-        pages = np.diff(self.kv_indptr)
-        lens = np.where(pages > 0, (pages - 1) * self.page_size + self.kv_last_page_len, 0)
-        object.__setattr__(self, "kv_lens", lens.astype(np.int64))
-        for arr in (self.kv_indptr, self.kv_indices, self.kv_last_page_len, self.kv_lens):
-            arr.setflags(write=False)
+        # Checked here so a directly built table is as safe as one from the constructors below;
+        # copied so that freezing the table never freezes the caller's arrays.
+        page_size = V.check_int("page_size", self.page_size, 1)
+        indptr = V.host_int_array("kv_indptr", self.kv_indptr, 1).copy()
+        indices = V.host_int_array("kv_indices", self.kv_indices, 1).copy()
+        last = V.host_int_array("kv_last_page_len", self.kv_last_page_len, 1).copy()
+        V.check_page_table(indptr, indices, last, page_size)
+        pages = np.diff(indptr)
+        lens = np.where(pages > 0, (pages - 1) * page_size + last, 0).astype(np.int64)
+        for name, value in (("page_size", page_size), ("kv_indptr", indptr), ("kv_indices", indices),
+                            ("kv_last_page_len", last), ("kv_lens", lens)):
+            if isinstance(value, np.ndarray):
+                value.setflags(write=False)
+            object.__setattr__(self, name, value)
 
     @property
     def batch_size(self) -> int:
@@ -48,12 +57,10 @@ class PageTable:
     def from_flashinfer(cls, kv_indptr, kv_indices, kv_last_page_len, page_size: int,
                         num_pages: int | None = None) -> "PageTable":
         """The layout FlashInfer's paged decode takes. ``num_pages`` bounds the indices if given."""
-        page_size = V.check_int("page_size", page_size, 1)
-        indptr = V.host_int_array("kv_indptr", kv_indptr, 1).copy()
-        indices = V.host_int_array("kv_indices", kv_indices, 1).copy()
-        last = V.host_int_array("kv_last_page_len", kv_last_page_len, 1).copy()
-        V.check_page_table(indptr, indices, last, page_size, num_pages)
-        return cls(indptr, indices, last, page_size)
+        table = cls(kv_indptr, kv_indices, kv_last_page_len, page_size)
+        if num_pages is not None:
+            V.check_page_indices(table.kv_indices, num_pages)
+        return table
 
     @classmethod
     def from_block_table(cls, block_table, seq_lens, page_size: int,
@@ -73,8 +80,7 @@ class PageTable:
         cols = np.arange(indptr[-1]) - np.repeat(indptr[:-1], pages)
         indices = table[rows, cols].astype(np.int64)
         last = np.where(pages > 0, lens - (pages - 1) * page_size, 0)
-        V.check_page_table(indptr, indices, last, page_size, num_pages)
-        return cls(indptr, indices, last, page_size)
+        return cls.from_flashinfer(indptr, indices, last, page_size, num_pages)
 
     @classmethod
     def contiguous(cls, seq_lens, max_len: int) -> "PageTable":

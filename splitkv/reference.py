@@ -33,14 +33,17 @@ def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float
     """Decode attention over a paged cache, in float64.
 
     q: [batch, num_qo_heads, head_dim]; k_cache, v_cache: [num_pages, page_size, num_kv_heads,
-    head_dim] (NHD). Returns (out [batch, num_qo_heads, head_dim] float64,
+    head_dim] (NHD); any float dtype, NumPy or CuPy (uint16 = raw bfloat16 bits). Any head_dim.
+    Returns (out [batch, num_qo_heads, head_dim] float64,
     lse [batch, num_qo_heads] float64, natural log of sum(exp(sm_scale * q.k))).
+    A request with no tokens gets zeros and lse -inf.
     """
-    q64, k64, v64 = to_float64(q), to_float64(k_cache), to_float64(v_cache)
-    batch, hq, d = q64.shape
-    hk = k64.shape[2]
-    V.check_heads(hq, hk)
+    V.check_instance("page_table", page_table, PageTable)
+    hq, hk, d = V.check_attention_arrays(q, k_cache, v_cache, page_table.batch_size,
+                                         page_table.page_size, page_table.kv_indices)
     sm_scale = V.check_sm_scale(sm_scale, d)
+    q64, k64, v64 = to_float64(q), to_float64(k_cache), to_float64(v_cache)
+    batch = page_table.batch_size
     g = hq // hk
     k_flat = k64.reshape(-1, hk, d)
     v_flat = v64.reshape(-1, hk, d)

@@ -15,7 +15,13 @@ STRATEGIES = ("single", "split_merge", "fused")
 
 
 def dtype_name(dtype) -> str:
-    """Canonical name of a dtype given as a string, NumPy dtype, or framework dtype."""
+    """Canonical name of a dtype given as a string, NumPy dtype or scalar type (``np.float16``),
+    or framework dtype."""
+    if isinstance(dtype, type):
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError:
+            pass
     name = getattr(dtype, "name", None) or str(dtype)
     name = name.replace("torch.", "").replace("jax.numpy.", "")
     aliases = {"half": "float16", "bf16": "bfloat16", "fp16": "float16", "<V2": "bfloat16"}
@@ -92,9 +98,8 @@ def check_page_table(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_last_page
                          f"got {kv_last_page_len.size}")
     if kv_indices.size and kv_indices.min() < 0:
         raise ValueError(f"kv_indices: page indices must be >= 0, got {kv_indices.min()}")
-    if num_pages is not None and kv_indices.size and kv_indices.max() >= num_pages:
-        raise ValueError(f"kv_indices: page index {kv_indices.max()} is out of range for a pool "
-                         f"of {num_pages} pages")
+    if num_pages is not None:
+        check_page_indices(kv_indices, num_pages)
     pages = np.diff(kv_indptr)
     has_pages = pages > 0
     bad_last = has_pages & ((kv_last_page_len < 1) | (kv_last_page_len > page_size))
@@ -107,6 +112,14 @@ def check_page_table(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_last_page
         b = int(np.flatnonzero(empty_bad)[0])
         raise ValueError(f"kv_last_page_len: request {b} has no pages, so its last page length "
                          f"must be 0, got {kv_last_page_len[b]}")
+
+
+def check_page_indices(kv_indices: np.ndarray, num_pages) -> None:
+    """Every page index must address a page of a pool (KV cache) of ``num_pages`` pages."""
+    num_pages = check_int("num_pages", num_pages, 0)
+    if kv_indices.size and kv_indices.max() >= num_pages:
+        raise ValueError(f"kv_indices: page index {kv_indices.max()} is out of range for a pool "
+                         f"of {num_pages} pages")
 
 
 def check_seq_lens(seq_lens: np.ndarray, capacity: int, page_size: int) -> None:
@@ -160,3 +173,99 @@ def check_sm_scale(sm_scale, head_dim: int) -> float:
     if not np.isfinite(sm_scale) or sm_scale <= 0:
         raise ValueError(f"sm_scale: expected a finite positive float, got {sm_scale}")
     return sm_scale
+
+
+def check_instance(name: str, value, cls) -> None:
+    if not isinstance(value, cls):
+        raise TypeError(f"{name}: expected a {cls.__name__}, got {type(value).__name__}")
+
+
+def check_chunk_counts(counts, batch_size: int) -> np.ndarray:
+    counts = host_int_array("chunks_per_request", counts, 1)
+    if counts.size != batch_size:
+        raise ValueError(f"chunks_per_request: expected {batch_size} entries (one per request), "
+                         f"got {counts.size}")
+    return counts
+
+
+def check_plan_chunks(chunk_request, chunk_start, chunk_end, merge_indptr,
+                      kv_lens: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The chunks of a plan must tile every request's tokens exactly, in order.
+
+    Request b owns chunks ``merge_indptr[b]:merge_indptr[b+1]`` (at least one); they are
+    contiguous token ranges ``[chunk_start, chunk_end)`` that start at 0, end at ``kv_lens[b]``
+    and follow each other without gap or overlap. Returns the four arrays as int64.
+    """
+    req = host_int_array("chunk_request", chunk_request, 1)
+    start = host_int_array("chunk_start", chunk_start, 1)
+    end = host_int_array("chunk_end", chunk_end, 1)
+    indptr = host_int_array("merge_indptr", merge_indptr, 1)
+    n, batch = req.size, kv_lens.size
+    for name, arr in (("chunk_start", start), ("chunk_end", end)):
+        if arr.size != n:
+            raise ValueError(f"{name}: expected {n} elements (one per chunk, like chunk_request), "
+                             f"got {arr.size}")
+    if indptr.size != batch + 1:
+        raise ValueError(f"merge_indptr: expected {batch + 1} elements (batch_size + 1), got {indptr.size}")
+    if indptr[0] != 0 or indptr[-1] != n:
+        raise ValueError(f"merge_indptr: expected to run from 0 to num_chunks={n}, "
+                         f"got {indptr[0]}..{indptr[-1]}")
+    counts = np.diff(indptr)
+    if np.any(counts < 1):
+        b = int(np.flatnonzero(counts < 1)[0])
+        raise ValueError(f"merge_indptr: request {b} has {counts[b]} chunks; every request needs "
+                         "at least one (an empty one if the request has no tokens)")
+    if not np.array_equal(req, np.repeat(np.arange(batch), counts)):
+        raise ValueError("chunk_request: chunks must be sorted by request and agree with merge_indptr")
+    if np.any(start > end):
+        c = int(np.flatnonzero(start > end)[0])
+        raise ValueError(f"chunk_end: chunk {c} ends at {end[c]}, before its start {start[c]}")
+    if np.any(start[indptr[:-1]] != 0):
+        b = int(np.flatnonzero(start[indptr[:-1]] != 0)[0])
+        raise ValueError(f"chunk_start: the first chunk of request {b} must start at token 0, "
+                         f"got {start[indptr[b]]}")
+    if np.any(end[indptr[1:] - 1] != kv_lens):
+        b = int(np.flatnonzero(end[indptr[1:] - 1] != kv_lens)[0])
+        raise ValueError(f"chunk_end: the last chunk of request {b} must end at its length "
+                         f"{kv_lens[b]}, got {end[indptr[b + 1] - 1]}")
+    same = req[1:] == req[:-1]
+    gap = same & (start[1:] != end[:-1])
+    if np.any(gap):
+        c = int(np.flatnonzero(gap)[0]) + 1
+        raise ValueError(f"chunk_start: chunk {c} starts at {start[c]} but the chunk before it in "
+                         f"request {req[c]} ends at {end[c - 1]}; chunks must not overlap or leave gaps")
+    return req, start, end, indptr
+
+
+HOST_FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64", "uint16")
+
+
+def check_attention_arrays(q, k_cache, v_cache, batch_size: int, page_size: int,
+                           kv_indices: np.ndarray, num_qo_heads: int | None = None,
+                           num_kv_heads: int | None = None,
+                           head_dim: int | None = None) -> tuple[int, int, int]:
+    """Inputs of the host paths (reference, CPU executor), NumPy or CuPy.
+
+    q: [batch_size, num_qo_heads, head_dim]; k_cache, v_cache: [num_pages, page_size,
+    num_kv_heads, head_dim] (NHD), one dtype. Any float dtype; uint16 holds raw bfloat16 bits.
+    Sizes given as None are taken from the arrays. Returns (num_qo_heads, num_kv_heads, head_dim).
+    """
+    shapes = {}
+    for name, arr in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        shape, dtype = device_array_shape_dtype(name, arr)
+        if dtype not in HOST_FLOAT_DTYPES:
+            raise TypeError(f"{name}: dtype {dtype!r} is not supported; expected one of "
+                            f"{HOST_FLOAT_DTYPES} (uint16 = raw bfloat16 bits)")
+        shapes[name] = (shape, dtype)
+    q_shape, k_shape = shapes["q"][0], shapes["k_cache"][0]
+    check_shape("q", q_shape, (batch_size, num_qo_heads, head_dim))
+    num_qo_heads, head_dim = q_shape[1], q_shape[2]
+    check_shape("k_cache", k_shape, (None, page_size, num_kv_heads, head_dim))
+    num_kv_heads = k_shape[2]
+    check_shape("v_cache", shapes["v_cache"][0], k_shape)
+    if shapes["v_cache"][1] != shapes["k_cache"][1]:
+        raise TypeError(f"v_cache: expected dtype {shapes['k_cache'][1]} (the dtype of k_cache), "
+                        f"got {shapes['v_cache'][1]}")
+    check_heads(num_qo_heads, num_kv_heads)
+    check_page_indices(kv_indices, k_shape[0])
+    return num_qo_heads, num_kv_heads, head_dim

@@ -89,22 +89,33 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   const int num_tiles = (tok_end - tok_begin + TILE_N - 1) / TILE_N;
   const i64 head_offset = (i64)kvh * HEAD_DIM;
 
-  // Issue the copies of tile `tile` into stage `stage`; tokens past the chunk are zero-filled.
-  auto load_tile = [&](int tile, int stage) {
+  // Page-table entries are fetched one tile ahead of the copies that need them, so the
+  // dependent lookup latency overlaps the math of the current tile instead of stalling it.
+  constexpr int LOADS = TILE_N * DCHUNKS / NUM_THREADS;   // 16-byte copies per thread per tile
+  const int my_chunk = tid % DCHUNKS;
+  const int my_row0 = tid / DCHUNKS;                        // rows my_row0 + i * ROW_STEP
+  constexpr int ROW_STEP = NUM_THREADS / DCHUNKS;
+  int pg[LOADS], slot[LOADS];
+  auto fetch_pages = [&](int tile) {
     const int base = tok_begin + tile * TILE_N;
+#pragma unroll
+    for (int i = 0; i < LOADS; ++i) {
+      const int tok = base + my_row0 + i * ROW_STEP;
+      const int pidx = tok / page_size;
+      pg[i] = (tile < num_tiles && tok < tok_end) ? pages[pidx] : -1;
+      slot[i] = tok - pidx * page_size;
+    }
+  };
+  // Issue the copies of a tile into `stage` from the fetched entries; tokens past the chunk
+  // are zero-filled without reading.
+  auto issue_tile = [&](int stage) {
     const u32 stage_bytes = (u32)(stage * TILE_N * HEAD_DIM * 2);
 #pragma unroll
-    for (int i = 0; i < TILE_N * DCHUNKS / NUM_THREADS; ++i) {
-      const int idx = tid + i * NUM_THREADS;
-      const int row = idx / DCHUNKS, ch = idx % DCHUNKS;
-      const int tok = base + row;
-      const bool valid = tok < tok_end;
-      i64 off = 0;
-      if (valid) {
-        const int page = pages[tok / page_size];
-        off = (i64)page * page_stride + (i64)(tok % page_size) * token_stride + head_offset + ch * 8;
-      }
-      const u32 dst = stage_bytes + tile_offset_bytes(row, ch);
+    for (int i = 0; i < LOADS; ++i) {
+      const int row = my_row0 + i * ROW_STEP;
+      const bool valid = pg[i] >= 0;
+      const i64 off = valid ? (i64)pg[i] * page_stride + (i64)slot[i] * token_stride + head_offset + my_chunk * 8 : 0;
+      const u32 dst = stage_bytes + tile_offset_bytes(row, my_chunk);
       cp_async16(k_smem_u32 + dst, k_cache + off, valid ? 16 : 0);
       cp_async16(v_smem_u32 + dst, v_cache + off, valid ? 16 : 0);
     }
@@ -118,17 +129,20 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < num_tiles) load_tile(s, s);
+    fetch_pages(s);
+    if (s < num_tiles) issue_tile(s);
     cp_async_commit();
   }
+  fetch_pages(STAGES - 1);
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // tile `tile` is visible to all warps; stage (tile-1) % STAGES is free
     {
       const int next = tile + STAGES - 1;
-      if (next < num_tiles) load_tile(next, next % STAGES);
+      if (next < num_tiles) issue_tile(next % STAGES);
       cp_async_commit();
+      fetch_pages(next + 1);
     }
     const int stage = tile % STAGES;
     const u32 ks_base = k_smem_u32 + (u32)(stage * TILE_N * HEAD_DIM * 2);

@@ -167,6 +167,9 @@ class BatchDecodeWrapper:
             views[name] = device[offset:offset + size]
             offset += size
         device.set(host, stream=stream)
+        self._ready = cupy.cuda.Event(disable_timing=True)
+        self._ready.record(stream)    # run() on another stream waits for the upload
+        self._plan_stream_ptr = stream.ptr
         self._meta_host = pinned      # must outlive the async copy
         self._meta_device = device
         self._meta = views
@@ -187,6 +190,7 @@ class BatchDecodeWrapper:
         with stream:
             self._counters.fill(0)
         self._workspace_capacity = (cap_rows, cap_counters)
+        self._ready.record(stream)
 
     @staticmethod
     def _plan_batch(plan: Plan) -> int:
@@ -248,6 +252,13 @@ class BatchDecodeWrapper:
             if la.dtype != "float32" or not la.is_contiguous:
                 raise TypeError(f"lse: expected a contiguous float32 array, got {la.dtype}")
             lse_ptr = la.ptr
+        if s.ptr != self._plan_stream_ptr:
+            # Order this stream after plan()'s upload. Inside a graph capture a cross-stream
+            # wait would pull outside work into the graph, so wait on the host instead.
+            if s.is_capturing():
+                self._ready.synchronize()
+            else:
+                s.wait_event(self._ready)
         if batch:
             self._launch(qa.ptr, ka.ptr, va.ptr, ka.strides[0], ka.strides[1], oa.ptr, lse_ptr, s)
         return (out, lse) if want_lse else out

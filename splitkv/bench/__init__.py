@@ -1,0 +1,1 @@
+"""`splitkv bench`: the standard decode cases of ANCHORS.md, timed the ANCHORS way."""

@@ -1,0 +1,60 @@
+"""The standard cases (names, shapes and ragged lengths as in ../shared/ANCHORS.md), with the
+peers' published numbers on the H200 for comparison (microseconds per call)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RAGGED_B32 = [2623, 1653, 3648, 1041, 3200, 6690, 2792, 1711, 2317, 8665, 1207, 1927, 1989, 557,
+              4407, 880, 7824, 2685, 1287, 438, 4244, 5400, 1889, 1276, 2444, 520, 3909, 4031, 611,
+              6923, 1353, 12903]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kv_lens: tuple[int, ...]
+    num_qo_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 16
+    best_paged_peer_us: float | None = None   # ANCHORS.md, best of FlashInfer / FlashInfer TC / vLLM
+    cudnn_us: float | None = None             # ANCHORS.md, contiguous KV (not the same job)
+
+    @property
+    def equal_lengths(self) -> bool:
+        return len(set(self.kv_lens)) == 1
+
+
+def _eq(name, b, n, peer, cudnn, hq=32, hk=8):
+    return Case(name, (n,) * b, hq, hk, best_paged_peer_us=peer, cudnn_us=cudnn)
+
+
+STANDARD_CASES = [
+    _eq("b1_n1k", 1, 1024, 8.6, 7.6),
+    _eq("b1_n8k", 1, 8192, 17.9, 15.3),
+    _eq("b1_n32k", 1, 32768, 42.3, 37.9),
+    _eq("b1_n128k", 1, 131072, 135.9, 128.4),
+    _eq("b8_n8k", 8, 8192, 72.0, 67.4),
+    _eq("b8_n32k", 8, 32768, 257.1, 245.8),
+    _eq("b32_n2k", 32, 2048, 69.2, 65.0),
+    _eq("b32_n8k", 32, 8192, 253.3, 243.9),
+    _eq("b128_n2k", 128, 2048, 264.2, 245.4),
+    _eq("mha_b1_n32k", 1, 32768, 129.3, 127.1, hq=32, hk=32),
+    _eq("g8_b1_n32k", 1, 32768, 42.5, 38.0, hq=64, hk=8),
+    Case("ragged_b32", tuple(RAGGED_B32), best_paged_peer_us=139.5),
+]
+
+# Targets of ../shared/ANCHORS.md (microseconds) for the short cases.
+LATENCY_TARGETS_US = {"b1_n1k": 4.5, "b1_n8k": 12.0, "b1_n32k": 36.0}
+
+
+def select(names: str | None) -> list[Case]:
+    if not names:
+        return list(STANDARD_CASES)
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    by_name = {c.name: c for c in STANDARD_CASES}
+    unknown = [n for n in wanted if n not in by_name]
+    if unknown:
+        raise ValueError(f"--cases: unknown case(s) {unknown}; known: {sorted(by_name)}")
+    return [by_name[n] for n in wanted]

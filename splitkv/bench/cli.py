@@ -1,0 +1,159 @@
+"""`splitkv bench`: time the standard cases, compare with the read floor and the peers, and
+write the results (JSON + a markdown table) with the date, the GPU and the command."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import sys
+import time
+
+import numpy as np
+
+from .cases import LATENCY_TARGETS_US, select
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--min-total-mib", type=int, default=1024,
+                        help="KV bytes the layers hold together (sets the number of layers, 2..64)")
+    parser.add_argument("--num-splits", type=int, default=None, help="force a split count")
+    parser.add_argument("--strategy", default=None, choices=["single", "split_merge", "fused"])
+    parser.add_argument("--no-peer", action="store_true", help="skip the PyTorch SDPA peer")
+    parser.add_argument("--json", default=None, help="write results to this JSON file")
+    parser.add_argument("--markdown", default=None, help="write a markdown table to this file")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _rel_err_subset(wrapper, page_table, data, max_requests: int = 4) -> float:
+    """Relative L2 error of the first few requests of layer 0 against the float64 reference."""
+    import cupy
+
+    from ..problem import PageTable
+    from ..reference import reference_decode
+
+    out = wrapper.run(data.q, data.k_layers[0], data.v_layers[0])
+    n = min(max_requests, page_table.batch_size)
+    last_page = int(page_table.kv_indptr[n])
+    pages = page_table.kv_indices[:last_page]
+    sub = PageTable.from_flashinfer(page_table.kv_indptr[: n + 1], np.arange(last_page),
+                                    page_table.kv_last_page_len[:n], page_table.page_size)
+    idx = cupy.asarray(pages)
+    ref, _ = reference_decode(data.q[:n].get(), data.k_layers[0][idx].get(),
+                              data.v_layers[0][idx].get(), sub)
+    got = out[:n].get()
+    if got.dtype == np.uint16:
+        got = (got.astype(np.uint32) << 16).view(np.float32)
+    got = got.astype(np.float64)
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+def _plan_cpu_us(problem, wrapper, repeats: int = 200) -> float:
+    """Median host time of choosing a plan (what plan() does before its one upload)."""
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        wrapper._choose(problem, None, None)
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return float(np.median(samples))
+
+
+def run(args) -> int:
+    from ..runtime import device_info, gpu_available
+
+    ok, why = gpu_available()
+    if not ok:
+        print(f"splitkv bench: needs a GPU ({why})", file=sys.stderr)
+        return 2
+    import cupy
+
+    from ..problem import DecodeProblem
+    from ..runtime.modules import compile_seconds_so_far
+    from ..runtime.testing import scattered_page_table
+    from ..runtime.timing import make_layers, time_wrapper_us
+    from ..runtime.wrapper import BatchDecodeWrapper
+    from .bandwidth import read_bandwidth_gbps
+    from .peers import sdpa_us, torch_available
+
+    cases = select(args.cases)
+    info = device_info()
+    read_gbps = read_bandwidth_gbps()
+    print(f"device: {info['name']} ({info['num_sms']} SMs); streaming read {read_gbps:,.0f} GB/s",
+          flush=True)
+    use_peer = not args.no_peer and torch_available()
+    rows = []
+    compile_s = None
+    plan_us_ragged = None
+    for case in cases:
+        rng = np.random.default_rng(args.seed)
+        pt, _ = scattered_page_table(case.kv_lens, case.page_size, rng, extra_pages=0)
+        problem = DecodeProblem.from_page_table(pt, case.num_qo_heads, case.num_kv_heads,
+                                                case.head_dim, args.dtype)
+        w = BatchDecodeWrapper(case.num_qo_heads, case.num_kv_heads, case.head_dim,
+                               case.page_size, args.dtype)
+        plan = w.plan(pt, num_splits=args.num_splits, strategy=args.strategy)
+        if compile_s is None:
+            compile_s = compile_seconds_so_far()
+        if not case.equal_lengths:
+            plan_us_ragged = _plan_cpu_us(problem, w)
+        data = make_layers(pt, case.num_qo_heads, case.num_kv_heads, case.head_dim, args.dtype,
+                           min_total_bytes=args.min_total_mib << 20, seed=args.seed)
+        us = time_wrapper_us(w, data)
+        err = _rel_err_subset(w, pt, data)
+        gbps = problem.kv_bytes / (us * 1e-6) / 1e9
+        peer = None
+        if use_peer and case.equal_lengths:
+            peer = sdpa_us(len(case.kv_lens), case.kv_lens[0], case.num_qo_heads,
+                           case.num_kv_heads, case.head_dim, min_total_bytes=args.min_total_mib << 20)
+        row = {"case": case.name, "us": round(us, 2), "gbps": round(gbps, 1),
+               "frac_read_bw": round(gbps / read_gbps, 4), "rel_err": float(f"{err:.3e}"),
+               "strategy": plan.strategy, "num_splits": plan.num_splits,
+               "work_items": plan.num_work_items, "layers": data.num_layers,
+               "predicted_us": None if plan.predicted_us is None else round(plan.predicted_us, 2),
+               "peer_us": None if peer is None else round(peer, 2),
+               "best_paged_peer_us": case.best_paged_peer_us, "kv_mib": problem.kv_bytes / 2**20}
+        rows.append(row)
+        print(f"{case.name:>12}: {us:8.2f} us {gbps:7.0f} GB/s {100 * gbps / read_gbps:5.1f}% "
+              f"{plan.strategy}/{plan.num_splits} err {err:.1e}"
+              + (f" | sdpa {peer:.2f} us" if peer else ""), flush=True)
+        del data
+        cupy.get_default_memory_pool().free_all_blocks()
+
+    result = {"device": info["name"], "date": _dt.date.today().isoformat(),
+              "command": "splitkv " + " ".join(sys.argv[1:]) if sys.argv else "splitkv bench",
+              "dtype": args.dtype, "read_gbps": round(read_gbps, 1),
+              "first_call_compile_s": None if compile_s is None else round(compile_s, 3),
+              "plan_cpu_us_ragged_b32": None if plan_us_ragged is None else round(plan_us_ragged, 1),
+              "cases": rows}
+    table = markdown_table(result)
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(f"# splitkv bench on {result['device']}, {result['date']}\n\n"
+                    f"Command: `{result['command']}`\n\n{table}\n")
+    return 0
+
+
+def markdown_table(result: dict) -> str:
+    lines = [f"read floor: {result['read_gbps']:,.0f} GB/s; first-call compile "
+             f"{result['first_call_compile_s']} s; plan() CPU time (ragged_b32) "
+             f"{result['plan_cpu_us_ragged_b32']} us", "",
+             "| case | us | GB/s | % read bw | rel err | plan | best paged peer us | SDPA (contig.) us | target |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["cases"]:
+        target = LATENCY_TARGETS_US.get(r["case"])
+        verdict = []
+        if r["best_paged_peer_us"] is not None:
+            verdict.append("<=peer" if r["us"] <= r["best_paged_peer_us"] else ">peer")
+        if target is not None:
+            verdict.append(f"{'ok' if r['us'] <= target else 'miss'} {target}us")
+        if r["peer_us"] is not None:
+            verdict.append("<=1.05 sdpa" if r["us"] <= 1.05 * r["peer_us"] else ">1.05 sdpa")
+        lines.append(f"| {r['case']} | {r['us']:.2f} | {r['gbps']:.0f} | {100 * r['frac_read_bw']:.1f} | "
+                     f"{r['rel_err']:.1e} | {r['strategy']}/{r['num_splits']} | "
+                     f"{r['best_paged_peer_us']} | {r['peer_us']} | {', '.join(verdict)} |")
+    return "\n".join(lines)

@@ -1,0 +1,61 @@
+"""Optional live peer: PyTorch's scaled_dot_product_attention (cuDNN by default on Hopper) on
+contiguous copies of the same KV. PyTorch is imported only here, and only if installed."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def torch_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def sdpa_us(batch: int, kv_len: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+            *, min_total_bytes: int = 1 << 30, trials: int = 7, min_trial_ms: float = 30.0) -> float:
+    """Median us per call of SDPA decode over L layers of contiguous bf16 KV, in a CUDA graph."""
+    import torch
+    import torch.nn.functional as F
+
+    layer_bytes = batch * kv_len * num_kv_heads * head_dim * 2 * 2
+    layers = int(min(64, max(2, math.ceil(min_total_bytes / layer_bytes))))
+    dev = torch.device("cuda")
+    q = torch.randn(batch, num_qo_heads, 1, head_dim, device=dev, dtype=torch.bfloat16)
+    ks = [torch.randn(batch, num_kv_heads, kv_len, head_dim, device=dev, dtype=torch.bfloat16)
+          for _ in range(layers)]
+    vs = [torch.randn_like(k) for k in ks]
+    gqa = num_qo_heads != num_kv_heads
+
+    def step():
+        for k, v in zip(ks, vs):
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record(); graph.replay(); end.record(); end.synchronize()
+    replays = max(1, math.ceil(min_trial_ms / max(start.elapsed_time(end), 1e-3)))
+    samples = []
+    for _ in range(trials):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / (replays * layers))
+    del ks, vs, graph
+    torch.cuda.empty_cache()
+    return float(np.median(samples))

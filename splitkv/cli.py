@@ -1,0 +1,70 @@
+"""The ``splitkv`` command. Thin by design: each subcommand is a module with
+``add_arguments(parser)`` and ``run(args) -> int``, imported only when that subcommand runs, so
+``splitkv demo`` works on a machine without CuPy and one broken subcommand cannot break another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from . import __version__
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "demo": ("splitkv.demo", "plan and run a few decode batches, check them against the reference"),
+    "plan": ("splitkv.planner.cli", "show the plan the planner chooses for a batch"),
+    "calibrate": ("splitkv.calibration.cli", "measure kernel latencies and fit the planner's cost model"),
+    "bench": ("splitkv.bench.cli", "time decode attention over a grid of batch shapes"),
+}
+
+
+def build_parser(command: str | None = None, module=None) -> argparse.ArgumentParser:
+    """The full parser; only ``command``'s subparser gets its module's arguments."""
+    parser = argparse.ArgumentParser(
+        prog="splitkv", description="Decode attention over a paged KV cache, split adaptively.")
+    parser.add_argument("--version", action="version", version=f"splitkv {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if name == command and module is not None:
+            module.add_arguments(sub_parser)
+    return parser
+
+
+def load_command(name: str):
+    """The subcommand's module, or None after printing one line on why it is not available."""
+    module_name = COMMANDS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        print(f"splitkv {name}: not available: {module_name} could not be imported ({exc})",
+              file=sys.stderr)
+        return None
+    missing = [attr for attr in ("add_arguments", "run") if not callable(getattr(module, attr, None))]
+    if missing:
+        print(f"splitkv {name}: not available: {module_name} has no {' or '.join(missing)}()",
+              file=sys.stderr)
+        return None
+    return module
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    module = None
+    if command in COMMANDS:
+        module = load_command(command)
+        if module is None:
+            return 2
+    parser = build_parser(command, module)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return int(module.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

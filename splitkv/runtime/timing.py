@@ -1,0 +1,112 @@
+"""The one timing routine, shared by the benchmark and the calibration sweep.
+
+Method (../shared/ANCHORS.md): L layers of distinct KV buffers, together at least 1 GiB so
+each layer's KV comes from HBM and not L2; one CUDA graph runs one decode call per layer; the
+graph is replayed many times; time per call = elapsed / (replays x L), the median of 7 trials
+of at least 30 ms each, timed with CUDA events.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..plan import Plan
+from ..problem import PageTable
+
+
+def time_graph_us(launch_layer: Callable[[int, object], None], num_layers: int, *, trials: int = 7,
+                  min_trial_ms: float = 30.0, stream=None) -> float:
+    """Median microseconds per layer call of ``launch_layer(layer, stream)`` over graph replays."""
+    import cupy
+
+    stream = stream or cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for layer in range(num_layers):      # eager warm-up: compiles, faults pages in
+            launch_layer(layer, stream)
+        stream.begin_capture()
+        for layer in range(num_layers):
+            launch_layer(layer, stream)
+        graph = stream.end_capture()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        graph.launch(stream)
+        start.record(stream)
+        graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+        one_ms = max(cupy.cuda.get_elapsed_time(start, end), 1e-3)
+        replays = max(1, math.ceil(min_trial_ms / one_ms))
+        samples = []
+        for _ in range(trials):
+            start.record(stream)
+            for _ in range(replays):
+                graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            samples.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / (replays * num_layers))
+    return float(np.median(samples))
+
+
+def layers_for(bytes_per_layer: int, min_total_bytes: int = 1 << 30) -> int:
+    """Enough layers that together they hold ``min_total_bytes`` (2..64)."""
+    return int(min(64, max(2, math.ceil(min_total_bytes / max(1, bytes_per_layer)))))
+
+
+@dataclass
+class LayeredKV:
+    """Random q and L layers of K/V pools for one page table, on the device."""
+
+    q: object
+    k_layers: list
+    v_layers: list
+    out: object
+    num_pages: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k_layers)
+
+
+def make_layers(page_table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                dtype: str, *, min_total_bytes: int = 1 << 30, seed: int = 0) -> LayeredKV:
+    import cupy
+
+    from .arrays import cupy_storage_dtype
+    from .testing import random_device_array_fast
+
+    num_pages = int(page_table.kv_indices.max()) + 1 if page_table.kv_indices.size else 1
+    shape = (num_pages, page_table.page_size, num_kv_heads, head_dim)
+    bytes_per_layer = 2 * 2 * int(np.prod(shape))
+    layers = layers_for(bytes_per_layer, min_total_bytes)
+    batch = page_table.batch_size
+    q = random_device_array_fast((batch, num_qo_heads, head_dim), dtype, seed)
+    ks = [random_device_array_fast(shape, dtype, seed + 1 + 2 * i) for i in range(layers)]
+    vs = [random_device_array_fast(shape, dtype, seed + 2 + 2 * i) for i in range(layers)]
+    out = cupy.empty((batch, num_qo_heads, head_dim), dtype=cupy_storage_dtype(dtype))
+    return LayeredKV(q, ks, vs, out, num_pages)
+
+
+def time_wrapper_us(wrapper, data: LayeredKV, *, trials: int = 7, min_trial_ms: float = 30.0) -> float:
+    """Time ``wrapper.run`` (already planned) over the layers of ``data``."""
+
+    def launch(layer, stream):
+        wrapper.run(data.q, data.k_layers[layer], data.v_layers[layer], out=data.out, stream=stream)
+
+    return time_graph_us(launch, data.num_layers, trials=trials, min_trial_ms=min_trial_ms)
+
+
+def time_plan_us(plan: Plan, page_table: PageTable, *, min_total_bytes: int = 1 << 30,
+                 trials: int = 7, min_trial_ms: float = 30.0, data: LayeredKV | None = None) -> float:
+    """Median microseconds per call of ``plan`` on random data (built here unless given)."""
+    from .wrapper import BatchDecodeWrapper
+
+    p = plan.problem
+    if data is None:
+        data = make_layers(page_table, p.num_qo_heads, p.num_kv_heads, p.head_dim, p.dtype,
+                           min_total_bytes=min_total_bytes)
+    w = BatchDecodeWrapper(p.num_qo_heads, p.num_kv_heads, p.head_dim, p.page_size, p.dtype)
+    w.plan(page_table, plan=plan)
+    return time_wrapper_us(w, data, trials=trials, min_trial_ms=min_trial_ms)

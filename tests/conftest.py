@@ -1,0 +1,74 @@
+"""Shared fixtures: seeded randomness and random paged decode batches, built on the host.
+
+Tests marked ``gpu`` are skipped, with the reason, when ``splitkv.runtime.gpu_available()``
+says there is no usable GPU (or the runtime cannot be imported).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from splitkv import DecodeProblem, PageTable
+
+
+@dataclass
+class PagedBatch:
+    """q [B, Hq, D]; k_cache, v_cache [num_pages, page_size, Hk, D] (NHD); pages scattered."""
+
+    q: np.ndarray
+    k_cache: np.ndarray
+    v_cache: np.ndarray
+    page_table: PageTable
+    problem: DecodeProblem
+
+
+def build_batch(rng: np.random.Generator, kv_lens, num_qo_heads: int = 4, num_kv_heads: int = 2,
+               head_dim: int = 64, page_size: int = 16, dtype=np.float64, spare_pages: int = 3,
+               q_scale: float = 1.0) -> PagedBatch:
+    """A decode batch whose pages are a random permutation of a pool with a few unused pages."""
+    kv_lens = np.asarray(kv_lens, dtype=np.int64)
+    pages = -(-kv_lens // page_size)
+    num_pages = int(pages.sum()) + spare_pages
+    perm = rng.permutation(num_pages)
+    width = max(1, int(pages.max()) if pages.size else 1)
+    block_table = np.full((kv_lens.size, width), -1, dtype=np.int64)   # -1 = padding, never read
+    used = 0
+    for b, n in enumerate(pages):
+        block_table[b, :n] = perm[used:used + n]
+        used += n
+    page_table = PageTable.from_block_table(block_table, kv_lens, page_size, num_pages=num_pages)
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    q = (q_scale * rng.standard_normal((kv_lens.size, num_qo_heads, head_dim))).astype(dtype)
+    k_cache = rng.standard_normal(shape).astype(dtype)
+    v_cache = rng.standard_normal(shape).astype(dtype)
+    problem = DecodeProblem.from_page_table(page_table, num_qo_heads, num_kv_heads, head_dim)
+    return PagedBatch(q, k_cache, v_cache, page_table, problem)
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)
+
+
+@pytest.fixture
+def make_batch(rng):
+    """``make_batch(kv_lens, **kwargs)``: ``build_batch`` with this test's seeded generator."""
+    return lambda kv_lens, **kwargs: build_batch(rng, kv_lens, **kwargs)
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    try:
+        from splitkv.runtime import gpu_available
+        ok, reason = gpu_available()
+    except Exception as exc:   # no runtime, no CuPy, no driver: all mean "no GPU here"
+        ok, reason = False, f"splitkv.runtime unusable: {type(exc).__name__}: {exc}"
+    if not ok:
+        skip = pytest.mark.skip(reason=f"no usable GPU: {reason}")
+        for item in gpu_items:
+            item.add_marker(skip)

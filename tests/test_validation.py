@@ -1,0 +1,227 @@
+"""Every bad input is refused with the right error type and a message naming the argument."""
+
+import numpy as np
+import pytest
+
+from splitkv import (DecodeProblem, PageTable, Plan, execute_plan_cpu, plan_chunk_tokens,
+                     plan_fixed_splits, plan_from_chunk_counts, reference_decode)
+
+
+class FakeDeviceArray:
+    """Looks like a CuPy/Torch CUDA array: has __cuda_array_interface__, no host data."""
+
+    def __init__(self, host):
+        self.shape, self.dtype = host.shape, host.dtype
+        self.__cuda_array_interface__ = {"shape": host.shape, "typestr": host.dtype.str,
+                                         "data": (0, False), "version": 3}
+
+
+class FakeCupyArray:
+    __module__ = "cupy._core.core"
+
+    def __init__(self, host):
+        self.shape, self.dtype = host.shape, host.dtype
+
+
+GOOD = dict(kv_indptr=[0, 2, 3], kv_indices=[4, 0, 1], kv_last_page_len=[5, 16], page_size=16)
+
+
+def flashinfer(**changes):
+    args = {**GOOD, **changes}
+    return PageTable.from_flashinfer(args["kv_indptr"], args["kv_indices"],
+                                     args["kv_last_page_len"], args["page_size"], num_pages=5)
+
+
+# ---- page tables -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("changes, error, name", [
+    (dict(kv_indices=[4, 0, -1]), ValueError, "kv_indices"),            # negative page
+    (dict(kv_indices=[4, 0, 5]), ValueError, "kv_indices"),             # past the pool
+    (dict(kv_indices=[4, 0]), ValueError, "kv_indices"),                # indptr says 3 pages
+    (dict(kv_indptr=[1, 2, 3]), ValueError, "kv_indptr"),               # must start at 0
+    (dict(kv_indptr=[0, 3, 2], kv_last_page_len=[5, 0]), ValueError, "kv_indptr"),  # decreasing
+    (dict(kv_indptr=[]), ValueError, "kv_indptr"),
+    (dict(kv_last_page_len=[0, 16]), ValueError, "kv_last_page_len"),   # below 1
+    (dict(kv_last_page_len=[5, 17]), ValueError, "kv_last_page_len"),   # above page_size
+    (dict(kv_last_page_len=[5]), ValueError, "kv_last_page_len"),       # one per request
+    (dict(kv_indptr=[0, 3, 3], kv_last_page_len=[5, 1]), ValueError, "kv_last_page_len"),  # empty
+    (dict(kv_indptr=[[0, 2, 3]]), ValueError, "kv_indptr"),             # rank
+    (dict(kv_indices=[4.0, 0.0, 1.0]), TypeError, "kv_indices"),        # float pages
+    (dict(kv_last_page_len=[True, True]), TypeError, "kv_last_page_len"),
+    (dict(page_size=0), ValueError, "page_size"),
+    (dict(page_size=16.0), TypeError, "page_size"),
+])
+def test_bad_flashinfer_tables(changes, error, name):
+    with pytest.raises(error, match=name):
+        flashinfer(**changes)
+
+
+def test_good_flashinfer_table_is_accepted():
+    assert flashinfer().kv_lens.tolist() == [21, 16]
+
+
+def test_direct_construction_is_checked_too():
+    with pytest.raises(ValueError, match="kv_last_page_len"):
+        PageTable([0, 1], [0], [17], 16)
+
+
+@pytest.mark.parametrize("fake", [FakeDeviceArray, FakeCupyArray])
+@pytest.mark.parametrize("name", ["kv_indptr", "kv_indices", "kv_last_page_len"])
+def test_device_arrays_are_refused_as_page_tables(fake, name):
+    with pytest.raises(TypeError, match=f"{name}: expected a host"):
+        flashinfer(**{name: fake(np.asarray(GOOD[name]))})
+
+
+@pytest.mark.parametrize("fake", [FakeDeviceArray, FakeCupyArray])
+def test_device_block_tables_are_refused(fake):
+    with pytest.raises(TypeError, match="block_table"):
+        PageTable.from_block_table(fake(np.zeros((2, 2), np.int32)), [1, 1], 16)
+    with pytest.raises(TypeError, match="seq_lens"):
+        PageTable.from_block_table([[0], [1]], fake(np.ones(2, np.int32)), 16)
+    with pytest.raises(TypeError, match="kv_lens"):
+        DecodeProblem(fake(np.ones(2, np.int32)), 8, 8, 128, 16)
+
+
+@pytest.mark.parametrize("table, lens, error, name", [
+    ([[0, 1]], [33], ValueError, "seq_lens"),              # 33 tokens do not fit 2 pages of 16
+    ([[0, 1]], [-1], ValueError, "seq_lens"),
+    ([[0, 1]], [5, 5], ValueError, "seq_lens"),             # one length per row
+    ([[0, 1]], [[5]], ValueError, "seq_lens"),
+    ([0, 1], [5], ValueError, "block_table"),               # rank
+    ([[0.0, 1.0]], [5], TypeError, "block_table"),
+    ([[0, 7]], [20], ValueError, "kv_indices"),             # page 7 of a pool of 4
+    ([[-1, 0]], [20], ValueError, "kv_indices"),            # padding inside the length
+])
+def test_bad_block_tables(table, lens, error, name):
+    with pytest.raises(error, match=name):
+        PageTable.from_block_table(table, lens, 16, num_pages=4)
+
+
+def test_bad_contiguous():
+    with pytest.raises(ValueError, match="seq_lens"):
+        PageTable.contiguous([3, 9], 8)
+    with pytest.raises(ValueError, match="max_len"):
+        PageTable.contiguous([3, 9], 0)
+
+
+# ---- problems ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, error, name", [
+    (([4], 12, 8, 128, 16), ValueError, "num_qo_heads"),     # not a multiple of kv heads
+    (([4], 8, 16, 128, 16), ValueError, "num_qo_heads"),
+    (([4], 0, 1, 128, 16), ValueError, "num_qo_heads"),
+    (([4], 8, 0, 128, 16), ValueError, "num_kv_heads"),
+    (([4], 8.0, 8, 128, 16), TypeError, "num_qo_heads"),
+    (([4], 8, 8, 96, 16), ValueError, "head_dim"),           # unsupported head_dim
+    (([4], 8, 8, 512, 16), ValueError, "head_dim"),
+    (([4], 8, 8, 128, 0), ValueError, "page_size"),
+    (([-1], 8, 8, 128, 16), ValueError, "kv_lens"),
+    (([[4]], 8, 8, 128, 16), ValueError, "kv_lens"),
+    (([4.5], 8, 8, 128, 16), TypeError, "kv_lens"),
+    (([4], 8, 8, 128, 16, "float32"), TypeError, "dtype"),    # unsupported dtype
+    (([4], 8, 8, 128, 16, np.int8), TypeError, "dtype"),
+])
+def test_bad_problems(args, error, name):
+    with pytest.raises(error, match=name):
+        DecodeProblem(*args)
+
+
+# ---- plans -------------------------------------------------------------------------------------
+
+@pytest.fixture
+def problem():
+    return DecodeProblem(np.array([40, 0, 9]), 8, 2, 64, 16)
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: plan_fixed_splits(p, 2, "splitmerge"),
+    lambda p: plan_chunk_tokens(p, 8, "Fused"),
+    lambda p: plan_from_chunk_counts(p, [1, 1, 1], None),
+])
+def test_bad_strategy(problem, make):
+    with pytest.raises(ValueError, match="strategy"):
+        make(problem)
+
+
+@pytest.mark.parametrize("make, error, name", [
+    (lambda p: plan_fixed_splits(p, 0), ValueError, "num_splits"),
+    (lambda p: plan_fixed_splits(p, 2.0), TypeError, "num_splits"),
+    (lambda p: plan_chunk_tokens(p, 0, "fused"), ValueError, "chunk_tokens"),
+    (lambda p: plan_fixed_splits(p, 2, align=0), ValueError, "align"),
+    (lambda p: plan_chunk_tokens(p, 4, "fused", align=-16), ValueError, "align"),
+    (lambda p: plan_from_chunk_counts(p, [1, 1], "fused"), ValueError, "chunks_per_request"),
+    (lambda p: plan_from_chunk_counts(p, [1.5, 1, 1], "fused"), TypeError, "chunks_per_request"),
+    (lambda p: plan_fixed_splits(p, 3, "single"), ValueError, "strategy"),
+    (lambda p: plan_fixed_splits(p.kv_lens, 3), TypeError, "problem"),
+])
+def test_bad_plan_arguments(problem, make, error, name):
+    with pytest.raises(error, match=name):
+        make(problem)
+
+
+# ---- the host paths (reference and CPU executor) -----------------------------------------------
+
+@pytest.fixture
+def inputs(rng):
+    pt = PageTable.from_block_table([[2, 0], [1, 3]], [20, 5], 16, num_pages=4)
+    q = rng.standard_normal((2, 8, 64))
+    k = rng.standard_normal((4, 16, 2, 64))
+    v = rng.standard_normal((4, 16, 2, 64))
+    plan = plan_fixed_splits(DecodeProblem.from_page_table(pt, 8, 2, 64), 2)
+    return dict(q=q, k_cache=k, v_cache=v, page_table=pt, plan=plan)
+
+
+def call_both(inputs, **changes):
+    args = {**inputs, **changes}
+    yield lambda: reference_decode(args["q"], args["k_cache"], args["v_cache"], args["page_table"])
+    yield lambda: execute_plan_cpu(args["plan"], args["q"], args["k_cache"], args["v_cache"],
+                                   args["page_table"])
+
+
+@pytest.mark.parametrize("change, error, name", [
+    (lambda x: dict(q=x["q"][0]), ValueError, "q"),                            # rank 2
+    (lambda x: dict(q=x["q"][:1]), ValueError, "q"),                           # batch 1, table 2
+    (lambda x: dict(q=x["q"].astype(np.int32)), TypeError, "q"),
+    (lambda x: dict(q=x["q"].tolist()), TypeError, "q"),                        # not an array
+    (lambda x: dict(q=x["q"][:, :7]), ValueError, "num_qo_heads|q: "),          # 7 % 2 != 0
+    (lambda x: dict(k_cache=x["k_cache"][:, :8]), ValueError, "k_cache"),      # page size 8
+    (lambda x: dict(k_cache=x["k_cache"][..., :32]), ValueError, "k_cache"),   # head_dim 32
+    (lambda x: dict(k_cache=x["k_cache"][0]), ValueError, "k_cache"),          # rank 3
+    (lambda x: dict(k_cache=x["k_cache"].astype(np.complex128)), TypeError, "k_cache"),
+    (lambda x: dict(v_cache=x["v_cache"][:3]), ValueError, "v_cache"),
+    (lambda x: dict(v_cache=x["v_cache"].astype(np.float32)), TypeError, "v_cache"),
+    (lambda x: dict(k_cache=x["k_cache"][:2], v_cache=x["v_cache"][:2]), ValueError, "kv_indices"),
+    (lambda x: dict(page_table="pages"), TypeError, "page_table"),
+])
+def test_bad_host_inputs(inputs, change, error, name):
+    for call in call_both(inputs, **change(inputs)):
+        with pytest.raises(error, match=name):
+            call()
+
+
+def test_bad_sm_scale(inputs):
+    for bad, error in ((0.0, ValueError), (-1.0, ValueError), (np.inf, ValueError), ("x", TypeError)):
+        with pytest.raises(error, match="sm_scale"):
+            reference_decode(inputs["q"], inputs["k_cache"], inputs["v_cache"],
+                             inputs["page_table"], sm_scale=bad)
+
+
+def test_executor_checks_the_plan_matches(inputs):
+    x = inputs
+    other = PageTable.from_block_table([[2, 0], [1, 3]], [20, 6], 16)
+    with pytest.raises(ValueError, match="page_table"):
+        execute_plan_cpu(x["plan"], x["q"], x["k_cache"], x["v_cache"], other)
+    mha_plan = plan_fixed_splits(DecodeProblem.from_page_table(x["page_table"], 8, 8, 64), 2)
+    with pytest.raises(ValueError, match="k_cache"):          # the cache has 2 kv heads, not 8
+        execute_plan_cpu(mha_plan, x["q"], x["k_cache"], x["v_cache"], x["page_table"])
+    with pytest.raises(TypeError, match="plan"):
+        execute_plan_cpu("plan", x["q"], x["k_cache"], x["v_cache"], x["page_table"])
+    small_pages = PageTable.from_block_table([[2, 0, 1], [3, 0, 0]], [20, 5], 8)
+    with pytest.raises(ValueError, match="page_size"):
+        execute_plan_cpu(x["plan"], x["q"], x["k_cache"], x["v_cache"], small_pages)
+
+
+@pytest.mark.parametrize("fake", [FakeDeviceArray, FakeCupyArray])
+def test_hand_built_plan_refuses_device_arrays(problem, fake):
+    with pytest.raises(TypeError, match="chunk_start"):
+        Plan(problem, "single", [0, 1, 2], fake(np.array([0, 0, 0])), [40, 0, 9], [0, 1, 2, 3])

@@ -45,9 +45,7 @@ __device__ __forceinline__ u32 tile_offset_bytes(int row, int chunk) {
 extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
                const u16* __restrict__ v_cache, long long page_stride, long long token_stride,
-               const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
-               const int* __restrict__ chunk_request, const int* __restrict__ chunk_start,
-               const int* __restrict__ chunk_end, const int* __restrict__ merge_indptr,
+               const int* __restrict__ kv_indices, const int4* __restrict__ chunk_info,
                u16* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ partial_o,
                float* __restrict__ partial_lse, unsigned* __restrict__ counters,
                int num_qo_heads, int num_kv_heads, int page_size, float scale_log2, int fused) {
@@ -58,10 +56,14 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   const int group = num_qo_heads / num_kv_heads;
   const int head0 = kvh * group + htile * ROWS;
   const int rows_valid = min(ROWS, group - htile * ROWS);
-  const int req = chunk_request[chunk];
-  const int tok_begin = chunk_start[chunk], tok_end = chunk_end[chunk];
-  const int* pages = kv_indices + kv_indptr[req];
-  const int n_chunks = merge_indptr[req + 1] - merge_indptr[req];
+  // chunk_info[2c] = (request, first token, end token, first page-table entry of the request),
+  // chunk_info[2c+1] = (first chunk of the request, end chunk, -, -): one round trip, not three.
+  const int4 info = chunk_info[2 * chunk];
+  const int4 info2 = chunk_info[2 * chunk + 1];
+  const int req = info.x, tok_begin = info.y, tok_end = info.z;
+  const int* pages = kv_indices + info.w;
+  const int merge_lo = info2.x, merge_hi = info2.y;
+  const int n_chunks = merge_hi - merge_lo;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
@@ -96,14 +98,24 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   const int my_row0 = tid / DCHUNKS;                        // rows my_row0 + i * ROW_STEP
   constexpr int ROW_STEP = NUM_THREADS / DCHUNKS;
   int pg[LOADS], slot[LOADS];
+  const bool step_within_page = page_size >= ROW_STEP;
   auto fetch_pages = [&](int tile) {
-    const int base = tok_begin + tile * TILE_N;
+    const int tok0 = tok_begin + tile * TILE_N + my_row0;
+    int pidx = tok0 / page_size, off = tok0 - pidx * page_size;  // one division per tile
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) {
-      const int tok = base + my_row0 + i * ROW_STEP;
-      const int pidx = tok / page_size;
+      const int tok = tok0 + i * ROW_STEP;
+      if (i > 0) {
+        if (step_within_page) {
+          off += ROW_STEP;
+          if (off >= page_size) { off -= page_size; ++pidx; }
+        } else {
+          pidx = tok / page_size;
+          off = tok - pidx * page_size;
+        }
+      }
       pg[i] = (tile < num_tiles && tok < tok_end) ? pages[pidx] : -1;
-      slot[i] = tok - pidx * page_size;
+      slot[i] = off;
     }
   };
   // Issue the copies of a tile into `stage` from the fetched entries; tokens past the chunk
@@ -296,10 +308,9 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   __syncthreads();
   if (!is_last_cta) return;
   __threadfence();  // acquire: the partial reads below (ld.cg, from L2) come after the ticket
-  const int lo = merge_indptr[req], hi = merge_indptr[req + 1];
   for (int row = warp; row < rows_valid; row += NUM_WARPS) {
     const int head = head0 + row;
-    merge_row_warp<HEAD_DIM>(partial_o, partial_lse, lo, hi, head, num_qo_heads,
+    merge_row_warp<HEAD_DIM>(partial_o, partial_lse, merge_lo, merge_hi, head, num_qo_heads,
                              out + ((i64)req * num_qo_heads + head) * HEAD_DIM,
                              lse_out != nullptr ? lse_out + (i64)req * num_qo_heads + head : nullptr,
                              lane);

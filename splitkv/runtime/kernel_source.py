@@ -15,6 +15,7 @@ NVRTC_OPTIONS = ("--std=c++17", "-default-device")
 TILE_TOKENS = 64          # tokens per pipeline stage of decode_partial (TILE_N in decode.cu)
 THREADS_PER_CTA = 128     # NUM_THREADS in decode.cu
 MAX_ROWS_PER_CTA = 64     # query heads one CTA handles (16 * largest HEAD_TILES)
+DEFAULT_STAGES = {64: 4, 128: 3, 256: 2}
 
 
 @lru_cache(maxsize=None)
@@ -40,11 +41,12 @@ class DecodeVariant:
     dtype: str          # "float16" | "bfloat16"
     head_dim: int       # 64 | 128 | 256
     head_tiles: int     # 1, 2 or 4 row tiles of 16 query heads per CTA
+    stages: int = 0     # pipeline depth in 64-token tiles; 0 = the default for head_dim
 
-    @property
-    def stages(self) -> int:
-        # Pipeline depth: about 96 KiB of K+V in flight per CTA for 64/128, 128 KiB for 256.
-        return {64: 4, 128: 3, 256: 2}[self.head_dim]
+    def __post_init__(self):
+        if self.stages == 0:
+            # About 64-96 KiB of K+V in flight per CTA, so two or three CTAs fit on an SM.
+            object.__setattr__(self, "stages", DEFAULT_STAGES[self.head_dim])
 
     @property
     def rows(self) -> int:
@@ -63,17 +65,17 @@ class DecodeVariant:
 
     @property
     def name(self) -> str:
-        return f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}"
+        return f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}_s{self.stages}"
 
     def source(self) -> str:
         header = "".join(f"#define {k} {v}\n" for k, v in self.defines.items())
         return header + read_source("decode.cu")
 
     @staticmethod
-    def for_problem(dtype: str, head_dim: int, group_size: int) -> "DecodeVariant":
+    def for_problem(dtype: str, head_dim: int, group_size: int, stages: int = 0) -> "DecodeVariant":
         rows = min(group_size, MAX_ROWS_PER_CTA)
         head_tiles = 1 if rows <= 16 else 2 if rows <= 32 else 4
-        return DecodeVariant(dtype, head_dim, head_tiles)
+        return DecodeVariant(dtype, head_dim, head_tiles, stages)
 
 
 def all_variants() -> list[DecodeVariant]:

@@ -99,7 +99,8 @@ def time_wrapper_us(wrapper, data: LayeredKV, *, trials: int = 7, min_trial_ms: 
 
 
 def time_plan_us(plan: Plan, page_table: PageTable, *, min_total_bytes: int = 1 << 30,
-                 trials: int = 7, min_trial_ms: float = 30.0, data: LayeredKV | None = None) -> float:
+                 trials: int = 7, min_trial_ms: float = 30.0, data: LayeredKV | None = None,
+                 stages: int | None = None) -> float:
     """Median microseconds per call of ``plan`` on random data (built here unless given)."""
     from .wrapper import BatchDecodeWrapper
 
@@ -107,6 +108,7 @@ def time_plan_us(plan: Plan, page_table: PageTable, *, min_total_bytes: int = 1 
     if data is None:
         data = make_layers(page_table, p.num_qo_heads, p.num_kv_heads, p.head_dim, p.dtype,
                            min_total_bytes=min_total_bytes)
-    w = BatchDecodeWrapper(p.num_qo_heads, p.num_kv_heads, p.head_dim, p.page_size, p.dtype)
+    w = BatchDecodeWrapper(p.num_qo_heads, p.num_kv_heads, p.head_dim, p.page_size, p.dtype,
+                           stages=stages)
     w.plan(page_table, plan=plan)
     return time_wrapper_us(w, data, trials=trials, min_trial_ms=min_trial_ms)

@@ -69,13 +69,15 @@ class BatchDecodeWrapper:
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 dtype="bfloat16", profile=None):
+                 dtype="bfloat16", profile=None, stages: int | None = None):
         self.num_qo_heads, self.num_kv_heads = V.check_heads(num_qo_heads, num_kv_heads)
         self.head_dim = V.check_head_dim(head_dim)
         self.page_size = V.check_int("page_size", page_size, 1)
         self.dtype = V.check_dtype("dtype", dtype)
         self.group_size = self.num_qo_heads // self.num_kv_heads
-        self.variant = DecodeVariant.for_problem(self.dtype, self.head_dim, self.group_size)
+        # `stages` (pipeline depth) is a tuning knob for experiments; the default suits the H200.
+        self.variant = DecodeVariant.for_problem(self.dtype, self.head_dim, self.group_size,
+                                                 0 if stages is None else V.check_int("stages", stages, 2))
         self.head_tile_groups = -(-self.group_size // MAX_ROWS_PER_CTA)
         self._profile = profile
         self._plan: Plan | None = None
@@ -152,10 +154,17 @@ class BatchDecodeWrapper:
         """All per-plan integer metadata in one pinned host buffer and one async copy."""
         import cupy
 
-        parts = {"kv_indptr": page_table.kv_indptr, "kv_indices": page_table.kv_indices,
-                 "chunk_request": plan.chunk_request, "chunk_start": plan.chunk_start,
-                 "chunk_end": plan.chunk_end, "merge_indptr": plan.merge_indptr}
-        sizes = [max(1, a.size) for a in parts.values()]
+        req = plan.chunk_request
+        chunk_info = np.zeros((plan.num_chunks, 8), dtype=np.int32)   # two int4 per chunk
+        chunk_info[:, 0] = req
+        chunk_info[:, 1] = plan.chunk_start
+        chunk_info[:, 2] = plan.chunk_end
+        chunk_info[:, 3] = page_table.kv_indptr[req]
+        chunk_info[:, 4] = plan.merge_indptr[req]
+        chunk_info[:, 5] = plan.merge_indptr[req + 1]
+        parts = {"chunk_info": chunk_info.ravel(), "kv_indices": page_table.kv_indices,
+                 "merge_indptr": plan.merge_indptr}
+        sizes = [-(-max(1, a.size) // 4) * 4 for a in parts.values()]   # 16-byte aligned parts
         total = int(sum(sizes))
         pinned = cupy.cuda.alloc_pinned_memory(total * 4)
         host = np.frombuffer(pinned, dtype=np.int32, count=total)
@@ -270,8 +279,7 @@ class BatchDecodeWrapper:
         ptr = np.uint64
         k.partial(grid, (THREADS_PER_CTA,),
                   (ptr(q_ptr), ptr(k_ptr), ptr(v_ptr), np.int64(page_stride), np.int64(token_stride),
-                   m["kv_indptr"], m["kv_indices"], m["chunk_request"], m["chunk_start"],
-                   m["chunk_end"], m["merge_indptr"], ptr(out_ptr), ptr(lse_ptr), self._partial_o,
+                   m["kv_indices"], m["chunk_info"], ptr(out_ptr), ptr(lse_ptr), self._partial_o,
                    self._partial_lse, self._counters, np.int32(self.num_qo_heads),
                    np.int32(self.num_kv_heads), np.int32(self.page_size), self._sm_scale_log2, fused),
                   shared_mem=self.variant.shared_bytes, stream=stream)

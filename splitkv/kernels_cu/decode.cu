@@ -1,7 +1,7 @@
 // Split-KV decode attention over a paged KV cache: the partial kernel, the fused variant, and
 // the merge kernel.
 //
-// decode_partial: one CTA per work item (chunk, kv head, head tile). It streams the chunk's
+// decode_partial: one CTA per work item (chunk, kv head, head tile), flat grid, heads fastest. It streams the chunk's
 // tokens of K and V for that kv head through shared memory (cp.async, STAGES tiles of 64 tokens
 // in flight, page-table lookups per token) and computes attention for all query heads of the
 // GQA group at once on tensor cores: S = Q K^T and O += P V with mma.m16n8k16, query heads
@@ -48,11 +48,17 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
                const int* __restrict__ kv_indices, const int4* __restrict__ chunk_info,
                u16* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ partial_o,
                float* __restrict__ partial_lse, unsigned* __restrict__ counters,
-               int num_qo_heads, int num_kv_heads, int page_size, float scale_log2, int fused) {
+               int num_qo_heads, int num_kv_heads, int head_tiles, int page_size, float scale_log2,
+               int fused) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int is_last_cta;
 
-  const int chunk = blockIdx.x, kvh = blockIdx.y, htile = blockIdx.z;
+  // One flat grid, kv heads (and head tiles) fastest: the CTAs that read the same tokens of
+  // different heads run side by side, so together they sweep whole token rows of a page.
+  const int heads_per_chunk = num_kv_heads * head_tiles;
+  const int chunk = blockIdx.x / heads_per_chunk;
+  const int kvh = (blockIdx.x % heads_per_chunk) / head_tiles;
+  const int htile = blockIdx.x % head_tiles;
   const int group = num_qo_heads / num_kv_heads;
   const int head0 = kvh * group + htile * ROWS;
   const int rows_valid = min(ROWS, group - htile * ROWS);
@@ -166,17 +172,25 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
 #pragma unroll
     for (int st = 0; st < SUBTILES; ++st) {
       const int n0 = warp_n * TOK_PER_WARP + st * 16;
+      // Even and odd k-steps accumulate separately: two shorter MMA dependency chains.
+      float acc[2][2][4];
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) s[st][nt][0] = s[st][nt][1] = s[st][nt][2] = s[st][nt][3] = 0.f;
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) acc[h][nt][0] = acc[h][nt][1] = acc[h][nt][2] = acc[h][nt][3] = 0.f;
 #pragma unroll
       for (int ks = 0; ks < KSTEPS; ++ks) {
         const int r = n0 + (lane & 7) + ((lane >> 4) << 3);
         const int c = ks * 2 + ((lane >> 3) & 1);
         u32 b0, b1, b2, b3;
         ldmatrix_x4(b0, b1, b2, b3, ks_base + tile_offset_bytes(r, c));
-        mma_16816(s[st][0], qf[ks], b0, b1);
-        mma_16816(s[st][1], qf[ks], b2, b3);
+        mma_16816(acc[ks & 1][0], qf[ks], b0, b1);
+        mma_16816(acc[ks & 1][1], qf[ks], b2, b3);
       }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[st][nt][e] = acc[0][nt][e] + acc[1][nt][e];
     }
 
     // Online softmax over the tile, in base 2; masked tokens get -inf.
@@ -301,7 +315,7 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   __threadfence();
   __syncthreads();
   if (tid == 0) {
-    const unsigned slot = ((unsigned)req * num_kv_heads + kvh) * gridDim.z + htile;
+    const unsigned slot = ((unsigned)req * num_kv_heads + kvh) * head_tiles + htile;
     const unsigned ticket = atomicInc(counters + slot, (unsigned)(n_chunks - 1));
     is_last_cta = ticket == (unsigned)(n_chunks - 1);
   }

@@ -275,13 +275,14 @@ class BatchDecodeWrapper:
     def _launch(self, q_ptr, k_ptr, v_ptr, page_stride, token_stride, out_ptr, lse_ptr, stream):
         plan, m, k = self._plan, self._meta, self._kernels
         fused = np.int32(plan.strategy == "fused")
-        grid = (plan.num_chunks, self.num_kv_heads, self.head_tile_groups)
+        grid = (plan.num_chunks * self.num_kv_heads * self.head_tile_groups,)
         ptr = np.uint64
         k.partial(grid, (THREADS_PER_CTA,),
                   (ptr(q_ptr), ptr(k_ptr), ptr(v_ptr), np.int64(page_stride), np.int64(token_stride),
                    m["kv_indices"], m["chunk_info"], ptr(out_ptr), ptr(lse_ptr), self._partial_o,
                    self._partial_lse, self._counters, np.int32(self.num_qo_heads),
-                   np.int32(self.num_kv_heads), np.int32(self.page_size), self._sm_scale_log2, fused),
+                   np.int32(self.num_kv_heads), np.int32(self.head_tile_groups),
+                   np.int32(self.page_size), self._sm_scale_log2, fused),
                   shared_mem=self.variant.shared_bytes, stream=stream)
         if plan.strategy == "split_merge" and plan.needs_merge:
             rows = plan.problem.batch_size * self.num_qo_heads

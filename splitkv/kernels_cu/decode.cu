@@ -195,32 +195,41 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
 
     // Online softmax over the tile, in base 2; masked tokens get -inf.
     float tile_max[2] = {SPLITKV_NEG_INF, SPLITKV_NEG_INF};
+    const bool partial_tile = tile_tok0 + TILE_N > tok_end;   // only the last tile is masked
 #pragma unroll
     for (int st = 0; st < SUBTILES; ++st)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int tok = tile_tok0 + warp_n * TOK_PER_WARP + st * 16 + nt * 8 + 2 * t + (e & 1);
-          const float v = tok < tok_end ? s[st][nt][e] * scale_log2 : SPLITKV_NEG_INF;
+          float v = s[st][nt][e] * scale_log2;
+          if (partial_tile) {
+            const int tok = tile_tok0 + warp_n * TOK_PER_WARP + st * 16 + nt * 8 + 2 * t + (e & 1);
+            v = tok < tok_end ? v : SPLITKV_NEG_INF;
+          }
           s[st][nt][e] = v;
           tile_max[e >> 1] = fmaxf(tile_max[e >> 1], v);
         }
     float alpha[2], m_use[2];
+    bool max_moved = false;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
       const float m_new = fmaxf(m_run[r], tile_max[r]);
+      max_moved |= m_new != m_run[r];
       m_use[r] = safe_max(m_new);
       alpha[r] = fast_exp2(m_run[r] - m_use[r]);
       m_run[r] = m_new;
       d_run[r] *= alpha[r];
     }
+    // Rescaling O is needed only when some row's max moved; after the first tiles it rarely does.
+    if (__any_sync(0xffffffffu, max_moved)) {
 #pragma unroll
-    for (int i = 0; i < DTILES; ++i) {
-      o[i][0] *= alpha[0]; o[i][1] *= alpha[0];
-      o[i][2] *= alpha[1]; o[i][3] *= alpha[1];
+      for (int i = 0; i < DTILES; ++i) {
+        o[i][0] *= alpha[0]; o[i][1] *= alpha[0];
+        o[i][2] *= alpha[1]; o[i][3] *= alpha[1];
+      }
     }
 
     // O += P V. The S accumulators of two 8-token n-tiles are exactly the A fragment of P.

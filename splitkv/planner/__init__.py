@@ -1,0 +1,12 @@
+"""The planner: how to cut a decode batch into work items, chosen by a fitted cost model.
+
+Pure Python + NumPy/SciPy/PyYAML: it never imports CuPy, so plans can be made and inspected on
+any machine.
+"""
+
+from .cost_model import FEATURE_NAMES, CostModel, plan_features
+from .planner import Candidate, choose_plan, rank_candidates
+from .profiles import Profile, ProfileError, load_profile, read_profile
+
+__all__ = ["FEATURE_NAMES", "Candidate", "CostModel", "Profile", "ProfileError", "choose_plan",
+           "load_profile", "plan_features", "rank_candidates", "read_profile"]

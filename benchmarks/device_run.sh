@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Everything the GPU machine has to do, in one call per phase; logs and results under $OUT.
+#   bash benchmarks/device_run.sh tests calibrate      # GPU tests + memcheck, then calibration
+#   bash benchmarks/device_run.sh eval bench           # planner evaluation, then the benchmark
+# The profile written by `calibrate` is read back from splitkv/planner/profiles/ by later phases.
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+PROFILE=splitkv/planner/profiles/nvidia-h200.yaml
+for phase in "$@"; do
+  case $phase in
+    tests)
+      python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_decode.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+      compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_gpu_decode.py -k "zero_length or bad_inputs or every_split or mqa" 2>&1 \
+        | tee "$OUT/memcheck.log" | tail -4 ;;
+    calibrate)
+      python3 -m splitkv.cli calibrate --plot --trials 3 --min-trial-ms 10 --out "$OUT/nvidia-h200.yaml" 2>&1 | tee "$OUT/calibrate.log" | tail -25 ;;
+    eval)
+      python3 benchmarks/eval_planner.py --profile "$PROFILE" --json "$OUT/h200-planner.json" 2>&1 \
+        | tee "$OUT/eval.log" | tail -8 ;;
+    bench)
+      SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench --json "$OUT/h200.json" --markdown "$OUT/h200.md" 2>&1 \
+        | grep -v Warning | tee "$OUT/bench.log" | tail -22 ;;
+    *) echo "unknown phase $phase"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,115 @@
+"""Does the planner choose well on shapes the fit never saw?
+
+For each held-out shape (batch 1..256, lengths 16..128k, equal and ragged, GQA groups 1..8),
+time the planner's plan and a grid of alternatives (no split; chunk sizes 64..16k tokens, each
+'split_merge' and 'fused'); the oracle is the fastest measured. Reports plan/oracle, the share
+within 5%, the geometric mean, and the model's median absolute percentage error over every
+measured plan, and writes benchmarks/results/h200-planner.json's format.
+
+    python3 benchmarks/eval_planner.py --profile PATH --json OUT.json
+"""
+
+import argparse
+import datetime
+import json
+import sys
+
+import numpy as np
+
+from splitkv.calibration.sweep import ragged_lengths
+from splitkv.plan import plan_chunk_tokens
+from splitkv.planner import choose_plan
+from splitkv.planner.profiles import load_profile
+from splitkv.problem import DecodeProblem
+from splitkv.runtime import device_info
+from splitkv.runtime.testing import scattered_page_table
+from splitkv.runtime.timing import make_layers, time_plan_us
+
+GRID = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+def heldout_shapes(seed: int = 12345):
+    """40+ shapes, drawn with a seed the calibration sweep does not use."""
+    rng = np.random.default_rng(seed)
+    shapes = []
+    groups = [1, 2, 4, 5, 8]
+    batches = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    while len(shapes) < 44:
+        b = int(rng.choice(batches))
+        g = int(rng.choice(groups))
+        hk = int(rng.choice([2, 4, 8])) if g > 1 else int(rng.choice([8, 16, 32]))
+        mean = int(np.exp(rng.uniform(np.log(16), np.log(131072))))
+        ragged = bool(rng.random() < 0.4) and b > 1
+        lens = ragged_lengths(b, mean, rng) if ragged else np.full(b, mean)
+        kv_bytes = int(lens.sum()) * hk * 128 * 4
+        if kv_bytes > (1 << 30) or kv_bytes < (1 << 18):
+            continue
+        name = f"{'r' if ragged else 'b'}{b}_n{mean}_g{g}_hk{hk}"
+        shapes.append((name, DecodeProblem(lens, hk * g, hk, 128, 16, "bfloat16")))
+    return shapes
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profile", default=None)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--limit", type=int, default=None)
+    args = ap.parse_args()
+    info = device_info()
+    profile = load_profile(args.profile, device_name=info["name"], num_sms=info["num_sms"])
+    model = profile.cost_model()
+    rows, abs_pct = [], []
+    shapes = heldout_shapes()[: args.limit]
+    for i, (name, prob) in enumerate(shapes):
+        pt, _ = scattered_page_table(prob.kv_lens, prob.page_size, np.random.default_rng(i), 0)
+        data = make_layers(pt, prob.num_qo_heads, prob.num_kv_heads, prob.head_dim, prob.dtype)
+        chosen = choose_plan(prob, profile=profile)
+        plans = {("planner",): chosen}
+        plans[("single",)] = plan_chunk_tokens(prob, 1 << 30, "single")
+        for chunk in GRID:
+            for strategy in ("split_merge", "fused"):
+                p = plan_chunk_tokens(prob, chunk, strategy, align=64)
+                if p.num_splits > 1:
+                    plans[(chunk, strategy)] = p
+        measured = {}
+        for key, p in plans.items():
+            us = time_plan_us(p, pt, data=data, trials=3, min_trial_ms=10.0)
+            measured[key] = us
+            pred = model.predict(p)
+            abs_pct.append(abs(pred - us) / us)
+        oracle_key = min(measured, key=measured.get)
+        row = {"shape": name, "batch": prob.batch_size, "tokens": prob.total_tokens,
+               "group": prob.group_size, "kv_heads": prob.num_kv_heads,
+               "plan": f"{chosen.strategy}/{chosen.num_splits}",
+               "plan_us": round(measured[("planner",)], 2),
+               "oracle_us": round(measured[oracle_key], 2),
+               "oracle_plan": f"{plans[oracle_key].strategy}/{plans[oracle_key].num_splits}",
+               "predicted_us": round(chosen.predicted_us, 2)}
+        row["ratio"] = round(row["plan_us"] / row["oracle_us"], 4)
+        rows.append(row)
+        print(f"[{i + 1}/{len(shapes)}] {name:>24}: plan {row['plan']:>14} {row['plan_us']:8.2f} us"
+              f" (pred {row['predicted_us']:8.2f}) oracle {row['oracle_plan']:>14} "
+              f"{row['oracle_us']:8.2f} us ratio {row['ratio']:.3f}", flush=True)
+        del data
+    ratios = np.array([r["ratio"] for r in rows])
+    result = {"device": info["name"], "date": datetime.date.today().isoformat(),
+              "command": "python3 " + " ".join(sys.argv), "profile": profile.origin,
+              "within_5pct_frac": round(float(np.mean(ratios <= 1.05)), 4),
+              "geomean_ratio": round(float(np.exp(np.mean(np.log(ratios)))), 4),
+              "mape": round(float(np.median(abs_pct)), 4),
+              "mape_note": "median absolute percentage error of the model over every measured plan",
+              "shapes": rows}
+    worst = sorted(rows, key=lambda r: -r["ratio"])[:5]
+    result["worst"] = worst
+    print(f"within 5%: {result['within_5pct_frac']:.2%}  geomean plan/oracle "
+          f"{result['geomean_ratio']:.4f}  model median APE {result['mape']:.1%}")
+    for r in worst:
+        print(f"  worst: {r['shape']} plan {r['plan']} {r['plan_us']} us vs oracle "
+              f"{r['oracle_plan']} {r['oracle_us']} us")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""What the calibration times: decode shapes, and for each a few candidate plans.
+
+Shapes: batch 1..256, lengths 16..128k tokens, equal and ragged (log-normal around the mean,
+as serving batches are), GQA groups 1..8, head dims 64..256; none holds more than 1 GiB of
+K and V. Plans: for each shape, no split plus the decompositions the planner ranks best under
+the prior and a few it ranks worse (the fit must see bad plans to learn what makes them bad),
+each as 'split_merge' and as 'fused'. ``--quick`` keeps a small subset.
+
+Timing goes through ``splitkv.runtime.timing.time_plan_us`` (imported when measuring), so the
+calibration measures exactly what the benchmark measures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..plan import Plan
+from ..problem import DecodeProblem
+from ..planner.cost_model import CostModel
+from ..planner.planner import NO_SPLIT, rank_candidates
+
+MAX_KV_BYTES = 1 << 30
+PAGE_SIZE = 16
+
+
+@dataclass(frozen=True)
+class SweepShape:
+    name: str
+    problem: DecodeProblem
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One plan of one shape to time."""
+
+    shape: str
+    label: str              # e.g. 'chunk tokens 1024 fused'
+    plan: Plan
+
+
+@dataclass(frozen=True)
+class Measurement:
+    shape: str
+    label: str
+    plan: Plan
+    measured_us: float
+
+
+def ragged_lengths(batch: int, mean: int, rng: np.random.Generator) -> np.ndarray:
+    """Log-normal lengths (sigma 0.8) around ``mean``, at least 1 token, at most 8x the mean."""
+    lens = rng.lognormal(np.log(mean) - 0.32, 0.8, batch)
+    return np.clip(np.round(lens), 1, 8 * mean).astype(np.int64)
+
+
+def _shape(name, lens, hq=32, hk=8, d=128) -> SweepShape:
+    return SweepShape(name, DecodeProblem(np.asarray(lens, dtype=np.int64), hq, hk, d, PAGE_SIZE))
+
+
+def sweep_shapes(quick: bool = False, seed: int = 0) -> list[SweepShape]:
+    """The shapes to time, in a fixed order (deterministic for a seed)."""
+    rng = np.random.default_rng(seed)
+    shapes = []
+    if quick:
+        batches, lengths, ragged_means = (1, 8, 64), (256, 4096, 32768), (2048,)
+        heads = [(32, 32, 128), (64, 8, 128), (32, 8, 64)]
+        head_grid = [(1, 8192), (16, 2048)]
+    else:
+        batches = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+        lengths = (16, 64, 256, 1024, 4096, 16384, 32768, 131072)
+        ragged_means = (256, 1024, 4096, 16384)
+        heads = [(32, 32, 128), (32, 16, 128), (64, 8, 128), (32, 8, 64), (16, 4, 256)]
+        head_grid = [(1, 1024), (1, 8192), (1, 32768), (8, 8192), (64, 2048), (16, 4096)]
+    for b in batches:
+        for n in lengths:
+            shapes.append(_shape(f"b{b}_n{n}", [n] * b))
+        if b > 1:
+            for mean in ragged_means:
+                shapes.append(_shape(f"ragged_b{b}_mean{mean}", ragged_lengths(b, mean, rng)))
+    for hq, hk, d in heads:
+        for b, n in head_grid:
+            shapes.append(_shape(f"h{hq}/{hk}_d{d}_b{b}_n{n}", [n] * b, hq, hk, d))
+        shapes.append(_shape(f"h{hq}/{hk}_d{d}_ragged_b16", ragged_lengths(16, 4096, rng),
+                             hq, hk, d))
+    return [s for s in shapes if s.problem.kv_bytes <= MAX_KV_BYTES]
+
+
+def candidate_plans(problem: DecodeProblem, model: CostModel,
+                    max_decompositions: int = 5) -> list[tuple[str, Plan]]:
+    """No split, then up to ``max_decompositions - 1`` split decompositions: the best ranked
+    by ``model`` and a spread of worse ones; each split one as 'split_merge' and 'fused'."""
+    ranked = rank_candidates(problem, model)
+    decomps = []
+    for c in ranked:
+        if c.kind != NO_SPLIT and (c.kind, c.value) not in decomps:
+            decomps.append((c.kind, c.value))
+    want = max_decompositions - 1
+    if len(decomps) > want:
+        best = decomps[: (want + 1) // 2]
+        rest = decomps[len(best):]
+        step = len(rest) / (want - len(best))
+        decomps = best + [rest[int(i * step)] for i in range(want - len(best))]
+    by_key = {(c.kind, c.value, c.strategy): c for c in ranked}
+    out = []
+    for c in ranked:
+        if c.kind == NO_SPLIT:
+            out.append((str(c.kind), c.build(problem)))
+            break
+    for kind, value in decomps:
+        for strategy in ("split_merge", "fused"):
+            c = by_key[(kind, value, strategy)]
+            out.append((f"{kind} {value} {strategy}", c.build(problem)))
+    return out
+
+
+def sweep_points(model: CostModel, quick: bool = False, seed: int = 0) -> list[SweepPoint]:
+    """Every (shape, plan) to time."""
+    per_shape = 3 if quick else 5
+    return [SweepPoint(shape.name, label, plan)
+            for shape in sweep_shapes(quick, seed)
+            for label, plan in candidate_plans(shape.problem, model, per_shape)]
+
+
+def measure(points, time_fn=None, progress=None, seed: int = 0, **timing) -> list[Measurement]:
+    """Time every point. ``time_fn(plan, page_table, **timing)`` defaults to the runtime's
+    ``time_plan_us``; ``progress(i, n, point, us)`` is called after each point. One page table
+    (pages scattered at random) per shape."""
+    from ..runtime.testing import scattered_page_table
+
+    if time_fn is None:
+        from ..runtime.timing import time_plan_us as time_fn
+    rng = np.random.default_rng(seed)
+    tables = {}
+    out = []
+    for i, point in enumerate(points):
+        if point.shape not in tables:
+            p = point.plan.problem
+            tables = {point.shape: scattered_page_table(p.kv_lens, p.page_size, rng)[0]}
+        us = float(time_fn(point.plan, tables[point.shape], **timing))
+        out.append(Measurement(point.shape, point.label, point.plan, us))
+        if progress is not None:
+            progress(i, len(points), point, us)
+    return out

@@ -1,0 +1,266 @@
+"""What one decode call costs on the GPU: a model linear in its parameters, over features that
+each have a physical meaning.
+
+How the kernels run (what the features describe): one CTA per work item (chunk x kv head, and
+x ceil(group / 64) head tiles for very large GQA groups). A CTA streams its chunk's K and V in
+tiles of 64 tokens, so a partly filled last tile costs a whole tile of compute but only its
+real bytes of memory. About ``ctas_per_sm`` CTAs are resident per SM, so the GPU has
+``num_sms * ctas_per_sm`` *slots*; items are dealt onto the slots in waves. A CTA pays a fixed
+start-up (Q load, page-table reads, pipeline fill). Requests cut into several chunks leave fp32
+partials (``num_qo_heads x (head_dim + 1) x 4`` B per chunk, the +1 is the log-sum-exp) that a
+second launch merges ('split_merge') or that the last CTA of each (request, kv head) merges
+('fused', a serial tail that grows with the number of chunks).
+
+Time units: microseconds. Byte counts are turned into microseconds at the device's streaming
+bandwidth (``bandwidth_gbps``), or at one slot's share of it (``bandwidth_gbps / slots``) for
+work that one CTA does alone, so a fitted coefficient near 1 means "at the roofline".
+
+The feature columns, in order (``FEATURE_NAMES``):
+  const           1 per call.
+  launches        kernel launches in the graph: 2 for 'split_merge' with a split request, else 1.
+  kv_us           all K and V bytes / device bandwidth (contention for DRAM).
+  crit_us         bytes of the most loaded slot / one slot's bandwidth (the critical path).
+  crit_tiles      64-token tiles on the most loaded slot (partial tiles count whole),
+                  x head_dim / 128: per-tile work that is not memory traffic.
+  crit_tile_rows  the same x query heads per CTA: compute that grows with the GQA group.
+  waves           CTAs the most loaded slot runs one after the other (each pays a start-up).
+  partial_us      fp32 partials written and read back / device bandwidth.
+  fused_tail_us   bytes one merging CTA reads in 'fused' (max chunks x group x (head_dim+1)
+                  x 4 B) / one slot's bandwidth.
+  fused_merges    1 when 'fused' merges anything (the ticket atomic, fences, the extra pass).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.optimize import nnls
+
+from ..plan import Plan
+from ..validation import STRATEGIES
+
+TILE_TOKENS = 64    # tokens of K/V one CTA step streams
+HEAD_TILE = 64      # query heads one CTA computes; larger GQA groups launch more CTAs
+
+FEATURE_NAMES = ("const", "launches", "kv_us", "crit_us", "crit_tiles", "crit_tile_rows",
+                 "waves", "partial_us", "fused_tail_us", "fused_merges")
+
+SINGLE, SPLIT_MERGE, FUSED = (STRATEGIES.index(s) for s in ("single", "split_merge", "fused"))
+
+
+# The numbers of a decomposition the features need, rows of a ``stats`` array in this order.
+# ``split_chunks`` counts the chunks of requests cut into more than one; ``max_splits`` is the
+# most chunks any request has.
+STAT_NAMES = ("num_chunks", "total_tokens", "total_tiles", "max_chunk_tokens",
+              "max_chunk_tiles", "split_chunks", "max_splits")
+
+
+def waves(num_items, slots):
+    """CTAs the busiest slot runs in turn when ``num_items`` CTAs are dealt onto ``slots``.
+
+    FlashAttention's wave quantization: 300 equal items on 264 slots take 2 full waves, so
+    they run at 300 / (2 * 264) = 57% efficiency; 264 items run at 100%.
+    """
+    return np.ceil(np.divide(num_items, slots))
+
+
+def critical_path(total, largest, num_items, slots):
+    """Work on the most loaded slot: at least the largest item, and at least one mean item per
+    wave. Exact for equal items; for ragged items it stands in for the GPU's back-filling.
+    Element-wise on arrays (one entry per candidate plan).
+
+    Worked example, H200 (132 SMs x 2 = 264 slots), one request of 32k tokens, 8 kv heads,
+    head_dim 128 (one token of one kv head = 512 B of K and V), one slot ~ 4460/264 = 16.9 GB/s:
+      no split        8 items; 8 of 264 slots work; critical slot 32768 tok = 16 MiB ~ 990 us.
+      1024-tok chunks 256 items, 1 wave; critical slot 1024 tok = 512 KiB ~ 31 us.
+      512-tok chunks  512 items, 2 waves; 2 x 512 tok: the same bytes, one more start-up, and
+                      twice the partials: no better.
+      768-tok chunks  344 items, 2 waves; 2 x 768 tok: 50% worse than 1024 (the wave tail).
+    """
+    return np.maximum(largest, waves(num_items, slots) * (total / np.maximum(num_items, 1)))
+
+
+def decomposition_stats(chunk_tokens, chunks_per_request) -> np.ndarray:
+    """``STAT_NAMES`` of a built plan, exactly, from its per-chunk token counts and its chunks
+    per request."""
+    tok = np.asarray(chunk_tokens, dtype=np.int64)
+    cpr = np.asarray(chunks_per_request, dtype=np.int64)
+    if tok.size == 0:
+        return np.zeros(len(STAT_NAMES))
+    tiles = -(-tok // TILE_TOKENS)
+    return np.array([tok.size, tok.sum(), tiles.sum(), tok.max(), tiles.max(),
+                     cpr[cpr > 1].sum(), cpr.max()], dtype=np.float64)
+
+
+def features_from_stats(num_qo_heads, num_kv_heads, head_dim, strategy_code, stats, *,
+                        num_sms, ctas_per_sm, bandwidth_gbps) -> np.ndarray:
+    """Feature matrix ``[n, len(FEATURE_NAMES)]`` of n candidates from their ``stats``
+    ``[len(STAT_NAMES), n]`` and strategy codes (index in ``STRATEGIES``; [n] or one for all).
+    The planner computes the statistics of many candidates at once in closed form;
+    ``plan_features`` computes them from a built plan."""
+    group = num_qo_heads // num_kv_heads
+    head_tiles = -(-group // HEAD_TILE)
+    rows = -(-group // head_tiles)                 # query heads per CTA
+    items_per_chunk = num_kv_heads * head_tiles
+    slots = num_sms * ctas_per_sm
+    bw = bandwidth_gbps * 1e3                      # bytes per microsecond
+    slot_bw = bw / slots
+    token_bytes = head_dim * 2 * 2                 # K and V, 2-byte elements, one kv head
+    partial_bytes = (head_dim + 1) * 4             # fp32 o and lse, one query head
+    # Each feature is a statistic times a unit: bytes -> microseconds, tiles -> tile-equivalents.
+    units = np.array([1.0, 1.0, num_kv_heads * token_bytes / bw, token_bytes / slot_bw,
+                      head_dim / 128, rows * head_dim / 128, 1.0,
+                      2 * num_qo_heads * partial_bytes / bw, rows * partial_bytes / slot_bw, 1.0])
+
+    num_chunks, max_splits = stats[0], stats[6]
+    items = num_chunks * items_per_chunk
+    x = np.empty((len(FEATURE_NAMES), stats.shape[1]))
+    x[0] = 1.0
+    split = max_splits > 1
+    np.logical_and(split, np.equal(strategy_code, SPLIT_MERGE), out=x[1])
+    x[1] += 1.0
+    x[2] = stats[1]
+    # tokens and tiles of the busiest slot; a CTA's item is one chunk of one head
+    x[3:5] = critical_path(stats[1:3] * items_per_chunk, stats[3:5], items, slots)
+    x[5] = x[4]
+    x[6] = waves(items, slots)
+    x[7] = stats[5]
+    np.logical_and(split, np.equal(strategy_code, FUSED), out=x[9])
+    np.multiply(x[9], max_splits, out=x[8])
+    x *= units[:, None]
+    return x.T
+
+
+def plan_features(problem, chunk_tokens, chunks_per_request, strategy, *, num_sms=132,
+                  ctas_per_sm=2, bandwidth_gbps=4460.0) -> np.ndarray:
+    """Feature vector of one decomposition: per-chunk token counts, chunks per request and the
+    strategy ('single', 'split_merge' or 'fused')."""
+    stats = decomposition_stats(chunk_tokens, chunks_per_request)
+    return features_from_stats(problem.num_qo_heads, problem.num_kv_heads, problem.head_dim,
+                               STRATEGIES.index(strategy), stats[:, None], num_sms=num_sms,
+                               ctas_per_sm=ctas_per_sm, bandwidth_gbps=bandwidth_gbps)[0]
+
+
+class CostModel:
+    """Predicted microseconds of one decode call = features(plan) @ coef_.
+
+    Hyperparameters (the machine the features are measured against) go to the constructor;
+    ``fit`` sets ``coef_`` (one non-negative value per name in ``FEATURE_NAMES``),
+    ``fit_error_`` (RMS relative error on the samples), ``fit_mape_`` and ``n_samples_``.
+
+    >>> model = CostModel(num_sms=132).fit([(plan, 31.5), ...])     # doctest: +SKIP
+    >>> model.predict(plan)                                         # doctest: +SKIP
+    """
+
+    feature_names = FEATURE_NAMES
+
+    def __init__(self, num_sms: int = 132, ctas_per_sm: int = 2, bandwidth_gbps: float = 4460.0,
+                 robust: bool = True):
+        self.num_sms = num_sms
+        self.ctas_per_sm = ctas_per_sm
+        self.bandwidth_gbps = bandwidth_gbps
+        self.robust = robust
+
+    @classmethod
+    def from_coef(cls, coef, **hyperparameters) -> "CostModel":
+        """A model with known parameters: a dict by feature name, or a sequence in order."""
+        model = cls(**hyperparameters)
+        if isinstance(coef, dict):
+            missing = set(FEATURE_NAMES) - set(coef)
+            extra = set(coef) - set(FEATURE_NAMES)
+            if missing or extra:
+                raise ValueError(f"coef: expected the features {list(FEATURE_NAMES)}; "
+                                 f"missing {sorted(missing)}, unknown {sorted(extra)}")
+            coef = [coef[name] for name in FEATURE_NAMES]
+        coef = np.asarray(coef, dtype=np.float64)
+        if coef.shape != (len(FEATURE_NAMES),) or not np.all(np.isfinite(coef)):
+            raise ValueError(f"coef: expected {len(FEATURE_NAMES)} finite values, got {coef}")
+        model.coef_ = coef
+        model.fit_error_ = None
+        model.fit_mape_ = None
+        model.n_samples_ = 0
+        return model
+
+    @property
+    def slots(self) -> int:
+        return self.num_sms * self.ctas_per_sm
+
+    def _hardware(self) -> dict:
+        return dict(num_sms=self.num_sms, ctas_per_sm=self.ctas_per_sm,
+                    bandwidth_gbps=self.bandwidth_gbps)
+
+    def features(self, plan: Plan) -> np.ndarray:
+        """Feature vector of a built plan."""
+        return plan_features(plan.problem, plan.chunk_end - plan.chunk_start,
+                             plan.chunks_per_request, plan.strategy, **self._hardware())
+
+    def _design(self, sources) -> np.ndarray:
+        """Feature matrix from plans or feature vectors (rows of length len(FEATURE_NAMES))."""
+        if isinstance(sources, Plan):
+            sources = [sources]
+        if isinstance(sources, np.ndarray) and sources.dtype != object:
+            x = np.atleast_2d(sources).astype(np.float64)
+        else:
+            x = np.array([self.features(s) if isinstance(s, Plan)
+                          else np.asarray(s, dtype=np.float64) for s in sources])
+        if x.ndim != 2 or x.shape[1] != len(FEATURE_NAMES):
+            raise ValueError(f"expected plans or feature rows of length {len(FEATURE_NAMES)}, "
+                             f"got an array of shape {x.shape}")
+        return x
+
+    def fit(self, samples, huber_delta: float = 0.1) -> "CostModel":
+        """Fit on ``(plan or feature vector, measured_us)`` pairs.
+
+        Minimises the squared *relative* error (times span 2 us to 1 ms, and a planner needs
+        the small ones right as much as the large ones) with non-negative parameters
+        (``scipy.optimize.nnls``), so every parameter stays a cost. With ``robust`` a few
+        Huber re-weightings keep one bad measurement from steering the fit.
+        """
+        samples = list(samples)
+        if len(samples) < len(FEATURE_NAMES):
+            raise ValueError(f"samples: need at least {len(FEATURE_NAMES)} measurements to fit "
+                             f"{len(FEATURE_NAMES)} parameters, got {len(samples)}")
+        x = self._design([s for s, _ in samples])
+        y = np.array([float(t) for _, t in samples])
+        if not np.all(np.isfinite(y)) or np.any(y <= 0):
+            raise ValueError("samples: measured times must be finite and > 0 microseconds")
+        a = x / y[:, None]                       # relative error: (x @ c - y) / y
+        scale = np.linalg.norm(a, axis=0)
+        scale[scale == 0] = 1.0                  # a feature that never varies stays at 0
+        a = a / scale
+        weights = np.ones_like(y)
+        for _ in range(4 if self.robust else 1):
+            sw = np.sqrt(weights)
+            c, _ = nnls(a * sw[:, None], sw, maxiter=50 * a.shape[1])
+            resid = a @ c - 1.0
+            weights = np.minimum(1.0, huber_delta / np.maximum(np.abs(resid), 1e-12))
+        self.coef_ = c / scale
+        rel = x @ self.coef_ / y - 1.0
+        self.fit_error_ = float(np.sqrt(np.mean(rel ** 2)))
+        self.fit_mape_ = float(np.mean(np.abs(rel)))
+        self.n_samples_ = len(y)
+        return self
+
+    def _check_fitted(self):
+        if getattr(self, "coef_", None) is None:
+            raise RuntimeError("CostModel is not fitted: call fit(), or build one with "
+                               "CostModel.from_coef() or a profile's cost_model()")
+
+    def predict(self, sources):
+        """Predicted microseconds: a float for one plan or one feature vector, else an array."""
+        self._check_fitted()
+        one = isinstance(sources, Plan) or (isinstance(sources, np.ndarray)
+                                            and sources.ndim == 1)
+        y = self._design(sources) @ self.coef_
+        return float(y[0]) if one else y
+
+    def coef_dict(self) -> dict:
+        self._check_fitted()
+        return {name: float(v) for name, v in zip(FEATURE_NAMES, self.coef_)}
+
+    def __repr__(self) -> str:
+        head = (f"CostModel(num_sms={self.num_sms}, ctas_per_sm={self.ctas_per_sm}, "
+                f"bandwidth_gbps={self.bandwidth_gbps}")
+        if getattr(self, "coef_", None) is None:
+            return head + ", not fitted)"
+        coef = ", ".join(f"{k}={v:.3g}" for k, v in self.coef_dict().items())
+        return head + f"; {coef})"

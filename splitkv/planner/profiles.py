@@ -1,0 +1,307 @@
+"""Profiles: the fitted cost model of one kind of GPU, as a small YAML file.
+
+A profile holds the device name, SM count, the bandwidth the features are measured against,
+the fitted parameters, the fit error, the date, the splitkv version and the sweep it came from.
+``splitkv calibrate`` writes one to the user cache; a few ship with the package.
+
+``load_profile`` looks in this order and takes the first that answers:
+  1. the ``path`` argument;
+  2. ``$SPLITKV_PROFILE``;
+  3. the user cache: ``$XDG_CACHE_HOME/splitkv/profiles/<device>.yaml``, else
+     ``~/.cache/splitkv/profiles/<device>.yaml``;
+  4. the profiles shipped in ``splitkv/planner/profiles/``, matched by device name;
+  5. a roofline prior computed from the SM count and a bandwidth guess, with a one-time
+     warning that suggests ``splitkv calibrate``.
+A broken or mismatched file named by 1 or 2 is an error (the user asked for it); one found in
+3 or 4 is skipped with a warning. Nothing is read at import.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import re
+import warnings
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from .cost_model import FEATURE_NAMES, CostModel
+
+PROFILE_ENV = "SPLITKV_PROFILE"
+REFERENCE_DEVICE = "NVIDIA H200"       # what plans made without a device are made for
+SCHEMA = 1
+PRIOR_SOURCE = "prior, not yet calibrated"
+
+# Streaming-read bandwidth guesses (GB/s) for the prior, by a substring of the device name.
+# H200: measured (shared/GPU.md). The others: ~90% of the spec sheet, to be calibrated.
+BANDWIDTH_GUESS_GBPS = {"h200": 4460.0, "h100": 3000.0, "a100": 1800.0, "l40": 780.0}
+DEFAULT_BANDWIDTH_GBPS = 2000.0
+DEFAULT_NUM_SMS = 132
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used: unreadable, not valid YAML, wrong fields, or made
+    for another device."""
+
+
+def device_slug(device_name: str) -> str:
+    """File name stem for a device: 'NVIDIA H200' -> 'nvidia-h200'."""
+    return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+
+
+def user_profile_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "splitkv" / "profiles"
+
+
+def guess_bandwidth_gbps(device_name: str) -> float:
+    """Streaming-read bandwidth to scale the features by, before anything is measured."""
+    low = device_name.lower()
+    return next((bw for key, bw in BANDWIDTH_GUESS_GBPS.items() if key in low),
+                DEFAULT_BANDWIDTH_GBPS)
+
+
+def roofline_prior(num_sms: int, bandwidth_gbps: float) -> dict:
+    """Parameters before any calibration, from the physics measured on an H200 (GPU.md).
+
+    launches 0.52 us: an empty kernel inside a CUDA graph. kv_us 0.24, crit_us 0.81, const +
+    waves 1.1 us: the least-squares fit of this model to the plain read kernel (4, 32 and 128
+    MiB read by 528 or 132 CTAs: 2.73 ... 57.1 us, within 1.3%), which says a lone CTA streams
+    ~18 GB/s and a full grid ~4.3 TB/s. The rest are guesses of the right size: a tile's
+    non-memory work (0.02 us, +0.005 us per query head), partials at full bandwidth, the fused
+    tail at one CTA's bandwidth plus ~1 us for the ticket atomic and fences.
+    The parameters do not depend on the SM count or bandwidth: the features scale with them.
+    """
+    del num_sms, bandwidth_gbps
+    return {"const": 0.5, "launches": 0.52, "kv_us": 0.24, "crit_us": 0.81, "crit_tiles": 0.02,
+            "crit_tile_rows": 0.005, "waves": 0.6, "partial_us": 1.0, "fused_tail_us": 1.0,
+            "fused_merges": 1.0}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One device's cost model parameters and where they came from."""
+
+    device_name: str
+    num_sms: int
+    bandwidth_gbps: float                   # streaming-read bandwidth the features are scaled by
+    coef: dict                              # feature name -> fitted parameter
+    ctas_per_sm: int = 2
+    measured_bandwidth_gbps: float | None = None   # best K+V bandwidth a decode reached
+    fit_error: float | None = None          # RMS relative error on the fitted measurements
+    heldout_error: float | None = None      # mean relative error on held-out shapes
+    date: str = ""
+    splitkv_version: str = ""
+    source: str = ""                        # 'calibrated' or PRIOR_SOURCE
+    sweep: dict = field(default_factory=dict)
+    origin: str = field(default="", compare=False)   # where it was loaded from
+
+    @property
+    def is_prior(self) -> bool:
+        return self.source.startswith("prior")
+
+    @cached_property
+    def _model(self) -> CostModel:
+        model = CostModel.from_coef(self.coef, num_sms=self.num_sms,
+                                    ctas_per_sm=self.ctas_per_sm,
+                                    bandwidth_gbps=self.bandwidth_gbps)
+        model.fit_error_ = self.fit_error
+        return model
+
+    def cost_model(self) -> CostModel:
+        return self._model
+
+    def to_dict(self) -> dict:
+        d = {"schema": SCHEMA, **asdict(self)}
+        del d["origin"]
+        d["coef"] = {k: float(self.coef[k]) for k in FEATURE_NAMES}
+        return d
+
+    def to_yaml(self) -> str:
+        header = (f"# splitkv cost-model profile for {self.device_name} ({self.source}).\n"
+                  "# Written by `splitkv calibrate`; read with yaml.safe_load.\n")
+        return header + yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_yaml())
+        return path
+
+    @classmethod
+    def from_dict(cls, data, origin: str = "<dict>") -> "Profile":
+        """Check every field; raise ``ProfileError`` naming the file and the field."""
+        def bad(msg):
+            return ProfileError(f"profile {origin}: {msg}")
+
+        if not isinstance(data, dict):
+            raise bad(f"expected a YAML mapping, got {type(data).__name__}")
+        data = dict(data)
+        schema = data.pop("schema", SCHEMA)
+        if schema != SCHEMA:
+            raise bad(f"schema {schema!r} is not the one this splitkv reads ({SCHEMA}); "
+                      "re-run `splitkv calibrate`")
+        known = {f for f in cls.__dataclass_fields__ if f != "origin"}
+        unknown = set(data) - known
+        if unknown:
+            raise bad(f"unknown fields {sorted(unknown)}; expected some of {sorted(known)}")
+        for key in ("device_name", "num_sms", "bandwidth_gbps", "coef"):
+            if key not in data:
+                raise bad(f"missing field {key!r}")
+
+        def number(key, positive=False, optional=False):
+            v = data.get(key)
+            if v is None and optional:
+                return None
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or v < 0 or (positive and v == 0):
+                raise bad(f"{key}: expected a finite {'positive' if positive else 'non-negative'}"
+                          f" number, got {v!r}")
+            return float(v)
+
+        def integer(key):
+            v = data.get(key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise bad(f"{key}: expected an integer >= 1, got {v!r}")
+            return v
+
+        if not isinstance(data["device_name"], str) or not data["device_name"]:
+            raise bad(f"device_name: expected a non-empty string, got {data['device_name']!r}")
+        coef = data["coef"]
+        if not isinstance(coef, dict) or set(coef) != set(FEATURE_NAMES):
+            got = sorted(coef) if isinstance(coef, dict) else coef
+            raise bad(f"coef: expected one parameter for each feature {list(FEATURE_NAMES)}, "
+                      f"got {got}; this profile was made by another splitkv version, "
+                      "re-run `splitkv calibrate`")
+        for k, v in coef.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or v < 0:
+                raise bad(f"coef.{k}: expected a finite non-negative number, got {v!r}")
+        sweep = data.get("sweep") or {}
+        if not isinstance(sweep, dict):
+            raise bad(f"sweep: expected a mapping, got {type(sweep).__name__}")
+        text = {}
+        for key in ("date", "splitkv_version", "source"):
+            v = data.get(key) or ""
+            if isinstance(v, (datetime.date, datetime.datetime)):
+                v = v.isoformat()          # YAML reads an unquoted 2026-11-29 as a date
+            if not isinstance(v, str):
+                raise bad(f"{key}: expected a string, got {v!r}")
+            text[key] = v
+        return cls(device_name=data["device_name"], num_sms=integer("num_sms"),
+                   bandwidth_gbps=number("bandwidth_gbps", positive=True),
+                   coef={k: float(coef[k]) for k in FEATURE_NAMES},
+                   ctas_per_sm=integer("ctas_per_sm") if "ctas_per_sm" in data else 2,
+                   measured_bandwidth_gbps=number("measured_bandwidth_gbps", optional=True),
+                   fit_error=number("fit_error", optional=True),
+                   heldout_error=number("heldout_error", optional=True),
+                   sweep=sweep, origin=origin, **text)
+
+
+def read_profile(path) -> Profile:
+    """Read and check one profile file; ``ProfileError`` if it cannot be used."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ProfileError(f"profile {path}: cannot read it ({e.strerror or e})") from e
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ProfileError(f"profile {path}: not valid YAML ({e})") from e
+    return Profile.from_dict(data, origin=str(path))
+
+
+def _check_device(profile: Profile, device_name, num_sms) -> None:
+    if device_name is not None and device_slug(profile.device_name) != device_slug(device_name):
+        raise ProfileError(f"profile {profile.origin}: made for {profile.device_name!r}, "
+                           f"not {device_name!r}")
+    if num_sms is not None and profile.num_sms != num_sms:
+        raise ProfileError(f"profile {profile.origin}: made for {profile.num_sms} SMs, this "
+                           f"device has {num_sms} (a MIG slice or another model?)")
+
+
+def _shipped_profile_text(slug: str) -> str | None:
+    ref = resources.files(__package__).joinpath("profiles", f"{slug}.yaml")
+    return ref.read_text() if ref.is_file() else None
+
+
+_warned_prior: set = set()
+
+
+def prior_profile(device_name: str, num_sms: int | None = None,
+                  bandwidth_gbps: float | None = None) -> Profile:
+    """A profile from the roofline prior, for a device nobody has calibrated."""
+    num_sms = num_sms or DEFAULT_NUM_SMS
+    if bandwidth_gbps is None:
+        bandwidth_gbps = guess_bandwidth_gbps(device_name)
+    from .. import __version__
+    return Profile(device_name=device_name, num_sms=num_sms, bandwidth_gbps=bandwidth_gbps,
+                   coef=roofline_prior(num_sms, bandwidth_gbps), splitkv_version=__version__,
+                   source=PRIOR_SOURCE, sweep={"name": "none: roofline prior"},
+                   origin="roofline prior")
+
+
+def load_profile(path=None, device_name: str | None = None, num_sms: int | None = None,
+                 bandwidth_gbps: float | None = None) -> Profile:
+    """The profile to plan with (see the module docstring for the lookup order).
+
+    device_name, num_sms: the device to plan for (the runtime passes ``device_info()``'s);
+        without them, the reference device ``NVIDIA H200``. Given, they are checked against
+        the profile found.
+    bandwidth_gbps: the bandwidth guess for the roofline prior, if it comes to that.
+    """
+    for explicit, what in ((path, "path"), (os.environ.get(PROFILE_ENV), f"${PROFILE_ENV}")):
+        if explicit:
+            try:
+                profile = read_profile(explicit)
+                _check_device(profile, device_name, num_sms)
+            except ProfileError as e:
+                raise ProfileError(f"{e} (given by {what})") from None
+            return profile
+
+    name = device_name or REFERENCE_DEVICE
+    slug = device_slug(name)
+    cached = user_profile_dir() / f"{slug}.yaml"
+    if cached.is_file():
+        try:
+            profile = read_profile(cached)
+            _check_device(profile, name, num_sms)
+            return profile
+        except ProfileError as e:
+            warnings.warn(f"{e}; ignoring it and using the next profile found", stacklevel=2)
+    try:
+        text = _shipped_profile_text(slug)
+        if text is not None:
+            profile = Profile.from_dict(yaml.safe_load(text), origin=f"splitkv:{slug}.yaml")
+            _check_device(profile, name, num_sms)
+            return profile
+    except (ProfileError, yaml.YAMLError) as e:
+        warnings.warn(f"shipped profile {slug}.yaml: {e}; using the roofline prior",
+                      stacklevel=2)
+
+    key = (slug, num_sms)
+    if key not in _warned_prior:
+        _warned_prior.add(key)
+        warnings.warn(f"splitkv has no calibrated profile for {name!r}"
+                      f"{f' with {num_sms} SMs' if num_sms else ''}; planning with a roofline "
+                      "prior. Run `splitkv calibrate` on this GPU for better plans.",
+                      stacklevel=2)
+    return prior_profile(name, num_sms, bandwidth_gbps)
+
+
+_default: dict = {}
+
+
+def default_profile() -> Profile:
+    """``load_profile()`` for the reference device, remembered (planning runs every step)."""
+    key = (os.environ.get(PROFILE_ENV), os.environ.get("XDG_CACHE_HOME"))
+    profile = _default.get(key)
+    if profile is None:
+        profile = _default[key] = load_profile()
+    return profile

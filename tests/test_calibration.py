@@ -1,0 +1,166 @@
+"""Calibration on the CPU: the sweep, the fit and the command, with a simulated GPU whose
+latencies come from a known cost model."""
+
+import argparse
+
+import numpy as np
+import pytest
+
+from splitkv.calibration import cli as calibrate_cli
+from splitkv.calibration.fit import decisions, fit_profile, split_heldout
+from splitkv.calibration.sweep import (MAX_KV_BYTES, candidate_plans, measure, sweep_points,
+                                       sweep_shapes)
+from splitkv.planner import CostModel, profiles
+from splitkv.planner.profiles import prior_profile, read_profile
+
+TRUE_COEF = {"const": 1.2, "launches": 0.7, "kv_us": 0.3, "crit_us": 0.75, "crit_tiles": 0.05,
+             "crit_tile_rows": 0.01, "waves": 0.9, "partial_us": 1.5, "fused_tail_us": 0.8,
+             "fused_merges": 1.5}
+DEVICE = {"name": "NVIDIA H200", "num_sms": 132, "l2_bytes": 62914560, "cc": "90"}
+
+
+@pytest.fixture
+def fake_gpu():
+    """time_plan_us of a GPU that follows TRUE_COEF with 1% noise."""
+    truth = CostModel.from_coef(TRUE_COEF)
+    rng = np.random.default_rng(7)
+    calls = []
+
+    def time_plan_us(plan, page_table, **timing):
+        assert np.array_equal(page_table.kv_lens, plan.problem.kv_lens)
+        calls.append(timing)
+        return truth.predict(plan) * (1 + 0.01 * rng.standard_normal())
+
+    time_plan_us.calls = calls
+    return time_plan_us
+
+
+@pytest.fixture(scope="module")
+def prior_model():
+    return prior_profile("NVIDIA H200", 132).cost_model()
+
+
+def test_full_sweep_covers_the_space():
+    shapes = sweep_shapes()
+    problems = [s.problem for s in shapes]
+    batches = {p.batch_size for p in problems}
+    assert {1, 256} <= batches
+    lens = np.concatenate([p.kv_lens for p in problems])
+    assert lens.min() <= 16 and lens.max() >= 128 * 1024
+    assert {p.group_size for p in problems} >= {1, 2, 4, 8}
+    assert {p.head_dim for p in problems} == {64, 128, 256}
+    assert any(len(set(p.kv_lens.tolist())) > 1 for p in problems)        # ragged ones
+    assert all(p.kv_bytes <= MAX_KV_BYTES for p in problems)
+    assert len({s.name for s in shapes}) == len(shapes)
+    quick = sweep_shapes(quick=True)
+    assert len(quick) < len(shapes) / 4
+    again = sweep_shapes()                                                # deterministic
+    assert [s.name for s in again] == [s.name for s in shapes]
+    for a, b in zip(again, shapes):
+        np.testing.assert_array_equal(a.problem.kv_lens, b.problem.kv_lens)
+
+
+def test_candidate_plans_span_good_and_bad(prior_model):
+    shape = next(s for s in sweep_shapes(quick=True) if s.name == "b1_n32768")
+    plans = candidate_plans(shape.problem, prior_model, max_decompositions=5)
+    labels = [label for label, _ in plans]
+    assert labels[0] == "no split" and len(labels) == 9 and len(set(labels)) == 9
+    assert sum(label.endswith("fused") for label in labels) == 4
+    best = min(plans, key=lambda lp: lp[1].predicted_us)
+    assert best[1].predicted_us == pytest.approx(prior_model.predict(best[1]))
+
+
+def test_measure_and_fit_recover_the_simulated_gpu(prior_model, fake_gpu):
+    points = sweep_points(prior_model, quick=False)
+    seen = []
+    ms = measure(points, time_fn=fake_gpu, progress=lambda i, n, p, us: seen.append(i),
+                 trials=3)
+    assert seen == list(range(len(points))) and fake_gpu.calls[0] == {"trials": 3}
+    profile, report = fit_profile(ms, DEVICE, sweep={"name": "full"})
+    assert report.fit_error < 0.02
+    assert report.heldout_mape < 0.03
+    assert report.mean_regret < 0.03
+    assert report.n_train + report.n_heldout == len(ms)
+    for name in ("crit_us", "kv_us", "waves", "launches", "partial_us", "fused_merges"):
+        assert profile.coef[name] == pytest.approx(TRUE_COEF[name], rel=0.25), name
+    assert profile.source == "calibrated" and profile.num_sms == 132
+    assert profile.bandwidth_gbps == 4460.0 and profile.measured_bandwidth_gbps > 1000
+    assert profile.sweep["name"] == "full" and profile.sweep["points"] == len(ms)
+    assert any("held out" in line for line in report.lines())
+
+
+def test_heldout_split_is_by_shape(prior_model, fake_gpu):
+    ms = measure(sweep_points(prior_model, quick=True), time_fn=fake_gpu)
+    train, held = split_heldout(ms, 0.25, seed=1)
+    assert held and train
+    assert not {m.shape for m in train} & {m.shape for m in held}
+    assert len(train) + len(held) == len(ms)
+    model = CostModel.from_coef(TRUE_COEF)
+    for d in decisions(model, held):
+        assert d.regret >= 0
+
+
+def run_calibrate(argv):
+    parser = argparse.ArgumentParser()
+    calibrate_cli.add_arguments(parser)
+    return calibrate_cli.run(parser.parse_args(argv))
+
+
+def test_calibrate_without_a_gpu_exits_2(monkeypatch, capsys):
+    import splitkv.runtime
+
+    monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: (False, "no device here"))
+    assert run_calibrate(["--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "no device here" in err
+
+
+def test_calibrate_with_a_simulated_gpu(monkeypatch, tmp_path, capsys, fake_gpu):
+    import splitkv.runtime
+    import splitkv.runtime.timing
+
+    monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: (True, DEVICE["name"]))
+    monkeypatch.setattr(splitkv.runtime, "device_info", lambda: dict(DEVICE))
+    monkeypatch.setattr(splitkv.runtime.timing, "time_plan_us", fake_gpu)
+    out = tmp_path / "h200.yaml"
+    assert run_calibrate(["--quick", "--plot", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "[   1/" in text and "held out" in text and "plans it now chooses" in text
+    assert "b1_n32k" in text and f"profile written to {out}" in text
+    try:
+        import matplotlib  # noqa: F401
+        assert (tmp_path / "h200-decisions.png").exists()
+        assert (tmp_path / "h200-predicted-vs-measured.png").exists()
+    except ImportError:
+        assert "matplotlib is not installed" in text
+    assert out.with_suffix(".csv").read_text().startswith("shape,plan,")
+    assert fake_gpu.calls[0] == calibrate_cli.QUICK_TIMING
+    profile = read_profile(out)
+    assert profile.source == "calibrated" and profile.sweep["name"] == "quick"
+
+
+def test_calibrate_writes_to_the_user_cache_by_default(monkeypatch, tmp_path, fake_gpu):
+    import splitkv.runtime
+    import splitkv.runtime.timing
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(profiles.PROFILE_ENV, raising=False)
+    monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: (True, DEVICE["name"]))
+    monkeypatch.setattr(splitkv.runtime, "device_info", lambda: dict(DEVICE))
+    monkeypatch.setattr(splitkv.runtime.timing, "time_plan_us", fake_gpu)
+    assert run_calibrate(["--quick"]) == 0
+    found = profiles.load_profile(device_name="NVIDIA H200", num_sms=132)
+    assert found.source == "calibrated"
+    assert found.origin == str(tmp_path / "splitkv" / "profiles" / "nvidia-h200.yaml")
+
+
+def test_device_selection(monkeypatch):
+    monkeypatch.delitem(__import__("sys").modules, "cupy", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert calibrate_cli._select_device(1) is None
+    assert __import__("os").environ["CUDA_VISIBLE_DEVICES"] == "6"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert "shows 2 device" in calibrate_cli._select_device(2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert calibrate_cli._select_device(3) is None
+    assert __import__("os").environ["CUDA_VISIBLE_DEVICES"] == "3"

@@ -1,0 +1,169 @@
+"""The cost model: features with a physical meaning, a fit that recovers known parameters."""
+
+import numpy as np
+import pytest
+
+from splitkv import DecodeProblem, plan_chunk_tokens, plan_fixed_splits, plan_from_chunk_counts
+from splitkv.planner.cost_model import (FEATURE_NAMES, CostModel, critical_path,
+                                        decomposition_stats, plan_features, waves)
+from splitkv.planner.profiles import roofline_prior
+
+H200 = dict(num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0)
+TRUTH = {"const": 1.2, "launches": 0.7, "kv_us": 0.3, "crit_us": 0.75, "crit_tiles": 0.05,
+         "crit_tile_rows": 0.01, "waves": 0.9, "partial_us": 1.5, "fused_tail_us": 0.8,
+         "fused_merges": 1.5}
+
+
+def feature(x, name):
+    return x[FEATURE_NAMES.index(name)]
+
+
+def problem(lens, hq=32, hk=8, d=128):
+    return DecodeProblem(np.asarray(lens), hq, hk, d, 16)
+
+
+def test_waves_and_critical_path_worked_example():
+    assert waves(264, 264) == 1 and waves(265, 264) == 2 and waves(0, 264) == 0
+    # one 32k request, 8 kv heads: 1024-token chunks = 256 items in one wave
+    assert critical_path(32 * 1024 * 8, 1024, 256, 264) == 1024
+    # 512-token chunks: 512 items, 2 waves of 512 tokens: the same critical path
+    assert critical_path(64 * 512 * 8, 512, 512, 264) == 1024
+    # 768-token chunks: 43 chunks x 8 = 344 items, 2 waves of a mean chunk
+    assert critical_path(32768 * 8, 768, 344, 264) == pytest.approx(2 * 32768 / 43)
+    # vectorised over candidates
+    np.testing.assert_allclose(critical_path(np.array([8.0, 600.0]), np.array([1.0, 1.0]),
+                                             np.array([8, 600]), 264), [1.0, 3.0])
+
+
+def test_decomposition_stats_exact():
+    stats = decomposition_stats([64, 101, 92, 32, 29], [2, 1, 1, 1])
+    # num_chunks, total_tokens, total_tiles, max_chunk_tokens, max_chunk_tiles, split_chunks,
+    # max_splits
+    np.testing.assert_array_equal(stats, [5, 318, 7, 101, 2, 2, 2])
+    np.testing.assert_array_equal(decomposition_stats([], []), np.zeros(7))
+
+
+def test_features_have_physical_units():
+    p = problem([32768])
+    single = plan_from_chunk_counts(p, [1], "single")
+    split = plan_chunk_tokens(p, 1024, "split_merge", align=64)
+    fused = plan_chunk_tokens(p, 1024, "fused", align=64)
+    xs, xm, xf = (CostModel(**H200).features(q) for q in (single, split, fused))
+    # all K and V at 4460 GB/s: 128 MiB -> 30.1 us
+    for x in (xs, xm, xf):
+        assert feature(x, "kv_us") == pytest.approx(p.kv_bytes / 4460e3)
+        assert feature(x, "const") == 1
+    # unsplit: 8 CTAs, the busiest reads 16 MiB at 4460/264 GB/s
+    assert feature(xs, "crit_us") == pytest.approx(32768 * 512 / (4460e3 / 264))
+    assert feature(xs, "waves") == 1 and feature(xs, "launches") == 1
+    assert feature(xs, "partial_us") == 0 and feature(xs, "fused_merges") == 0
+    # 32 chunks of 1024 tokens: one wave, the busiest slot reads 1024 tokens
+    assert feature(xm, "crit_us") == pytest.approx(1024 * 512 / (4460e3 / 264))
+    assert feature(xm, "crit_tiles") == 16
+    assert feature(xm, "crit_tile_rows") == 16 * 4
+    assert feature(xm, "launches") == 2 and feature(xf, "launches") == 1
+    partial = 32 * 32 * (128 + 1) * 4 * 2       # written, then read back
+    assert feature(xm, "partial_us") == pytest.approx(partial / 4460e3)
+    assert feature(xm, "fused_tail_us") == 0
+    assert feature(xf, "fused_merges") == 1
+    assert feature(xf, "fused_tail_us") == pytest.approx(32 * 4 * 129 * 4 / (4460e3 / 264))
+
+
+def test_partial_tile_costs_a_tile_but_only_its_bytes():
+    p = problem([65])
+    x = plan_features(p, [65], [1], "single", **H200)
+    assert feature(x, "crit_tiles") == 2                # 64 + 1 tokens: two tiles of compute
+    assert feature(x, "crit_us") == pytest.approx(65 * 512 / (4460e3 / 264))
+
+
+def test_large_groups_launch_head_tiles():
+    x64 = plan_features(problem([4096], 64, 1), [4096], [1], "single", **H200)
+    x128 = plan_features(problem([4096], 128, 1), [4096], [1], "single", **H200)
+    assert feature(x128, "crit_tile_rows") == feature(x64, "crit_tile_rows")   # 64 heads a CTA
+    assert feature(x128, "crit_us") == feature(x64, "crit_us")
+    assert feature(x128, "kv_us") == feature(x64, "kv_us")      # the same bytes from DRAM
+
+
+def synthetic_plans():
+    rng = np.random.default_rng(0)
+    plans = []
+    for hq, hk, d in [(32, 32, 128), (32, 8, 128), (64, 8, 64), (16, 4, 256)]:
+        for lens in ([1024], [32768], [200] * 4, [8192] * 8, [2048] * 64,
+                     rng.integers(1, 8000, 24), rng.integers(1, 300, 100)):
+            p = problem(lens, hq, hk, d)
+            plans.append(plan_from_chunk_counts(p, np.ones(p.batch_size, int), "single"))
+            for c in (16, 64, 256, 1024):
+                if c < max(lens):
+                    for s in ("split_merge", "fused"):
+                        plans.append(plan_chunk_tokens(p, c, s, align=min(c, 64)))
+            for s in (3, 33):
+                plans.append(plan_fixed_splits(p, s, "fused", align=64))
+    return plans
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return synthetic_plans()
+
+
+def test_fit_recovers_known_parameters(plans):
+    truth = CostModel.from_coef(TRUTH, **H200)
+    rng = np.random.default_rng(1)
+    y = truth.predict(plans) * (1 + 0.002 * rng.standard_normal(len(plans)))
+    model = CostModel(**H200).fit(zip(plans, y))
+    np.testing.assert_allclose(model.coef_, truth.coef_, rtol=0.15)
+    assert model.fit_error_ < 0.005 and model.fit_mape_ < 0.005
+    assert model.n_samples_ == len(plans)
+    assert np.all(model.coef_ >= 0)
+    assert model.predict(plans[5]) == pytest.approx(truth.predict(plans[5]), rel=0.01)
+
+
+def test_fit_is_robust_to_a_few_bad_measurements(plans):
+    truth = CostModel.from_coef(TRUTH, **H200)
+    y = truth.predict(plans)
+    y[::25] *= 3.0                                       # e.g. a trial hit by another process
+    model = CostModel(**H200).fit(zip(plans, y))
+    good = np.ones(len(plans), bool)
+    good[::25] = False
+    pred = model.predict(plans)
+    assert np.median(np.abs(pred[good] / y[good] - 1)) < 0.02
+
+
+def test_fit_keeps_parameters_physical():
+    # a feature that never varies, or would fit negative, stays at zero
+    x = np.zeros((40, len(FEATURE_NAMES)))
+    x[:, 0] = 1
+    x[:, 2] = np.linspace(1, 100, 40)
+    y = 2.0 + 1.1 * x[:, 2]
+    model = CostModel().fit(zip(x, y))
+    assert model.coef_[0] == pytest.approx(2.0) and model.coef_[2] == pytest.approx(1.1)
+    assert np.all(model.coef_ >= 0)
+
+
+def test_fit_input_errors():
+    x = np.ones(len(FEATURE_NAMES))
+    with pytest.raises(ValueError, match="at least"):
+        CostModel().fit([(x, 1.0)] * 3)
+    with pytest.raises(ValueError, match="> 0"):
+        CostModel().fit([(x, 1.0)] * 20 + [(x, 0.0)])
+    with pytest.raises(ValueError, match="length"):
+        CostModel().fit([(np.ones(3), 1.0)] * 20)
+
+
+def test_predict_needs_parameters_and_takes_plans_or_rows(plans):
+    with pytest.raises(RuntimeError, match="not fitted"):
+        CostModel().predict(plans[0])
+    model = CostModel.from_coef(roofline_prior(132, 4460.0))
+    one = model.predict(plans[0])
+    assert isinstance(one, float)
+    many = model.predict(plans[:3])
+    assert many.shape == (3,) and many[0] == pytest.approx(one)
+    assert model.predict(model.features(plans[0])) == pytest.approx(one)
+    assert "crit_us=" in repr(model) and "not fitted" in repr(CostModel())
+
+
+def test_from_coef_checks_names():
+    with pytest.raises(ValueError, match="missing"):
+        CostModel.from_coef({"const": 1.0})
+    with pytest.raises(ValueError, match="finite"):
+        CostModel.from_coef([np.nan] * len(FEATURE_NAMES))

@@ -1,0 +1,186 @@
+"""The planner: which plan it picks, what callers can force, how fast it decides."""
+
+import time
+
+import numpy as np
+import pytest
+
+from splitkv import DecodeProblem, Plan
+from splitkv.planner import CostModel, choose_plan, rank_candidates
+from splitkv.planner import cli as plan_cli
+from splitkv.planner.planner import chunk_token_candidates, wave_filling_splits
+from splitkv.planner.profiles import default_profile, roofline_prior
+
+RAGGED_B32 = [2623, 1653, 3648, 1041, 3200, 6690, 2792, 1711, 2317, 8665, 1207, 1927, 1989, 557,
+              4407, 880, 7824, 2685, 1287, 438, 4244, 5400, 1889, 1276, 2444, 520, 3909, 4031, 611,
+              6923, 1353, 12903]
+
+PRIOR = CostModel.from_coef(roofline_prior(132, 4460.0), num_sms=132, ctas_per_sm=2,
+                            bandwidth_gbps=4460.0)
+
+
+def problem(lens, hq=32, hk=8, d=128):
+    return DecodeProblem(np.asarray(lens), hq, hk, d, 16)
+
+
+@pytest.fixture(params=["prior", "default profile"])
+def model(request):
+    """The roofline prior, and whatever profile ships for the reference H200."""
+    return PRIOR if request.param == "prior" else default_profile().cost_model()
+
+
+def test_worked_examples_of_the_pure_functions():
+    assert wave_filling_splits(8, 264) == [2, 3, 4, 33, 66, 99, 132]
+    assert wave_filling_splits(256, 264) == [2, 3, 4]
+    assert wave_filling_splits(0, 264) == []
+    assert chunk_token_candidates(32768, 32768, 8, 1, 264)[:3] == [16384, 8192, 4096]
+    assert chunk_token_candidates(32768, 32768, 8, 1, 264)[-1] == 64
+    assert chunk_token_candidates(1024, 1024, 8, 1, 264)[-2:] == [32, 16]   # tiny contexts
+    # 256 requests of 17k tokens: finer than 8192-token chunks would pass 32 waves
+    assert chunk_token_candidates(32768, 256 * 17000, 8, 256, 264) == [16384, 8192]
+
+
+def test_splits_when_the_batch_cannot_fill_the_gpu(model):
+    plan = choose_plan(problem([32768]), model)
+    assert plan.num_splits >= 16
+    assert plan.num_work_items >= 132
+    assert plan.strategy in ("split_merge", "fused")
+
+
+def test_no_or_little_split_when_the_batch_fills_the_gpu(model):
+    plan = choose_plan(problem([2048] * 128), model)      # 1024 work items unsplit
+    assert plan.num_splits <= 2
+
+
+def test_ragged_batch_gets_balanced_work_items(model):
+    plan = choose_plan(problem(RAGGED_B32), model)
+    sizes = (plan.chunk_end - plan.chunk_start).astype(float)
+    split = np.repeat(plan.chunks_per_request > 1, plan.chunks_per_request)
+    assert plan.needs_merge
+    assert sizes[split].max() <= 2 * sizes[split].min()
+    assert sizes.max() <= 2 * sizes.mean()
+    # one chunk size for the batch: long requests get more chunks
+    assert plan.chunks_per_request[np.argmax(RAGGED_B32)] == plan.num_splits
+
+
+def test_prediction_is_the_models_prediction_of_the_plan(model):
+    for lens in ([1024], RAGGED_B32, [8192] * 8, [0, 5, 300]):
+        plan = choose_plan(problem(lens), model)
+        assert plan.predicted_us == pytest.approx(model.predict(plan), rel=1e-9)
+
+
+def test_candidate_predictions_match_the_built_plans(rng):
+    """The closed-form statistics over kv_lens equal those of the plans they stand for."""
+    for _ in range(40):
+        b = int(rng.integers(1, 40))
+        lens = [rng.integers(0, 3000, b), rng.integers(0, 70000, b), rng.integers(0, 200, b),
+                np.full(b, int(rng.integers(1, 40000)))][int(rng.integers(4))]
+        hq, hk = [(32, 32), (32, 8), (64, 8), (128, 1)][int(rng.integers(4))]
+        p = problem(lens, hq, hk, [64, 128, 256][int(rng.integers(3))])
+        for c in rank_candidates(p, PRIOR):
+            built = c.build(p)
+            assert built.predicted_us == c.predicted_us
+            assert PRIOR.predict(built) == pytest.approx(c.predicted_us, rel=1e-9), (c, p)
+
+
+def test_candidates_are_ranked_and_cover_both_split_strategies():
+    ranked = rank_candidates(problem([32768]), PRIOR)
+    times = [c.predicted_us for c in ranked]
+    assert times == sorted(times)
+    kinds = {(c.kind, c.strategy) for c in ranked}
+    assert ("no split", "single") in kinds
+    assert ("chunk tokens", "split_merge") in kinds and ("chunk tokens", "fused") in kinds
+    assert ("num splits", "fused") in kinds
+    assert choose_plan(problem([32768]), PRIOR).predicted_us == times[0]
+
+
+def test_forced_num_splits_and_strategy_are_honoured():
+    p = problem([8192] * 4)
+    plan = choose_plan(p, PRIOR, num_splits=5)
+    assert plan.num_splits == 5 and plan.strategy in ("split_merge", "fused")
+    plan = choose_plan(p, PRIOR, num_splits=5, strategy="fused")
+    assert plan.num_splits == 5 and plan.strategy == "fused"
+    plan = choose_plan(p, PRIOR, num_splits=1)
+    assert plan.num_splits == 1 and plan.strategy == "single"
+    plan = choose_plan(p, PRIOR, strategy="fused")
+    assert plan.strategy == "fused" and plan.num_splits > 1
+    plan = choose_plan(problem([2048] * 128), PRIOR, strategy="split_merge")
+    assert plan.strategy == "split_merge"
+    plan = choose_plan(p, PRIOR, strategy="single")
+    assert plan.strategy == "single" and plan.num_splits == 1
+    # a request too short for the forced count gets as many chunks as it has tiles
+    plan = choose_plan(problem([100, 8192]), PRIOR, num_splits=4)
+    assert plan.chunks_per_request.tolist() == [2, 4]
+
+
+def test_request_errors():
+    p = problem([1000])
+    with pytest.raises(ValueError, match="single"):
+        choose_plan(p, PRIOR, num_splits=2, strategy="single")
+    with pytest.raises(ValueError, match="strategy"):
+        choose_plan(p, PRIOR, strategy="splitmerge")
+    with pytest.raises(ValueError, match="num_splits"):
+        choose_plan(p, PRIOR, num_splits=0)
+    with pytest.raises(TypeError, match="num_splits"):
+        choose_plan(p, PRIOR, num_splits=2.0)
+    with pytest.raises(TypeError, match="DecodeProblem"):
+        choose_plan([1000], PRIOR)
+
+
+def test_edge_batches():
+    empty = choose_plan(problem(np.zeros(0, np.int64)), PRIOR)
+    assert empty.num_chunks == 0 and empty.predicted_us > 0
+    zeros = choose_plan(problem([0, 0]), PRIOR)
+    assert zeros.num_chunks == 2 and zeros.strategy == "single"
+    tiny = choose_plan(problem([1, 0, 3]), PRIOR)
+    assert tiny.num_splits == 1
+
+
+def test_deterministic_and_printable():
+    a = choose_plan(problem(RAGGED_B32), PRIOR)
+    b = choose_plan(problem(RAGGED_B32), PRIOR)
+    for name in ("chunk_request", "chunk_start", "chunk_end", "merge_indptr"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    assert a.strategy == b.strategy and a.predicted_us == b.predicted_us
+    text = repr(a)
+    assert text == str(a)
+    assert a.strategy in text and f"{a.predicted_us:.1f} us" in text
+    assert isinstance(a, Plan)
+    line = str(rank_candidates(problem(RAGGED_B32), PRIOR)[0])
+    assert "us" in line and a.strategy in line
+
+
+def test_default_profile_is_used_without_one():
+    p = problem([4096] * 2)
+    assert choose_plan(p).predicted_us == choose_plan(p, default_profile()).predicted_us
+
+
+def test_planning_256_ragged_requests_is_cheap():
+    p = problem(np.random.default_rng(0).integers(1, 32768, 256))
+    for _ in range(20):
+        choose_plan(p, PRIOR)
+    samples = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        choose_plan(p, PRIOR)
+        samples.append(time.perf_counter() - t0)
+    median_us = float(np.median(samples)) * 1e6
+    print(f"choose_plan, 256 ragged requests: median {median_us:.0f} us")
+    assert median_us < 1000
+
+
+def test_plan_cli(capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    plan_cli.add_arguments(parser)
+    assert plan_cli.run(parser.parse_args(["--batch", "8", "--kv-len", "8192", "--heads", "32/8",
+                                           "--top", "3"])) == 0
+    out = capsys.readouterr().out
+    assert "plan:" in out and "predicted:" in out and "top 3 of" in out
+    assert plan_cli.run(parser.parse_args(["--lens", "100,2000,30000", "--strategy", "fused"])) == 0
+    assert "fused" in capsys.readouterr().out
+    assert plan_cli.run(parser.parse_args(["--head-dim", "96"])) == 2
+    assert "head_dim" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--heads", "32:8"])

@@ -1,0 +1,184 @@
+"""Profiles: where they are looked up, and what happens when one is broken or foreign."""
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from splitkv import DecodeProblem
+from splitkv.planner import choose_plan, profiles
+from splitkv.planner.cost_model import FEATURE_NAMES
+from splitkv.planner.profiles import (PROFILE_ENV, Profile, ProfileError, default_profile,
+                                      device_slug, load_profile, prior_profile, read_profile)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch, tmp_path):
+    """No $SPLITKV_PROFILE, an empty user cache, the one-time warning not yet given."""
+    monkeypatch.delenv(PROFILE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(profiles, "_warned_prior", set())
+    monkeypatch.setattr(profiles, "_default", {})
+
+
+def make_profile(device="NVIDIA H200", num_sms=132, const=7.0, source="calibrated"):
+    coef = dict(profiles.roofline_prior(num_sms, 4460.0), const=const)
+    return Profile(device_name=device, num_sms=num_sms, bandwidth_gbps=4460.0, coef=coef,
+                   fit_error=0.03, heldout_error=0.05, date="2026-11-29",
+                   splitkv_version="0.1.0", source=source, sweep={"name": "test", "points": 3})
+
+
+def cache_file(tmp_path, device="NVIDIA H200"):
+    path = tmp_path / "cache" / "splitkv" / "profiles" / f"{device_slug(device)}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def test_shipped_h200_profile_loads_and_says_what_it_is():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")               # a shipped profile needs no warning
+        p = load_profile(device_name="NVIDIA H200", num_sms=132)
+    assert p.device_name == "NVIDIA H200" and p.num_sms == 132
+    assert p.origin == "splitkv:nvidia-h200.yaml"
+    assert set(p.coef) == set(FEATURE_NAMES)
+    assert p.splitkv_version and p.date
+    if p.is_prior:
+        assert p.source == "prior, not yet calibrated"
+    assert load_profile().device_name == "NVIDIA H200"      # the reference device by default
+
+
+def test_round_trip(tmp_path):
+    p = make_profile()
+    path = p.save(tmp_path / "a" / "p.yaml")
+    q = read_profile(path)
+    assert q == p and q.origin == str(path)
+    assert q.cost_model().predict(np.ones(len(FEATURE_NAMES))) == pytest.approx(sum(p.coef.values()))
+    assert "splitkv cost-model profile" in path.read_text()
+
+
+def test_lookup_order(tmp_path, monkeypatch):
+    explicit = make_profile(const=1.0).save(tmp_path / "explicit.yaml")
+    env = make_profile(const=2.0).save(tmp_path / "env.yaml")
+    make_profile(const=3.0).save(cache_file(tmp_path))
+    monkeypatch.setenv(PROFILE_ENV, str(env))
+    assert load_profile(explicit).coef["const"] == 1.0
+    assert load_profile().coef["const"] == 2.0
+    monkeypatch.delenv(PROFILE_ENV)
+    assert load_profile().coef["const"] == 3.0                 # user cache
+    cache_file(tmp_path).unlink()
+    assert load_profile().origin == "splitkv:nvidia-h200.yaml"  # shipped
+    with pytest.warns(UserWarning, match="splitkv calibrate"):
+        p = load_profile(device_name="Acme GPU 9000", num_sms=80)   # last: the prior
+    assert p.is_prior and p.num_sms == 80 and p.device_name == "Acme GPU 9000"
+
+
+def test_unknown_gpu_warns_once_and_plans_with_the_prior():
+    with pytest.warns(UserWarning, match="no calibrated profile for 'Acme GPU'"):
+        p = load_profile(device_name="Acme GPU", num_sms=40)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_profile(device_name="Acme GPU", num_sms=40)          # once per device
+    assert p.coef == profiles.roofline_prior(40, p.bandwidth_gbps)
+    assert p.bandwidth_gbps == profiles.DEFAULT_BANDWIDTH_GBPS
+    plan = choose_plan(DecodeProblem(np.array([32768]), 32, 8, 128, 16), p)
+    assert plan.num_splits > 1
+    # a fraction of a known GPU (a MIG slice) is not the shipped profile's device
+    with pytest.warns(UserWarning):
+        mig = load_profile(device_name="NVIDIA H200", num_sms=16)
+    assert mig.is_prior and mig.num_sms == 16 and mig.bandwidth_gbps == 4460.0
+
+
+BROKEN = {
+    "not yaml": "device_name: [unclosed\n",
+    "not a mapping": "- 1\n- 2\n",
+    "python object": "!!python/object/apply:os.system ['echo hi']\n",
+    "missing field": "device_name: X\nnum_sms: 1\nbandwidth_gbps: 1.0\n",
+    "wrong coef": "device_name: X\nnum_sms: 1\nbandwidth_gbps: 1.0\ncoef: {const: 1.0}\n",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_broken_explicit_profile_is_a_clear_error(tmp_path, case):
+    path = tmp_path / "broken.yaml"
+    path.write_text(BROKEN[case])
+    with pytest.raises(ProfileError, match="broken.yaml"):
+        load_profile(path)
+
+
+def test_bad_fields_name_the_field(tmp_path):
+    good = make_profile().to_dict()
+    for key, value, message in [("num_sms", 0, "num_sms"), ("bandwidth_gbps", -1, "bandwidth"),
+                                ("schema", 99, "schema"), ("extra", 1, "unknown fields"),
+                                ("device_name", "", "device_name"), ("sweep", [1], "sweep"),
+                                ("coef", dict(good["coef"], waves=-1.0), "coef.waves")]:
+        data = dict(good, **{key: value})
+        with pytest.raises(ProfileError, match=message):
+            Profile.from_dict(data, origin="x.yaml")
+    with pytest.raises(ProfileError, match="cannot read"):
+        load_profile(tmp_path / "missing.yaml")
+
+
+def test_unquoted_date_is_read_as_text(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(make_profile().to_yaml().replace("date: '2026-11-29'", "date: 2026-11-29"))
+    assert read_profile(path).date == "2026-11-29"
+
+
+def test_mismatched_explicit_profile_is_an_error(tmp_path, monkeypatch):
+    path = make_profile(device="NVIDIA A100-SXM4-80GB", num_sms=108).save(tmp_path / "a100.yaml")
+    with pytest.raises(ProfileError, match="made for 'NVIDIA A100-SXM4-80GB'"):
+        load_profile(path, device_name="NVIDIA H200")
+    with pytest.raises(ProfileError, match="108 SMs"):
+        load_profile(path, num_sms=132)
+    monkeypatch.setenv(PROFILE_ENV, str(path))
+    with pytest.raises(ProfileError, match=PROFILE_ENV):
+        load_profile(device_name="NVIDIA H200")
+    assert load_profile(path).num_sms == 108          # no device given: not checked
+
+
+def test_corrupt_or_foreign_cache_profile_warns_and_falls_back(tmp_path):
+    cache_file(tmp_path).write_text("coef: [oops\n")
+    with pytest.warns(UserWarning, match="ignoring it"):
+        p = load_profile(device_name="NVIDIA H200")
+    assert p.origin == "splitkv:nvidia-h200.yaml"
+    make_profile(num_sms=100).save(cache_file(tmp_path))
+    with pytest.warns(UserWarning, match="100 SMs"):
+        p = load_profile(device_name="NVIDIA H200", num_sms=132)
+    assert p.origin == "splitkv:nvidia-h200.yaml"
+
+
+def test_default_profile_follows_the_environment(tmp_path, monkeypatch):
+    assert default_profile() is default_profile()          # remembered
+    path = make_profile(const=5.0).save(tmp_path / "env.yaml")
+    monkeypatch.setenv(PROFILE_ENV, str(path))
+    assert default_profile().coef["const"] == 5.0
+
+
+def test_prior_profile_fields():
+    p = prior_profile("NVIDIA H100 80GB HBM3", 132)
+    assert p.is_prior and p.bandwidth_gbps == 3000.0 and p.fit_error is None
+    assert device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+
+
+def test_planner_imports_without_cupy():
+    import splitkv
+
+    code = ("import sys, splitkv.planner, splitkv.planner.cli, splitkv.calibration.sweep, "
+            "splitkv.calibration.fit, splitkv.calibration.cli; "
+            "assert 'cupy' not in sys.modules, 'cupy imported'")
+    root = str(Path(splitkv.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_shipped_profile_is_plain_yaml():
+    from importlib import resources
+
+    text = resources.files("splitkv.planner").joinpath("profiles", "nvidia-h200.yaml").read_text()
+    data = yaml.safe_load(text)
+    assert data["device_name"] == "NVIDIA H200"

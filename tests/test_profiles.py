@@ -57,7 +57,8 @@ def test_round_trip(tmp_path):
     path = p.save(tmp_path / "a" / "p.yaml")
     q = read_profile(path)
     assert q == p and q.origin == str(path)
-    assert q.cost_model().predict(np.ones(len(FEATURE_NAMES))) == pytest.approx(sum(p.coef.values()))
+    ones = np.ones(len(FEATURE_NAMES))
+    assert q.cost_model().predict(ones) == pytest.approx(sum(p.coef.values()))
     assert "splitkv cost-model profile" in path.read_text()
 
 

@@ -9,7 +9,6 @@ where ``load_profile`` finds it.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 from pathlib import Path
@@ -62,21 +61,6 @@ def _progress(i, n, point, us):
           f"   (prior {pred:9.2f})", flush=True)
 
 
-def write_measurements(path: Path, measurements, model) -> Path:
-    """One CSV row per measurement, with the fitted model's prediction."""
-    predicted = model.predict([m.plan for m in measurements])
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["shape", "plan", "batch", "num_qo_heads", "num_kv_heads", "head_dim",
-                    "total_tokens", "num_chunks", "measured_us", "predicted_us"])
-        for m, pred in zip(measurements, predicted):
-            p = m.plan.problem
-            w.writerow([m.shape, m.label, p.batch_size, p.num_qo_heads, p.num_kv_heads,
-                        p.head_dim, p.total_tokens, m.plan.num_chunks, f"{m.measured_us:.3f}",
-                        f"{pred:.3f}"])
-    return path
-
-
 def example_lines(profile) -> list[str]:
     from ..planner import choose_plan
     from ..problem import DecodeProblem
@@ -110,7 +94,7 @@ def run(args) -> int:
 
     from ..planner.profiles import device_slug, prior_profile, user_profile_dir
     from .fit import fit_profile
-    from .sweep import measure, sweep_points
+    from .sweep import measure, sweep_points, write_measurements
 
     info = device_info()
     prior = prior_profile(info["name"], info["num_sms"])

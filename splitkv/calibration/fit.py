@@ -52,7 +52,8 @@ class FitReport:
                f"{self.fit_error:.1%}, mean {self.fit_mape:.1%}"]
         if self.heldout_mape is not None:
             out.append(f"held out: {self.n_heldout} measurements of shapes not fitted on, mean "
-                       f"relative error {self.heldout_mape:.1%}, worst {self.heldout_max_error:.1%}")
+                       f"relative error {self.heldout_mape:.1%}, "
+                       f"worst {self.heldout_max_error:.1%}")
         if self.decisions:
             out.append(f"held-out decisions: the model's pick is {self.mean_regret:.1%} slower "
                        f"than the best plan measured, on average over {len(self.decisions)} shapes")

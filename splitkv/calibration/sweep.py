@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import csv
+from pathlib import Path
+
 import numpy as np
 
 from ..plan import Plan
 from ..problem import DecodeProblem
 from ..planner.cost_model import CostModel
-from ..planner.planner import NO_SPLIT, rank_candidates
+from ..planner.planner import NO_SPLIT, Candidate, rank_candidates
 
 MAX_KV_BYTES = 1 << 30
 PAGE_SIZE = 16
@@ -102,16 +105,10 @@ def candidate_plans(problem: DecodeProblem, model: CostModel,
         step = len(rest) / (want - len(best))
         decomps = best + [rest[int(i * step)] for i in range(want - len(best))]
     by_key = {(c.kind, c.value, c.strategy): c for c in ranked}
-    out = []
-    for c in ranked:
-        if c.kind == NO_SPLIT:
-            out.append((str(c.kind), c.build(problem)))
-            break
-    for kind, value in decomps:
-        for strategy in ("split_merge", "fused"):
-            c = by_key[(kind, value, strategy)]
-            out.append((f"{kind} {value} {strategy}", c.build(problem)))
-    return out
+    chosen = [next(c for c in ranked if c.kind == NO_SPLIT)]
+    chosen += [by_key[(kind, value, strategy)] for kind, value in decomps
+               for strategy in ("split_merge", "fused")]
+    return [(c.label, c.build(problem)) for c in chosen]
 
 
 def sweep_points(model: CostModel, quick: bool = False, seed: int = 0) -> list[SweepPoint]:
@@ -141,4 +138,53 @@ def measure(points, time_fn=None, progress=None, seed: int = 0, **timing) -> lis
         out.append(Measurement(point.shape, point.label, point.plan, us))
         if progress is not None:
             progress(i, len(points), point, us)
+    return out
+
+
+CSV_COLUMNS = ["shape", "plan", "batch", "num_qo_heads", "num_kv_heads", "head_dim",
+               "total_tokens", "num_chunks", "measured_us", "predicted_us", "page_size", "kv_lens"]
+
+
+def write_measurements(path, measurements, model: CostModel) -> Path:
+    """One CSV row per measurement, with ``model``'s prediction and the request lengths, so
+    ``read_measurements`` can rebuild every plan without re-running the sweep's selection."""
+    path = Path(path)
+    predicted = model.predict([m.plan for m in measurements])
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(CSV_COLUMNS)
+        for m, pred in zip(measurements, predicted):
+            p = m.plan.problem
+            w.writerow([m.shape, m.label, p.batch_size, p.num_qo_heads, p.num_kv_heads,
+                        p.head_dim, p.total_tokens, m.plan.num_chunks, f"{m.measured_us:.3f}",
+                        f"{pred:.3f}", p.page_size, " ".join(map(str, p.kv_lens.tolist()))])
+    return path
+
+
+def read_measurements(path, quick: bool = False, seed: int = 0) -> list[Measurement]:
+    """Measurements back from ``write_measurements``' CSV, plans rebuilt from their labels: to
+    refit after the cost model changes, with no GPU. A CSV without the ``kv_lens`` column
+    (written by splitkv before it had one) finds its shapes by name in
+    ``sweep_shapes(quick, seed)``."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    shapes = None
+    out = []
+    for i, r in enumerate(rows):
+        if r.get("kv_lens"):
+            problem = DecodeProblem(np.array(r["kv_lens"].split(), dtype=np.int64),
+                                    int(r["num_qo_heads"]), int(r["num_kv_heads"]),
+                                    int(r["head_dim"]), int(r["page_size"]))
+        else:
+            if shapes is None:
+                shapes = {s.name: s.problem for s in sweep_shapes(quick, seed)}
+            if r["shape"] not in shapes:
+                raise ValueError(f"{path}: row {i + 2}: shape {r['shape']!r} is not in the "
+                                 f"{'quick' if quick else 'full'} sweep of seed {seed}")
+            problem = shapes[r["shape"]]
+        plan = Candidate.from_label(r["plan"]).build(problem)
+        if plan.num_chunks != int(r["num_chunks"]):
+            raise ValueError(f"{path}: row {i + 2}: {r['plan']!r} of {r['shape']} rebuilds "
+                             f"with {plan.num_chunks} chunks, the CSV says {r['num_chunks']}")
+        out.append(Measurement(r["shape"], r["plan"], plan, float(r["measured_us"])))
     return out

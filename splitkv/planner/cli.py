@@ -74,8 +74,8 @@ def run(args) -> int:
 
     plan = ranked[0].build(problem)
     print(f"problem:   {problem!r}")
-    print(f"profile:   {profile.device_name}, {profile.num_sms} SMs ({profile.source or 'unknown'}; "
-          f"{profile.origin})")
+    print(f"profile:   {profile.device_name}, {profile.num_sms} SMs "
+          f"({profile.source or 'unknown'}; {profile.origin})")
     print(f"plan:      {plan!r}")
     kv_mib = problem.kv_bytes / 2**20
     rate = problem.kv_bytes / plan.predicted_us / 1e3 if plan.predicted_us else 0.0

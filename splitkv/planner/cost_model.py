@@ -28,6 +28,8 @@ The feature columns, in order (``FEATURE_NAMES``):
   fused_tail_us   bytes one merging CTA reads in 'fused' (max chunks x group x (head_dim+1)
                   x 4 B) / one slot's bandwidth.
   fused_merges    1 when 'fused' merges anything (the ticket atomic, fences, the extra pass).
+  merge_chain     max chunks of a request when 'split_merge' merges: the merge kernel's warp
+                  walks a row's partials one dependent L2 round trip after another.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ TILE_TOKENS = 64    # tokens of K/V one CTA step streams
 HEAD_TILE = 64      # query heads one CTA computes; larger GQA groups launch more CTAs
 
 FEATURE_NAMES = ("const", "launches", "kv_us", "crit_us", "crit_tiles", "crit_tile_rows",
-                 "waves", "partial_us", "fused_tail_us", "fused_merges")
+                 "waves", "partial_us", "fused_tail_us", "fused_merges", "merge_chain")
 
 SINGLE, SPLIT_MERGE, FUSED = (STRATEGIES.index(s) for s in ("single", "split_merge", "fused"))
 
@@ -109,7 +111,8 @@ def features_from_stats(num_qo_heads, num_kv_heads, head_dim, strategy_code, sta
     # Each feature is a statistic times a unit: bytes -> microseconds, tiles -> tile-equivalents.
     units = np.array([1.0, 1.0, num_kv_heads * token_bytes / bw, token_bytes / slot_bw,
                       head_dim / 128, rows * head_dim / 128, 1.0,
-                      2 * num_qo_heads * partial_bytes / bw, rows * partial_bytes / slot_bw, 1.0])
+                      2 * num_qo_heads * partial_bytes / bw, rows * partial_bytes / slot_bw, 1.0,
+                      1.0])
 
     num_chunks, max_splits = stats[0], stats[6]
     items = num_chunks * items_per_chunk
@@ -126,6 +129,7 @@ def features_from_stats(num_qo_heads, num_kv_heads, head_dim, strategy_code, sta
     x[7] = stats[5]
     np.logical_and(split, np.equal(strategy_code, FUSED), out=x[9])
     np.multiply(x[9], max_splits, out=x[8])
+    np.multiply(x[1] - 1.0, max_splits, out=x[10])   # x[1] - 1 is 1 exactly for a merge launch
     x *= units[:, None]
     return x.T
 

@@ -105,7 +105,7 @@ class Candidate:
     kind: str               # NO_SPLIT, CHUNK_TOKENS or NUM_SPLITS
     value: int              # chunk tokens, or num splits; 1 for NO_SPLIT
     strategy: str
-    predicted_us: float
+    predicted_us: float | None = None
 
     def build(self, problem: DecodeProblem) -> Plan:
         if self.kind == NO_SPLIT:
@@ -116,11 +116,28 @@ class Candidate:
                                      align=min(self.value, TILE_TOKENS))
         else:
             plan = plan_fixed_splits(problem, self.value, self.strategy, align=TILE_TOKENS)
-        return plan.with_prediction(self.predicted_us)
+        return plan if self.predicted_us is None else plan.with_prediction(self.predicted_us)
+
+    @property
+    def label(self) -> str:
+        """'no split', or e.g. 'chunk tokens 1024 fused'; ``from_label`` reads it back."""
+        return NO_SPLIT if self.kind == NO_SPLIT else f"{self.kind} {self.value} {self.strategy}"
+
+    @classmethod
+    def from_label(cls, label: str) -> "Candidate":
+        if label == NO_SPLIT:
+            return cls(NO_SPLIT, 1, "single")
+        *kind, value, strategy = label.split()
+        kind = " ".join(kind)
+        if kind not in (CHUNK_TOKENS, NUM_SPLITS) or not value.isdigit():
+            raise ValueError(f"label: expected 'no split' or '<chunk tokens|num splits> N "
+                             f"<strategy>', got {label!r}")
+        return cls(kind, int(value), V.check_strategy(strategy))
 
     def __str__(self) -> str:
         what = self.kind if self.kind == NO_SPLIT else f"{self.kind} {self.value}"
-        return f"{what:<18} {self.strategy:<12} {self.predicted_us:9.2f} us"
+        pred = "n/a" if self.predicted_us is None else f"{self.predicted_us:9.2f} us"
+        return f"{what:<18} {self.strategy:<12} {pred}"
 
 
 NO_SPLIT_CHUNK = float(2 ** 60)     # a chunk size no request reaches: one chunk each

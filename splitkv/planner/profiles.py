@@ -80,7 +80,7 @@ def roofline_prior(num_sms: int, bandwidth_gbps: float) -> dict:
     del num_sms, bandwidth_gbps
     return {"const": 0.5, "launches": 0.52, "kv_us": 0.24, "crit_us": 0.81, "crit_tiles": 0.02,
             "crit_tile_rows": 0.005, "waves": 0.6, "partial_us": 1.0, "fused_tail_us": 1.0,
-            "fused_merges": 1.0}
+            "fused_merges": 1.0, "merge_chain": 0.05}
 
 
 @dataclass(frozen=True)

@@ -71,8 +71,24 @@ class Plan:
         return self.num_splits > 1
 
     def with_prediction(self, predicted_us: float) -> "Plan":
-        return Plan(self.problem, self.strategy, self.chunk_request, self.chunk_start,
-                    self.chunk_end, self.merge_indptr, float(predicted_us))
+        """The same plan with a predicted time; the arrays were checked once, not again."""
+        plan = object.__new__(Plan)
+        plan.__dict__.update(self.__dict__, predicted_us=float(predicted_us))
+        return plan
+
+    @classmethod
+    def _trusted(cls, problem, strategy, chunk_request, chunk_start, chunk_end, merge_indptr):
+        """A plan built by this module's own decomposition functions, correct by construction:
+        skips the checks a hand-built plan gets (they cost more than the planning itself)."""
+        plan = object.__new__(cls)
+        values = {"problem": problem, "strategy": strategy, "predicted_us": None}
+        for name, arr in (("chunk_request", chunk_request), ("chunk_start", chunk_start),
+                          ("chunk_end", chunk_end), ("merge_indptr", merge_indptr)):
+            arr = np.ascontiguousarray(arr, dtype=np.int32)
+            arr.setflags(write=False)
+            values[name] = arr
+        plan.__dict__.update(values)
+        return plan
 
     def summary(self) -> dict:
         sizes = (self.chunk_end - self.chunk_start).astype(np.int64)
@@ -108,6 +124,7 @@ def plan_from_chunk_counts(problem: DecodeProblem, chunks_per_request, strategy:
     a request of n tokens has tiles) become that.
     """
     V.check_instance("problem", problem, DecodeProblem)
+    V.check_strategy(strategy)
     lens = problem.kv_lens
     counts = V.check_chunk_counts(chunks_per_request, lens.size)
     align = V.check_int("align", align, 1)
@@ -127,7 +144,7 @@ def plan_from_chunk_counts(problem: DecodeProblem, chunks_per_request, strategy:
     end_units = ((local + 1) * units) // k
     start = np.minimum(start_units * align, n)
     end = np.minimum(end_units * align, n)
-    return Plan(problem, strategy, chunk_request, start, end, merge_indptr)
+    return Plan._trusted(problem, strategy, chunk_request, start, end, merge_indptr)
 
 
 def plan_fixed_splits(problem: DecodeProblem, num_splits: int, strategy: str | None = None,

@@ -164,3 +164,41 @@ def test_device_selection(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert calibrate_cli._select_device(3) is None
     assert __import__("os").environ["CUDA_VISIBLE_DEVICES"] == "3"
+
+
+def test_measurements_round_trip_through_csv(tmp_path, prior_model, fake_gpu):
+    from splitkv.calibration.sweep import read_measurements, write_measurements
+
+    ms = measure(sweep_points(prior_model, quick=True), time_fn=fake_gpu)
+    path = write_measurements(tmp_path / "m.csv", ms, prior_model)
+    back = read_measurements(path)
+    assert [(m.shape, m.label, m.measured_us) for m in back] == \
+        [(m.shape, m.label, round(m.measured_us, 3)) for m in ms]
+    for a, b in zip(ms, back):
+        np.testing.assert_array_equal(a.plan.chunk_end, b.plan.chunk_end)
+        assert a.plan.strategy == b.plan.strategy
+    # a CSV without kv_lens (older splitkv) finds its shapes by name in the same sweep
+    lines = path.read_text().splitlines()
+    legacy = tmp_path / "legacy.csv"
+    legacy.write_text("\n".join(",".join(line.split(",")[:10]) for line in lines) + "\n")
+    assert [m.label for m in read_measurements(legacy, quick=True)] == [m.label for m in ms]
+    with pytest.raises(ValueError, match="not in the full sweep"):
+        read_measurements(legacy, quick=False)
+
+
+def test_candidate_labels_round_trip(prior_model):
+    from splitkv.planner import Candidate
+
+    for c in rank_candidates_of(prior_model):
+        back = Candidate.from_label(c.label)
+        assert (back.kind, back.value, back.strategy) == (c.kind, c.value, c.strategy)
+    with pytest.raises(ValueError, match="label"):
+        Candidate.from_label("chunk tokens many fused")
+    assert "n/a" in str(Candidate.from_label("num splits 4 fused"))
+
+
+def rank_candidates_of(model):
+    from splitkv import DecodeProblem
+    from splitkv.planner import rank_candidates
+
+    return rank_candidates(DecodeProblem(np.array([100, 5000]), 32, 8, 128, 16), model)

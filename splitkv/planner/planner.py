@@ -5,8 +5,8 @@ Candidates (each a way to cut every request's KV into chunks):
   chunk tokens c    one chunk size for the whole batch (FlashInfer's idea): request b gets
                     ceil(len_b / c) near-equal chunks, so long requests get more chunks and
                     work items stay within ~2x of each other across a ragged batch. c runs
-                    over powers of two from 64 tokens (one tile), and 16 and 32 for tiny
-                    contexts.
+                    over powers of two from 64 tokens (one tile), 16 and 32 for tiny
+                    contexts, and the multiples of 64 that fill 1..4 whole waves.
   num splits s      every request cut into s chunks (vLLM's fixed split), for s that fill
                     whole waves of the GPU (FlashAttention's heuristic) and a few small ones.
 Every split candidate is tried with 'split_merge' and with 'fused'.

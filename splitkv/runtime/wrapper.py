@@ -187,7 +187,7 @@ class BatchDecodeWrapper:
         import cupy
 
         rows = plan.num_chunks * self.num_qo_heads if plan.needs_merge else 1
-        counters = max(1, self._plan_batch(plan) * self.num_kv_heads * self.head_tile_groups)
+        counters = max(1, plan.problem.batch_size * self.num_kv_heads * self.head_tile_groups)
         cap_rows, cap_counters = self._workspace_capacity
         if rows > cap_rows:
             self._partial_o = cupy.empty(rows * self.head_dim, dtype=np.float32)
@@ -200,10 +200,6 @@ class BatchDecodeWrapper:
             self._counters.fill(0)
         self._workspace_capacity = (cap_rows, cap_counters)
         self._ready.record(stream)
-
-    @staticmethod
-    def _plan_batch(plan: Plan) -> int:
-        return plan.problem.batch_size
 
     # ------------------------------------------------------------------- run
     def run(self, q, k_cache, v_cache, *, out=None, lse=None, return_lse: bool = False,

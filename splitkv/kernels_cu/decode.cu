@@ -12,7 +12,7 @@
 //
 // merge_partials: one warp per (request, qo head) of a split request; merges its partials.
 //
-// Compile-time parameters: SPLITKV_BF16, HEAD_DIM, HEAD_TILES (1, 2, 4), STAGES.
+// Compile-time parameters: SPLITKV_BF16, HEAD_DIM, HEAD_TILES (1, 2, 4), STAGES, NUM_WARPS.
 #include "softmax_state.cuh"
 
 #ifndef HEAD_DIM
@@ -25,8 +25,10 @@
 #error "STAGES must be defined"
 #endif
 
-#define TILE_N 64                              // tokens per pipeline stage
-#define NUM_WARPS 4
+#ifndef NUM_WARPS
+#error "NUM_WARPS must be defined"
+#endif
+#define TILE_N (16 * NUM_WARPS)                // tokens per pipeline stage
 #define NUM_THREADS (NUM_WARPS * 32)
 #define WARPS_N (NUM_WARPS / HEAD_TILES)       // warps sharing one row tile split the tokens
 #define TOK_PER_WARP (TILE_N / WARPS_N)

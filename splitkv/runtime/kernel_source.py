@@ -12,8 +12,9 @@ from importlib import resources
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 NVRTC_OPTIONS = ("--std=c++17", "-default-device")
-TILE_TOKENS = 64          # tokens per pipeline stage of decode_partial (TILE_N in decode.cu)
-THREADS_PER_CTA = 128     # NUM_THREADS in decode.cu
+WARPS_PER_CTA = 4         # NUM_WARPS in decode.cu (8 warps x 128-token tiles measured slower)
+TILE_TOKENS = 16 * WARPS_PER_CTA   # tokens per pipeline stage (TILE_N in decode.cu)
+THREADS_PER_CTA = 32 * WARPS_PER_CTA
 MAX_ROWS_PER_CTA = 64     # query heads one CTA handles (16 * largest HEAD_TILES)
 DEFAULT_STAGES = {64: 4, 128: 3, 256: 2}
 
@@ -41,7 +42,7 @@ class DecodeVariant:
     dtype: str          # "float16" | "bfloat16"
     head_dim: int       # 64 | 128 | 256
     head_tiles: int     # 1, 2 or 4 row tiles of 16 query heads per CTA
-    stages: int = 0     # pipeline depth in 64-token tiles; 0 = the default for head_dim
+    stages: int = 0     # pipeline depth in tiles; 0 = the default for head_dim
 
     def __post_init__(self):
         if self.stages == 0:
@@ -55,13 +56,13 @@ class DecodeVariant:
     @property
     def shared_bytes(self) -> int:
         pipeline = self.stages * TILE_TOKENS * self.head_dim * 2 * 2
-        combine = 4 * 16 * self.head_dim * 4 + 2 * 4 * 16 * 4   # reused after the pipeline
+        combine = WARPS_PER_CTA * 16 * (self.head_dim + 2) * 4   # reused after the pipeline
         return max(pipeline, combine)
 
     @property
     def defines(self) -> dict[str, int]:
         return {"SPLITKV_BF16": int(self.dtype == "bfloat16"), "HEAD_DIM": self.head_dim,
-                "HEAD_TILES": self.head_tiles, "STAGES": self.stages}
+                "HEAD_TILES": self.head_tiles, "STAGES": self.stages, "NUM_WARPS": WARPS_PER_CTA}
 
     @property
     def name(self) -> str:

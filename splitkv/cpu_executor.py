@@ -19,11 +19,7 @@ def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
     V.check_instance("plan", plan, Plan)
     V.check_instance("page_table", page_table, PageTable)
     p = plan.problem
-    if not np.array_equal(page_table.kv_lens, p.kv_lens):
-        raise ValueError("page_table: its request lengths differ from the ones the plan was made for")
-    if page_table.page_size != p.page_size:
-        raise ValueError(f"page_table: page_size {page_table.page_size} differs from the plan's "
-                         f"page_size {p.page_size}")
+    V.check_plan_for_table(plan, page_table)
     V.check_attention_arrays(q, k_cache, v_cache, p.batch_size, p.page_size, page_table.kv_indices,
                              p.num_qo_heads, p.num_kv_heads, p.head_dim)
     sm_scale = V.check_sm_scale(sm_scale, p.head_dim)

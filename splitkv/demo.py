@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cpu_executor import execute_plan_cpu
-from .plan import Plan, plan_chunk_tokens, plan_fixed_splits
+from .planner import choose_plan
 from .problem import DecodeProblem, PageTable
 from .reference import reference_decode
+from .testing import scattered_page_table
 
 PAGE_SIZE = 16
 HEAD_DIM = 128
@@ -27,8 +28,6 @@ DTYPE = "float16"
 # computes in float64 on the same float16 inputs, so it must agree to rounding; the GPU
 # accumulates in float32 and writes float16.
 TOLERANCE = {"cpu": (1e-9, 1e-9), "gpu": (5e-3, 1e-3)}
-# The rule below aims at filling an H100 SXM (132 SMs) with two CTAs per SM.
-NUM_SMS, CTAS_PER_SM = 132, 2
 
 
 @dataclass(frozen=True)
@@ -53,49 +52,15 @@ def make_cases(seed: int) -> list[Case]:
     ]
 
 
-CASE_NAMES = [case.name for case in make_cases(0)]
-
-
-def rule_plan(problem: DecodeProblem, num_sms: int = NUM_SMS, ctas_per_sm: int = CTAS_PER_SM) -> Plan:
-    """Split until ``num_chunks * num_kv_heads >= ctas_per_sm * num_sms`` (264 work items).
-
-    One chunk size for the whole batch (so long requests get more chunks), a whole number of
-    pages, the largest that still gives enough chunks. Worked example: 8 requests of 2048 tokens
-    with 8 kv heads need 264 / 8 = 33 chunks; 8 * 2048 / 33 = 496 tokens = 31 pages per chunk,
-    so each request is cut into ceil(2048 / 496) = 5 chunks: 40 chunks, 320 work items.
-    A batch that already has enough (request, kv head) pairs is not split: 'single'.
-    """
-    target_chunks = -(-ctas_per_sm * num_sms // problem.num_kv_heads)
-    if problem.batch_size >= target_chunks or problem.total_tokens == 0:
-        return plan_fixed_splits(problem, 1, "single")
-    chunk = max(1, problem.total_tokens // target_chunks)
-    page = problem.page_size
-    align = page if chunk >= page else 1
-    plan = plan_chunk_tokens(problem, chunk // align * align, "split_merge", align=align)
-    return plan if plan.num_splits > 1 else plan_fixed_splits(problem, 1, "single")
-
-
-def host_planner():
-    """(choose, description): ``splitkv.planner.choose_plan(problem)`` when the planner has it,
-    else ``rule_plan``."""
-    try:
-        from .planner import choose_plan
-    except ImportError:
-        return rule_plan, f"the demo rule (split to >= {NUM_SMS * CTAS_PER_SM} work items)"
-    return choose_plan, "splitkv.planner.choose_plan"
+CASE_NAMES = ("b1-long", "b8-medium", "b16-ragged", "mha", "gqa5")   # make_cases' names
 
 
 def make_inputs(case: Case, rng: np.random.Generator):
     """float16 q, k_cache, v_cache (NHD) and a page table whose pages are scattered in a pool
     with 10% unused pages."""
     lens = np.array(case.kv_lens, dtype=np.int64)
-    pages = -(-lens // PAGE_SIZE)
-    num_pages = int(pages.sum() * 1.1) + 1
-    perm = rng.permutation(num_pages)
-    block_table = np.zeros((lens.size, int(pages.max())), dtype=np.int64)
-    for b, (lo, n) in enumerate(zip(np.cumsum(pages) - pages, pages)):
-        block_table[b, :n] = perm[lo:lo + n]
-    page_table = PageTable.from_block_table(block_table, lens, PAGE_SIZE, num_pages=num_pages)
+    spare = int((-(-lens // PAGE_SIZE)).sum() // 10) + 1
+    page_table, num_pages = scattered_page_table(lens, PAGE_SIZE, rng, spare)
     shape = (num_pages, PAGE_SIZE, case.num_kv_heads, HEAD_DIM)
     q = rng.standard_normal((lens.size, case.num_qo_heads, HEAD_DIM), dtype=np.float32)
     k_cache = rng.standard_normal(shape, dtype=np.float32)
@@ -115,7 +80,7 @@ def detect_gpu() -> tuple[bool, str]:
 def run_cpu(case: Case, q, k_cache, v_cache, page_table: PageTable):
     problem = DecodeProblem.from_page_table(page_table, case.num_qo_heads, case.num_kv_heads,
                                             HEAD_DIM, DTYPE)
-    plan = host_planner()[0](problem)
+    plan = choose_plan(problem)
     out, lse = execute_plan_cpu(plan, q, k_cache, v_cache, page_table)
     return plan, out, lse
 
@@ -169,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
     backend = "gpu" if on_gpu else "cpu"
     run_case = run_gpu if on_gpu else run_cpu
     out_tol, lse_tol = TOLERANCE[backend]
-    print("plans from " + ("BatchDecodeWrapper.plan(page_table)" if on_gpu else host_planner()[1]))
+    print("plans from " + ("BatchDecodeWrapper.plan(page_table)" if on_gpu
+                           else "splitkv.planner.choose_plan (the shipped H200 profile)"))
 
     header = ("case", "B", "heads", "tokens", "strategy", "splits", "work items", "max rel err",
               "lse err", "")

@@ -81,8 +81,9 @@ def host_int_array(name: str, value, ndim: int) -> np.ndarray:
 
 
 def check_page_table(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_last_page_len: np.ndarray,
-                     page_size: int, num_pages: int | None = None) -> None:
-    """FlashInfer-style page table: request b owns kv_indices[kv_indptr[b]:kv_indptr[b+1]]."""
+                     page_size: int) -> None:
+    """FlashInfer-style page table: request b owns kv_indices[kv_indptr[b]:kv_indptr[b+1]].
+    (The pool bound is ``check_page_indices``', where the pool size is known.)"""
     if kv_indptr.size < 1:
         raise ValueError("kv_indptr: expected at least one element (batch_size + 1), got an empty array")
     batch = kv_indptr.size - 1
@@ -98,8 +99,6 @@ def check_page_table(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_last_page
                          f"got {kv_last_page_len.size}")
     if kv_indices.size and kv_indices.min() < 0:
         raise ValueError(f"kv_indices: page indices must be >= 0, got {kv_indices.min()}")
-    if num_pages is not None:
-        check_page_indices(kv_indices, num_pages)
     pages = np.diff(kv_indptr)
     has_pages = pages > 0
     bad_last = has_pages & ((kv_last_page_len < 1) | (kv_last_page_len > page_size))
@@ -148,20 +147,68 @@ def check_shape(name: str, shape: tuple[int, ...], expected: tuple) -> None:
         raise ValueError(f"{name}: expected shape {want}, got {list(shape)}")
 
 
-def check_kv_cache(name: str, shape, dtype: str, page_size: int, num_kv_heads: int, head_dim: int,
-                   expected_dtype: str) -> int:
-    """KV cache in NHD layout ``[num_pages, page_size, num_kv_heads, head_dim]``; returns num_pages."""
-    check_shape(name, shape, (None, page_size, num_kv_heads, head_dim))
-    if dtype != expected_dtype:
-        raise TypeError(f"{name}: expected dtype {expected_dtype}, got {dtype}")
-    return shape[0]
+def check_storage_dtype(name: str, dtype: str, expected: str) -> None:
+    """q/k/v/out hold ``expected`` (float16 or bfloat16); uint16 is accepted as its raw 16-bit
+    patterns (the way to pass bfloat16 from a CuPy build without a bfloat16 dtype)."""
+    if dtype != expected and dtype != "uint16":
+        raise TypeError(f"{name}: expected dtype {expected} (or uint16 holding its bits), got {dtype}")
 
 
-def check_query(shape, dtype: str, batch_size: int, num_qo_heads: int, head_dim: int,
-                expected_dtype: str) -> None:
-    check_shape("q", shape, (batch_size, num_qo_heads, head_dim))
-    if dtype != expected_dtype:
-        raise TypeError(f"q: expected dtype {expected_dtype}, got {dtype}")
+def check_device_decode_arrays(q, k_cache, v_cache, *, batch_size: int, num_qo_heads: int,
+                               num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
+                               max_page: int, device: int | None) -> None:
+    """Inputs of a GPU decode call, given as descriptors with .shape, .strides (elements),
+    .dtype, .ptr and .device. K and V may be views with any page and token strides, as long as
+    each token's heads are contiguous and every row starts on a 16-byte boundary."""
+    check_shape("q", q.shape, (batch_size, num_qo_heads, head_dim))
+    check_storage_dtype("q", q.dtype, dtype)
+    if not q.is_contiguous:
+        raise ValueError("q: expected a contiguous array")
+    for name, arr in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_shape(name, arr.shape, (None, page_size, num_kv_heads, head_dim))
+        check_storage_dtype(name, arr.dtype, dtype)
+        if arr.strides[2:] != (head_dim, 1):
+            raise ValueError(f"{name}: expected each token's heads to be contiguous "
+                             f"(strides [*, *, {head_dim}, 1] in elements), got {list(arr.strides)}")
+        if arr.ptr % 16 or (arr.strides[0] * 2) % 16 or (arr.strides[1] * 2) % 16:
+            raise ValueError(f"{name}: expected 16-byte aligned pages and tokens")
+        if arr.shape[0] <= max_page:
+            raise ValueError(f"{name}: the plan's page table references page {max_page} "
+                             f"but the cache has {arr.shape[0]} pages")
+    if v_cache.strides[:2] != k_cache.strides[:2]:
+        raise ValueError("v_cache: expected the same strides as k_cache")
+    for name, arr in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if arr.device is not None and device is not None and arr.device != device:
+            raise ValueError(f"{name}: is on device {arr.device}, the plan on device {device}")
+
+
+def check_device_output(name: str, arr, shape: tuple[int, ...], dtype: str) -> None:
+    """``out`` (storage dtype) or ``lse`` (float32): the exact shape, contiguous."""
+    check_shape(name, arr.shape, shape)
+    if dtype == "float32":
+        if arr.dtype != "float32":
+            raise TypeError(f"{name}: expected dtype float32, got {arr.dtype}")
+    else:
+        check_storage_dtype(name, arr.dtype, dtype)
+    if not arr.is_contiguous:
+        raise ValueError(f"{name}: expected a contiguous array")
+
+
+def check_plan_for_table(plan, page_table, *, num_qo_heads: int | None = None,
+                         num_kv_heads: int | None = None, head_dim: int | None = None,
+                         dtype: str | None = None) -> None:
+    """A plan is only valid for the lengths (and, where given, the shapes) it was made for."""
+    p = plan.problem
+    if p.page_size != page_table.page_size:
+        raise ValueError(f"page_table: page_size {page_table.page_size} differs from the plan's "
+                         f"{p.page_size}")
+    if not np.array_equal(p.kv_lens, page_table.kv_lens):
+        raise ValueError("page_table: its request lengths differ from the ones the plan was made for")
+    for name, want, have in (("num_qo_heads", num_qo_heads, p.num_qo_heads),
+                             ("num_kv_heads", num_kv_heads, p.num_kv_heads),
+                             ("head_dim", head_dim, p.head_dim), ("dtype", dtype, p.dtype)):
+        if want is not None and want != have:
+            raise ValueError(f"plan: made for {name}={have}, this call has {want}")
 
 
 def check_sm_scale(sm_scale, head_dim: int) -> float:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from splitkv import DecodeProblem, PageTable
+from splitkv.testing import scattered_page_table
 
 
 @dataclass
@@ -30,16 +31,7 @@ def build_batch(rng: np.random.Generator, kv_lens, num_qo_heads: int = 4, num_kv
                q_scale: float = 1.0) -> PagedBatch:
     """A decode batch whose pages are a random permutation of a pool with a few unused pages."""
     kv_lens = np.asarray(kv_lens, dtype=np.int64)
-    pages = -(-kv_lens // page_size)
-    num_pages = int(pages.sum()) + spare_pages
-    perm = rng.permutation(num_pages)
-    width = max(1, int(pages.max()) if pages.size else 1)
-    block_table = np.full((kv_lens.size, width), -1, dtype=np.int64)   # -1 = padding, never read
-    used = 0
-    for b, n in enumerate(pages):
-        block_table[b, :n] = perm[used:used + n]
-        used += n
-    page_table = PageTable.from_block_table(block_table, kv_lens, page_size, num_pages=num_pages)
+    page_table, num_pages = scattered_page_table(kv_lens, page_size, rng, spare_pages)
     shape = (num_pages, page_size, num_kv_heads, head_dim)
     q = (q_scale * rng.standard_normal((kv_lens.size, num_qo_heads, head_dim))).astype(dtype)
     k_cache = rng.standard_normal(shape).astype(dtype)

@@ -1,4 +1,5 @@
-"""GPU decode against the float64 reference. Skipped with a reason where there is no GPU."""
+"""GPU decode against the float64 reference. Marked `gpu`: conftest.py skips them, with the
+reason, where there is no usable GPU."""
 
 from __future__ import annotations
 
@@ -6,16 +7,12 @@ import numpy as np
 import pytest
 
 from splitkv import reference_decode
-from splitkv.runtime import gpu_available
+from splitkv.reference import to_float64
+from splitkv.runtime.testing import random_device_array, scattered_page_table
+from splitkv.runtime.wrapper import BatchDecodeWrapper
 
-ok, why = gpu_available()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ok, reason=f"no usable GPU: {why}")]
-
-if ok:
-    import cupy
-
-    from splitkv.runtime.testing import random_device_array, scattered_page_table
-    from splitkv.runtime.wrapper import BatchDecodeWrapper
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+pytestmark = pytest.mark.gpu
 
 TOL = {"bfloat16": 1e-2, "float16": 5e-3}
 POISON = 0xFFFF  # a NaN in both float16 and bfloat16
@@ -26,10 +23,7 @@ def rel_err(out, ref) -> float:
 
 
 def host(arr, dtype):
-    a = arr.get()
-    if a.dtype == np.uint16 and dtype == "bfloat16":
-        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return a.astype(np.float64)
+    return to_float64(arr)      # uint16 arrays hold bfloat16 bits
 
 
 def make_case(rng, lens, hq, hk, d, page, dtype):

@@ -5,6 +5,7 @@ import pytest
 from scipy.special import logsumexp, softmax
 
 from splitkv import PageTable, reference_decode
+from splitkv.testing import scattered_block_table
 
 
 def dense_attention(q, k_cache, v_cache, block_table, kv_lens, sm_scale=None):
@@ -28,23 +29,11 @@ def dense_attention(q, k_cache, v_cache, block_table, kv_lens, sm_scale=None):
     return out, lse
 
 
-def scattered_block_table(rng, kv_lens, page_size, spare=2):
-    pages = [-(-int(n) // page_size) for n in kv_lens]
-    perm = rng.permutation(sum(pages) + spare)
-    width = max(pages + [1])
-    table = np.full((len(kv_lens), width), -1)
-    used = 0
-    for b, n in enumerate(pages):
-        table[b, :n] = perm[used:used + n]
-        used += n
-    return table, sum(pages) + spare
-
-
 @pytest.mark.parametrize("hq, hk", [(8, 8), (8, 2), (10, 2), (16, 2)])   # groups 1, 4, 5, 8
 def test_matches_dense_softmax(rng, hq, hk):
     kv_lens = np.array([1, 15, 16, 17, 100, 0, 33])
     page_size, d = 16, 64
-    table, num_pages = scattered_block_table(rng, kv_lens, page_size)
+    table, num_pages = scattered_block_table(kv_lens, page_size, rng, 2)
     q = rng.standard_normal((kv_lens.size, hq, d))
     k = rng.standard_normal((num_pages, page_size, hk, d))
     v = rng.standard_normal((num_pages, page_size, hk, d))
@@ -59,7 +48,7 @@ def test_matches_dense_softmax(rng, hq, hk):
 
 def test_explicit_sm_scale(rng):
     kv_lens = np.array([40, 7])
-    table, num_pages = scattered_block_table(rng, kv_lens, 8)
+    table, num_pages = scattered_block_table(kv_lens, 8, rng, 2)
     q = rng.standard_normal((2, 4, 64))
     k = rng.standard_normal((num_pages, 8, 2, 64))
     v = rng.standard_normal((num_pages, 8, 2, 64))

@@ -22,6 +22,7 @@ def read_bandwidth_gbps(num_bytes: int = 4 << 30, ctas_per_sm: int = 8, trials: 
     import cupy
 
     from ..runtime import device_info
+    from ..runtime.timing import cupy_timer, median_us_per_call
 
     buf = cupy.empty(num_bytes // 4, dtype=cupy.uint32)
     buf.fill(1)
@@ -29,14 +30,8 @@ def read_bandwidth_gbps(num_bytes: int = 4 << 30, ctas_per_sm: int = 8, trials: 
     kernel = cupy.RawKernel(_READ_KERNEL, "stream_read")
     n = np.int64(num_bytes // 16)
     grid = (device_info()["num_sms"] * ctas_per_sm,)
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    kernel(grid, (512,), (buf, n, sink))
-    times = []
-    for _ in range(trials):
-        start.record()
-        kernel(grid, (512,), (buf, n, sink))
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) * 1e-3)
-    del buf
-    return num_bytes / float(np.median(times)) / 1e9
+    stream = cupy.cuda.get_current_stream()
+    kernel(grid, (512,), (buf, n, sink))                 # warm-up
+    us = median_us_per_call(cupy_timer(lambda: kernel(grid, (512,), (buf, n, sink)), stream),
+                            trials=trials, min_trial_ms=20.0)
+    return num_bytes / (us * 1e-6) / 1e9

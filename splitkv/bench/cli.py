@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 
+from ..validation import STRATEGIES
 from .cases import LATENCY_TARGETS_US, select
 
 
@@ -19,7 +20,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--min-total-mib", type=int, default=1024,
                         help="KV bytes the layers hold together (sets the number of layers, 2..64)")
     parser.add_argument("--num-splits", type=int, default=None, help="force a split count")
-    parser.add_argument("--strategy", default=None, choices=["single", "split_merge", "fused"])
+    parser.add_argument("--strategy", default=None, choices=STRATEGIES)
     parser.add_argument("--no-peer", action="store_true", help="skip the PyTorch SDPA peer")
     parser.add_argument("--json", default=None, help="write results to this JSON file")
     parser.add_argument("--markdown", default=None, help="write a markdown table to this file")
@@ -31,7 +32,7 @@ def _rel_err_subset(wrapper, page_table, data, max_requests: int = 4) -> float:
     import cupy
 
     from ..problem import PageTable
-    from ..reference import reference_decode
+    from ..reference import reference_decode, to_float64
 
     out = wrapper.run(data.q, data.k_layers[0], data.v_layers[0])
     n = min(max_requests, page_table.batch_size)
@@ -42,19 +43,18 @@ def _rel_err_subset(wrapper, page_table, data, max_requests: int = 4) -> float:
     idx = cupy.asarray(pages)
     ref, _ = reference_decode(data.q[:n].get(), data.k_layers[0][idx].get(),
                               data.v_layers[0][idx].get(), sub)
-    got = out[:n].get()
-    if got.dtype == np.uint16:
-        got = (got.astype(np.uint32) << 16).view(np.float32)
-    got = got.astype(np.float64)
+    got = to_float64(out[:n])
     return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
 
 
-def _plan_cpu_us(problem, wrapper, repeats: int = 200) -> float:
+def _plan_cpu_us(problem, profile, repeats: int = 200) -> float:
     """Median host time of choosing a plan (what plan() does before its one upload)."""
+    from ..planner import choose_plan
+
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        wrapper._choose(problem, None, None)
+        choose_plan(problem, profile)
         samples.append((time.perf_counter() - t0) * 1e6)
     return float(np.median(samples))
 
@@ -96,7 +96,7 @@ def run(args) -> int:
         if compile_s is None:
             compile_s = compile_seconds_so_far()
         if not case.equal_lengths:
-            plan_us_ragged = _plan_cpu_us(problem, w)
+            plan_us_ragged = _plan_cpu_us(problem, w.profile)
         data = make_layers(pt, case.num_qo_heads, case.num_kv_heads, case.head_dim, args.dtype,
                            min_total_bytes=args.min_total_mib << 20, seed=args.seed)
         us = time_wrapper_us(w, data)

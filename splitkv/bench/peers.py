@@ -3,9 +3,7 @@ contiguous copies of the same KV. PyTorch is imported only here, and only if ins
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
+from ..runtime.timing import MIN_TRIAL_MS, TRIALS, layers_for, median_us_per_call
 
 
 def torch_available() -> bool:
@@ -17,13 +15,23 @@ def torch_available() -> bool:
 
 
 def sdpa_us(batch: int, kv_len: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-            *, min_total_bytes: int = 1 << 30, trials: int = 7, min_trial_ms: float = 30.0) -> float:
+            *, min_total_bytes: int = 1 << 30, trials: int = TRIALS,
+            min_trial_ms: float = MIN_TRIAL_MS) -> float:
     """Median us per call of SDPA decode over L layers of contiguous bf16 KV, in a CUDA graph."""
+    import torch
+
+    us = _sdpa_graph_us(batch, kv_len, num_qo_heads, num_kv_heads, head_dim, min_total_bytes,
+                        trials, min_trial_ms)
+    torch.cuda.empty_cache()        # give the peer's ~1 GiB back before splitkv runs again
+    return us
+
+
+def _sdpa_graph_us(batch, kv_len, num_qo_heads, num_kv_heads, head_dim, min_total_bytes,
+                   trials, min_trial_ms) -> float:
     import torch
     import torch.nn.functional as F
 
-    layer_bytes = batch * kv_len * num_kv_heads * head_dim * 2 * 2
-    layers = int(min(64, max(2, math.ceil(min_total_bytes / layer_bytes))))
+    layers = layers_for(batch * kv_len * num_kv_heads * head_dim * 2 * 2, min_total_bytes)
     dev = torch.device("cuda")
     q = torch.randn(batch, num_qo_heads, 1, head_dim, device=dev, dtype=torch.bfloat16)
     ks = [torch.randn(batch, num_kv_heads, kv_len, head_dim, device=dev, dtype=torch.bfloat16)
@@ -45,17 +53,14 @@ def sdpa_us(batch: int, kv_len: int, num_qo_heads: int, num_kv_heads: int, head_
     with torch.cuda.graph(graph):
         step()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record(); graph.replay(); end.record(); end.synchronize()
-    replays = max(1, math.ceil(min_trial_ms / max(start.elapsed_time(end), 1e-3)))
-    samples = []
-    for _ in range(trials):
+
+    def run_timed(n: int) -> float:
         start.record()
-        for _ in range(replays):
+        for _ in range(n):
             graph.replay()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / (replays * layers))
-    del ks, vs, graph
-    torch.cuda.empty_cache()
-    return float(np.median(samples))
+        return start.elapsed_time(end)
+
+    graph.replay()
+    return median_us_per_call(run_timed, layers, trials=trials, min_trial_ms=min_trial_ms)

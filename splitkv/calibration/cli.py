@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..runtime import timing as runtime_timing
+
 QUICK_TIMING = {"trials": 3, "min_trial_ms": 10.0}
 
 # A few batches whose plans the summary shows (ANCHORS.md's standard cases).
@@ -108,9 +110,11 @@ def run(args) -> int:
     print(f"calibrating {info['name']} ({info['num_sms']} SMs): {len(points)} plans of "
           f"{shapes} shapes ({'quick' if args.quick else 'full'} sweep)", flush=True)
     measurements = measure(points, progress=_progress, seed=args.seed, **timing)
+    runtime_timing.release_cached_layers()
 
     sweep = {"name": "quick" if args.quick else "full", "seed": args.seed,
-             "timing": timing or {"trials": 7, "min_trial_ms": 30.0}}
+             "timing": timing or {"trials": runtime_timing.TRIALS,
+                                  "min_trial_ms": runtime_timing.MIN_TRIAL_MS}}
     profile, report = fit_profile(measurements, info, seed=args.seed, sweep=sweep)
     out = Path(args.out) if args.out else user_profile_dir() / f"{device_slug(info['name'])}.yaml"
     profile.save(out)

@@ -128,13 +128,13 @@ def measure(points, time_fn=None, progress=None, seed: int = 0, **timing) -> lis
     if time_fn is None:
         from ..runtime.timing import time_plan_us as time_fn
     rng = np.random.default_rng(seed)
-    tables = {}
+    shape, table = None, None
     out = []
     for i, point in enumerate(points):
-        if point.shape not in tables:
+        if point.shape != shape:
             p = point.plan.problem
-            tables = {point.shape: scattered_page_table(p.kv_lens, p.page_size, rng)[0]}
-        us = float(time_fn(point.plan, tables[point.shape], **timing))
+            shape, table = point.shape, scattered_page_table(p.kv_lens, p.page_size, rng)[0]
+        us = float(time_fn(point.plan, table, **timing))
         out.append(Measurement(point.shape, point.label, point.plan, us))
         if progress is not None:
             progress(i, len(points), point, us)

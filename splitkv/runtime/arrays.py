@@ -96,13 +96,6 @@ def as_device_array(name: str, obj) -> DeviceArray:
                     f"__cuda_array_interface__ or __dlpack__), got {type(obj).__name__}")
 
 
-def check_storage_dtype(name: str, arr: DeviceArray, dtype: str) -> None:
-    """q/k/v/out hold ``dtype``; a uint16 array is accepted as its raw 16-bit patterns (the way
-    to pass bfloat16 from a CuPy build without a bfloat16 dtype)."""
-    if arr.dtype != dtype and arr.dtype != "uint16":
-        raise TypeError(f"{name}: expected dtype {dtype} (or uint16 holding its bits), got {arr.dtype}")
-
-
 def cupy_storage_dtype(dtype: str):
     """The CuPy dtype used for outputs of ``dtype``: native if CuPy handles it, else uint16 bits."""
     import cupy

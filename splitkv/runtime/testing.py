@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..problem import PageTable
+from ..testing import scattered_page_table
+
+__all__ = ["float_to_bits", "random_device_array", "random_device_array_fast",
+           "scattered_page_table"]
 
 
 def float_to_bits(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -16,19 +19,6 @@ def float_to_bits(x: np.ndarray, dtype: str) -> np.ndarray:
     bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
     return (rounded >> np.uint32(16)).astype(np.uint16)
-
-
-def scattered_page_table(kv_lens, page_size: int, rng: np.random.Generator,
-                         extra_pages: int = 3) -> tuple[PageTable, int]:
-    """Pages of every request drawn without replacement from a shuffled pool. Returns the
-    table and the pool size (a few unused pages are left so out-of-range reads would show)."""
-    lens = np.asarray(kv_lens, dtype=np.int64)
-    pages = -(-lens // page_size)
-    num_pages = int(pages.sum()) + extra_pages
-    perm = rng.permutation(num_pages)[: int(pages.sum())]
-    indptr = np.concatenate([[0], np.cumsum(pages)])
-    last = np.where(pages > 0, lens - (pages - 1) * page_size, 0)
-    return PageTable.from_flashinfer(indptr, perm, last, page_size, num_pages), num_pages
 
 
 def random_device_array(shape, dtype: str, rng: np.random.Generator, scale: float = 1.0):

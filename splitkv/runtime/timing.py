@@ -18,8 +18,44 @@ from ..plan import Plan
 from ..problem import PageTable
 
 
-def time_graph_us(launch_layer: Callable[[int, object], None], num_layers: int, *, trials: int = 7,
-                  min_trial_ms: float = 30.0, stream=None) -> float:
+TRIALS = 7
+MIN_TRIAL_MS = 30.0
+
+
+def median_us_per_call(run_timed: Callable[[int], float], calls_per_repeat: int = 1, *,
+                       trials: int = TRIALS, min_trial_ms: float = MIN_TRIAL_MS) -> float:
+    """The ANCHORS statistic for anything timed with device events.
+
+    ``run_timed(n)`` repeats the timed work n times between two device events and returns the
+    elapsed milliseconds; each repeat makes ``calls_per_repeat`` calls (the layers of a graph).
+    Each trial repeats enough to last ``min_trial_ms``; the median over ``trials`` is returned in
+    microseconds per call. Framework-free, so PyTorch peers are timed the same way.
+    """
+    one_ms = max(run_timed(1), 1e-3)
+    repeats = max(1, math.ceil(min_trial_ms / one_ms))
+    samples = [run_timed(repeats) * 1e3 / (repeats * calls_per_repeat) for _ in range(trials)]
+    return float(np.median(samples))
+
+
+def cupy_timer(launch: Callable[[], None], stream) -> Callable[[int], float]:
+    """``run_timed`` for ``median_us_per_call``: repeats ``launch()`` between CuPy events."""
+    import cupy
+
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+
+    def run_timed(n: int) -> float:
+        start.record(stream)
+        for _ in range(n):
+            launch()
+        end.record(stream)
+        end.synchronize()
+        return cupy.cuda.get_elapsed_time(start, end)
+
+    return run_timed
+
+
+def time_graph_us(launch_layer: Callable[[int, object], None], num_layers: int, *,
+                  trials: int = TRIALS, min_trial_ms: float = MIN_TRIAL_MS, stream=None) -> float:
     """Median microseconds per layer call of ``launch_layer(layer, stream)`` over graph replays."""
     import cupy
 
@@ -31,23 +67,9 @@ def time_graph_us(launch_layer: Callable[[int, object], None], num_layers: int, 
         for layer in range(num_layers):
             launch_layer(layer, stream)
         graph = stream.end_capture()
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
         graph.launch(stream)
-        start.record(stream)
-        graph.launch(stream)
-        end.record(stream)
-        end.synchronize()
-        one_ms = max(cupy.cuda.get_elapsed_time(start, end), 1e-3)
-        replays = max(1, math.ceil(min_trial_ms / one_ms))
-        samples = []
-        for _ in range(trials):
-            start.record(stream)
-            for _ in range(replays):
-                graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            samples.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / (replays * num_layers))
-    return float(np.median(samples))
+        return median_us_per_call(cupy_timer(lambda: graph.launch(stream), stream), num_layers,
+                                  trials=trials, min_trial_ms=min_trial_ms)
 
 
 def layers_for(bytes_per_layer: int, min_total_bytes: int = 1 << 30) -> int:
@@ -89,7 +111,8 @@ def make_layers(page_table: PageTable, num_qo_heads: int, num_kv_heads: int, hea
     return LayeredKV(q, ks, vs, out, num_pages)
 
 
-def time_wrapper_us(wrapper, data: LayeredKV, *, trials: int = 7, min_trial_ms: float = 30.0) -> float:
+def time_wrapper_us(wrapper, data: LayeredKV, *, trials: int = TRIALS,
+                    min_trial_ms: float = MIN_TRIAL_MS) -> float:
     """Time ``wrapper.run`` (already planned) over the layers of ``data``."""
 
     def launch(layer, stream):
@@ -98,16 +121,35 @@ def time_wrapper_us(wrapper, data: LayeredKV, *, trials: int = 7, min_trial_ms: 
     return time_graph_us(launch, data.num_layers, trials=trials, min_trial_ms=min_trial_ms)
 
 
+_LAST_LAYERS: dict = {}   # one entry: (page table, shapes) -> LayeredKV
+
+
+def release_cached_layers() -> None:
+    """Free the KV layers ``time_plan_us`` keeps for the last page table it timed."""
+    _LAST_LAYERS.clear()
+
+
 def time_plan_us(plan: Plan, page_table: PageTable, *, min_total_bytes: int = 1 << 30,
-                 trials: int = 7, min_trial_ms: float = 30.0, data: LayeredKV | None = None,
+                 trials: int = TRIALS, min_trial_ms: float = MIN_TRIAL_MS, data: LayeredKV | None = None,
                  stages: int | None = None) -> float:
-    """Median microseconds per call of ``plan`` on random data (built here unless given)."""
+    """Median microseconds per call of ``plan`` on random data.
+
+    Without ``data``, the random KV layers (about ``min_total_bytes``) are built for the page
+    table and kept for the next call with the same table and shapes, so timing several plans
+    of one batch in a row (a calibration sweep) fills the memory once;
+    ``release_cached_layers()`` frees them.
+    """
     from .wrapper import BatchDecodeWrapper
 
     p = plan.problem
     if data is None:
-        data = make_layers(page_table, p.num_qo_heads, p.num_kv_heads, p.head_dim, p.dtype,
-                           min_total_bytes=min_total_bytes)
+        key = (id(page_table), p.num_qo_heads, p.num_kv_heads, p.head_dim, p.dtype, min_total_bytes)
+        if key not in _LAST_LAYERS:
+            _LAST_LAYERS.clear()
+            _LAST_LAYERS[key] = (page_table, make_layers(page_table, p.num_qo_heads, p.num_kv_heads,
+                                                         p.head_dim, p.dtype,
+                                                         min_total_bytes=min_total_bytes))
+        data = _LAST_LAYERS[key][1]      # the entry holds the table too, so its id stays unique
     w = BatchDecodeWrapper(p.num_qo_heads, p.num_kv_heads, p.head_dim, p.page_size, p.dtype,
                            stages=stages)
     w.plan(page_table, plan=plan)

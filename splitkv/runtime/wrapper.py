@@ -10,39 +10,21 @@
 uploads it, and sizes the workspace. ``run()`` checks shapes and launches one or two kernels
 on the caller's stream: no host synchronisation and, when ``out`` (and ``lse``) are given, no
 allocation, so it can be captured in a CUDA graph and replayed; one plan serves every layer.
+A captured graph holds the plan's grid and buffers: capture again after the next ``plan()``.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from .. import validation as V
-from ..plan import Plan, plan_chunk_tokens, plan_fixed_splits
+from ..plan import Plan
 from ..problem import DecodeProblem, PageTable
-from .arrays import as_device_array, check_storage_dtype, cupy_storage_dtype
-from .kernel_source import MAX_ROWS_PER_CTA, TILE_TOKENS, THREADS_PER_CTA, DecodeVariant
+from .arrays import as_device_array, cupy_storage_dtype
+from .kernel_source import MAX_ROWS_PER_CTA, THREADS_PER_CTA, DecodeVariant
 from .modules import get_decode_kernels
 
 LOG2E = 1.4426950408889634
-
-
-def default_plan(problem: DecodeProblem, num_sms: int, strategy: str | None = None) -> Plan:
-    """The rule used when no cost-model profile is available: fill about four waves of
-    ``2 * num_sms`` CTAs with chunks of whole 64-token tiles; fused merge for few splits."""
-    slots = 2 * num_sms
-    if problem.batch_size * problem.num_kv_heads >= slots or problem.total_tokens == 0:
-        return plan_fixed_splits(problem, 1, strategy or "single")
-    target_items = 4 * slots
-    tokens_per_item = problem.total_tokens * problem.num_kv_heads / target_items
-    chunk = max(TILE_TOKENS, int(math.ceil(tokens_per_item / TILE_TOKENS)) * TILE_TOKENS)
-    plan = plan_chunk_tokens(problem, chunk, "split_merge", align=TILE_TOKENS)
-    if strategy is None:
-        strategy = "fused" if plan.num_splits <= 16 else "split_merge"
-    if plan.num_splits == 1:
-        strategy = "single" if strategy != "fused" else strategy
-    return plan_chunk_tokens(problem, chunk, strategy, align=TILE_TOKENS)
 
 
 def _stream_of(stream):
@@ -82,7 +64,7 @@ class BatchDecodeWrapper:
         self._profile = profile
         self._plan: Plan | None = None
         self._device_id: int | None = None
-        self._buffers = {}
+        self._meta_capacity = 0
         self._workspace_capacity = (0, 0)
 
     # ------------------------------------------------------------------ plan
@@ -93,54 +75,48 @@ class BatchDecodeWrapper:
     def plan(self, page_table: PageTable, *, num_splits: int | None = None,
              strategy: str | None = None, plan: Plan | None = None,
              sm_scale: float | None = None, stream=None) -> Plan:
-        """Choose and upload the decomposition for this batch. Host work plus one upload."""
+        """Choose and upload the decomposition for this batch. Host work plus one upload.
+
+        num_splits / strategy force the planner's hand; ``plan`` bypasses it entirely.
+        """
         import cupy
 
-        if not isinstance(page_table, PageTable):
-            raise TypeError(f"page_table: expected a splitkv.PageTable, got {type(page_table).__name__}")
+        V.check_instance("page_table", page_table, PageTable)
         if page_table.page_size != self.page_size:
             raise ValueError(f"page_table: page_size {page_table.page_size} differs from the "
                              f"wrapper's page_size {self.page_size}")
-        if strategy is not None:
-            V.check_strategy(strategy)
         problem = DecodeProblem.from_page_table(page_table, self.num_qo_heads, self.num_kv_heads,
                                                 self.head_dim, self.dtype)
         if plan is not None:
-            if not isinstance(plan, Plan) or not np.array_equal(plan.problem.kv_lens, problem.kv_lens):
-                raise ValueError("plan: expected a splitkv.Plan made for this page table's lengths")
+            V.check_instance("plan", plan, Plan)
+            V.check_plan_for_table(plan, page_table, num_qo_heads=self.num_qo_heads,
+                                   num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                   dtype=self.dtype)
             chosen = plan
         else:
-            chosen = self._choose(problem, num_splits, strategy)
-        self._sm_scale_log2 = np.float32(V.check_sm_scale(sm_scale, self.head_dim) * LOG2E)
-        if page_table.kv_indices.size and page_table.kv_indices.max() >= 2**31:
+            from ..planner import choose_plan
+
+            chosen = choose_plan(problem, self.profile, num_splits, strategy)
+        sm_scale_log2 = np.float32(V.check_sm_scale(sm_scale, self.head_dim) * LOG2E)
+        max_page = int(page_table.kv_indices.max()) if page_table.kv_indices.size else -1
+        if max_page >= 2**31:
             raise ValueError("page_table: page indices must be < 2**31")
 
         self._device_id = cupy.cuda.runtime.getDevice()
         s = _stream_of(stream)
         self._kernels = get_decode_kernels(self.variant)
-        self._upload(page_table, chosen, s)
+        meta = self._upload(page_table, chosen, s)
         self._ensure_workspace(chosen, s)
-        self._plan = chosen
-        self._max_page = int(page_table.kv_indices.max()) if page_table.kv_indices.size else -1
+        self._ready.record(s)          # run() on another stream waits for the upload
+        self._plan_stream_ptr = s.ptr
+        self._plan, self._max_page = chosen, max_page
+        self._bind_arguments(chosen, meta, sm_scale_log2)
         return chosen
 
-    def _choose(self, problem: DecodeProblem, num_splits, strategy) -> Plan:
-        if num_splits is not None:
-            n = V.check_int("num_splits", num_splits, 1)
-            st = strategy or ("single" if n == 1 else "split_merge")
-            if n == 1 and st == "split_merge":
-                st = "single"
-            return plan_fixed_splits(problem, n, st, align=TILE_TOKENS)
-        try:
-            from ..planner import choose_plan
-        except ImportError:
-            choose_plan = None
-        if choose_plan is not None:
-            return choose_plan(problem, profile=self._get_profile(), strategy=strategy)
-        from . import device_info
-        return default_plan(problem, device_info()["num_sms"], strategy)
-
-    def _get_profile(self):
+    @property
+    def profile(self):
+        """The cost-model profile plans are chosen with: the one given (a Profile or a path),
+        else ``load_profile``'s answer for this device."""
         if self._profile is None or isinstance(self._profile, str):
             from ..planner.profiles import load_profile
             from . import device_info
@@ -150,8 +126,10 @@ class BatchDecodeWrapper:
                                          num_sms=info["num_sms"])
         return self._profile
 
-    def _upload(self, page_table: PageTable, plan: Plan, stream) -> None:
-        """All per-plan integer metadata in one pinned host buffer and one async copy."""
+    def _upload(self, page_table: PageTable, plan: Plan, stream) -> dict:
+        """All per-plan integer metadata in one pinned host buffer and one async copy. Both
+        buffers keep their capacity across plans; before the pinned one is rewritten, the
+        previous copy out of it must have finished (a host wait on that small copy only)."""
         import cupy
 
         req = plan.chunk_request
@@ -166,22 +144,21 @@ class BatchDecodeWrapper:
                  "merge_indptr": plan.merge_indptr}
         sizes = [-(-max(1, a.size) // 4) * 4 for a in parts.values()]   # 16-byte aligned parts
         total = int(sum(sizes))
-        pinned = cupy.cuda.alloc_pinned_memory(total * 4)
-        host = np.frombuffer(pinned, dtype=np.int32, count=total)
-        device = cupy.empty(total, dtype=np.int32)
-        offset = 0
-        views = {}
+        if total > self._meta_capacity:
+            self._meta_capacity = max(total, 2 * self._meta_capacity)
+            self._meta_host = cupy.cuda.alloc_pinned_memory(self._meta_capacity * 4)
+            self._meta_device = cupy.empty(self._meta_capacity, dtype=np.int32)
+            self._ready = cupy.cuda.Event(disable_timing=True)
+        else:
+            self._ready.synchronize()
+        host = np.frombuffer(self._meta_host, dtype=np.int32, count=total)
+        offset, views = 0, {}
         for (name, arr), size in zip(parts.items(), sizes):
             host[offset:offset + arr.size] = arr
-            views[name] = device[offset:offset + size]
+            views[name] = self._meta_device[offset:offset + size]
             offset += size
-        device.set(host, stream=stream)
-        self._ready = cupy.cuda.Event(disable_timing=True)
-        self._ready.record(stream)    # run() on another stream waits for the upload
-        self._plan_stream_ptr = stream.ptr
-        self._meta_host = pinned      # must outlive the async copy
-        self._meta_device = device
-        self._meta = views
+        self._meta_device[:total].set(host, stream=stream)
+        return views
 
     def _ensure_workspace(self, plan: Plan, stream) -> None:
         import cupy
@@ -199,7 +176,23 @@ class BatchDecodeWrapper:
         with stream:
             self._counters.fill(0)
         self._workspace_capacity = (cap_rows, cap_counters)
-        self._ready.record(stream)
+
+    def _bind_arguments(self, plan: Plan, meta: dict, sm_scale_log2) -> None:
+        """Everything a launch needs that does not depend on the tensors, built once per plan."""
+        partial_grid = (plan.num_chunks * self.num_kv_heads * self.head_tile_groups,)
+        self._partial_launch = (partial_grid, (THREADS_PER_CTA,), self.variant.shared_bytes)
+        self._partial_tail = (meta["kv_indices"], meta["chunk_info"])
+        self._partial_consts = (self._partial_o, self._partial_lse, self._counters,
+                                np.int32(self.num_qo_heads), np.int32(self.num_kv_heads),
+                                np.int32(self.head_tile_groups), np.int32(self.page_size),
+                                sm_scale_log2, np.int32(plan.strategy == "fused"))
+        self._merge_launch = None
+        if plan.strategy == "split_merge" and plan.needs_merge:
+            rows = plan.problem.batch_size * self.num_qo_heads
+            warps = THREADS_PER_CTA // 32
+            self._merge_launch = ((-(-rows // warps),), (THREADS_PER_CTA,),
+                                  (self._partial_o, self._partial_lse, meta["merge_indptr"]),
+                                  (np.int32(plan.problem.batch_size), np.int32(self.num_qo_heads)))
 
     # ------------------------------------------------------------------- run
     def run(self, q, k_cache, v_cache, *, out=None, lse=None, return_lse: bool = False,
@@ -215,27 +208,10 @@ class BatchDecodeWrapper:
         qa = as_device_array("q", q)
         ka = as_device_array("k_cache", k_cache)
         va = as_device_array("v_cache", v_cache)
-        V.check_shape("q", qa.shape, (batch, self.num_qo_heads, self.head_dim))
-        check_storage_dtype("q", qa, self.dtype)
-        if not qa.is_contiguous:
-            raise ValueError("q: expected a contiguous array")
-        for name, arr in (("k_cache", ka), ("v_cache", va)):
-            V.check_shape(name, arr.shape, (None, self.page_size, self.num_kv_heads, self.head_dim))
-            check_storage_dtype(name, arr, self.dtype)
-            if arr.strides[2:] != (self.head_dim, 1):
-                raise ValueError(f"{name}: expected each token's heads to be contiguous "
-                                 f"(strides [*, *, {self.head_dim}, 1] in elements), got {list(arr.strides)}")
-            if arr.strides[:2] != ka.strides[:2]:
-                raise ValueError("v_cache: expected the same strides as k_cache")
-            if arr.ptr % 16 or (arr.strides[0] * 2) % 16 or (arr.strides[1] * 2) % 16:
-                raise ValueError(f"{name}: expected 16-byte aligned pages and tokens")
-            if arr.shape[0] <= self._max_page:
-                raise ValueError(f"{name}: the plan's page table references page {self._max_page} "
-                                 f"but the cache has {arr.shape[0]} pages")
-        for name, arr in (("q", qa), ("k_cache", ka), ("v_cache", va)):
-            if arr.device is not None and arr.device != self._device_id:
-                raise ValueError(f"{name}: is on device {arr.device}, the plan on {self._device_id}")
-
+        V.check_device_decode_arrays(qa, ka, va, batch_size=batch, num_qo_heads=self.num_qo_heads,
+                                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                     page_size=self.page_size, dtype=self.dtype,
+                                     max_page=self._max_page, device=self._device_id)
         want_lse = return_lse or lse is not None
         s = _stream_of(stream)
         if out is None:
@@ -243,19 +219,14 @@ class BatchDecodeWrapper:
                 out = cupy.empty((batch, self.num_qo_heads, self.head_dim),
                                  dtype=cupy_storage_dtype(self.dtype))
         oa = as_device_array("out", out)
-        V.check_shape("out", oa.shape, (batch, self.num_qo_heads, self.head_dim))
-        check_storage_dtype("out", oa, self.dtype)
-        if not oa.is_contiguous:
-            raise ValueError("out: expected a contiguous array")
+        V.check_device_output("out", oa, (batch, self.num_qo_heads, self.head_dim), self.dtype)
         lse_ptr = 0
         if want_lse:
             if lse is None:
                 with s:
                     lse = cupy.empty((batch, self.num_qo_heads), dtype=np.float32)
             la = as_device_array("lse", lse)
-            V.check_shape("lse", la.shape, (batch, self.num_qo_heads))
-            if la.dtype != "float32" or not la.is_contiguous:
-                raise TypeError(f"lse: expected a contiguous float32 array, got {la.dtype}")
+            V.check_device_output("lse", la, (batch, self.num_qo_heads), "float32")
             lse_ptr = la.ptr
         if s.ptr != self._plan_stream_ptr:
             # Order this stream after plan()'s upload. Inside a graph capture a cross-stream
@@ -269,21 +240,14 @@ class BatchDecodeWrapper:
         return (out, lse) if want_lse else out
 
     def _launch(self, q_ptr, k_ptr, v_ptr, page_stride, token_stride, out_ptr, lse_ptr, stream):
-        plan, m, k = self._plan, self._meta, self._kernels
-        fused = np.int32(plan.strategy == "fused")
-        grid = (plan.num_chunks * self.num_kv_heads * self.head_tile_groups,)
         ptr = np.uint64
-        k.partial(grid, (THREADS_PER_CTA,),
-                  (ptr(q_ptr), ptr(k_ptr), ptr(v_ptr), np.int64(page_stride), np.int64(token_stride),
-                   m["kv_indices"], m["chunk_info"], ptr(out_ptr), ptr(lse_ptr), self._partial_o,
-                   self._partial_lse, self._counters, np.int32(self.num_qo_heads),
-                   np.int32(self.num_kv_heads), np.int32(self.head_tile_groups),
-                   np.int32(self.page_size), self._sm_scale_log2, fused),
-                  shared_mem=self.variant.shared_bytes, stream=stream)
-        if plan.strategy == "split_merge" and plan.needs_merge:
-            rows = plan.problem.batch_size * self.num_qo_heads
-            warps = THREADS_PER_CTA // 32
-            k.merge((-(-rows // warps),), (THREADS_PER_CTA,),
-                    (self._partial_o, self._partial_lse, m["merge_indptr"], ptr(out_ptr), ptr(lse_ptr),
-                     np.int32(plan.problem.batch_size), np.int32(self.num_qo_heads)),
-                    stream=stream)
+        grid, block, shared = self._partial_launch
+        self._kernels.partial(
+            grid, block,
+            (ptr(q_ptr), ptr(k_ptr), ptr(v_ptr), np.int64(page_stride), np.int64(token_stride),
+             *self._partial_tail, ptr(out_ptr), ptr(lse_ptr), *self._partial_consts),
+            shared_mem=shared, stream=stream)
+        if self._merge_launch is not None:
+            grid, block, head, tail = self._merge_launch
+            self._kernels.merge(grid, block, (*head, ptr(out_ptr), ptr(lse_ptr), *tail),
+                                stream=stream)

@@ -1,0 +1,31 @@
+"""Random paged batches for tests, the demo, the benchmark and the calibration sweep: each
+request's pages drawn from a shuffled pool with a few pages to spare, as a serving engine
+leaves them. Pure NumPy (the device-side helpers are in ``splitkv.runtime.testing``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .problem import PageTable
+
+
+def scattered_block_table(kv_lens, page_size: int, rng: np.random.Generator,
+                          spare_pages: int = 3) -> tuple[np.ndarray, int]:
+    """vLLM-style ``block_table`` (rows padded with -1, never read) whose pages are a random
+    permutation of a pool of ``needed + spare_pages`` pages. Returns (table, pool size)."""
+    lens = np.asarray(kv_lens, dtype=np.int64)
+    pages = -(-lens // page_size)
+    num_pages = int(pages.sum()) + spare_pages
+    perm = rng.permutation(num_pages)
+    table = np.full((lens.size, max(1, int(pages.max()) if pages.size else 1)), -1, dtype=np.int64)
+    starts = np.cumsum(pages) - pages
+    for b, (lo, n) in enumerate(zip(starts, pages)):
+        table[b, :n] = perm[lo:lo + n]
+    return table, num_pages
+
+
+def scattered_page_table(kv_lens, page_size: int, rng: np.random.Generator,
+                         extra_pages: int = 3) -> tuple[PageTable, int]:
+    """The same as a ``PageTable``. Returns (table, pool size)."""
+    table, num_pages = scattered_block_table(kv_lens, page_size, rng, extra_pages)
+    return PageTable.from_block_table(table, kv_lens, page_size, num_pages=num_pages), num_pages

@@ -28,7 +28,8 @@ def write_plots(folder, stem: str, measurements, profile, report) -> list[str]:
     fig, ax = plt.subplots(figsize=(6.5, 6))
     measured = np.array([m.measured_us for m in measurements])
     predicted = model.predict([m.plan for m in measurements])
-    held = np.array([m.shape in set(report.heldout_shapes) for m in measurements])
+    heldout = set(report.heldout_shapes)
+    held = np.array([m.shape in heldout for m in measurements])
     strategy = np.array([m.plan.strategy for m in measurements])
     for name, color in (("single", "tab:blue"), ("split_merge", "tab:orange"),
                         ("fused", "tab:green")):

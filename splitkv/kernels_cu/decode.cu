@@ -144,8 +144,8 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   float o[DTILES][4];
 #pragma unroll
   for (int i = 0; i < DTILES; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float m_run[2] = {SPLITKV_NEG_INF, SPLITKV_NEG_INF};  // rows g and g+8, base-2 scores
-  float d_run[2] = {0.f, 0.f};                          // this lane's share of the denominators
+  // Rows g and g+8; d holds this lane's share of each denominator until the end.
+  SoftmaxState state[2] = {SoftmaxState::empty(), SoftmaxState::empty()};
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
@@ -218,12 +218,10 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
     for (int r = 0; r < 2; ++r) {
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-      const float m_new = fmaxf(m_run[r], tile_max[r]);
-      max_moved |= m_new != m_run[r];
-      m_use[r] = safe_max(m_new);
-      alpha[r] = fast_exp2(m_run[r] - m_use[r]);
-      m_run[r] = m_new;
-      d_run[r] *= alpha[r];
+      const float m_before = state[r].m;
+      alpha[r] = state[r].raise_max(tile_max[r]);
+      max_moved |= state[r].m != m_before;
+      m_use[r] = state[r].offset();
     }
     // Rescaling O is needed only when some row's max moved; after the first tiles it rarely does.
     if (__any_sync(0xffffffffu, max_moved)) {
@@ -243,7 +241,7 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           p[nt][e] = fast_exp2(s[st][nt][e] - m_use[e >> 1]);
-          d_run[e >> 1] += p[nt][e];
+          state[e >> 1].d += p[nt][e];
         }
       const u32 a[4] = {pack2(p[0][0], p[0][1]), pack2(p[0][2], p[0][3]),
                         pack2(p[1][0], p[1][1]), pack2(p[1][2], p[1][3])};
@@ -268,8 +266,8 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   float* sd = sm + NUM_WARPS * 16;                            // [NUM_WARPS][16]
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    d_run[r] += __shfl_xor_sync(0xffffffffu, d_run[r], 1);
-    d_run[r] += __shfl_xor_sync(0xffffffffu, d_run[r], 2);
+    state[r].d += __shfl_xor_sync(0xffffffffu, state[r].d, 1);
+    state[r].d += __shfl_xor_sync(0xffffffffu, state[r].d, 2);
   }
   {
     float* wo = so + warp * 16 * HEAD_DIM;
@@ -280,8 +278,8 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
       *reinterpret_cast<float2*>(wo + (g + 8) * HEAD_DIM + col) = make_float2(o[i][2], o[i][3]);
     }
     if (t == 0) {
-      sm[warp * 16 + g] = m_run[0]; sm[warp * 16 + g + 8] = m_run[1];
-      sd[warp * 16 + g] = d_run[0]; sd[warp * 16 + g + 8] = d_run[1];
+      sm[warp * 16 + g] = state[0].m; sm[warp * 16 + g + 8] = state[1].m;
+      sd[warp * 16 + g] = state[0].d; sd[warp * 16 + g + 8] = state[1].d;
     }
   }
   __syncthreads();
@@ -294,18 +292,17 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
     float m = SPLITKV_NEG_INF;
 #pragma unroll
     for (int wn = 0; wn < WARPS_N; ++wn) m = fmaxf(m, sm[(mt * WARPS_N + wn) * 16 + lr]);
-    const float mu = safe_max(m);
     float d = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma unroll
     for (int wn = 0; wn < WARPS_N; ++wn) {
       const int w = mt * WARPS_N + wn;
-      const float scale = fast_exp2(sm[w * 16 + lr] - mu);
+      const float scale = state_weight(sm[w * 16 + lr], m);
       d += sd[w * 16 + lr] * scale;
       const float4 v = *reinterpret_cast<const float4*>(so + (w * 16 + lr) * HEAD_DIM + dim);
       a0 += v.x * scale; a1 += v.y * scale; a2 += v.z * scale; a3 += v.w * scale;
     }
     const float inv = d > 0.f ? 1.f / d : 0.f;
-    const float lse2 = d > 0.f ? mu + fast_log2(d) : SPLITKV_NEG_INF;
+    const float lse2 = SoftmaxState{m, d}.lse2();
     const int head = head0 + row;
     if (direct) {
       store4(out + ((i64)req * num_qo_heads + head) * HEAD_DIM + dim, a0 * inv, a1 * inv, a2 * inv, a3 * inv);

@@ -10,8 +10,40 @@
 #pragma once
 #include "common.cuh"
 
-// Combine several (m, d) pairs: returns the common max (0 if all are empty) for rescaling.
+// Scores are offset by the max before exp2; an empty state (max -inf) uses 0 to avoid inf - inf.
 __device__ __forceinline__ float safe_max(float m) { return m == SPLITKV_NEG_INF ? 0.f : m; }
+
+// The (m, d) part of a state; o is kept by its owner (in MMA fragments, or in memory).
+struct SoftmaxState {
+  float m;  // largest score seen, base 2; -inf while empty
+  float d;  // sum of exp2(score - m)
+
+  __device__ __forceinline__ static SoftmaxState empty() { return {SPLITKV_NEG_INF, 0.f}; }
+
+  // Admit scores up to `new_max`: rescales d and returns the factor o must be rescaled by
+  // (exactly 1 when the max did not move, 0 from an empty state).
+  __device__ __forceinline__ float raise_max(float new_max) {
+    const float m_new = fmaxf(m, new_max);
+    const float factor = fast_exp2(m - safe_max(m_new));
+    m = m_new;
+    d *= factor;
+    return factor;
+  }
+
+  // What scores are offset by before exp2.
+  __device__ __forceinline__ float offset() const { return safe_max(m); }
+
+  // log2 of the sum of exp2(scores): m + log2(d), -inf for an empty state.
+  __device__ __forceinline__ float lse2() const {
+    return d > 0.f ? safe_max(m) + fast_log2(d) : SPLITKV_NEG_INF;
+  }
+};
+
+// Weight of a state whose max is m_i in a combination whose largest max is m_all: the exact
+// rescaling of the online-softmax merge (0 for an empty state).
+__device__ __forceinline__ float state_weight(float m_i, float m_all) {
+  return fast_exp2(m_i - safe_max(m_all));
+}
 
 // One warp merges the partial states lo..hi-1 of one (request, qo head) row and writes the
 // output row in the storage dtype, plus the natural-log LSE if lse_out is not null.
@@ -24,7 +56,6 @@ __device__ __forceinline__ void merge_row_warp(const float* __restrict__ partial
   float m = SPLITKV_NEG_INF;
   for (int c = lo + lane; c < hi; c += 32) m = fmaxf(m, ld_cg(partial_lse + (i64)c * num_qo_heads + head));
   m = warp_max(m);
-  const float m_use = safe_max(m);
 
   constexpr int PASSES = (DIM + 127) / 128;
   float4 acc[PASSES];
@@ -34,7 +65,8 @@ __device__ __forceinline__ void merge_row_warp(const float* __restrict__ partial
 #pragma unroll 4
   for (int c = lo; c < hi; ++c) {
     const i64 row = (i64)c * num_qo_heads + head;
-    const float w = fast_exp2(ld_cg(partial_lse + row) - m_use);
+    // A normalised partial with log-sum-exp lse2 is the state (m = lse2, d = 1).
+    const float w = state_weight(ld_cg(partial_lse + row), m);
     d += w;
 #pragma unroll
     for (int p = 0; p < PASSES; ++p) {
@@ -52,6 +84,5 @@ __device__ __forceinline__ void merge_row_warp(const float* __restrict__ partial
     if (dim < DIM)
       store4(out_row + dim, acc[p].x * inv, acc[p].y * inv, acc[p].z * inv, acc[p].w * inv);
   }
-  if (lse_out != nullptr && lane == 0)
-    *lse_out = d > 0.f ? (m_use + fast_log2(d)) * SPLITKV_LN2 : SPLITKV_NEG_INF;
+  if (lse_out != nullptr && lane == 0) *lse_out = SoftmaxState{m, d}.lse2() * SPLITKV_LN2;
 }

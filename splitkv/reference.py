@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import validation as V
+from .bfloat16 import bits_to_float32
 from .problem import PageTable
 
 
@@ -14,7 +15,7 @@ def to_float64(arr) -> np.ndarray:
         arr = arr.get()
     arr = np.asarray(arr)
     if arr.dtype == np.uint16:   # raw bfloat16 bits
-        return (arr.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return bits_to_float32(arr).astype(np.float64)
     return arr.astype(np.float64)
 
 

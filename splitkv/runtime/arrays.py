@@ -115,3 +115,19 @@ def _bfloat16_dtype():
         return dt
     except Exception:  # no ml_dtypes, or a CuPy without bfloat16 arrays
         return np.dtype(np.uint16)
+
+
+def as_cupy_stream(stream):
+    """The caller's stream as a CuPy stream: None (the current one), a CuPy stream, anything
+    with ``.cuda_stream`` (PyTorch), or a raw handle."""
+    import cupy
+
+    if stream is None:
+        return cupy.cuda.get_current_stream()
+    if isinstance(stream, cupy.cuda.Stream) or isinstance(stream, cupy.cuda.ExternalStream):
+        return stream
+    handle = getattr(stream, "cuda_stream", stream)     # torch.cuda.Stream, or a raw handle
+    if isinstance(handle, (int, np.integer)):
+        return cupy.cuda.ExternalStream(int(handle))
+    raise TypeError(f"stream: expected a CuPy stream, an object with .cuda_stream, or an int "
+                    f"handle, got {type(stream).__name__}")

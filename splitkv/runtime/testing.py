@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..bfloat16 import float32_to_bits
 from ..testing import scattered_page_table
 
 __all__ = ["float_to_bits", "random_device_array", "random_device_array_fast",
@@ -16,9 +17,7 @@ def float_to_bits(x: np.ndarray, dtype: str) -> np.ndarray:
     (round to nearest even)."""
     if dtype == "float16":
         return x.astype(np.float16)
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-    return (rounded >> np.uint32(16)).astype(np.uint16)
+    return float32_to_bits(x)
 
 
 def random_device_array(shape, dtype: str, rng: np.random.Generator, scale: float = 1.0):

@@ -20,25 +20,11 @@ import numpy as np
 from .. import validation as V
 from ..plan import Plan
 from ..problem import DecodeProblem, PageTable
-from .arrays import as_device_array, cupy_storage_dtype
+from .arrays import as_cupy_stream, as_device_array, cupy_storage_dtype
 from .kernel_source import MAX_ROWS_PER_CTA, THREADS_PER_CTA, DecodeVariant
 from .modules import get_decode_kernels
 
 LOG2E = 1.4426950408889634
-
-
-def _stream_of(stream):
-    import cupy
-
-    if stream is None:
-        return cupy.cuda.get_current_stream()
-    if isinstance(stream, cupy.cuda.Stream) or isinstance(stream, cupy.cuda.ExternalStream):
-        return stream
-    handle = getattr(stream, "cuda_stream", stream)     # torch.cuda.Stream, or a raw handle
-    if isinstance(handle, (int, np.integer)):
-        return cupy.cuda.ExternalStream(int(handle))
-    raise TypeError(f"stream: expected a CuPy stream, an object with .cuda_stream, or an int "
-                    f"handle, got {type(stream).__name__}")
 
 
 class BatchDecodeWrapper:
@@ -103,7 +89,7 @@ class BatchDecodeWrapper:
             raise ValueError("page_table: page indices must be < 2**31")
 
         self._device_id = cupy.cuda.runtime.getDevice()
-        s = _stream_of(stream)
+        s = as_cupy_stream(stream)
         self._kernels = get_decode_kernels(self.variant)
         meta = self._upload(page_table, chosen, s)
         self._ensure_workspace(chosen, s)
@@ -213,7 +199,7 @@ class BatchDecodeWrapper:
                                      page_size=self.page_size, dtype=self.dtype,
                                      max_page=self._max_page, device=self._device_id)
         want_lse = return_lse or lse is not None
-        s = _stream_of(stream)
+        s = as_cupy_stream(stream)
         if out is None:
             with s:
                 out = cupy.empty((batch, self.num_qo_heads, self.head_dim),

@@ -2,6 +2,7 @@
 # Everything the GPU machine has to do, in one call per phase; logs and results under $OUT.
 #   bash benchmarks/device_run.sh tests calibrate      # GPU tests + memcheck, then calibration
 #   bash benchmarks/device_run.sh eval bench           # planner evaluation, then the benchmark
+#   bash benchmarks/device_run.sh dist                 # 2+ GPUs: context-parallel tests and benchmark
 # The profile written by `calibrate` is read back from splitkv/planner/profiles/ by later phases.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -22,6 +23,14 @@ for phase in "$@"; do
     bench)
       SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench --json "$OUT/h200.json" --markdown "$OUT/h200.md" 2>&1 \
         | grep -v Warning | tee "$OUT/bench.log" | tail -22 ;;
+    dist)
+      export NCCL_NVLS_ENABLE=0    # NVLink multicast stays off on shared machines
+      python3 -c "import cupy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'nccl', nccl.get_version(), 'gpus', cupy.cuda.runtime.getDeviceCount())"
+      timeout 330 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_distributed.py 2>&1 \
+        | tee "$OUT/dist_tests.log" | tail -6
+      timeout 250 python3 -m splitkv.distributed.launch --nproc "$(python3 -c 'import cupy; print(cupy.cuda.runtime.getDeviceCount())')" \
+        --timeout 240 benchmarks/bench_distributed.py --json "$OUT/h200-distributed.json" 2>&1 \
+        | grep -v Warning | tee "$OUT/dist_bench.log" | tail -20 ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

@@ -3,7 +3,7 @@
 #   bash benchmarks/device_run.sh tests calibrate      # GPU tests + memcheck, then calibration
 #   bash benchmarks/device_run.sh eval bench           # planner evaluation, then the benchmark
 #   bash benchmarks/device_run.sh dist                 # 2+ GPUs: context-parallel tests and benchmark
-# The profile written by `calibrate` is read back from splitkv/planner/profiles/ by later phases.
+# Later phases plan with the profile `calibrate` just wrote, else with the shipped one.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -16,7 +16,8 @@ for phase in "$@"; do
         tests/test_gpu_decode.py -k "zero_length or bad_inputs or every_split or mqa" 2>&1 \
         | tee "$OUT/memcheck.log" | tail -4 ;;
     calibrate)
-      python3 -m splitkv.cli calibrate --plot --trials 3 --min-trial-ms 10 --out "$OUT/nvidia-h200.yaml" 2>&1 | tee "$OUT/calibrate.log" | tail -25 ;;
+      python3 -m splitkv.cli calibrate --plot --trials 3 --min-trial-ms 10 --out "$OUT/nvidia-h200.yaml" 2>&1 | tee "$OUT/calibrate.log" | tail -25
+      [ -f "$OUT/nvidia-h200.yaml" ] && PROFILE="$OUT/nvidia-h200.yaml" ;;
     eval)
       python3 benchmarks/eval_planner.py --profile "$PROFILE" --json "$OUT/h200-planner.json" 2>&1 \
         | tee "$OUT/eval.log" | tail -8 ;;

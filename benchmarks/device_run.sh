@@ -6,32 +6,35 @@
 # Later phases plan with the profile `calibrate` just wrote, else with the shipped one.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+# Results go to $RES and come back as ONE archive, $OUT/results.tgz (the device tool returns at
+# most 8 files), written even when the run is cut off.
+OUT=${OUT:-$PWD/out}; RES=$(mktemp -d); mkdir -p "$OUT"
+trap 'tar -C "$RES" -czf "$OUT/results.tgz" .' EXIT
 PROFILE=splitkv/planner/profiles/nvidia-h200.yaml
 for phase in "$@"; do
   case $phase in
     tests)
-      python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_decode.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+      python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_decode.py 2>&1 | tee "$RES/gpu_tests.log" | tail -3
       compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
         tests/test_gpu_decode.py -k "zero_length or bad_inputs or every_split or mqa" 2>&1 \
-        | tee "$OUT/memcheck.log" | tail -4 ;;
+        | tee "$RES/memcheck.log" | tail -4 ;;
     calibrate)
-      python3 -m splitkv.cli calibrate --plot --trials 3 --min-trial-ms 10 --out "$OUT/nvidia-h200.yaml" 2>&1 | tee "$OUT/calibrate.log" | tail -25
-      [ -f "$OUT/nvidia-h200.yaml" ] && PROFILE="$OUT/nvidia-h200.yaml" ;;
+      python3 -m splitkv.cli calibrate --plot --trials 3 --min-trial-ms 10 --out "$RES/nvidia-h200.yaml" 2>&1 | tee "$RES/calibrate.log" | tail -25
+      [ -f "$RES/nvidia-h200.yaml" ] && PROFILE="$RES/nvidia-h200.yaml" ;;
     eval)
-      python3 benchmarks/eval_planner.py --profile "$PROFILE" --json "$OUT/h200-planner.json" 2>&1 \
-        | tee "$OUT/eval.log" | tail -8 ;;
+      python3 benchmarks/eval_planner.py --profile "$PROFILE" --json "$RES/h200-planner.json" 2>&1 \
+        | tee "$RES/eval.log" | tail -8 ;;
     bench)
-      SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench --json "$OUT/h200.json" --markdown "$OUT/h200.md" 2>&1 \
-        | grep -v Warning | tee "$OUT/bench.log" | tail -22 ;;
+      SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench --json "$RES/h200.json" --markdown "$RES/h200.md" 2>&1 \
+        | grep -v Warning | tee "$RES/bench.log" | tail -22 ;;
     dist)
       export NCCL_NVLS_ENABLE=0    # NVLink multicast stays off on shared machines
       python3 -c "import cupy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'nccl', nccl.get_version(), 'gpus', cupy.cuda.runtime.getDeviceCount())"
       timeout 330 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_distributed.py 2>&1 \
-        | tee "$OUT/dist_tests.log" | tail -6
+        | tee "$RES/dist_tests.log" | tail -6
       timeout 250 python3 -m splitkv.distributed.launch --nproc "$(python3 -c 'import cupy; print(cupy.cuda.runtime.getDeviceCount())')" \
-        --timeout 240 benchmarks/bench_distributed.py --json "$OUT/h200-distributed.json" 2>&1 \
-        | grep -v Warning | tee "$OUT/dist_bench.log" | tail -20 ;;
+        --timeout 240 benchmarks/bench_distributed.py --json "$RES/h200-distributed.json" 2>&1 \
+        | grep -v Warning | tee "$RES/dist_bench.log" | tail -20 ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

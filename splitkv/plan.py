@@ -77,17 +77,17 @@ class Plan:
         return plan
 
     @classmethod
-    def _trusted(cls, problem, strategy, chunk_request, chunk_start, chunk_end, merge_indptr):
+    def _trusted(cls, problem, strategy, chunk_request, chunk_start, chunk_end, merge_indptr,
+                 predicted_us=None):
         """A plan built by this module's own decomposition functions, correct by construction:
-        skips the checks a hand-built plan gets (they cost more than the planning itself)."""
+        skips the checks a hand-built plan gets (they cost more than the planning itself). The
+        arrays must be contiguous int32 (``_*_chunk_arrays`` make them so); they are frozen."""
         plan = object.__new__(cls)
-        values = {"problem": problem, "strategy": strategy, "predicted_us": None}
-        for name, arr in (("chunk_request", chunk_request), ("chunk_start", chunk_start),
-                          ("chunk_end", chunk_end), ("merge_indptr", merge_indptr)):
-            arr = np.ascontiguousarray(arr, dtype=np.int32)
+        for arr in (chunk_request, chunk_start, chunk_end, merge_indptr):
             arr.setflags(write=False)
-            values[name] = arr
-        plan.__dict__.update(values)
+        plan.__dict__.update(problem=problem, strategy=strategy, chunk_request=chunk_request,
+                             chunk_start=chunk_start, chunk_end=chunk_end,
+                             merge_indptr=merge_indptr, predicted_us=predicted_us)
         return plan
 
     def summary(self) -> dict:
@@ -130,21 +130,64 @@ def plan_from_chunk_counts(problem: DecodeProblem, chunks_per_request, strategy:
     align = V.check_int("align", align, 1)
     # A request of n tokens cannot have more than ceil(n / align) non-empty chunks.
     max_chunks = np.maximum(1, -(-lens // align))
-    counts = np.clip(counts, 1, max_chunks)
+    counts = np.minimum(np.maximum(counts, 1), max_chunks)
     if strategy == "single" and np.any(counts > 1):
         raise ValueError("strategy: 'single' cannot split a request; use 'split_merge' or 'fused'")
-    total = int(counts.sum())
-    chunk_request = np.repeat(np.arange(lens.size), counts)
-    merge_indptr = np.concatenate([[0], np.cumsum(counts)])
-    local = np.arange(total) - np.repeat(merge_indptr[:-1], counts)
-    n = np.repeat(lens, counts)
-    k = np.repeat(counts, counts)
-    units = -(-n // align)                               # tiles in the request
-    start_units = (local * units) // k
-    end_units = ((local + 1) * units) // k
-    start = np.minimum(start_units * align, n)
-    end = np.minimum(end_units * align, n)
-    return Plan._trusted(problem, strategy, chunk_request, start, end, merge_indptr)
+    return Plan._trusted(problem, strategy, *_chunk_arrays(lens, counts, align))
+
+
+# The arrays of a decomposition, without checks: the counts must already be in
+# 1..max(1, ceil(len / align)). Chunk i of a request of u tiles cut into k starts at tile
+# floor(i * u / k) and ends where chunk i + 1 starts, the last at the request's length. A start
+# never needs clipping to the length: floor(i * u / k) <= u - 1 for i < k, and (u - 1) * align
+# < len. The planner calls these directly on every decode step, so they keep NumPy calls few.
+
+def _single_chunk_arrays(lens: np.ndarray) -> tuple[np.ndarray, ...]:
+    """One chunk per request."""
+    n = lens.size
+    indptr = np.arange(n + 1, dtype=np.int32)
+    return indptr[:n], np.zeros(n, np.int32), lens.astype(np.int32), indptr
+
+
+def _uniform_chunk_arrays(batch_size: int, length: int, count: int,
+                          align: int) -> tuple[np.ndarray, ...]:
+    """``batch_size`` requests of ``length`` tokens, each cut into ``count`` chunks: one
+    request's boundaries, repeated."""
+    bounds = np.arange(count + 1, dtype=np.int64)
+    bounds *= -(-length // align)
+    bounds //= count
+    bounds *= align
+    bounds[-1] = length
+    chunk_start = np.empty((batch_size, count), np.int32)
+    chunk_start[:] = bounds[:-1]
+    chunk_end = np.empty((batch_size, count), np.int32)
+    chunk_end[:] = bounds[1:]
+    return (np.arange(batch_size, dtype=np.int32).repeat(count), chunk_start.reshape(-1),
+            chunk_end.reshape(-1), np.arange(0, batch_size * count + 1, count, dtype=np.int32))
+
+
+def _chunk_arrays(lens: np.ndarray, counts: np.ndarray, align: int) -> tuple[np.ndarray, ...]:
+    """Request b (``lens`` int64) cut into ``counts[b]`` (int64) chunks. NumPy methods, not
+    the slower module functions, and int64 for the products (exact for any int32 length)."""
+    n = lens.size
+    ends = counts.cumsum()                               # one past each request's last chunk
+    total = int(ends[-1]) if n else 0
+    if total == n:
+        return _single_chunk_arrays(lens)
+    chunk_request = np.arange(n, dtype=np.int32).repeat(counts)
+    start = np.arange(total, dtype=np.int64)
+    start -= (ends - counts).take(chunk_request)          # chunk index inside its request
+    start *= ((lens + (align - 1)) // align).take(chunk_request)
+    start //= counts.take(chunk_request)
+    start *= align
+    chunk_start = start.astype(np.int32)
+    chunk_end = np.empty(total, np.int32)
+    chunk_end[:-1] = chunk_start[1:]
+    chunk_end.put(ends - 1, lens)
+    merge_indptr = np.empty(n + 1, np.int32)
+    merge_indptr[0] = 0
+    merge_indptr[1:] = ends
+    return chunk_request, chunk_start, chunk_end, merge_indptr
 
 
 def plan_fixed_splits(problem: DecodeProblem, num_splits: int, strategy: str | None = None,

@@ -184,3 +184,81 @@ def test_plan_cli(capsys):
     assert "head_dim" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parser.parse_args(["--heads", "32:8"])
+
+
+# --- Golden decisions -------------------------------------------------------------------------
+# choose_plan is tuned for speed (it runs on every decode step); these pin what it decides so a
+# speed-up can be shown to change no plan. Two models with literal coefficients (the roofline
+# prior and a calibrated H200 fit as of writing), so editing a shipped profile does not move them.
+
+GOLDEN_MODELS = (
+    CostModel.from_coef([0.5, 0.52, 0.24, 0.81, 0.02, 0.005, 0.6, 1.0, 1.0, 1.0, 0.05],
+                        num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0),
+    CostModel.from_coef([0.0, 1.8395546131317104, 0.6956477954572997, 0.21035844386777255,
+                         0.51963894246827, 0.0, 1.8843770524692698, 5.450089184720177,
+                         0.810980958715833, 1.4787575806658761, 0.2167155145421257],
+                        num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0),
+)
+
+
+def golden_requests(count=320, seed=20261129):
+    """Deterministic (problem, model, num_splits, strategy) requests: batches of 1..256, equal
+    and ragged lengths 0..200k (some with empty requests), GQA groups 1..8 (and one of 128),
+    head dims 64/128/256, a third with a forced split count and/or strategy."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        b = int([1, rng.integers(1, 9), rng.integers(1, 65), rng.integers(1, 257)][i % 4])
+        hi = int(np.exp(rng.uniform(np.log(16), np.log(200_001))))
+        shape = rng.integers(5)
+        if shape == 0:
+            lens = np.full(b, int(rng.integers(0, hi + 1)))            # equal lengths
+        elif shape == 1:
+            lens = rng.integers(0, hi + 1, b)                          # ragged, uniform
+        elif shape == 2:
+            lens = (np.exp(rng.uniform(0, np.log(hi + 1), b)) - 1).astype(np.int64)  # log-ragged
+        elif shape == 3:
+            lens = rng.integers(0, 2049, b)                            # tiny contexts
+        else:
+            lens = rng.integers(1, hi + 1, b) * (rng.random(b) < 0.7)  # ragged, some empty
+        hk = int(rng.choice([1, 2, 4, 8, 32]))
+        group = 128 if i == 7 else int(rng.integers(1, 9))
+        p = DecodeProblem(lens, hk * group, hk, int(rng.choice([64, 128, 256])), 16)
+        num_splits = strategy = None
+        forced = rng.integers(6)
+        if forced in (1, 3):
+            num_splits = int(rng.choice([1, 2, 3, 5, 8, 33, 64]))
+        if forced in (2, 3):
+            choices = ["split_merge", "fused"] + (["single"] if not num_splits or num_splits == 1
+                                                  else [])
+            strategy = str(rng.choice(choices))
+        out.append((p, GOLDEN_MODELS[i % 2], num_splits, strategy))
+    return out
+
+
+def golden_digest(requests) -> str:
+    """SHA-256 over every plan's arrays and strategy and its predicted_us to 7 significant
+    digits (the exact value is checked against ``CostModel.predict`` separately)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p, model, num_splits, strategy in requests:
+        plan = choose_plan(p, model, num_splits=num_splits, strategy=strategy)
+        for arr in (plan.chunk_request, plan.chunk_start, plan.chunk_end, plan.merge_indptr):
+            h.update(np.ascontiguousarray(arr, dtype="<i4").tobytes() + b"|")
+        h.update(f"{plan.strategy} {plan.predicted_us:.6e};".encode())
+    return h.hexdigest()
+
+
+# Recorded from the planner before its speed-up (print golden_digest(golden_requests()) to
+# re-record after a deliberate change of decisions).
+GOLDEN_DIGEST = "f5beb8c57fd0260b332c8b58fd8b67c1976ece8723acf711628d31c5a29baf99"
+
+
+def test_plans_match_the_golden_decisions():
+    """The same plans, strategies and predicted times as recorded, for 320 varied requests."""
+    requests = golden_requests()
+    assert golden_digest(requests) == GOLDEN_DIGEST
+    for p, model, num_splits, strategy in requests[::4]:
+        plan = choose_plan(p, model, num_splits=num_splits, strategy=strategy)
+        assert plan.predicted_us == pytest.approx(model.predict(plan), rel=1e-9)

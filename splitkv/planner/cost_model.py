@@ -34,6 +34,8 @@ The feature columns, in order (``FEATURE_NAMES``):
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from scipy.optimize import nnls
 
@@ -93,12 +95,12 @@ def decomposition_stats(chunk_tokens, chunks_per_request) -> np.ndarray:
                      cpr[cpr > 1].sum(), cpr.max()], dtype=np.float64)
 
 
-def features_from_stats(num_qo_heads, num_kv_heads, head_dim, strategy_code, stats, *,
-                        num_sms, ctas_per_sm, bandwidth_gbps) -> np.ndarray:
-    """Feature matrix ``[n, len(FEATURE_NAMES)]`` of n candidates from their ``stats``
-    ``[len(STAT_NAMES), n]`` and strategy codes (index in ``STRATEGIES``; [n] or one for all).
-    The planner computes the statistics of many candidates at once in closed form;
-    ``plan_features`` computes them from a built plan."""
+@functools.lru_cache(maxsize=256)
+def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm,
+                      bandwidth_gbps) -> tuple[int, int, np.ndarray]:
+    """(work items per chunk, slots, units [len(FEATURE_NAMES), 1]) of one shape on one
+    machine. Each feature is a statistic times its unit (bytes -> microseconds, tiles ->
+    tile-equivalents); they are the same on every decode step, so they are computed once."""
     group = num_qo_heads // num_kv_heads
     head_tiles = -(-group // HEAD_TILE)
     rows = -(-group // head_tiles)                 # query heads per CTA
@@ -108,30 +110,107 @@ def features_from_stats(num_qo_heads, num_kv_heads, head_dim, strategy_code, sta
     slot_bw = bw / slots
     token_bytes = head_dim * 2 * 2                 # K and V, 2-byte elements, one kv head
     partial_bytes = (head_dim + 1) * 4             # fp32 o and lse, one query head
-    # Each feature is a statistic times a unit: bytes -> microseconds, tiles -> tile-equivalents.
+    # const, launches, waves, fused_merges and merge_chain are counts: their unit is 1.
     units = np.array([1.0, 1.0, num_kv_heads * token_bytes / bw, token_bytes / slot_bw,
                       head_dim / 128, rows * head_dim / 128, 1.0,
                       2 * num_qo_heads * partial_bytes / bw, rows * partial_bytes / slot_bw, 1.0,
-                      1.0])
+                      1.0])[:, None]
+    units.setflags(write=False)
+    return items_per_chunk, slots, units
 
-    num_chunks, max_splits = stats[0], stats[6]
-    items = num_chunks * items_per_chunk
-    x = np.empty((len(FEATURE_NAMES), stats.shape[1]))
-    x[0] = 1.0
-    split = max_splits > 1
-    np.logical_and(split, np.equal(strategy_code, SPLIT_MERGE), out=x[1])
-    x[1] += 1.0
-    x[2] = stats[1]
-    # tokens and tiles of the busiest slot; a CTA's item is one chunk of one head
-    x[3:5] = critical_path(stats[1:3] * items_per_chunk, stats[3:5], items, slots)
-    x[5] = x[4]
-    x[6] = waves(items, slots)
-    x[7] = stats[5]
-    np.logical_and(split, np.equal(strategy_code, FUSED), out=x[9])
-    np.multiply(x[9], max_splits, out=x[8])
-    np.multiply(x[1] - 1.0, max_splits, out=x[10])   # x[1] - 1 is 1 exactly for a merge launch
-    x *= units[:, None]
-    return x.T
+
+# The planner scores dozens of candidates on every decode step, several strategies per
+# decomposition. So the features are computed in two steps, each a few whole-row NumPy calls
+# (at these sizes a call costs more than its arithmetic):
+#   row_features   per decomposition, whatever the strategy: a [len(FEATURE_ROWS), n] array
+#                  whose first rows are the stats and the rest values derived from them;
+#   gather_features per candidate (decomposition, strategy): each feature is one of those
+#                  rows (FEATURE_SOURCE, by strategy) times its unit, or times 0 where the
+#                  strategy does not pay it (``strategy_scale``).
+# Each value is the same bits as the plain formulas (``waves``, ``critical_path``): the same
+# IEEE operations in the same order, and multiplying by 1 or 0 is exact.
+FEATURE_ROWS = STAT_NAMES + ("one", "one_plus_split", "split", "crit_tokens", "crit_tiles",
+                             "waves", "split_x_max_splits")
+_ROW = {name: i for i, name in enumerate(FEATURE_ROWS)}
+# Row of each feature (FEATURE_NAMES order); launches is 1 + split only when merging.
+FEATURE_SOURCE = np.array([_ROW[name] for name in (
+    "one", "one", "total_tokens", "crit_tokens", "crit_tiles", "crit_tiles", "waves",
+    "split_chunks", "split_x_max_splits", "split", "split_x_max_splits")])
+MERGE_LAUNCHES_SOURCE = _ROW["one_plus_split"]
+
+
+def new_feature_rows(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """An uninitialised ``FEATURE_ROWS`` array of n decompositions, and its stats rows (a view
+    to fill before ``row_features``)."""
+    rows = np.empty((len(FEATURE_ROWS), n))
+    return rows, rows[:len(STAT_NAMES)]
+
+
+def row_features(rows, items_per_chunk, slots) -> np.ndarray:
+    """Fill the derived rows of a ``new_feature_rows`` array from its stats; returns it."""
+    max_splits = rows[6]
+    rows[7] = 1.0
+    np.minimum(max_splits, 2.0, out=rows[8])       # max_splits >= 1: 1 + (max_splits > 1)
+    np.subtract(rows[8], 1.0, rows[9])
+    np.multiply(rows[9], max_splits, rows[13])
+    scaled = rows[:3] * float(items_per_chunk)     # items, and their tokens and tiles
+    items, crit = scaled[0], scaled[1:]
+    np.divide(items, slots, rows[12])              # waves(items, slots)
+    np.ceil(rows[12], rows[12])
+    # critical_path of tokens and tiles: max(largest, waves * (total / max(items, 1)))
+    np.maximum(items, 1.0, out=items)
+    crit /= items
+    crit *= rows[12]
+    np.maximum(crit, rows[3:5], out=rows[10:12])
+    return rows
+
+
+def strategy_scale(units, strategy_code, n: int) -> np.ndarray:
+    """``[len(FEATURE_NAMES), n]``: each feature's unit, or 0 where the strategy (code: index
+    in ``STRATEGIES``, [n] or one for all) does not pay it: merge_chain only for
+    'split_merge', fused_tail_us and fused_merges only for 'fused'."""
+    scale = np.repeat(units, n, axis=1)
+    merges = np.equal(strategy_code, SPLIT_MERGE)
+    fuses = np.equal(strategy_code, FUSED)
+    scale[10] *= merges
+    scale[8] *= fuses
+    scale[9] *= fuses
+    return scale
+
+
+def feature_index(n: int, columns, strategy_code) -> np.ndarray:
+    """``gather_features``' index into a flattened [len(FEATURE_ROWS), n] ``row_features``
+    array: feature f of candidate j (``columns[j]``, ``strategy_code[j]``, or one for all) is
+    row FEATURE_SOURCE[f] of its column, launches the 1 + split row for 'split_merge'."""
+    columns = np.asarray(columns)
+    source = np.repeat(FEATURE_SOURCE[:, None], columns.size, axis=1)
+    source[1] = np.where(np.equal(strategy_code, SPLIT_MERGE), MERGE_LAUNCHES_SOURCE,
+                         source[1])
+    return source * n + columns[None, :]
+
+
+def gather_features(rows, index, scale) -> np.ndarray:
+    """Features ``[len(FEATURE_NAMES), m]`` of m candidates: ``rows.take(index)`` (see
+    ``feature_index``) times ``strategy_scale``."""
+    x = rows.take(index)
+    x *= scale
+    return x
+
+
+def features_from_stats(num_qo_heads, num_kv_heads, head_dim, strategy_code, stats, *,
+                        num_sms, ctas_per_sm, bandwidth_gbps) -> np.ndarray:
+    """Feature matrix ``[n, len(FEATURE_NAMES)]`` of n candidates from their ``stats``
+    ``[len(STAT_NAMES), n]`` and strategy codes (index in ``STRATEGIES``; [n] or one for all).
+    The planner computes the statistics of many candidates at once in closed form;
+    ``plan_features`` computes them from a built plan."""
+    ipc, slots, units = feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms,
+                                          ctas_per_sm, bandwidth_gbps)
+    n = np.shape(stats)[1]
+    rows, stat_rows = new_feature_rows(n)
+    stat_rows[:] = stats
+    index = feature_index(n, np.arange(n), strategy_code)
+    return gather_features(row_features(rows, ipc, slots), index,
+                           strategy_scale(units, strategy_code, n)).T
 
 
 def plan_features(problem, chunk_tokens, chunks_per_request, strategy, *, num_sms=132,

@@ -24,9 +24,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import validation as V
-from ..plan import Plan, plan_chunk_tokens, plan_fixed_splits, plan_from_chunk_counts
+from ..plan import (Plan, _chunk_arrays, _single_chunk_arrays, _uniform_chunk_arrays,
+                    plan_chunk_tokens, plan_fixed_splits, plan_from_chunk_counts)
 from ..problem import DecodeProblem
-from .cost_model import HEAD_TILE, STAT_NAMES, TILE_TOKENS, CostModel, features_from_stats
+from .cost_model import (HEAD_TILE, STAT_NAMES, TILE_TOKENS, CostModel, feature_constants,
+                         feature_index, features_from_stats, gather_features, new_feature_rows,
+                         row_features, strategy_scale)
 
 NO_SPLIT, CHUNK_TOKENS, NUM_SPLITS = "no split", "chunk tokens", "num splits"
 TINY_CONTEXT = 2048        # up to this longest request, 16- and 32-token chunks are tried too
@@ -50,14 +53,17 @@ def chunk_token_candidates(max_len: int, total_tokens: int, items_per_chunk: int
     least 4.4M / 4096 x 8 = 8,500 CTAs, past 32 waves, so 8192 and 16384 are tried.
     """
     smallest = 16 if max_len <= TINY_CONTEXT else TILE_TOKENS
-    limit = max_useful_items(slots)
-    sizes = []
     c = 1 << (max(max_len - 1, 1).bit_length() - 1)       # largest power of two < max_len
-    while c >= smallest:
-        if sizes and max(batch_size, total_tokens / c) * items_per_chunk > limit:
-            break
-        sizes.append(c)
+    if c < smallest:
+        return []
+    # after the first, a size is kept while max(batch_size, total / c) x items <= the limit
+    limit = max_useful_items(slots)
+    sizes = [c]
+    if batch_size * items_per_chunk <= limit:
         c //= 2
+        while c >= smallest and total_tokens / c * items_per_chunk <= limit:
+            sizes.append(c)
+            c //= 2
     return sizes
 
 
@@ -72,14 +78,14 @@ def wave_filling_chunk_tokens(total_tokens: int, batch_size: int, items_per_chun
     tokens; 3 waves: 1280 tokens; 4 waves: 896. Powers of two would jump from 1024 (about
     123 chunks, 3.7 waves) to 2048 (about 65 chunks, just under 2 waves).
     """
-    sizes = set()
+    sizes = []                      # more chunks for more waves: c never grows with j
     for j in range(1, max_waves + 1):
         chunks = j * slots // items_per_chunk - batch_size / 2
         if chunks > 0:
             c = -(-int(total_tokens / chunks) // TILE_TOKENS) * TILE_TOKENS
-            if TILE_TOKENS <= c < max_len:
-                sizes.add(c)
-    return sorted(sizes, reverse=True)
+            if TILE_TOKENS <= c < max_len and (not sizes or c != sizes[-1]):
+                sizes.append(c)
+    return sizes
 
 
 def wave_filling_splits(num_items: int, slots: int, max_waves: int = 4) -> list[int]:
@@ -143,88 +149,127 @@ class Candidate:
 NO_SPLIT_CHUNK = float(2 ** 60)     # a chunk size no request reaches: one chunk each
 
 
-def _row_stats(lens: np.ndarray, copies: int, max_len: float, total: float, chunk: np.ndarray,
-               cap: np.ndarray, tiny) -> np.ndarray:
-    """``STAT_NAMES`` of every candidate row, [7, rows], in closed form from the lengths.
+def _row_stats(lens: np.ndarray, copies: int, max_len: int, total: int, chunk: np.ndarray,
+               splits: slice, split_caps: np.ndarray,
+               num_tiny: int) -> tuple[np.ndarray, np.ndarray]:
+    """``STAT_NAMES`` of every candidate row in closed form from the lengths, as the stats of
+    a ``new_feature_rows`` array (returned whole, for ``row_features``), and the chunk counts
+    k [rows, requests] (what the winning row's plan is built from).
 
-    Rows aligned to the 64-token tile (plan_from_chunk_counts with align 64) come first:
-    request b gets k = min(ceil(len_b / chunk), cap) chunks, with chunk = 2**60 for no split,
-    the chunk size and cap = inf for a chunk-size row, chunk = 64 and cap = s for s splits
-    (s chunks, fewer for a request of fewer tiles); an empty request is one empty chunk.
-    Then one row per chunk size in ``tiny`` (16 or 32 tokens, aligned to itself).
+    Request b gets k = ceil(max(len_b, 1) / chunk) chunks (``chunk`` [rows, 1]: 2**60 for no
+    split, so one chunk each; the chunk size for a chunk-size row; 64 for a split row ``splits``,
+    whose k is then capped at its split count ``split_caps`` [splits, 1], fewer for a request
+    of fewer tiles); an empty request is one empty chunk. Chunks are aligned to the 64-token
+    tile, except in the last ``num_tiny`` rows (16 or 32 tokens, aligned to themselves: every
+    chunk is one partial tile).
 
     ``lens`` (float) holds each request once, or one request standing for ``copies`` equal
     ones; ``max_len`` and ``total`` are the batch's longest request and total tokens. The
-    same numbers as ``decomposition_stats`` of the built plan, exactly.
+    same numbers as ``decomposition_stats`` of the built plan, exactly: all are integers far
+    below 2**53, so any exact float formula gives the same bits.
+
+    This runs on every decode step, and at these sizes each NumPy call costs more than the
+    arithmetic, so the formulas are picked for few calls: sums are dot products, the requests
+    left whole are those of at most ``chunk`` tokens (a search in the sorted lengths), and the
+    maxima over the requests come from one reduction.
     """
     n = lens.size
-    ones = np.ones(n)
-    units = np.ceil(lens * (1.0 / TILE_TOKENS))          # tiles of each request
-    r = chunk.size
-    k = np.minimum(np.ceil(np.maximum(lens, 1.0) / chunk[:, None]), cap[:, None])
-    st = np.empty((7, r + len(tiny)))
+    rows = chunk.shape[0]
+    lens1 = np.maximum(lens, 1.0)
+    tiles = lens * (1.0 / TILE_TOKENS)                   # exact: a power of two
+    units = np.ceil(tiles)                               # whole tiles of each request
+    # One buffer for the [rows, requests] arrays, so that those that take the same operation
+    # take one call: rows [m - 1, k - 1 then the largest chunk, m, k].
+    work = np.empty((4 * rows, n))
+    largest, m, k = work[rows:2 * rows], work[2 * rows:3 * rows], work[3 * rows:]
+    np.divide(lens1, chunk, k)
+    np.ceil(k, k)
+    np.minimum(k[splits], split_caps, out=k[splits])
+    ones = _ones(n)
+    feature_rows, st = new_feature_rows(rows)
+    k.dot(ones, st[0])                                   # chunks (before copies)
     st[1] = total
-    st[2] = units.sum() * copies
-    a = st[:, :r]
-    k.dot(ones, out=a[0])
-    # chunks of split requests = all chunks - requests in one chunk; sum(min(k, 2)) = 2n - those
-    a[5] = (a[0] + np.minimum(k, 2.0).dot(ones) - 2 * n) * copies
-    a[0] *= copies
-    k.max(axis=1, out=a[6])
-    # A request's chunks have q or q + 1 tiles; the last is a largest, short of its tiles by
-    # pad = units * 64 - len tokens; another largest chunk is full unless (units - 1) % k == 0,
-    # that is unless k * ceil(units / k) - units == k - 1.
-    max_units = np.ceil(units / k)
-    max_units.max(axis=1, out=a[4])
-    k_minus_1 = k - 1.0
-    np.multiply(k, max_units, out=k)
-    k -= units
-    sole_largest = k == k_minus_1
-    max_units *= TILE_TOKENS
-    max_units -= sole_largest * (units * TILE_TOKENS - lens)
-    max_units.max(axis=1, out=a[3])
-
-    if len(tiny):
-        # Chunks of 16 or 32 tokens aligned to themselves: every chunk is one partial tile.
-        c = np.asarray(tiny, dtype=np.float64)
-        kt = np.ceil(lens / c[:, None])                  # 0 for an empty request
-        t = st[:, r:]
-        empty = n - np.count_nonzero(lens)
-        kt.dot(ones, out=t[2])
-        t[5] = (t[2] + np.minimum(kt, 2.0).dot(ones) - 2 * (n - empty)) * copies
-        t[2] *= copies                                   # one tile per non-empty chunk
-        t[0] = t[2] + empty * copies
-        t[3] = np.minimum(c, max_len)
+    st[2] = units.dot(ones) * copies
+    # A request's chunks have m - 1 or m tiles (m = ceil(units / k)), the last one m; it is
+    # short of its tiles by pad = units * 64 - len tokens. So the largest chunk has m tiles
+    # and min(64 m, len - 64 (k - 1)(m - 1)) tokens: 64 m unless the last chunk is the only
+    # one of m tiles (then the k - 1 others hold m - 1 tiles each). In tiles:
+    np.divide(units, k, m)
+    np.ceil(m, m)
+    np.subtract(work[2 * rows:], 1.0, work[:2 * rows])   # m - 1, k - 1
+    largest *= work[:rows]
+    np.subtract(tiles, largest, largest)
+    np.minimum(largest, m, out=largest)
+    # the maxima of the largest chunk, m and k; k's lands in row 5 until it moves to row 6
+    np.maximum.reduce(work[rows:], axis=1, out=st[3:6].reshape(-1))
+    st[3] *= float(TILE_TOKENS)
+    st[6] = st[5]
+    # chunks of split requests = all chunks - requests in one chunk
+    lens1.sort()
+    np.subtract(st[0], lens1.searchsorted(chunk[:, 0], "right"), st[5])
+    if num_tiny:
+        # Every tiny chunk is one tile (a partial one); an empty request has no tile.
+        t = st[:, rows - num_tiny:]
+        t[2] = (st[0, rows - num_tiny:] - (n - np.count_nonzero(lens))) * copies
+        t[3] = np.minimum(chunk[rows - num_tiny:, 0], max_len)
         t[4] = 1.0
-        kt.max(axis=1, out=t[6])
-    return st
+    if copies > 1:
+        st[0] *= copies
+        st[5] *= copies
+    return feature_rows, k
 
 
-def _candidates(problem: DecodeProblem, max_len: int, total: int, slots: int, num_splits,
-                strategy):
-    """Rows (kind, value) in ``_row_stats`` order, the (chunk, cap) arrays and tiny chunk
-    sizes that give them, and the pairs to try: (row index per pair, strategy code per pair,
-    strategy name per pair)."""
+@functools.lru_cache(maxsize=64)
+def _ones(n: int) -> np.ndarray:
+    ones = np.ones(n)
+    ones.setflags(write=False)
+    return ones
+
+
+@functools.lru_cache(maxsize=256)
+def _split_rows(num_items: int, slots: int) -> tuple[tuple[int, ...], np.ndarray]:
+    """``wave_filling_splits`` and its [splits, 1] float array: the same on every step of a
+    batch."""
+    splits = tuple(wave_filling_splits(num_items, slots))
+    caps = np.array(splits, dtype=np.float64)[:, None]
+    caps.setflags(write=False)
+    return splits, caps
+
+
+def _candidates(batch_size: int, max_len: int, total: int, items_per_chunk: int, slots: int,
+                num_splits, strategy):
+    """The rows to score, in ``_row_stats`` order: their values (1 for no split, chunk tokens,
+    split counts), the slice of rows that are split counts and their counts [splits, 1], the
+    chunk array [rows, 1] and number of tiny rows; and the arguments of ``_pairs``.
+
+    Unforced: no split, the chunk sizes of at least a tile, the split counts, the tiny chunk
+    sizes. Row 0 is no split unless splits are forced; rows outside the split slice are chunk
+    sizes."""
     if num_splits is not None and num_splits > 1:
-        return ([(NUM_SPLITS, num_splits)], np.array([float(TILE_TOKENS)]),
-                np.array([float(num_splits)]), [], _pairs(1, False, strategy))
+        return ([num_splits], slice(0, 1), np.array([[float(num_splits)]]),
+                np.array([[float(TILE_TOKENS)]]), 0, (1, False, strategy))
     if num_splits == 1 or strategy == "single":
-        return ([(NO_SPLIT, 1)], np.array([NO_SPLIT_CHUNK]), np.array([np.inf]), [],
-                _pairs(1, True, strategy or "single"))
-    items_per_chunk = problem.num_kv_heads * -(-problem.group_size // HEAD_TILE)
-    sizes = chunk_token_candidates(max_len, total, items_per_chunk, problem.batch_size, slots)
-    fills = wave_filling_chunk_tokens(total, problem.batch_size, items_per_chunk, slots, max_len)
-    big = [c for c in sizes if c >= TILE_TOKENS]
-    big += [c for c in fills if c not in big]
-    tiny = [c for c in sizes if c < TILE_TOKENS]
+        return ([1], slice(0, 0), _NO_CAPS, np.array([[NO_SPLIT_CHUNK]]), 0,
+                (1, True, strategy or "single"))
+    sizes = chunk_token_candidates(max_len, total, items_per_chunk, batch_size, slots)
+    tiny = [c for c in sizes if c < TILE_TOKENS] if max_len <= TINY_CONTEXT else []
+    big = sizes[:len(sizes) - len(tiny)]                 # sizes run largest first
+    big += [c for c in wave_filling_chunk_tokens(total, batch_size, items_per_chunk, slots,
+                                                  max_len) if c not in big]
+    splits, caps = _split_rows(batch_size * items_per_chunk, slots)
     max_units = -(-max_len // TILE_TOKENS)
-    splits = [s for s in wave_filling_splits(problem.batch_size * items_per_chunk, slots)
-              if s <= max_units]
-    rows = ([(NO_SPLIT, 1)] + [(CHUNK_TOKENS, c) for c in big] + [(NUM_SPLITS, s) for s in splits]
-            + [(CHUNK_TOKENS, c) for c in tiny])
-    chunk = np.array([NO_SPLIT_CHUNK] + big + [TILE_TOKENS] * len(splits), dtype=np.float64)
-    cap = np.array([np.inf] * (1 + len(big)) + splits, dtype=np.float64)
-    return rows, chunk, cap, tiny, _pairs(len(rows), True, strategy)
+    if splits and splits[-1] > max_units:                # only counts a request can take
+        used = sum(s <= max_units for s in splits)
+        splits, caps = splits[:used], caps[:used]
+    first_split = 1 + len(big)
+    values = [1, *big, *splits, *tiny]
+    chunk = np.array([NO_SPLIT_CHUNK, *big, *(TILE_TOKENS,) * len(splits), *tiny],
+                     dtype=np.float64)[:, None]
+    return (values, slice(first_split, first_split + len(splits)), caps, chunk, len(tiny),
+            (len(values), True, strategy))
+
+
+_NO_CAPS = np.zeros((0, 1))
 
 
 @functools.lru_cache(maxsize=256)
@@ -244,21 +289,84 @@ def _pairs(num_rows: int, first_is_no_split: bool, strategy):
     return rows, codes, tuple(s for _, s in pairs)
 
 
-def _predict_all(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=None):
-    """Rows, then per pair: its row index, its strategy, its predicted us."""
+@functools.lru_cache(maxsize=1024)
+def _pair_features(num_rows: int, first_is_no_split: bool, strategy, *shape):
+    """``_pairs`` (row index and strategy name per pair) with ``gather_features``' index and
+    scale for one ``feature_constants`` shape: the same on every step of a batch."""
+    pair_rows, codes, strategies = _pairs(num_rows, first_is_no_split, strategy)
+    index = feature_index(num_rows, pair_rows, codes)
+    scale = strategy_scale(feature_constants(*shape)[2], codes, len(codes))
+    index.setflags(write=False)
+    scale.setflags(write=False)
+    return pair_rows, strategies, index, scale
+
+
+@dataclass
+class _Scores:
+    """Every candidate of one problem, scored (``_candidates``' rows, ``_row_stats``' k, one
+    column per request, or one for all when ``copies`` > 1), and per pair its row index,
+    strategy and predicted us."""
+
+    values: list
+    splits: slice
+    k: np.ndarray
+    copies: int
+    pair_rows: np.ndarray
+    strategies: tuple
+    predicted: np.ndarray
+
+    def row(self, row: int) -> tuple[str, int]:
+        """(kind, value) of a row."""
+        kind = (NUM_SPLITS if self.splits.start <= row < self.splits.stop
+                else NO_SPLIT if row == 0 else CHUNK_TOKENS)
+        return kind, self.values[row]
+
+    def candidate(self, i: int) -> Candidate:
+        return Candidate(*self.row(self.pair_rows[i]), self.strategies[i],
+                         float(self.predicted[i]))
+
+    def build(self, problem: DecodeProblem, i: int) -> Plan:
+        """The plan of pair i, from the counts already computed: the same arrays as
+        ``Candidate.build``, without its checks (the problem and the counts are valid)."""
+        row = int(self.pair_rows[i])
+        kind, value = self.row(row)
+        lens = problem.kv_lens
+        align = min(value, TILE_TOKENS) if kind == CHUNK_TOKENS else TILE_TOKENS
+        if kind == NO_SPLIT:
+            arrays = _single_chunk_arrays(lens)
+        elif self.copies > 1 or lens.size == 1:
+            arrays = _uniform_chunk_arrays(lens.size, int(lens[0]), int(self.k[row, 0]), align)
+        else:
+            arrays = _chunk_arrays(lens, self.k[row].astype(np.int64), align)
+        return Plan._trusted(problem, self.strategies[i], *arrays,
+                             predicted_us=float(self.predicted[i]))
+
+
+def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=None) -> _Scores:
+    """Predict every candidate: closed-form statistics per row, features per row, times per
+    pair. Equal lengths (the common benchmark case) collapse to one request standing for all."""
     lens = problem.kv_lens
+    batch_size = lens.size
+    max_len = int(np.maximum.reduce(lens))
     copies = 1
-    if lens.size > 1 and lens[0] == lens[-1] and np.all(lens == lens[0]):
-        lens, copies = lens[:1], lens.size
-    lens = lens.astype(np.float64)
-    max_len, total = int(lens.max()), int(lens.sum()) * copies
-    rows, chunk, cap, tiny, (pair_rows, codes, strategies) = \
-        _candidates(problem, max_len, total, model.slots, num_splits, strategy)
-    stats = _row_stats(lens, copies, max_len, total, chunk, cap, tiny)
-    x = features_from_stats(problem.num_qo_heads, problem.num_kv_heads, problem.head_dim,
-                            codes, stats[:, pair_rows], num_sms=model.num_sms,
-                            ctas_per_sm=model.ctas_per_sm, bandwidth_gbps=model.bandwidth_gbps)
-    return rows, pair_rows, strategies, x @ model.coef_
+    if batch_size > 1 and int(lens[0]) == max_len and np.minimum.reduce(lens) == max_len:
+        lens, copies = lens[:1], batch_size
+        total = max_len * copies
+    else:
+        total = int(np.add.reduce(lens))
+    shape = (problem.num_qo_heads, problem.num_kv_heads, problem.head_dim, model.num_sms,
+             model.ctas_per_sm, model.bandwidth_gbps)
+    ipc, slots, _ = feature_constants(*shape)
+    values, splits, caps, chunk, num_tiny, pair_key = \
+        _candidates(batch_size, max_len, total, ipc, slots, num_splits, strategy)
+    rows, k = _row_stats(lens.astype(np.float64), copies, max_len, total, chunk, splits, caps,
+                         num_tiny)
+    pair_rows, strategies, index, scale = _pair_features(*pair_key, *shape)
+    # The same bits as features_from_stats(stats[:, pair_rows]) @ coef_. Even the memory
+    # layout matters: the matrix-vector product's rounding depends on it, and candidates with
+    # equal features must tie exactly, as they did there ([features, pairs], C order).
+    x = gather_features(row_features(rows, ipc, slots), index, scale)
+    return _Scores(values, splits, k, copies, pair_rows, strategies, x.T @ model.coef_)
 
 
 def _as_cost_model(profile) -> CostModel:
@@ -290,9 +398,8 @@ def rank_candidates(problem: DecodeProblem, profile=None, num_splits: int | None
     model = _as_cost_model(profile)
     if problem.batch_size == 0:
         return [_empty_candidate(problem, model, strategy)]
-    rows, pair_rows, strategies, predicted = _predict_all(problem, model, num_splits, strategy)
-    return [Candidate(*rows[pair_rows[i]], strategies[i], float(predicted[i]))
-            for i in np.argsort(predicted, kind="stable")]
+    scores = _score(problem, model, num_splits, strategy)
+    return [scores.candidate(i) for i in np.argsort(scores.predicted, kind="stable")]
 
 
 def _empty_candidate(problem, model, strategy) -> Candidate:
@@ -318,6 +425,5 @@ def choose_plan(problem: DecodeProblem, profile=None, num_splits: int | None = N
     model = _as_cost_model(profile)
     if problem.batch_size == 0:
         return _empty_candidate(problem, model, strategy).build(problem)
-    rows, pair_rows, strategies, predicted = _predict_all(problem, model, num_splits, strategy)
-    i = int(np.argmin(predicted))
-    return Candidate(*rows[pair_rows[i]], strategies[i], float(predicted[i])).build(problem)
+    scores = _score(problem, model, num_splits, strategy)
+    return scores.build(problem, int(scores.predicted.argmin()))

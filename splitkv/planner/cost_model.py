@@ -39,11 +39,10 @@ import functools
 import numpy as np
 from scipy.optimize import nnls
 
+from ..geometry import TILE_TOKENS, ctas_per_kv_head
 from ..plan import Plan
 from ..validation import STRATEGIES
 
-TILE_TOKENS = 64    # tokens of K/V one CTA step streams
-HEAD_TILE = 64      # query heads one CTA computes; larger GQA groups launch more CTAs
 
 FEATURE_NAMES = ("const", "launches", "kv_us", "crit_us", "crit_tiles", "crit_tile_rows",
                  "waves", "partial_us", "fused_tail_us", "fused_merges", "merge_chain")
@@ -102,7 +101,7 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
     machine. Each feature is a statistic times its unit (bytes -> microseconds, tiles ->
     tile-equivalents); they are the same on every decode step, so they are computed once."""
     group = num_qo_heads // num_kv_heads
-    head_tiles = -(-group // HEAD_TILE)
+    head_tiles = ctas_per_kv_head(group)
     rows = -(-group // head_tiles)                 # query heads per CTA
     items_per_chunk = num_kv_heads * head_tiles
     slots = num_sms * ctas_per_sm

@@ -27,7 +27,7 @@ from .. import validation as V
 from ..plan import (Plan, _chunk_arrays, _single_chunk_arrays, _uniform_chunk_arrays,
                     plan_chunk_tokens, plan_fixed_splits, plan_from_chunk_counts)
 from ..problem import DecodeProblem
-from .cost_model import (HEAD_TILE, STAT_NAMES, TILE_TOKENS, CostModel, feature_constants,
+from .cost_model import (STAT_NAMES, TILE_TOKENS, CostModel, feature_constants,
                          feature_index, features_from_stats, gather_features, new_feature_rows,
                          row_features, strategy_scale)
 

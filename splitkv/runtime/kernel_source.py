@@ -9,13 +9,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 
+from ..geometry import MAX_HEADS_PER_CTA, TILE_TOKENS, WARPS_PER_CTA
+
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 NVRTC_OPTIONS = ("--std=c++17", "-default-device")
-WARPS_PER_CTA = 4         # NUM_WARPS in decode.cu (8 warps x 128-token tiles measured slower)
-TILE_TOKENS = 16 * WARPS_PER_CTA   # tokens per pipeline stage (TILE_N in decode.cu)
-THREADS_PER_CTA = 32 * WARPS_PER_CTA
-MAX_ROWS_PER_CTA = 64     # query heads one CTA handles (16 * largest HEAD_TILES)
 DEFAULT_STAGES = {64: 4, 128: 3, 256: 2}
 
 
@@ -74,7 +72,7 @@ class DecodeVariant:
 
     @staticmethod
     def for_problem(dtype: str, head_dim: int, group_size: int, stages: int = 0) -> "DecodeVariant":
-        rows = min(group_size, MAX_ROWS_PER_CTA)
+        rows = min(group_size, MAX_HEADS_PER_CTA)
         head_tiles = 1 if rows <= 16 else 2 if rows <= 32 else 4
         return DecodeVariant(dtype, head_dim, head_tiles, stages)
 

@@ -21,7 +21,8 @@ from .. import validation as V
 from ..plan import Plan
 from ..problem import DecodeProblem, PageTable
 from .arrays import as_cupy_stream, as_device_array, cupy_storage_dtype
-from .kernel_source import MAX_ROWS_PER_CTA, THREADS_PER_CTA, DecodeVariant
+from ..geometry import THREADS_PER_CTA, ctas_per_kv_head
+from .kernel_source import DecodeVariant
 from .modules import get_decode_kernels
 
 LOG2E = 1.4426950408889634
@@ -46,7 +47,7 @@ class BatchDecodeWrapper:
         # `stages` (pipeline depth) is a tuning knob for experiments; the default suits the H200.
         self.variant = DecodeVariant.for_problem(self.dtype, self.head_dim, self.group_size,
                                                  0 if stages is None else V.check_int("stages", stages, 2))
-        self.head_tile_groups = -(-self.group_size // MAX_ROWS_PER_CTA)
+        self.head_tile_groups = ctas_per_kv_head(self.group_size)
         self._profile = profile
         self._plan: Plan | None = None
         self._device_id: int | None = None

@@ -1,0 +1,13 @@
+"""How the decode kernel cuts its work: what the runtime launches and the planner's cost model
+describes, named once. Must match the defines of ``kernels_cu/decode.cu`` (the runtime passes
+them to NVRTC)."""
+
+WARPS_PER_CTA = 4                   # NUM_WARPS (8 warps x 128-token tiles measured slower)
+TILE_TOKENS = 16 * WARPS_PER_CTA    # tokens per pipeline stage (TILE_N)
+THREADS_PER_CTA = 32 * WARPS_PER_CTA
+MAX_HEADS_PER_CTA = 64              # query heads one CTA computes (16 x the largest HEAD_TILES)
+
+
+def ctas_per_kv_head(group_size: int) -> int:
+    """CTAs that share one (chunk, kv head): GQA groups past 64 heads launch more of them."""
+    return -(-group_size // MAX_HEADS_PER_CTA)

@@ -136,6 +136,9 @@ def plan_from_chunk_counts(problem: DecodeProblem, chunks_per_request, strategy:
     return Plan._trusted(problem, strategy, *_chunk_arrays(lens, counts, align))
 
 
+# dtype objects, not the scalar types: NumPy converts a type to a dtype on every call.
+_INT32, _INT64 = np.dtype(np.int32), np.dtype(np.int64)
+
 # The arrays of a decomposition, without checks: the counts must already be in
 # 1..max(1, ceil(len / align)). Chunk i of a request of u tiles cut into k starts at tile
 # floor(i * u / k) and ends where chunk i + 1 starts, the last at the request's length. A start
@@ -145,25 +148,25 @@ def plan_from_chunk_counts(problem: DecodeProblem, chunks_per_request, strategy:
 def _single_chunk_arrays(lens: np.ndarray) -> tuple[np.ndarray, ...]:
     """One chunk per request."""
     n = lens.size
-    indptr = np.arange(n + 1, dtype=np.int32)
-    return indptr[:n], np.zeros(n, np.int32), lens.astype(np.int32), indptr
+    indptr = np.arange(n + 1, dtype=_INT32)
+    return indptr[:n], np.zeros(n, _INT32), lens.astype(_INT32), indptr
 
 
 def _uniform_chunk_arrays(batch_size: int, length: int, count: int,
                           align: int) -> tuple[np.ndarray, ...]:
     """``batch_size`` requests of ``length`` tokens, each cut into ``count`` chunks: one
     request's boundaries, repeated."""
-    bounds = np.arange(count + 1, dtype=np.int64)
+    bounds = np.arange(count + 1, dtype=_INT64)
     bounds *= -(-length // align)
     bounds //= count
     bounds *= align
     bounds[-1] = length
-    chunk_start = np.empty((batch_size, count), np.int32)
+    chunk_start = np.empty((batch_size, count), _INT32)
     chunk_start[:] = bounds[:-1]
-    chunk_end = np.empty((batch_size, count), np.int32)
+    chunk_end = np.empty((batch_size, count), _INT32)
     chunk_end[:] = bounds[1:]
-    return (np.arange(batch_size, dtype=np.int32).repeat(count), chunk_start.reshape(-1),
-            chunk_end.reshape(-1), np.arange(0, batch_size * count + 1, count, dtype=np.int32))
+    return (np.arange(batch_size, dtype=_INT32).repeat(count), chunk_start.reshape(-1),
+            chunk_end.reshape(-1), np.arange(0, batch_size * count + 1, count, dtype=_INT32))
 
 
 def _chunk_arrays(lens: np.ndarray, counts: np.ndarray, align: int) -> tuple[np.ndarray, ...]:
@@ -174,17 +177,17 @@ def _chunk_arrays(lens: np.ndarray, counts: np.ndarray, align: int) -> tuple[np.
     total = int(ends[-1]) if n else 0
     if total == n:
         return _single_chunk_arrays(lens)
-    chunk_request = np.arange(n, dtype=np.int32).repeat(counts)
-    start = np.arange(total, dtype=np.int64)
+    chunk_request = np.arange(n, dtype=_INT32).repeat(counts)
+    start = np.arange(total, dtype=_INT64)
     start -= (ends - counts).take(chunk_request)          # chunk index inside its request
     start *= ((lens + (align - 1)) // align).take(chunk_request)
     start //= counts.take(chunk_request)
     start *= align
-    chunk_start = start.astype(np.int32)
-    chunk_end = np.empty(total, np.int32)
+    chunk_start = start.astype(_INT32)
+    chunk_end = np.empty(total, _INT32)
     chunk_end[:-1] = chunk_start[1:]
     chunk_end.put(ends - 1, lens)
-    merge_indptr = np.empty(n + 1, np.int32)
+    merge_indptr = np.empty(n + 1, _INT32)
     merge_indptr[0] = 0
     merge_indptr[1:] = ends
     return chunk_request, chunk_start, chunk_end, merge_indptr

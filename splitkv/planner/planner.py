@@ -147,11 +147,13 @@ class Candidate:
 
 
 NO_SPLIT_CHUNK = float(2 ** 60)     # a chunk size no request reaches: one chunk each
+# dtype objects, not the scalar types: NumPy converts a type to a dtype on every call.
+_FLOAT64, _INT64 = np.dtype(np.float64), np.dtype(np.int64)
 
 
-def _row_stats(lens: np.ndarray, copies: int, max_len: int, total: int, chunk: np.ndarray,
-               splits: slice, split_caps: np.ndarray,
-               num_tiny: int) -> tuple[np.ndarray, np.ndarray]:
+def _row_stats(lens: np.ndarray, max_len: int, total: int, chunk: np.ndarray, splits: slice,
+               split_caps: np.ndarray, num_tiny: int, items_per_chunk: int,
+               slots: int) -> tuple[np.ndarray, np.ndarray]:
     """``STAT_NAMES`` of every candidate row in closed form from the lengths, as the stats of
     a ``new_feature_rows`` array (returned whole, for ``row_features``), and the chunk counts
     k [rows, requests] (what the winning row's plan is built from).
@@ -163,10 +165,10 @@ def _row_stats(lens: np.ndarray, copies: int, max_len: int, total: int, chunk: n
     tile, except in the last ``num_tiny`` rows (16 or 32 tokens, aligned to themselves: every
     chunk is one partial tile).
 
-    ``lens`` (float) holds each request once, or one request standing for ``copies`` equal
-    ones; ``max_len`` and ``total`` are the batch's longest request and total tokens. The
-    same numbers as ``decomposition_stats`` of the built plan, exactly: all are integers far
-    below 2**53, so any exact float formula gives the same bits.
+    ``lens`` (float) holds the requests' lengths, ``max_len`` their maximum and ``total``
+    their sum. The same numbers as
+    ``decomposition_stats`` of the built plan, exactly: all are integers far below 2**53, so
+    any exact float formula gives the same bits (but see ``_mean_load_dominates``).
 
     This runs on every decode step, and at these sizes each NumPy call costs more than the
     arithmetic, so the formulas are picked for few calls: sums are dot products, the requests
@@ -175,55 +177,112 @@ def _row_stats(lens: np.ndarray, copies: int, max_len: int, total: int, chunk: n
     """
     n = lens.size
     rows = chunk.shape[0]
-    lens1 = np.maximum(lens, 1.0)
-    tiles = lens * (1.0 / TILE_TOKENS)                   # exact: a power of two
+    ones, per_tile = _request_constants(n)
+    lens1 = np.maximum(lens, ones)
+    tiles = lens * per_tile                              # exact: 1/64 is a power of two
     units = np.ceil(tiles)                               # whole tiles of each request
     # One buffer for the [rows, requests] arrays, so that those that take the same operation
-    # take one call: rows [m - 1, k - 1 then the largest chunk, m, k].
-    work = np.empty((4 * rows, n))
-    largest, m, k = work[rows:2 * rows], work[2 * rows:3 * rows], work[3 * rows:]
+    # take one call: [m - 1, k - 1 then the largest chunk, m, k].
+    work = np.empty((4, rows, n))
+    m, k = work[2], work[3]
     np.divide(lens1, chunk, k)
     np.ceil(k, k)
-    np.minimum(k[splits], split_caps, out=k[splits])
-    ones = _ones(n)
+    if split_caps.size:
+        capped = k[splits]
+        np.minimum(capped, split_caps, out=capped)
     feature_rows, st = new_feature_rows(rows)
-    k.dot(ones, st[0])                                   # chunks (before copies)
+    num_chunks, split_chunks = st[0], st[5]
+    k.dot(ones, num_chunks)                              # (before copies)
     st[1] = total
-    st[2] = units.dot(ones) * copies
-    # A request's chunks have m - 1 or m tiles (m = ceil(units / k)), the last one m; it is
-    # short of its tiles by pad = units * 64 - len tokens. So the largest chunk has m tiles
-    # and min(64 m, len - 64 (k - 1)(m - 1)) tokens: 64 m unless the last chunk is the only
-    # one of m tiles (then the k - 1 others hold m - 1 tiles each). In tiles:
-    np.divide(units, k, m)
-    np.ceil(m, m)
-    np.subtract(work[2 * rows:], 1.0, work[:2 * rows])   # m - 1, k - 1
-    largest *= work[:rows]
-    np.subtract(tiles, largest, largest)
-    np.minimum(largest, m, out=largest)
-    # the maxima of the largest chunk, m and k; k's lands in row 5 until it moves to row 6
-    np.maximum.reduce(work[rows:], axis=1, out=st[3:6].reshape(-1))
-    st[3] *= float(TILE_TOKENS)
-    st[6] = st[5]
+    st[2] = total_tiles = units.dot(ones)
+    if _mean_load_dominates(max_len, total, total_tiles, items_per_chunk, slots):
+        st[3] = max_len
+        st[4] = -(-max_len // TILE_TOKENS)
+        st[6] = k[:, lens.argmax()]                      # k grows with the length
+    else:
+        # A request's chunks have m - 1 or m tiles (m = ceil(units / k)), the last one m; it
+        # is short of its tiles by pad = units * 64 - len tokens. So the largest chunk has m
+        # tiles and min(64 m, len - 64 (k - 1)(m - 1)) tokens: 64 m unless the last chunk is
+        # the only one of m tiles (then the k - 1 others hold m - 1 tiles each). In tiles:
+        np.divide(units, k, m)
+        np.ceil(m, m)
+        np.subtract(work[2:], 1.0, work[:2])             # m - 1, k - 1
+        largest = work[1]
+        largest *= work[0]
+        np.subtract(tiles, largest, largest)
+        np.minimum(largest, m, out=largest)
+        # the maxima of the largest chunk, m and k; k's lands in row 5, then moves to row 6
+        maxima = st[3:6]
+        np.maximum.reduce(work[1:], axis=2, out=maxima)
+        maxima[0] *= float(TILE_TOKENS)
+        st[6] = split_chunks
     # chunks of split requests = all chunks - requests in one chunk
     lens1.sort()
-    np.subtract(st[0], lens1.searchsorted(chunk[:, 0], "right"), st[5])
+    np.subtract(num_chunks, lens1.searchsorted(chunk.ravel(), "right"), split_chunks)
     if num_tiny:
         # Every tiny chunk is one tile (a partial one); an empty request has no tile.
         t = st[:, rows - num_tiny:]
-        t[2] = (st[0, rows - num_tiny:] - (n - np.count_nonzero(lens))) * copies
+        t[2] = st[0, rows - num_tiny:] - (n - np.count_nonzero(lens))
         t[3] = np.minimum(chunk[rows - num_tiny:, 0], max_len)
         t[4] = 1.0
-    if copies > 1:
-        st[0] *= copies
-        st[5] *= copies
     return feature_rows, k
 
 
+def _one_length_stats(length: int, copies: int, total: int, chunk: list, splits: slice,
+                      split_caps, num_tiny: int) -> tuple[np.ndarray, list]:
+    """``_row_stats`` when every request has the same length (``copies`` of them): each row is
+    a few integers, cheaper in plain Python than in NumPy calls. The same formulas, exact
+    (Python integers, and floats only where ``_row_stats`` has them)."""
+    length1 = max(length, 1)
+    units = -(-length // TILE_TOKENS)
+    tiles = length / TILE_TOKENS
+    caps = [None] * splits.start + [int(s) for s in split_caps.ravel()]
+    caps += [None] * (len(chunk) - len(caps))
+    st = [[] for _ in STAT_NAMES]
+    num_chunks, _, _, max_tokens, max_tiles, split_chunks, max_splits = st
+    for c, cap in zip(chunk, caps):
+        k = -(-length1 // int(c))
+        if cap is not None and k > cap:
+            k = cap
+        m = -(-units // k)
+        largest = tiles - (k - 1) * (m - 1)
+        num_chunks.append(k * copies)
+        max_tokens.append((largest if largest < m else m) * TILE_TOKENS)
+        max_tiles.append(m)
+        split_chunks.append(k * copies if k > 1 else 0)
+        max_splits.append(k)
+    st[1] = [total] * len(chunk)
+    st[2] = [units * copies] * len(chunk)
+    for j in range(len(chunk) - num_tiny, len(chunk)):
+        # Every tiny chunk is one tile (a partial one); an empty request has no tile.
+        st[2][j] = num_chunks[j] - (copies if length == 0 else 0)
+        st[3][j] = min(chunk[j], length)
+        st[4][j] = 1
+    feature_rows, stats = new_feature_rows(len(chunk))
+    stats[:] = st
+    return feature_rows, [[k] for k in max_splits]
+
+
+def _mean_load_dominates(max_len: int, total: int, total_tiles: float, items_per_chunk: int,
+                         slots: int) -> bool:
+    """Whether every request is shorter, in tokens and in tiles, than one slot's mean load.
+
+    A candidate's critical path (``critical_path``) is max(largest chunk, waves x mean item),
+    and waves x mean item >= total x items per chunk / slots. So when the longest request (a
+    bound on any chunk) is below that, typically a large batch, the largest chunk decides no
+    feature of any candidate: its statistics need not be computed, and the bound stands in
+    for them with the same features. The margin covers the rounding of the mean term."""
+    per_slot = items_per_chunk / slots * (1.0 - 1e-9)
+    return max_len < total * per_slot and -(-max_len // TILE_TOKENS) < total_tiles * per_slot
+
+
 @functools.lru_cache(maxsize=64)
-def _ones(n: int) -> np.ndarray:
-    ones = np.ones(n)
+def _request_constants(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """[n] ones and [n] 1/64s: NumPy takes its fast path when operands have the same shape."""
+    ones, per_tile = np.ones(n), np.full(n, 1.0 / TILE_TOKENS)
     ones.setflags(write=False)
-    return ones
+    per_tile.setflags(write=False)
+    return ones, per_tile
 
 
 @functools.lru_cache(maxsize=256)
@@ -231,7 +290,7 @@ def _split_rows(num_items: int, slots: int) -> tuple[tuple[int, ...], np.ndarray
     """``wave_filling_splits`` and its [splits, 1] float array: the same on every step of a
     batch."""
     splits = tuple(wave_filling_splits(num_items, slots))
-    caps = np.array(splits, dtype=np.float64)[:, None]
+    caps = np.array(splits, dtype=_FLOAT64)[:, None]
     caps.setflags(write=False)
     return splits, caps
 
@@ -240,17 +299,17 @@ def _candidates(batch_size: int, max_len: int, total: int, items_per_chunk: int,
                 num_splits, strategy):
     """The rows to score, in ``_row_stats`` order: their values (1 for no split, chunk tokens,
     split counts), the slice of rows that are split counts and their counts [splits, 1], the
-    chunk array [rows, 1] and number of tiny rows; and the arguments of ``_pairs``.
+    chunk size of each row (``_row_stats``) and the number of tiny rows; and the arguments of
+    ``_pairs``.
 
     Unforced: no split, the chunk sizes of at least a tile, the split counts, the tiny chunk
     sizes. Row 0 is no split unless splits are forced; rows outside the split slice are chunk
     sizes."""
     if num_splits is not None and num_splits > 1:
-        return ([num_splits], slice(0, 1), np.array([[float(num_splits)]]),
-                np.array([[float(TILE_TOKENS)]]), 0, (1, False, strategy))
+        return ([num_splits], slice(0, 1), np.array([[float(num_splits)]]), [TILE_TOKENS], 0,
+                (1, False, strategy))
     if num_splits == 1 or strategy == "single":
-        return ([1], slice(0, 0), _NO_CAPS, np.array([[NO_SPLIT_CHUNK]]), 0,
-                (1, True, strategy or "single"))
+        return [1], slice(0, 0), _NO_CAPS, [NO_SPLIT_CHUNK], 0, (1, True, strategy or "single")
     sizes = chunk_token_candidates(max_len, total, items_per_chunk, batch_size, slots)
     tiny = [c for c in sizes if c < TILE_TOKENS] if max_len <= TINY_CONTEXT else []
     big = sizes[:len(sizes) - len(tiny)]                 # sizes run largest first
@@ -263,8 +322,7 @@ def _candidates(batch_size: int, max_len: int, total: int, items_per_chunk: int,
         splits, caps = splits[:used], caps[:used]
     first_split = 1 + len(big)
     values = [1, *big, *splits, *tiny]
-    chunk = np.array([NO_SPLIT_CHUNK, *big, *(TILE_TOKENS,) * len(splits), *tiny],
-                     dtype=np.float64)[:, None]
+    chunk = [NO_SPLIT_CHUNK, *big, *(TILE_TOKENS,) * len(splits), *tiny]
     return (values, slice(first_split, first_split + len(splits)), caps, chunk, len(tiny),
             (len(values), True, strategy))
 
@@ -335,11 +393,11 @@ class _Scores:
         if kind == NO_SPLIT:
             arrays = _single_chunk_arrays(lens)
         elif self.copies > 1 or lens.size == 1:
-            arrays = _uniform_chunk_arrays(lens.size, int(lens[0]), int(self.k[row, 0]), align)
+            arrays = _uniform_chunk_arrays(lens.size, int(lens[0]), int(self.k[row][0]), align)
         else:
-            arrays = _chunk_arrays(lens, self.k[row].astype(np.int64), align)
+            arrays = _chunk_arrays(lens, self.k[row].astype(_INT64), align)
         return Plan._trusted(problem, self.strategies[i], *arrays,
-                             predicted_us=float(self.predicted[i]))
+                             predicted_us=self.predicted.item(i))
 
 
 def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=None) -> _Scores:
@@ -359,8 +417,12 @@ def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=N
     ipc, slots, _ = feature_constants(*shape)
     values, splits, caps, chunk, num_tiny, pair_key = \
         _candidates(batch_size, max_len, total, ipc, slots, num_splits, strategy)
-    rows, k = _row_stats(lens.astype(np.float64), copies, max_len, total, chunk, splits, caps,
-                         num_tiny)
+    if lens.size == 1:
+        rows, k = _one_length_stats(max_len, copies, total, chunk, splits, caps, num_tiny)
+    else:
+        rows, k = _row_stats(lens.astype(_FLOAT64), max_len, total,
+                             np.array(chunk, _FLOAT64)[:, None], splits, caps, num_tiny, ipc,
+                             slots)
     pair_rows, strategies, index, scale = _pair_features(*pair_key, *shape)
     # The same bits as features_from_stats(stats[:, pair_rows]) @ coef_. Even the memory
     # layout matters: the matrix-vector product's rounding depends on it, and candidates with

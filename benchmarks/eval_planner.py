@@ -71,12 +71,15 @@ def main():
                 p = plan_chunk_tokens(prob, chunk, strategy, align=64)
                 if p.num_splits > 1:
                     plans[(chunk, strategy)] = p
-        measured = {}
+        measured, candidates = {}, []
         for key, p in plans.items():
             us = time_plan_us(p, pt, data=data, trials=3, min_trial_ms=10.0)
             measured[key] = us
             pred = model.predict(p)
             abs_pct.append(abs(pred - us) / us)
+            candidates.append({"plan": f"{p.strategy}/{p.num_splits}", "chunk_tokens": key[0],
+                               "num_chunks": p.num_chunks, "us": round(us, 3),
+                               "predicted_us": round(float(pred), 3)})
         oracle_key = min(measured, key=measured.get)
         row = {"shape": name, "batch": prob.batch_size, "tokens": prob.total_tokens,
                "group": prob.group_size, "kv_heads": prob.num_kv_heads,
@@ -86,6 +89,8 @@ def main():
                "oracle_plan": f"{plans[oracle_key].strategy}/{plans[oracle_key].num_splits}",
                "predicted_us": round(chosen.predicted_us, 2)}
         row["ratio"] = round(row["plan_us"] / row["oracle_us"], 4)
+        # every measured plan, so that planner changes can be judged offline against this run
+        row["candidates"] = candidates
         rows.append(row)
         print(f"[{i + 1}/{len(shapes)}] {name:>24}: plan {row['plan']:>14} {row['plan_us']:8.2f} us"
               f" (pred {row['predicted_us']:8.2f}) oracle {row['oracle_plan']:>14} "
@@ -99,7 +104,8 @@ def main():
               "mape": round(float(np.median(abs_pct)), 4),
               "mape_note": "median absolute percentage error of the model over every measured plan",
               "shapes": rows}
-    worst = sorted(rows, key=lambda r: -r["ratio"])[:5]
+    worst = [{k: v for k, v in r.items() if k != "candidates"}
+             for r in sorted(rows, key=lambda r: -r["ratio"])[:5]]
     result["worst"] = worst
     print(f"within 5%: {result['within_5pct_frac']:.2%}  geomean plan/oracle "
           f"{result['geomean_ratio']:.4f}  model median APE {result['mape']:.1%}")

@@ -22,7 +22,9 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--cases", default=None)
 parser.add_argument("--json", default=None)
 parser.add_argument("--trials", type=int, default=5)
-parser.add_argument("--stages", default="0", help="comma-separated pipeline depths (0 = default)")
+parser.add_argument("--stages", default="0",
+                    help="comma-separated kernel configs: pipeline depth (0 = default), optionally "
+                         "':' and a per-thread register cap, e.g. 3,2:168")
 parser.add_argument("--chunks", default=None, help="comma-separated chunk sizes in tokens")
 parser.add_argument("--min-trial-ms", type=float, default=10.0)
 args = parser.parse_args()
@@ -36,7 +38,9 @@ for case in select(args.cases):
     pt, _ = scattered_page_table(case.kv_lens, case.page_size, np.random.default_rng(0), 0)
     prob = DecodeProblem.from_page_table(pt, case.num_qo_heads, case.num_kv_heads, case.head_dim)
     data = make_layers(pt, prob.num_qo_heads, prob.num_kv_heads, prob.head_dim, prob.dtype)
-    for stages in [int(x) for x in args.stages.split(",")]:
+    for config in args.stages.split(","):
+      stages, _, regs = config.partition(":")
+      stages, regs = int(stages), int(regs) if regs else None
       seen = set()
       line = []
       for chunk in CHUNKS:
@@ -50,15 +54,15 @@ for case in select(args.cases):
                 continue
             seen.add(key)
             us = time_plan_us(plan, pt, data=data, trials=args.trials, min_trial_ms=args.min_trial_ms,
-                              stages=stages or None)
-            results.append({"case": case.name, "stages": stages, "chunk_tokens": chunk,
+                              stages=stages or None, max_registers=regs)
+            results.append({"case": case.name, "stages": config, "chunk_tokens": chunk,
                             "strategy": plan.strategy, "num_splits": plan.num_splits,
                             "num_chunks": plan.num_chunks, "us": us,
                             "frac_bw": prob.kv_bytes / (us * 1e-6) / 1e9 / bw})
             line.append(f"{plan.strategy[0]}{plan.num_splits}:{us:.1f}")
-      best = min((r for r in results if r["case"] == case.name and r["stages"] == stages),
+      best = min((r for r in results if r["case"] == case.name and r["stages"] == config),
                  key=lambda r: r["us"])
-      print(f"{case.name:>12} st{stages} best {best['strategy']}/{best['num_splits']} {best['us']:.2f} us "
+      print(f"{case.name:>12} st{config} best {best['strategy']}/{best['num_splits']} {best['us']:.2f} us "
             f"({100 * best['frac_bw']:.0f}% bw) | " + " ".join(line), flush=True)
     del data
 if args.json:

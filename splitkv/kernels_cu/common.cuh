@@ -91,6 +91,18 @@ __device__ __forceinline__ float4 ld_cg4(const float* p) {
   return v;
 }
 
+// bar.sync on barrier `id` (1..4; 0 is __syncthreads') for THREADS threads. The id goes in as an
+// immediate so that ptxas reserves only the barriers used, not all 16.
+template <int THREADS>
+__device__ __forceinline__ void named_barrier_sync(int id) {
+  switch (id) {
+    case 1: asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory"); break;
+    case 2: asm volatile("bar.sync 2, %0;" ::"n"(THREADS) : "memory"); break;
+    case 3: asm volatile("bar.sync 3, %0;" ::"n"(THREADS) : "memory"); break;
+    default: asm volatile("bar.sync 4, %0;" ::"n"(THREADS) : "memory"); break;
+  }
+}
+
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));

@@ -33,6 +33,7 @@
 #define WARPS_N (NUM_WARPS / HEAD_TILES)       // warps sharing one row tile split the tokens
 #define TOK_PER_WARP (TILE_N / WARPS_N)
 #define SUBTILES (TOK_PER_WARP / 16)
+#define GROUP_THREADS (32 * HEAD_TILES)        // the warps that read the same tokens
 #define ROWS (16 * HEAD_TILES)                 // query heads per CTA
 #define DCHUNKS (HEAD_DIM / 8)                 // 16-byte chunks per row
 #define KSTEPS (HEAD_DIM / 16)
@@ -44,7 +45,18 @@ __device__ __forceinline__ u32 tile_offset_bytes(int row, int chunk) {
   return (u32)(row * HEAD_DIM + ((chunk ^ (row & 7)) << 3)) * 2u;
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_THREADS)
+// MAX_REGISTERS > 0 caps the registers per thread (so that more CTAs fit on an SM); 0 leaves
+// the choice to the compiler. (ptxas did not honour __launch_bounds__'s minimum-CTA hint.)
+#ifndef MAX_REGISTERS
+#define MAX_REGISTERS 0
+#endif
+#if MAX_REGISTERS > 0
+#define PARTIAL_BOUNDS __maxnreg__(MAX_REGISTERS)
+#else
+#define PARTIAL_BOUNDS __launch_bounds__(NUM_THREADS, 1)
+#endif
+
+extern "C" __global__ void PARTIAL_BOUNDS
 decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
                const u16* __restrict__ v_cache, long long page_stride, long long token_stride,
                const int* __restrict__ kv_indices, const int4* __restrict__ chunk_info,
@@ -99,12 +111,23 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   const int num_tiles = (tok_end - tok_begin + TILE_N - 1) / TILE_N;
   const i64 head_offset = (i64)kvh * HEAD_DIM;
 
+  // Each token group (the HEAD_TILES warps that share warp_n) copies only the rows it reads
+  // itself and waits only on its own barrier: the groups are independent pipelines, so one
+  // group's late copy does not stall the others (as a CTA-wide barrier per tile did).
   // Page-table entries are fetched one tile ahead of the copies that need them, so the
   // dependent lookup latency overlaps the math of the current tile instead of stalling it.
-  constexpr int LOADS = TILE_N * DCHUNKS / NUM_THREADS;   // 16-byte copies per thread per tile
-  const int my_chunk = tid % DCHUNKS;
-  const int my_row0 = tid / DCHUNKS;                        // rows my_row0 + i * ROW_STEP
-  constexpr int ROW_STEP = NUM_THREADS / DCHUNKS;
+  constexpr int LOADS = TOK_PER_WARP * DCHUNKS / GROUP_THREADS;  // 16-byte copies per thread per tile
+  const int group_tid = warp_m * 32 + lane;
+  const int my_chunk = group_tid % DCHUNKS;
+  const int my_row0 = warp_n * TOK_PER_WARP + group_tid / DCHUNKS;  // rows my_row0 + i * ROW_STEP
+  constexpr int ROW_STEP = GROUP_THREADS / DCHUNKS;
+  auto group_sync = [&]() {
+    if (HEAD_TILES == 1) {
+      __syncwarp();
+    } else {
+      named_barrier_sync<GROUP_THREADS>(1 + warp_n);
+    }
+  };
   int pg[LOADS], slot[LOADS];
   const bool step_within_page = page_size >= ROW_STEP;
   auto fetch_pages = [&](int tile) {
@@ -157,7 +180,7 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<STAGES - 2>();
-    __syncthreads();  // tile `tile` is visible to all warps; stage (tile-1) % STAGES is free
+    group_sync();  // the group's rows of tile `tile` are visible; stage (tile-1) % STAGES is free
     {
       const int next = tile + STAGES - 1;
       if (next < num_tiles) issue_tile(next % STAGES);

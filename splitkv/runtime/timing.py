@@ -131,7 +131,7 @@ def release_cached_layers() -> None:
 
 def time_plan_us(plan: Plan, page_table: PageTable, *, min_total_bytes: int = 1 << 30,
                  trials: int = TRIALS, min_trial_ms: float = MIN_TRIAL_MS, data: LayeredKV | None = None,
-                 stages: int | None = None) -> float:
+                 stages: int | None = None, max_registers: int | None = None) -> float:
     """Median microseconds per call of ``plan`` on random data.
 
     Without ``data``, the random KV layers (about ``min_total_bytes``) are built for the page
@@ -151,6 +151,6 @@ def time_plan_us(plan: Plan, page_table: PageTable, *, min_total_bytes: int = 1 
                                                          min_total_bytes=min_total_bytes))
         data = _LAST_LAYERS[key][1]      # the entry holds the table too, so its id stays unique
     w = BatchDecodeWrapper(p.num_qo_heads, p.num_kv_heads, p.head_dim, p.page_size, p.dtype,
-                           stages=stages)
+                           stages=stages, max_registers=max_registers)
     w.plan(page_table, plan=plan)
     return time_wrapper_us(w, data, trials=trials, min_trial_ms=min_trial_ms)

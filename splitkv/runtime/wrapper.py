@@ -38,15 +38,19 @@ class BatchDecodeWrapper:
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 dtype="bfloat16", profile=None, stages: int | None = None):
+                 dtype="bfloat16", profile=None, stages: int | None = None,
+                 max_registers: int | None = None):
         self.num_qo_heads, self.num_kv_heads = V.check_heads(num_qo_heads, num_kv_heads)
         self.head_dim = V.check_head_dim(head_dim)
         self.page_size = V.check_int("page_size", page_size, 1)
         self.dtype = V.check_dtype("dtype", dtype)
         self.group_size = self.num_qo_heads // self.num_kv_heads
-        # `stages` (pipeline depth) is a tuning knob for experiments; the default suits the H200.
-        self.variant = DecodeVariant.for_problem(self.dtype, self.head_dim, self.group_size,
-                                                 0 if stages is None else V.check_int("stages", stages, 2))
+        # `stages` (pipeline depth) and `max_registers` (per thread, 0 = the compiler's choice)
+        # are tuning knobs for experiments; the defaults suit the H200.
+        self.variant = DecodeVariant.for_problem(
+            self.dtype, self.head_dim, self.group_size,
+            0 if stages is None else V.check_int("stages", stages, 2),
+            -1 if max_registers is None else V.check_int("max_registers", max_registers, 0))
         self.head_tile_groups = ctas_per_kv_head(self.group_size)
         self._profile = profile
         self._plan: Plan | None = None

@@ -34,7 +34,9 @@ __device__ __forceinline__ void copy16(u32 dst, const uint4* src, uint4& reg) {
   }
 }
 
-template <int MODE>
+// PT: also load one word of a small, L2-resident table per copied row, as the decode kernel
+// loads a page-table entry per row.
+template <int MODE, bool PT = false>
 __device__ void stream(const uint4* __restrict__ src, const int* __restrict__ row_index,
                        int tiles_per_cta, unsigned* sink) {
   constexpr int STAGES = 3, ROWS = 64, CHUNKS = 16;   // 64 rows x 16 x 16 B = 16 KiB per tile
@@ -52,6 +54,7 @@ __device__ void stream(const uint4* __restrict__ src, const int* __restrict__ ro
       const long long r = row_index[((long long)blockIdx.x * tiles_per_cta + tile) * ROWS + row];
       uint4* dst = ring + (stage * ROWS + row) * CHUNKS + (chunk ^ (row & 7));
       copy16<MODE>(smem_u32(dst), src + r * CHUNKS + chunk, reg[i]);
+      if (PT) acc += row_index[(row + tile * ROWS) >> 4];
     }
     if (MODE == 0) {   // all loads in flight first, then the stores
 #pragma unroll
@@ -75,6 +78,7 @@ __device__ void stream(const uint4* __restrict__ src, const int* __restrict__ ro
 extern "C" __global__ void __launch_bounds__(128) stream_ldg(const uint4* s, const int* r, int t, unsigned* k) { stream<0>(s, r, t, k); }
 extern "C" __global__ void __launch_bounds__(128) stream_cg(const uint4* s, const int* r, int t, unsigned* k) { stream<1>(s, r, t, k); }
 extern "C" __global__ void __launch_bounds__(128) stream_ca(const uint4* s, const int* r, int t, unsigned* k) { stream<2>(s, r, t, k); }
+extern "C" __global__ void __launch_bounds__(128) stream_cg_pt(const uint4* s, const int* r, int t, unsigned* k) { stream<1, true>(s, r, t, k); }
 extern "C" __global__ void __launch_bounds__(128) stream_cg_l2pf(const uint4* s, const int* r, int t, unsigned* k) { stream<3>(s, r, t, k); }
 """
 
@@ -91,14 +95,14 @@ def main():
     # neighbouring rows of a page (the NHD layout with 8 kv heads: 256 B every 2 KiB)
     contiguous = np.arange(rows, dtype=np.int32)
     pages = rng.permutation(rows // 16).astype(np.int32)
-    scattered = (pages[:, None] * 16 + np.arange(16)).reshape(-1)
+    scattered = (pages[:, None] * 16 + np.arange(16, dtype=np.int32)).reshape(-1)
     heads = (rng.permutation(rows // 128)[:, None, None] * 128 + np.arange(16)[None, :, None] * 8
              + np.arange(8)[None, None, :]).transpose(0, 2, 1).reshape(-1).astype(np.int32)
     stream = cupy.cuda.get_current_stream()
     print(f"{'order':>12} {'kernel':>15} {'ctas/SM':>8} {'GB/s':>8}")
     for order_name, order in (("contiguous", contiguous), ("pages", scattered), ("nhd_heads", heads)):
         index = cupy.asarray(order)
-        for name in ("stream_ldg", "stream_cg", "stream_ca", "stream_cg_l2pf"):
+        for name in ("stream_ldg", "stream_cg", "stream_cg_pt", "stream_ca", "stream_cg_l2pf"):
             kern = mod.get_function(name)
             kern.max_dynamic_shared_size_bytes = 3 * 64 * 256
             for per_sm in (2, 4):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import sys
 import time
 
@@ -13,6 +14,12 @@ import numpy as np
 from ..validation import STRATEGIES
 from .cases import LATENCY_TARGETS_US, select
 
+
+
+def _command_line() -> str:
+    """How this run was started, with the profile override that decided its plans."""
+    profile = os.environ.get("SPLITKV_PROFILE")
+    return (f"SPLITKV_PROFILE={profile} " if profile else "") + "splitkv bench " + " ".join(sys.argv[1:])
 
 def add_arguments(parser) -> None:
     parser.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
@@ -121,7 +128,7 @@ def run(args) -> int:
         cupy.get_default_memory_pool().free_all_blocks()
 
     result = {"device": info["name"], "date": _dt.date.today().isoformat(),
-              "command": "splitkv " + " ".join(sys.argv[1:]) if sys.argv else "splitkv bench",
+              "command": _command_line(),
               "dtype": args.dtype, "read_gbps": round(read_gbps, 1),
               "first_call_compile_s": None if compile_s is None else round(compile_s, 3),
               "plan_cpu_us_ragged_b32": None if plan_us_ragged is None else round(plan_us_ragged, 1),

@@ -52,14 +52,18 @@ def test_features_have_physical_units():
     for x in (xs, xm, xf):
         assert feature(x, "kv_us") == pytest.approx(p.kv_bytes / 4460e3)
         assert feature(x, "const") == 1
-    # unsplit: 8 CTAs, the busiest reads 16 MiB at 4460/264 GB/s
-    assert feature(xs, "crit_us") == pytest.approx(32768 * 512 / (4460e3 / 264))
+    # unsplit: 8 CTAs, each alone on its SM; the busiest SM reads 16 MiB at 4460/132 GB/s
+    assert feature(xs, "crit_us") == pytest.approx(32768 * 512 / (4460e3 / 132))
+    assert feature(xs, "tail_us") == 0                  # one chunk size: no scheduling tail
     assert feature(xs, "waves") == 1 and feature(xs, "launches") == 1
     assert feature(xs, "partial_us") == 0 and feature(xs, "fused_merges") == 0
-    # 32 chunks of 1024 tokens: one wave, the busiest slot reads 1024 tokens
-    assert feature(xm, "crit_us") == pytest.approx(1024 * 512 / (4460e3 / 264))
-    assert feature(xm, "crit_tiles") == 16
-    assert feature(xm, "crit_tile_rows") == 16 * 4
+    # 32 chunks of 1024 tokens: 256 CTAs, one wave of slots; the busiest SM runs 2 of them,
+    # 2048 tokens (the same time as one 1024-token CTA at one slot's share of the bandwidth)
+    assert feature(xm, "waves") == 1
+    assert feature(xm, "crit_us") == pytest.approx(2048 * 512 / (4460e3 / 132))
+    assert feature(xm, "crit_tiles") == 32
+    assert feature(xm, "crit_tile_rows") == 32 * 4
+    assert feature(xm, "tail_us") == 0
     assert feature(xm, "launches") == 2 and feature(xf, "launches") == 1
     partial = 32 * 32 * (128 + 1) * 4 * 2       # written, then read back
     assert feature(xm, "partial_us") == pytest.approx(partial / 4460e3)
@@ -72,7 +76,14 @@ def test_partial_tile_costs_a_tile_but_only_its_bytes():
     p = problem([65])
     x = plan_features(p, [65], [1], "single", **H200)
     assert feature(x, "crit_tiles") == 2                # 64 + 1 tokens: two tiles of compute
-    assert feature(x, "crit_us") == pytest.approx(65 * 512 / (4460e3 / 264))
+    assert feature(x, "crit_us") == pytest.approx(65 * 512 / (4460e3 / 132))
+
+
+def test_unequal_chunks_pay_a_tail():
+    p = problem([1000, 200])
+    x = plan_features(p, [1000, 200], [1, 1], "single", **H200)
+    # largest 1000 tokens, mean 600: 400 tokens of one kv head at one slot's bandwidth
+    assert feature(x, "tail_us") == pytest.approx(400 * 512 / (4460e3 / 264))
 
 
 def test_large_groups_launch_head_tiles():

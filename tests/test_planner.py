@@ -43,7 +43,9 @@ def test_worked_examples_of_the_pure_functions():
 def test_splits_when_the_batch_cannot_fill_the_gpu(model):
     plan = choose_plan(problem([32768]), model)
     assert plan.num_splits >= 16
-    assert plan.num_work_items >= 132
+    # about one CTA per SM: a second CTA on an SM shares its bandwidth (H200 calibration:
+    # 128 CTAs of 2048 tokens 44.0 us, 256 of 1024 tokens 45.1 us)
+    assert plan.num_work_items >= 128
     assert plan.strategy in ("split_merge", "fused")
 
 
@@ -192,11 +194,12 @@ def test_plan_cli(capsys):
 # prior and a calibrated H200 fit as of writing), so editing a shipped profile does not move them.
 
 GOLDEN_MODELS = (
-    CostModel.from_coef([0.5, 0.52, 0.24, 0.81, 0.02, 0.005, 0.6, 1.0, 1.0, 1.0, 0.05],
+    CostModel.from_coef([0.5, 0.52, 0.24, 1.62, 0.02, 0.005, 0.6, 1.0, 1.0, 1.0, 0.05, 0.1],
                         num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0),
-    CostModel.from_coef([0.0, 1.8395546131317104, 0.6956477954572997, 0.21035844386777255,
-                         0.51963894246827, 0.0, 1.8843770524692698, 5.450089184720177,
-                         0.810980958715833, 1.4787575806658761, 0.2167155145421257],
+    CostModel.from_coef([0.0, 1.8807719868661437, 0.32556644232783427, 0.4517194084609214,
+                         0.3615549426805041, 0.0008415333516333831, 2.096808942828332,
+                         3.7370855474488534, 0.8718192272865495, 1.4490919835391016,
+                         0.16407905293316438, 0.07975235492270334],
                         num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0),
 )
 
@@ -251,8 +254,10 @@ def golden_digest(requests) -> str:
 
 
 # Recorded from the planner before its speed-up (print golden_digest(golden_requests()) to
-# re-record after a deliberate change of decisions).
-GOLDEN_DIGEST = "f5beb8c57fd0260b332c8b58fd8b67c1976ece8723acf711628d31c5a29baf99"
+# re-record after a deliberate change of decisions). Re-recorded when the cost model counted
+# the critical path per SM and gained tail_us (12 features): the models above then became the
+# prior and the refitted H200 profile of that change.
+GOLDEN_DIGEST = "eec78cb29a5e90f6313b3e4121ab7fa02dcb5b46a9efe6b6aec1d37d4cb38b51"
 
 
 def test_plans_match_the_golden_decisions():

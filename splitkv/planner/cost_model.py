@@ -13,14 +13,24 @@ second launch merges ('split_merge') or that the last CTA of each (request, kv h
 
 Time units: microseconds. Byte counts are turned into microseconds at the device's streaming
 bandwidth (``bandwidth_gbps``), or at one slot's share of it (``bandwidth_gbps / slots``) for
-work that one CTA does alone, so a fitted coefficient near 1 means "at the roofline".
+work that one CTA does alone, or at one SM's share (``bandwidth_gbps / num_sms``) for the work
+of the busiest SM, so a fitted coefficient near 1 means "at the roofline".
+
+The critical path is counted per SM, not per slot: the CTAs resident on one SM share its load
+pipes and tensor cores, so two CTAs of n tokens on one SM take about as long as one CTA of 2n
+tokens alone on it (H200 calibration: 1 request of 4096 tokens, 8 kv heads, as 128 CTAs of 256
+tokens 11.7 us vs 256 CTAs of 128 tokens 13.5 us; 32k tokens as 128 x 2048 44.0 us vs
+256 x 1024 45.1 us). Counting per slot credited a split that doubles the CTAs on half-idle SMs
+with halving the critical path. Unequal chunks add a tail: CTAs are dealt in launch order, so
+a long chunk can start late and run after the others finished (list scheduling: makespan up to
+mean load + largest item); ``tail_us`` carries what the largest chunk exceeds the mean by.
 
 The feature columns, in order (``FEATURE_NAMES``):
   const           1 per call.
   launches        kernel launches in the graph: 2 for 'split_merge' with a split request, else 1.
   kv_us           all K and V bytes / device bandwidth (contention for DRAM).
-  crit_us         bytes of the most loaded slot / one slot's bandwidth (the critical path).
-  crit_tiles      64-token tiles on the most loaded slot (partial tiles count whole),
+  crit_us         bytes of the most loaded SM / one SM's bandwidth (the critical path).
+  crit_tiles      64-token tiles on the most loaded SM (partial tiles count whole),
                   x head_dim / 128: per-tile work that is not memory traffic.
   crit_tile_rows  the same x query heads per CTA: compute that grows with the GQA group.
   waves           CTAs the most loaded slot runs one after the other (each pays a start-up).
@@ -30,6 +40,8 @@ The feature columns, in order (``FEATURE_NAMES``):
   fused_merges    1 when 'fused' merges anything (the ticket atomic, fences, the extra pass).
   merge_chain     max chunks of a request when 'split_merge' merges: the merge kernel's warp
                   walks a row's partials one dependent L2 round trip after another.
+  tail_us         (largest chunk - mean chunk) bytes of one CTA / one slot's bandwidth: the
+                  scheduling tail of unequal chunks (0 when every chunk is the same size).
 """
 
 from __future__ import annotations
@@ -45,7 +57,8 @@ from ..validation import STRATEGIES
 
 
 FEATURE_NAMES = ("const", "launches", "kv_us", "crit_us", "crit_tiles", "crit_tile_rows",
-                 "waves", "partial_us", "fused_tail_us", "fused_merges", "merge_chain")
+                 "waves", "partial_us", "fused_tail_us", "fused_merges", "merge_chain",
+                 "tail_us")
 
 SINGLE, SPLIT_MERGE, FUSED = (STRATEGIES.index(s) for s in ("single", "split_merge", "fused"))
 
@@ -110,10 +123,11 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
     token_bytes = head_dim * 2 * 2                 # K and V, 2-byte elements, one kv head
     partial_bytes = (head_dim + 1) * 4             # fp32 o and lse, one query head
     # const, launches, waves, fused_merges and merge_chain are counts: their unit is 1.
-    units = np.array([1.0, 1.0, num_kv_heads * token_bytes / bw, token_bytes / slot_bw,
+    sm_bw = bw / num_sms
+    units = np.array([1.0, 1.0, num_kv_heads * token_bytes / bw, token_bytes / sm_bw,
                       head_dim / 128, rows * head_dim / 128, 1.0,
                       2 * num_qo_heads * partial_bytes / bw, rows * partial_bytes / slot_bw, 1.0,
-                      1.0])[:, None]
+                      1.0, token_bytes / slot_bw])[:, None]
     units.setflags(write=False)
     return items_per_chunk, slots, units
 
@@ -129,12 +143,12 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
 # Each value is the same bits as the plain formulas (``waves``, ``critical_path``): the same
 # IEEE operations in the same order, and multiplying by 1 or 0 is exact.
 FEATURE_ROWS = STAT_NAMES + ("one", "one_plus_split", "split", "crit_tokens", "crit_tiles",
-                             "waves", "split_x_max_splits")
+                             "waves", "split_x_max_splits", "sm_waves", "tail_tokens")
 _ROW = {name: i for i, name in enumerate(FEATURE_ROWS)}
 # Row of each feature (FEATURE_NAMES order); launches is 1 + split only when merging.
 FEATURE_SOURCE = np.array([_ROW[name] for name in (
     "one", "one", "total_tokens", "crit_tokens", "crit_tiles", "crit_tiles", "waves",
-    "split_chunks", "split_x_max_splits", "split", "split_x_max_splits")])
+    "split_chunks", "split_x_max_splits", "split", "split_x_max_splits", "tail_tokens")])
 MERGE_LAUNCHES_SOURCE = _ROW["one_plus_split"]
 
 
@@ -145,8 +159,10 @@ def new_feature_rows(n: int) -> tuple[np.ndarray, np.ndarray]:
     return rows, rows[:len(STAT_NAMES)]
 
 
-def row_features(rows, items_per_chunk, slots) -> np.ndarray:
-    """Fill the derived rows of a ``new_feature_rows`` array from its stats; returns it."""
+def row_features(rows, items_per_chunk, slots, num_sms) -> np.ndarray:
+    """Fill the derived rows of a ``new_feature_rows`` array from its stats; returns it.
+    Waves (start-ups) count per slot, the critical path per SM: ``critical_path`` with
+    ``num_sms`` for its slots."""
     max_splits = rows[6]
     rows[7] = 1.0
     np.minimum(max_splits, 2.0, out=rows[8])       # max_splits >= 1: 1 + (max_splits > 1)
@@ -156,10 +172,13 @@ def row_features(rows, items_per_chunk, slots) -> np.ndarray:
     items, crit = scaled[0], scaled[1:]
     np.divide(items, slots, rows[12])              # waves(items, slots)
     np.ceil(rows[12], rows[12])
-    # critical_path of tokens and tiles: max(largest, waves * (total / max(items, 1)))
+    np.divide(items, num_sms, rows[14])            # waves(items, num_sms)
+    np.ceil(rows[14], rows[14])
+    # critical_path of tokens and tiles per SM: max(largest, sm waves * (total / max(items, 1)))
     np.maximum(items, 1.0, out=items)
     crit /= items
-    crit *= rows[12]
+    np.subtract(rows[3], crit[0], rows[15])        # largest - mean chunk tokens
+    crit *= rows[14]
     np.maximum(crit, rows[3:5], out=rows[10:12])
     return rows
 
@@ -208,7 +227,7 @@ def features_from_stats(num_qo_heads, num_kv_heads, head_dim, strategy_code, sta
     rows, stat_rows = new_feature_rows(n)
     stat_rows[:] = stats
     index = feature_index(n, np.arange(n), strategy_code)
-    return gather_features(row_features(rows, ipc, slots), index,
+    return gather_features(row_features(rows, ipc, slots, num_sms), index,
                            strategy_scale(units, strategy_code, n)).T
 
 

@@ -168,7 +168,7 @@ def _row_stats(lens: np.ndarray, max_len: int, total: int, chunk: np.ndarray, sp
     ``lens`` (float) holds the requests' lengths, ``max_len`` their maximum and ``total``
     their sum. The same numbers as
     ``decomposition_stats`` of the built plan, exactly: all are integers far below 2**53, so
-    any exact float formula gives the same bits (but see ``_mean_load_dominates``).
+    any exact float formula gives the same bits.
 
     This runs on every decode step, and at these sizes each NumPy call costs more than the
     arithmetic, so the formulas are picked for few calls: sums are dot products, the requests
@@ -194,28 +194,25 @@ def _row_stats(lens: np.ndarray, max_len: int, total: int, chunk: np.ndarray, sp
     num_chunks, split_chunks = st[0], st[5]
     k.dot(ones, num_chunks)                              # (before copies)
     st[1] = total
-    st[2] = total_tiles = units.dot(ones)
-    if _mean_load_dominates(max_len, total, total_tiles, items_per_chunk, slots):
-        st[3] = max_len
-        st[4] = -(-max_len // TILE_TOKENS)
-        st[6] = k[:, lens.argmax()]                      # k grows with the length
-    else:
-        # A request's chunks have m - 1 or m tiles (m = ceil(units / k)), the last one m; it
-        # is short of its tiles by pad = units * 64 - len tokens. So the largest chunk has m
-        # tiles and min(64 m, len - 64 (k - 1)(m - 1)) tokens: 64 m unless the last chunk is
-        # the only one of m tiles (then the k - 1 others hold m - 1 tiles each). In tiles:
-        np.divide(units, k, m)
-        np.ceil(m, m)
-        np.subtract(work[2:], 1.0, work[:2])             # m - 1, k - 1
-        largest = work[1]
-        largest *= work[0]
-        np.subtract(tiles, largest, largest)
-        np.minimum(largest, m, out=largest)
-        # the maxima of the largest chunk, m and k; k's lands in row 5, then moves to row 6
-        maxima = st[3:6]
-        np.maximum.reduce(work[1:], axis=2, out=maxima)
-        maxima[0] *= float(TILE_TOKENS)
-        st[6] = split_chunks
+    st[2] = units.dot(ones)
+    # The largest chunk is needed exactly (it sets the ``tail_us`` feature), even when the
+    # mean load decides the critical path.
+    # A request's chunks have m - 1 or m tiles (m = ceil(units / k)), the last one m; it
+    # is short of its tiles by pad = units * 64 - len tokens. So the largest chunk has m
+    # tiles and min(64 m, len - 64 (k - 1)(m - 1)) tokens: 64 m unless the last chunk is
+    # the only one of m tiles (then the k - 1 others hold m - 1 tiles each). In tiles:
+    np.divide(units, k, m)
+    np.ceil(m, m)
+    np.subtract(work[2:], 1.0, work[:2])                 # m - 1, k - 1
+    largest = work[1]
+    largest *= work[0]
+    np.subtract(tiles, largest, largest)
+    np.minimum(largest, m, out=largest)
+    # the maxima of the largest chunk, m and k; k's lands in row 5, then moves to row 6
+    maxima = st[3:6]
+    np.maximum.reduce(work[1:], axis=2, out=maxima)
+    maxima[0] *= float(TILE_TOKENS)
+    st[6] = split_chunks
     # chunks of split requests = all chunks - requests in one chunk
     lens1.sort()
     np.subtract(num_chunks, lens1.searchsorted(chunk.ravel(), "right"), split_chunks)
@@ -261,19 +258,6 @@ def _one_length_stats(length: int, copies: int, total: int, chunk: list, splits:
     feature_rows, stats = new_feature_rows(len(chunk))
     stats[:] = st
     return feature_rows, [[k] for k in max_splits]
-
-
-def _mean_load_dominates(max_len: int, total: int, total_tiles: float, items_per_chunk: int,
-                         slots: int) -> bool:
-    """Whether every request is shorter, in tokens and in tiles, than one slot's mean load.
-
-    A candidate's critical path (``critical_path``) is max(largest chunk, waves x mean item),
-    and waves x mean item >= total x items per chunk / slots. So when the longest request (a
-    bound on any chunk) is below that, typically a large batch, the largest chunk decides no
-    feature of any candidate: its statistics need not be computed, and the bound stands in
-    for them with the same features. The margin covers the rounding of the mean term."""
-    per_slot = items_per_chunk / slots * (1.0 - 1e-9)
-    return max_len < total * per_slot and -(-max_len // TILE_TOKENS) < total_tiles * per_slot
 
 
 @functools.lru_cache(maxsize=64)
@@ -427,7 +411,7 @@ def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=N
     # The same bits as features_from_stats(stats[:, pair_rows]) @ coef_. Even the memory
     # layout matters: the matrix-vector product's rounding depends on it, and candidates with
     # equal features must tie exactly, as they did there ([features, pairs], C order).
-    x = gather_features(row_features(rows, ipc, slots), index, scale)
+    x = gather_features(row_features(rows, ipc, slots, model.num_sms), index, scale)
     return _Scores(values, splits, k, copies, pair_rows, strategies, x.T @ model.coef_)
 
 

@@ -69,18 +69,20 @@ def guess_bandwidth_gbps(device_name: str) -> float:
 def roofline_prior(num_sms: int, bandwidth_gbps: float) -> dict:
     """Parameters before any calibration, from the physics measured on an H200 (GPU.md).
 
-    launches 0.52 us: an empty kernel inside a CUDA graph. kv_us 0.24, crit_us 0.81, const +
-    waves 1.1 us: the least-squares fit of this model to the plain read kernel (4, 32 and 128
-    MiB read by 528 or 132 CTAs: 2.73 ... 57.1 us, within 1.3%), which says a lone CTA streams
-    ~18 GB/s and a full grid ~4.3 TB/s. The rest are guesses of the right size: a tile's
-    non-memory work (0.02 us, +0.005 us per query head), partials at full bandwidth, the fused
-    tail at one CTA's bandwidth plus ~1 us for the ticket atomic and fences.
+    launches 0.52 us: an empty kernel inside a CUDA graph. kv_us 0.24, crit_us 0.81 (per
+    slot; 1.62 now that the critical path is counted per SM, the same predictions for those
+    grids), const + waves 1.1 us: the least-squares fit of this model to the plain read kernel
+    (4, 32 and 128 MiB read by 528 or 132 CTAs: 2.73 ... 57.1 us, within 1.3%), which says a
+    lone CTA streams ~18 GB/s and a full grid ~4.3 TB/s. The rest are guesses of the right
+    size: a tile's non-memory work (0.02 us, +0.005 us per query head), partials at full
+    bandwidth, the fused tail at one CTA's bandwidth plus ~1 us for the ticket atomic and
+    fences, a tenth of the largest chunk's excess over the mean as a scheduling tail.
     The parameters do not depend on the SM count or bandwidth: the features scale with them.
     """
     del num_sms, bandwidth_gbps
-    return {"const": 0.5, "launches": 0.52, "kv_us": 0.24, "crit_us": 0.81, "crit_tiles": 0.02,
+    return {"const": 0.5, "launches": 0.52, "kv_us": 0.24, "crit_us": 1.62, "crit_tiles": 0.02,
             "crit_tile_rows": 0.005, "waves": 0.6, "partial_us": 1.0, "fused_tail_us": 1.0,
-            "fused_merges": 1.0, "merge_chain": 0.05}
+            "fused_merges": 1.0, "merge_chain": 0.05, "tail_us": 0.1}
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,10 @@ __device__ __forceinline__ void copy16(u32 dst, const uint4* src, uint4& reg) {
 
 // PT: also load one word of a small, L2-resident table per copied row, as the decode kernel
 // loads a page-table entry per row.
-template <int MODE, bool PT = false>
+// KV: copy the same rows from a second buffer too (K and V), into a second ring.
+template <int MODE, bool PT = false, bool KV = false>
 __device__ void stream(const uint4* __restrict__ src, const int* __restrict__ row_index,
-                       int tiles_per_cta, unsigned* sink) {
+                       int tiles_per_cta, unsigned* sink, const uint4* __restrict__ src2 = nullptr) {
   constexpr int STAGES = 3, ROWS = 64, CHUNKS = 16;   // 64 rows x 16 x 16 B = 16 KiB per tile
   extern __shared__ uint4 ring[];
   const int tid = threadIdx.x;
@@ -54,6 +55,7 @@ __device__ void stream(const uint4* __restrict__ src, const int* __restrict__ ro
       const long long r = row_index[((long long)blockIdx.x * tiles_per_cta + tile) * ROWS + row];
       uint4* dst = ring + (stage * ROWS + row) * CHUNKS + (chunk ^ (row & 7));
       copy16<MODE>(smem_u32(dst), src + r * CHUNKS + chunk, reg[i]);
+      if (KV) copy16<MODE>(smem_u32(dst + STAGES * ROWS * CHUNKS), src2 + r * CHUNKS + chunk, reg[i]);
       if (PT) acc += row_index[(row + tile * ROWS) >> 4];
     }
     if (MODE == 0) {   // all loads in flight first, then the stores
@@ -79,6 +81,7 @@ extern "C" __global__ void __launch_bounds__(128) stream_ldg(const uint4* s, con
 extern "C" __global__ void __launch_bounds__(128) stream_cg(const uint4* s, const int* r, int t, unsigned* k) { stream<1>(s, r, t, k); }
 extern "C" __global__ void __launch_bounds__(128) stream_ca(const uint4* s, const int* r, int t, unsigned* k) { stream<2>(s, r, t, k); }
 extern "C" __global__ void __launch_bounds__(128) stream_cg_pt(const uint4* s, const int* r, int t, unsigned* k) { stream<1, true>(s, r, t, k); }
+extern "C" __global__ void __launch_bounds__(128) stream_cg_kv(const uint4* s, const int* r, int t, unsigned* k, const uint4* s2) { stream<1, false, true>(s, r, t, k, s2); }
 extern "C" __global__ void __launch_bounds__(128) stream_cg_l2pf(const uint4* s, const int* r, int t, unsigned* k) { stream<3>(s, r, t, k); }
 """
 
@@ -100,21 +103,25 @@ def main():
              + np.arange(8)[None, None, :]).transpose(0, 2, 1).reshape(-1).astype(np.int32)
     stream = cupy.cuda.get_current_stream()
     print(f"{'order':>12} {'kernel':>15} {'ctas/SM':>8} {'GB/s':>8}")
+    half = cupy.ones(nbytes // 8, dtype=cupy.uint32)     # K and V halves for the KV variant
+    half2 = cupy.ones(nbytes // 8, dtype=cupy.uint32)
     for order_name, order in (("contiguous", contiguous), ("pages", scattered), ("nhd_heads", heads)):
         index = cupy.asarray(order)
-        for name in ("stream_ldg", "stream_cg", "stream_cg_pt", "stream_ca", "stream_cg_l2pf"):
+        index_half = cupy.asarray(order[order < rows // 2])   # rows of a half-size K or V buffer
+        for name in ("stream_ldg", "stream_cg", "stream_cg_pt", "stream_cg_kv", "stream_ca", "stream_cg_l2pf"):
             kern = mod.get_function(name)
-            kern.max_dynamic_shared_size_bytes = 3 * 64 * 256
+            kv = name.endswith("_kv")
+            smem = 3 * 64 * 256 * (2 if kv else 1)
+            kern.max_dynamic_shared_size_bytes = smem
             for per_sm in (2, 4):
                 ctas = sms * per_sm
-                tiles = rows // 64 // ctas
-                args = (buf, index, np.int32(tiles), sink)
-                launch = lambda: kern((ctas,), (128,), args, shared_mem=3 * 64 * 256)
+                tiles = rows // 64 // ctas // (2 if kv else 1)
+                args = (half, index_half, np.int32(tiles), sink, half2) if kv else (buf, index, np.int32(tiles), sink)
+                launch = lambda: kern((ctas,), (128,), args, shared_mem=smem)
                 launch()
                 us = median_us_per_call(cupy_timer(launch, stream), trials=5, min_trial_ms=20.0)
-                gbps = ctas * tiles * 64 * 256 / (us * 1e-6) / 1e9
+                gbps = ctas * tiles * 64 * 256 * (2 if kv else 1) / (us * 1e-6) / 1e9
                 print(f"{order_name:>12} {name:>15} {per_sm:>8} {gbps:8.0f}", flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -35,6 +35,13 @@ TOL = dict(rtol=1e-12, atol=1e-12)
 LENS = [0, 1, 3, 15, 16, 17, 100, 257, 1000]
 
 
+def assert_matches_unsharded(bt, out, lse):
+    """The merged result equals the reference over the whole, unsharded batch."""
+    ref_out, ref_lse = reference_decode(bt.q, bt.k_cache, bt.v_cache, bt.page_table)
+    np.testing.assert_allclose(out, ref_out, **TOL)
+    np.testing.assert_allclose(lse, ref_lse, **TOL)
+
+
 def run_sharded(bt, num_ranks, num_splits=1, wire_dtype=np.float64):
     """Each rank's state on its shard (CPU executor), packed, stacked as the all-gather would
     leave them, and merged. Returns (out, lse, the per-rank page tables)."""
@@ -104,36 +111,28 @@ def test_compact_page_table_reads_the_same_tokens(make_batch):
 def test_sharded_states_merge_to_the_reference(make_batch, num_ranks, num_splits):
     bt = make_batch(LENS, num_qo_heads=8, num_kv_heads=2)
     out, lse, _ = run_sharded(bt, num_ranks, num_splits)
-    ref_out, ref_lse = reference_decode(bt.q, bt.k_cache, bt.v_cache, bt.page_table)
-    np.testing.assert_allclose(out, ref_out, **TOL)
-    np.testing.assert_allclose(lse, ref_lse, **TOL)
+    assert_matches_unsharded(bt, out, lse)
 
 
 def test_merge_states_n_on_the_shards_directly(make_batch):
     bt = make_batch([300, 5], num_qo_heads=4, num_kv_heads=4)
     states = [reference_decode(bt.q, bt.k_cache, bt.v_cache, t) for t in shard_page_table(bt.page_table, 3)]
     out, lse = merge_states_n(np.stack([s[0] for s in states]), np.stack([s[1] for s in states]))
-    ref_out, ref_lse = reference_decode(bt.q, bt.k_cache, bt.v_cache, bt.page_table)
-    np.testing.assert_allclose(out, ref_out, **TOL)
-    np.testing.assert_allclose(lse, ref_lse, **TOL)
+    assert_matches_unsharded(bt, out, lse)
 
 
 def test_requests_shorter_than_the_number_of_ranks(make_batch):
     bt = make_batch([1, 2, 3], page_size=1)
     out, lse, shards = run_sharded(bt, 8)
     assert min(int(t.kv_lens.sum()) for t in shards) == 0      # some ranks hold nothing at all
-    ref_out, ref_lse = reference_decode(bt.q, bt.k_cache, bt.v_cache, bt.page_table)
-    np.testing.assert_allclose(out, ref_out, **TOL)
-    np.testing.assert_allclose(lse, ref_lse, **TOL)
+    assert_matches_unsharded(bt, out, lse)
 
 
 def test_zero_length_requests_stay_zero_and_minus_inf(make_batch):
     bt = make_batch([0, 50, 0], page_size=16)
     out, lse, _ = run_sharded(bt, 4)
     assert np.all(out[[0, 2]] == 0) and np.all(np.isneginf(lse[[0, 2]]))
-    ref_out, ref_lse = reference_decode(bt.q, bt.k_cache, bt.v_cache, bt.page_table)
-    np.testing.assert_allclose(out, ref_out, **TOL)
-    np.testing.assert_allclose(lse, ref_lse, **TOL)
+    assert_matches_unsharded(bt, out, lse)
 
 
 def test_all_requests_empty(make_batch):

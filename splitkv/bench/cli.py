@@ -15,11 +15,11 @@ from ..validation import STRATEGIES
 from .cases import LATENCY_TARGETS_US, select
 
 
-
 def _command_line() -> str:
     """How this run was started, with the profile override that decided its plans."""
     profile = os.environ.get("SPLITKV_PROFILE")
     return (f"SPLITKV_PROFILE={profile} " if profile else "") + "splitkv bench " + " ".join(sys.argv[1:])
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("--cases", default=None, help="comma-separated case names (default: all)")

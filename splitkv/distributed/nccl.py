@@ -142,16 +142,16 @@ class NcclGroup:
 
     def abort(self) -> None:
         """Abort the communicator: in-flight NCCL kernels return and nothing waits for peers."""
-        if self.comm is not None:
-            self.comm.abort()
-            self.comm = None
-        if self in _LIVE_GROUPS:
-            _LIVE_GROUPS.remove(self)
+        self._release("abort")
 
     def close(self) -> None:
         """Destroy the communicator (after the work on it has finished)."""
+        self._release("destroy")
+
+    def _release(self, how: str) -> None:
+        """End the communicator with its ``abort`` or ``destroy``, once; forget the group."""
         if self.comm is not None:
-            self.comm.destroy()
+            getattr(self.comm, how)()
             self.comm = None
         if self in _LIVE_GROUPS:
             _LIVE_GROUPS.remove(self)

@@ -15,8 +15,6 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 NVRTC_OPTIONS = ("--std=c++17", "-default-device")
 DEFAULT_STAGES = {64: 4, 128: 3, 256: 2}
-# Register caps by (head_dim, head_tiles, stages); absent = the compiler's choice.
-DEFAULT_MAX_REGISTERS: dict[tuple[int, int, int], int] = {}
 
 
 @lru_cache(maxsize=None)
@@ -43,15 +41,12 @@ class DecodeVariant:
     head_dim: int       # 64 | 128 | 256
     head_tiles: int     # 1, 2 or 4 row tiles of 16 query heads per CTA
     stages: int = 0     # pipeline depth in tiles; 0 = the default for head_dim
-    max_registers: int = -1   # per-thread register cap; 0 = the compiler's choice, -1 = default
+    max_registers: int = 0    # per-thread register cap (experiments); 0 = the compiler's choice
 
     def __post_init__(self):
         if self.stages == 0:
             # About 64-96 KiB of K+V in flight per CTA, so two or three CTAs fit on an SM.
             object.__setattr__(self, "stages", DEFAULT_STAGES[self.head_dim])
-        if self.max_registers < 0:
-            object.__setattr__(self, "max_registers", DEFAULT_MAX_REGISTERS.get(
-                (self.head_dim, self.head_tiles, self.stages), 0))
 
     @property
     def rows(self) -> int:
@@ -80,7 +75,7 @@ class DecodeVariant:
 
     @staticmethod
     def for_problem(dtype: str, head_dim: int, group_size: int, stages: int = 0,
-                    max_registers: int = -1) -> "DecodeVariant":
+                    max_registers: int = 0) -> "DecodeVariant":
         rows = min(group_size, MAX_HEADS_PER_CTA)
         head_tiles = 1 if rows <= 16 else 2 if rows <= 32 else 4
         return DecodeVariant(dtype, head_dim, head_tiles, stages, max_registers)

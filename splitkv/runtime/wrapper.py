@@ -50,7 +50,7 @@ class BatchDecodeWrapper:
         self.variant = DecodeVariant.for_problem(
             self.dtype, self.head_dim, self.group_size,
             0 if stages is None else V.check_int("stages", stages, 2),
-            -1 if max_registers is None else V.check_int("max_registers", max_registers, 0))
+            0 if max_registers is None else V.check_int("max_registers", max_registers, 0))
         self.head_tile_groups = ctas_per_kv_head(self.group_size)
         self._profile = profile
         self._plan: Plan | None = None

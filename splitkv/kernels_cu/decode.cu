@@ -64,8 +64,11 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
                float* __restrict__ partial_lse, unsigned* __restrict__ counters,
                int num_qo_heads, int num_kv_heads, int head_tiles, int page_size, float scale_log2,
                int fused) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ int is_last_cta;
+  // The K/V tiles start at the very beginning of shared memory, 128-byte aligned: no static
+  // __shared__ variable may precede them. (A 4-byte flag once shifted them by 16 bytes, and
+  // every 512-byte cp.async of a warp then touched twice the L2 sectors and three times the
+  // shared-memory wavefronts it needs: the kernel was L2-bound at ~83% of the read bandwidth.)
+  extern __shared__ __align__(128) unsigned char smem[];
 
   // One flat grid, kv heads (and head tiles) fastest: the CTAs that read the same tokens of
   // different heads run side by side, so together they sweep whole token rows of a page.
@@ -345,13 +348,13 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   // and every CUDA-graph replay start from zero without a memset.
   __threadfence();
   __syncthreads();
+  bool last_arrival = false;
   if (tid == 0) {
     const unsigned slot = ((unsigned)req * num_kv_heads + kvh) * head_tiles + htile;
     const unsigned ticket = atomicInc(counters + slot, (unsigned)(n_chunks - 1));
-    is_last_cta = ticket == (unsigned)(n_chunks - 1);
+    last_arrival = ticket == (unsigned)(n_chunks - 1);
   }
-  __syncthreads();
-  if (!is_last_cta) return;
+  if (!__syncthreads_or(last_arrival)) return;   // thread 0's answer, for the whole CTA
   __threadfence();  // acquire: the partial reads below (ld.cg, from L2) come after the ticket
   for (int row = warp; row < rows_valid; row += NUM_WARPS) {
     const int head = head0 + row;

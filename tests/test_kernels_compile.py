@@ -12,6 +12,11 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
 
 from splitkv.runtime.kernel_source import DecodeVariant, all_variants, compile_cubin  # noqa: E402
 
+# The cluster-merge variants build for sm_90 only; a sample covers every cluster size, dtype,
+# head dim and row-tile count.
+CLUSTER_SAMPLE = [DecodeVariant("bfloat16", 128, 1, cluster=c) for c in (2, 4, 8, 16)] + [
+    DecodeVariant("float16", 64, 2, cluster=16), DecodeVariant("float16", 256, 4, cluster=2)]
+
 MAIN_VARIANTS = {DecodeVariant(dt, d, ht) for dt in ("float16", "bfloat16") for d in (64, 128)
                  for ht in (1, 2)}
 _FUNC = re.compile(r"Function properties for (\w+)\s*\n.*?(\d+) bytes spill stores.*?\n.*?Used (\d+) registers",
@@ -42,3 +47,14 @@ def test_variant_compiles(variant, arch, capsys):
 def test_compile_error_names_the_file():
     with pytest.raises(RuntimeError, match="broken.cu"):
         compile_cubin("extern \"C\" __global__ void k() { this is not C++ }", "sm_90", "broken.cu")
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("variant", CLUSTER_SAMPLE, ids=lambda v: v.name)
+def test_cluster_variant_compiles_for_sm90_only(variant):
+    cubin, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
+    assert cubin[:4] == b"\x7fELF"
+    if variant.head_dim <= 128:
+        assert resource_report(log)["decode_partial"][1] == 0, f"{variant.name} spills registers"
+    with pytest.raises(RuntimeError, match="CLUSTER needs sm_90"):
+        compile_cubin(variant.source(), "sm_80", variant.name)

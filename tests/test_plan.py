@@ -163,3 +163,31 @@ def test_hand_built_plan():
 def test_inconsistent_hand_built_plans_are_refused(arrays, name):
     with pytest.raises(ValueError, match=name):
         Plan(make_problem([20, 0, 5]), "split_merge", *arrays)
+
+
+def test_fused_cluster_size_needs_fused_and_equal_chunk_counts():
+    from splitkv.geometry import fused_cluster_size
+
+    assert fused_cluster_size("fused", [16, 16, 16]) == 16
+    assert fused_cluster_size("fused", [2]) == 2
+    assert fused_cluster_size("fused", [16, 16], max_cluster=8) == 0
+    assert fused_cluster_size("fused", [8, 8, 7]) == 0       # ragged chunk counts
+    assert fused_cluster_size("fused", [3, 3]) == 0          # not a cluster size
+    assert fused_cluster_size("fused", [1, 1]) == 0
+    assert fused_cluster_size("split_merge", [4, 4]) == 0
+    assert fused_cluster_size("fused", []) == 0
+
+
+def test_cluster_variant_names_and_shared_memory():
+    import pytest
+
+    from splitkv.runtime.kernel_source import DecodeVariant
+
+    plain = DecodeVariant("bfloat16", 128, 1)
+    clustered = DecodeVariant("bfloat16", 128, 1, cluster=16)
+    assert clustered.name == plain.name + "_c16" and clustered.defines["CLUSTER"] == 16
+    assert clustered.shared_bytes >= plain.shared_bytes
+    # d256 with 64 rows: the CTA's partial state pushes past the pipeline's buffers
+    assert DecodeVariant("float16", 256, 4, cluster=2).shared_bytes > DecodeVariant("float16", 256, 4).shared_bytes
+    with pytest.raises(ValueError, match="cluster"):
+        DecodeVariant("bfloat16", 128, 1, cluster=3)

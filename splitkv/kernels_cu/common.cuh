@@ -116,3 +116,29 @@ __device__ __forceinline__ void store4(u16* dst, float a, float b, float c, floa
   v.y = pack2(c, d);
   *reinterpret_cast<uint2*>(dst) = v;
 }
+
+// Thread-block clusters (sm_90+): partial states are exchanged through distributed shared memory.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Every thread of every CTA in the cluster arrives and waits; release/acquire order the shared
+// memory each CTA wrote before the barrier with the reads of the others after it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The address of `smem_addr` (a shared-memory address of this CTA) in CTA `rank` of the cluster.
+__device__ __forceinline__ u32 cluster_map(u32 smem_addr, int rank) {
+  u32 r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_addr), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ float ld_cluster(u32 addr) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ float4 ld_cluster4(u32 addr) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
+  return v;
+}
+#endif

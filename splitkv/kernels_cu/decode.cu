@@ -10,9 +10,17 @@
 // (partial_o, partial_lse). With `fused`, the last CTA of a (request, kv head, head tile) to
 // finish then merges all partials of that output itself.
 //
-// merge_partials: one warp per (request, qo head) of a split request; merges its partials.
+// With CLUSTER = S > 1 (sm_90+; every request cut into exactly S chunks), the S CTAs of one
+// (request, kv head, head tile) form a thread-block cluster: each leaves its partial state in
+// its own shared memory, and after a cluster barrier they merge them by reading each other's
+// shared memory. No workspace, no fence, no atomic ticket: the fused merge's round trips to L2
+// are what short batch-1 calls spend most of their time on.
 //
-// Compile-time parameters: SPLITKV_BF16, HEAD_DIM, HEAD_TILES (1, 2, 4), STAGES, NUM_WARPS.
+// merge_partials: one thread per (request, qo head, 4 dims) of a split request; merges its
+// partials.
+//
+// Compile-time parameters: SPLITKV_BF16, HEAD_DIM, HEAD_TILES (1, 2, 4), STAGES, NUM_WARPS,
+// MAX_REGISTERS, CLUSTER.
 #include "softmax_state.cuh"
 
 #ifndef HEAD_DIM
@@ -56,7 +64,20 @@ __device__ __forceinline__ u32 tile_offset_bytes(int row, int chunk) {
 #define PARTIAL_BOUNDS __launch_bounds__(NUM_THREADS, 1)
 #endif
 
-extern "C" __global__ void PARTIAL_BOUNDS
+// CLUSTER > 1: the CTAs of one output are a cluster of that size (see above); 0 or 1: no cluster.
+#ifndef CLUSTER
+#define CLUSTER 0
+#endif
+#if CLUSTER > 1
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "CLUSTER needs sm_90 or newer"
+#endif
+#define PARTIAL_CLUSTER __cluster_dims__(CLUSTER, 1, 1)
+#else
+#define PARTIAL_CLUSTER
+#endif
+
+extern "C" __global__ void PARTIAL_BOUNDS PARTIAL_CLUSTER
 decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
                const u16* __restrict__ v_cache, long long page_stride, long long token_stride,
                const int* __restrict__ kv_indices, const int4* __restrict__ chunk_info,
@@ -72,10 +93,19 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
 
   // One flat grid, kv heads (and head tiles) fastest: the CTAs that read the same tokens of
   // different heads run side by side, so together they sweep whole token rows of a page.
+  // In a cluster grid, the CLUSTER chunks of one request (and head item) are neighbours instead.
   const int heads_per_chunk = num_kv_heads * head_tiles;
+#if CLUSTER > 1
+  const int rank = blockIdx.x % CLUSTER;                 // %cluster_ctarank of a 1-D cluster
+  const int item = blockIdx.x / CLUSTER;                 // (request, head item)
+  const int chunk = item / heads_per_chunk * CLUSTER + rank;
+  const int head_item = item % heads_per_chunk;
+#else
   const int chunk = blockIdx.x / heads_per_chunk;
-  const int kvh = (blockIdx.x % heads_per_chunk) / head_tiles;
-  const int htile = blockIdx.x % head_tiles;
+  const int head_item = blockIdx.x % heads_per_chunk;
+#endif
+  const int kvh = head_item / head_tiles;
+  const int htile = head_item % head_tiles;
   const int group = num_qo_heads / num_kv_heads;
   const int head0 = kvh * group + htile * ROWS;
   const int rows_valid = min(ROWS, group - htile * ROWS);
@@ -290,6 +320,8 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   float* so = reinterpret_cast<float*>(smem);                 // [NUM_WARPS][16][HEAD_DIM]
   float* sm = so + NUM_WARPS * 16 * HEAD_DIM;                 // [NUM_WARPS][16]
   float* sd = sm + NUM_WARPS * 16;                            // [NUM_WARPS][16]
+  float* cl_o = sd + NUM_WARPS * 16;                          // [ROWS][HEAD_DIM], cluster only
+  float* cl_lse = cl_o + ROWS * HEAD_DIM;                     // [ROWS], cluster only
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     state[r].d += __shfl_xor_sync(0xffffffffu, state[r].d, 1);
@@ -330,7 +362,10 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
     const float inv = d > 0.f ? 1.f / d : 0.f;
     const float lse2 = SoftmaxState{m, d}.lse2();
     const int head = head0 + row;
-    if (direct) {
+    if (CLUSTER > 1) {
+      *reinterpret_cast<float4*>(cl_o + row * HEAD_DIM + dim) = make_float4(a0 * inv, a1 * inv, a2 * inv, a3 * inv);
+      if (dim == 0) cl_lse[row] = lse2;
+    } else if (direct) {
       store4(out + ((i64)req * num_qo_heads + head) * HEAD_DIM + dim, a0 * inv, a1 * inv, a2 * inv, a3 * inv);
       if (lse_out != nullptr && dim == 0) lse_out[(i64)req * num_qo_heads + head] = lse2 * SPLITKV_LN2;
     } else {
@@ -339,6 +374,29 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
       if (dim == 0) partial_lse[prow] = lse2;
     }
   }
+#if CLUSTER > 1
+  // Every CTA of the cluster has its partial in its shared memory; each merges a share of the
+  // output slots (row, 4 dims) from all of them, in rank order.
+  cluster_sync();
+  const u32 cl_o_u32 = smem_u32(cl_o), cl_lse_u32 = smem_u32(cl_lse);
+  for (int idx = rank + CLUSTER * tid; idx < rows_valid * (HEAD_DIM / 4); idx += CLUSTER * NUM_THREADS) {
+    const int row = idx / (HEAD_DIM / 4), dim = (idx % (HEAD_DIM / 4)) * 4;
+    float lse2[CLUSTER];
+    float4 po[CLUSTER];
+#pragma unroll
+    for (int j = 0; j < CLUSTER; ++j) {
+      lse2[j] = ld_cluster(cluster_map(cl_lse_u32 + row * 4, j));
+      po[j] = ld_cluster4(cluster_map(cl_o_u32 + (row * HEAD_DIM + dim) * 4, j));
+    }
+    MergeAccumulator merged;
+    merged.add(lse2, po);
+    const i64 out_row = (i64)req * num_qo_heads + head0 + row;
+    const float lse_all = merged.finish(out + out_row * HEAD_DIM + dim);
+    if (lse_out != nullptr && dim == 0) lse_out[out_row] = lse_all * SPLITKV_LN2;
+  }
+  cluster_sync();  // no CTA exits while another may still read its shared memory
+  return;
+#endif
   if (direct || !fused) return;
 
   // Fused merge. Release: every thread fences its own partial stores, then the barrier makes
@@ -356,26 +414,28 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   }
   if (!__syncthreads_or(last_arrival)) return;   // thread 0's answer, for the whole CTA
   __threadfence();  // acquire: the partial reads below (ld.cg, from L2) come after the ticket
-  for (int row = warp; row < rows_valid; row += NUM_WARPS) {
+  for (int idx = tid; idx < rows_valid * (HEAD_DIM / 4); idx += NUM_THREADS) {
+    const int row = idx / (HEAD_DIM / 4), dim = (idx % (HEAD_DIM / 4)) * 4;
     const int head = head0 + row;
-    merge_row_warp<HEAD_DIM>(partial_o, partial_lse, merge_lo, merge_hi, head, num_qo_heads,
-                             out + ((i64)req * num_qo_heads + head) * HEAD_DIM,
-                             lse_out != nullptr ? lse_out + (i64)req * num_qo_heads + head : nullptr,
-                             lane);
+    const i64 out_row = (i64)req * num_qo_heads + head;
+    const float lse2 = merge_slot<HEAD_DIM>(partial_o, partial_lse, merge_lo, merge_hi, head,
+                                            num_qo_heads, dim, out + out_row * HEAD_DIM);
+    if (lse_out != nullptr && dim == 0) lse_out[out_row] = lse2 * SPLITKV_LN2;
   }
 }
 
+// One thread per (request, qo head, 4 dims) of the batch; rows of unsplit requests are skipped.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 merge_partials(const float* __restrict__ partial_o, const float* __restrict__ partial_lse,
                const int* __restrict__ merge_indptr, u16* __restrict__ out,
                float* __restrict__ lse_out, int batch_size, int num_qo_heads) {
-  const int lane = threadIdx.x & 31;
-  const int row = blockIdx.x * NUM_WARPS + (threadIdx.x >> 5);
+  const int slot = blockIdx.x * NUM_THREADS + threadIdx.x;
+  const int row = slot / (HEAD_DIM / 4), dim = (slot % (HEAD_DIM / 4)) * 4;
   if (row >= batch_size * num_qo_heads) return;
   const int req = row / num_qo_heads, head = row % num_qo_heads;
   const int lo = merge_indptr[req], hi = merge_indptr[req + 1];
   if (hi - lo <= 1) return;  // the partial kernel wrote this row directly
-  merge_row_warp<HEAD_DIM>(partial_o, partial_lse, lo, hi, head, num_qo_heads,
-                           out + (i64)row * HEAD_DIM,
-                           lse_out != nullptr ? lse_out + row : nullptr, lane);
+  const float lse2 = merge_slot<HEAD_DIM>(partial_o, partial_lse, lo, hi, head, num_qo_heads, dim,
+                                          out + (i64)row * HEAD_DIM);
+  if (lse_out != nullptr && dim == 0) lse_out[row] = lse2 * SPLITKV_LN2;
 }

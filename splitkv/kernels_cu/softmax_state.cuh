@@ -45,44 +45,62 @@ __device__ __forceinline__ float state_weight(float m_i, float m_all) {
   return fast_exp2(m_i - safe_max(m_all));
 }
 
-// One warp merges the partial states lo..hi-1 of one (request, qo head) row and writes the
-// output row in the storage dtype, plus the natural-log LSE if lse_out is not null.
-// Lane l covers dims 4l..4l+3 (+128 per extra pass for head_dim 256).
-template <int DIM>
-__device__ __forceinline__ void merge_row_warp(const float* __restrict__ partial_o,
-                                               const float* __restrict__ partial_lse, int lo, int hi,
-                                               int head, int num_qo_heads, u16* __restrict__ out_row,
-                                               float* __restrict__ lse_out, int lane) {
-  float m = SPLITKV_NEG_INF;
-  for (int c = lo + lane; c < hi; c += 32) m = fmaxf(m, ld_cg(partial_lse + (i64)c * num_qo_heads + head));
-  m = warp_max(m);
+// Merges normalised partial states, a batch at a time, for four dims of one output row. A
+// normalised partial with log-sum-exp lse2 is the state (m = lse2, d = 1). Batches are merged
+// online in the order given, so the bits do not depend on which thread or CTA merges.
+struct MergeAccumulator {
+  float m = SPLITKV_NEG_INF, d = 0.f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 
-  constexpr int PASSES = (DIM + 127) / 128;
-  float4 acc[PASSES];
+  // Admits N partials; an absent one has lse2 = -inf (weight 0).
+  template <int N>
+  __device__ __forceinline__ void add(const float (&lse2)[N], const float4 (&o)[N]) {
+    float m_new = m;
 #pragma unroll
-  for (int p = 0; p < PASSES; ++p) acc[p] = make_float4(0.f, 0.f, 0.f, 0.f);
-  float d = 0.f;
-#pragma unroll 4
-  for (int c = lo; c < hi; ++c) {
-    const i64 row = (i64)c * num_qo_heads + head;
-    // A normalised partial with log-sum-exp lse2 is the state (m = lse2, d = 1).
-    const float w = state_weight(ld_cg(partial_lse + row), m);
-    d += w;
+    for (int j = 0; j < N; ++j) m_new = fmaxf(m_new, lse2[j]);
+    const float rescale = state_weight(m, m_new);
+    d *= rescale;
+    acc.x *= rescale; acc.y *= rescale; acc.z *= rescale; acc.w *= rescale;
 #pragma unroll
-    for (int p = 0; p < PASSES; ++p) {
-      const int dim = p * 128 + lane * 4;
-      if (dim < DIM) {
-        const float4 v = ld_cg4(partial_o + row * DIM + dim);
-        acc[p].x += w * v.x; acc[p].y += w * v.y; acc[p].z += w * v.z; acc[p].w += w * v.w;
-      }
+    for (int j = 0; j < N; ++j) {
+      const float w = state_weight(lse2[j], m_new);
+      d += w;
+      acc.x += w * o[j].x; acc.y += w * o[j].y; acc.z += w * o[j].z; acc.w += w * o[j].w;
     }
+    m = m_new;
   }
-  const float inv = d > 0.f ? 1.f / d : 0.f;
+
+  // Writes the merged four dims in the storage dtype; returns the row's lse2.
+  __device__ __forceinline__ float finish(u16* __restrict__ dst) const {
+    const float inv = d > 0.f ? 1.f / d : 0.f;
+    store4(dst, acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    return SoftmaxState{m, d}.lse2();
+  }
+};
+
+// Partials merged per pass of merge_slot: each pass issues all its loads before using any, so
+// merging up to this many partials costs one round trip to L2, not one per partial.
+#define MERGE_BATCH 16
+
+// Merges the partial states lo..hi-1 (in the workspace) of one (request, qo head) row for the
+// four dims at `dim`, writes them to out_row[dim..dim+3]; returns the row's lse2.
+template <int DIM>
+__device__ __forceinline__ float merge_slot(const float* __restrict__ partial_o,
+                                            const float* __restrict__ partial_lse, int lo, int hi,
+                                            int head, int num_qo_heads, int dim,
+                                            u16* __restrict__ out_row) {
+  MergeAccumulator merged;
+  for (int c0 = lo; c0 < hi; c0 += MERGE_BATCH) {
+    float lse2[MERGE_BATCH];
+    float4 o[MERGE_BATCH];
 #pragma unroll
-  for (int p = 0; p < PASSES; ++p) {
-    const int dim = p * 128 + lane * 4;
-    if (dim < DIM)
-      store4(out_row + dim, acc[p].x * inv, acc[p].y * inv, acc[p].z * inv, acc[p].w * inv);
+    for (int j = 0; j < MERGE_BATCH; ++j) {
+      const i64 row = (i64)(c0 + j) * num_qo_heads + head;
+      const bool valid = c0 + j < hi;
+      lse2[j] = valid ? ld_cg(partial_lse + row) : SPLITKV_NEG_INF;
+      o[j] = valid ? ld_cg4(partial_o + row * DIM + dim) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    merged.add(lse2, o);
   }
-  if (lse_out != nullptr && lane == 0) *lse_out = SoftmaxState{m, d}.lse2() * SPLITKV_LN2;
+  return merged.finish(out_row + dim);
 }

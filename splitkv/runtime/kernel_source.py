@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 
-from ..geometry import MAX_HEADS_PER_CTA, TILE_TOKENS, WARPS_PER_CTA
+from ..geometry import CLUSTER_SIZES, MAX_HEADS_PER_CTA, TILE_TOKENS, WARPS_PER_CTA
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
@@ -42,11 +42,15 @@ class DecodeVariant:
     head_tiles: int     # 1, 2 or 4 row tiles of 16 query heads per CTA
     stages: int = 0     # pipeline depth in tiles; 0 = the default for head_dim
     max_registers: int = 0    # per-thread register cap (experiments); 0 = the compiler's choice
+    cluster: int = 0    # S > 1: the S chunks of each request run as one thread-block cluster
+                        # and merge through distributed shared memory (sm_90+); 0 = no cluster
 
     def __post_init__(self):
         if self.stages == 0:
             # About 64-96 KiB of K+V in flight per CTA, so two or three CTAs fit on an SM.
             object.__setattr__(self, "stages", DEFAULT_STAGES[self.head_dim])
+        if self.cluster not in (0, *CLUSTER_SIZES):
+            raise ValueError(f"cluster: expected 0 or one of {CLUSTER_SIZES}, got {self.cluster}")
 
     @property
     def rows(self) -> int:
@@ -56,18 +60,21 @@ class DecodeVariant:
     def shared_bytes(self) -> int:
         pipeline = self.stages * TILE_TOKENS * self.head_dim * 2 * 2
         combine = WARPS_PER_CTA * 16 * (self.head_dim + 2) * 4   # reused after the pipeline
+        if self.cluster:
+            combine += self.rows * (self.head_dim + 1) * 4          # the CTA's partial state
         return max(pipeline, combine)
 
     @property
     def defines(self) -> dict[str, int]:
         return {"SPLITKV_BF16": int(self.dtype == "bfloat16"), "HEAD_DIM": self.head_dim,
                 "HEAD_TILES": self.head_tiles, "STAGES": self.stages, "NUM_WARPS": WARPS_PER_CTA,
-                "MAX_REGISTERS": self.max_registers}
+                "MAX_REGISTERS": self.max_registers, "CLUSTER": self.cluster}
 
     @property
     def name(self) -> str:
         regs = f"_reg{self.max_registers}" if self.max_registers else ""
-        return f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}_s{self.stages}{regs}"
+        cluster = f"_c{self.cluster}" if self.cluster else ""
+        return f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}_s{self.stages}{regs}{cluster}"
 
     def source(self) -> str:
         header = "".join(f"#define {k} {v}\n" for k, v in self.defines.items())
@@ -75,15 +82,21 @@ class DecodeVariant:
 
     @staticmethod
     def for_problem(dtype: str, head_dim: int, group_size: int, stages: int = 0,
-                    max_registers: int = 0) -> "DecodeVariant":
+                    max_registers: int = 0, cluster: int = 0) -> "DecodeVariant":
         rows = min(group_size, MAX_HEADS_PER_CTA)
         head_tiles = 1 if rows <= 16 else 2 if rows <= 32 else 4
-        return DecodeVariant(dtype, head_dim, head_tiles, stages, max_registers)
+        return DecodeVariant(dtype, head_dim, head_tiles, stages, max_registers, cluster)
 
 
 def all_variants() -> list[DecodeVariant]:
     return [DecodeVariant(dt, d, ht) for dt in ("float16", "bfloat16") for d in (64, 128, 256)
             for ht in (1, 2, 4)]
+
+
+def cluster_variants() -> list[DecodeVariant]:
+    """The cluster-merge variants (sm_90+ only)."""
+    return [DecodeVariant(dt, d, ht, cluster=c) for dt in ("float16", "bfloat16")
+            for d in (64, 128, 256) for ht in (1, 2, 4) for c in CLUSTER_SIZES]
 
 
 def compile_cubin(source: str, arch: str, name: str = "kernel.cu", verbose: bool = False):

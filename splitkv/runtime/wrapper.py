@@ -15,13 +15,16 @@ A captured graph holds the plan's grid and buffers: capture again after the next
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from .. import validation as V
 from ..plan import Plan
 from ..problem import DecodeProblem, PageTable
 from .arrays import as_cupy_stream, as_device_array, cupy_storage_dtype
-from ..geometry import THREADS_PER_CTA, ctas_per_kv_head
+from ..geometry import (MAX_PORTABLE_CLUSTER, THREADS_PER_CTA, ctas_per_kv_head,
+                        fused_cluster_size)
 from .kernel_source import DecodeVariant
 from .modules import get_decode_kernels
 
@@ -39,7 +42,7 @@ class BatchDecodeWrapper:
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype="bfloat16", profile=None, stages: int | None = None,
-                 max_registers: int | None = None):
+                 max_registers: int | None = None, use_clusters: bool | None = None):
         self.num_qo_heads, self.num_kv_heads = V.check_heads(num_qo_heads, num_kv_heads)
         self.head_dim = V.check_head_dim(head_dim)
         self.page_size = V.check_int("page_size", page_size, 1)
@@ -52,6 +55,11 @@ class BatchDecodeWrapper:
             0 if stages is None else V.check_int("stages", stages, 2),
             0 if max_registers is None else V.check_int("max_registers", max_registers, 0))
         self.head_tile_groups = ctas_per_kv_head(self.group_size)
+        # None: a fused plan whose requests all have 2, 4, 8 or 16 chunks merges inside
+        # thread-block clusters when the GPU has them (sm_90+); False: always the atomic ticket.
+        if use_clusters is not None and not isinstance(use_clusters, bool):
+            raise TypeError(f"use_clusters: expected None, True or False, got {use_clusters!r}")
+        self.use_clusters = use_clusters
         self._profile = profile
         self._plan: Plan | None = None
         self._device_id: int | None = None
@@ -95,7 +103,7 @@ class BatchDecodeWrapper:
 
         self._device_id = cupy.cuda.runtime.getDevice()
         s = as_cupy_stream(stream)
-        self._kernels = get_decode_kernels(self.variant)
+        self._kernels = get_decode_kernels(self._variant_for(chosen))
         meta = self._upload(page_table, chosen, s)
         self._ensure_workspace(chosen, s)
         self._ready.record(s)          # run() on another stream waits for the upload
@@ -103,6 +111,28 @@ class BatchDecodeWrapper:
         self._plan, self._max_page = chosen, max_page
         self._bind_arguments(chosen, meta, sm_scale_log2)
         return chosen
+
+    @property
+    def cluster_size(self) -> int:
+        """Cluster size the current plan's fused merge runs in; 0 when it uses the ticket."""
+        return self._kernels.variant.cluster if self._plan is not None else 0
+
+    def _variant_for(self, plan: Plan) -> DecodeVariant:
+        """The wrapper's kernel variant, in its cluster form when ``plan`` can use one."""
+        from . import device_info
+
+        info = device_info(self._device_id)
+        has_clusters = int(info["cc"]) >= 90
+        if self.use_clusters and not has_clusters:
+            raise ValueError(f"use_clusters: {info['name']} (compute capability {info['cc']}) has "
+                             "no thread-block clusters; they need 9.0 or newer")
+        if self.use_clusters is False or not has_clusters:
+            return self.variant
+        # past the portable 8, a cluster must fit in half as many SMs: two CTAs per SM
+        two_per_sm = 2 * self.variant.shared_bytes <= info["shared_per_block_optin"]
+        size = fused_cluster_size(plan.strategy, plan.chunks_per_request,
+                                  max_cluster=16 if two_per_sm else MAX_PORTABLE_CLUSTER)
+        return replace(self.variant, cluster=size) if size else self.variant
 
     @property
     def profile(self):
@@ -171,7 +201,7 @@ class BatchDecodeWrapper:
     def _bind_arguments(self, plan: Plan, meta: dict, sm_scale_log2) -> None:
         """Everything a launch needs that does not depend on the tensors, built once per plan."""
         partial_grid = (plan.num_chunks * self.num_kv_heads * self.head_tile_groups,)
-        self._partial_launch = (partial_grid, (THREADS_PER_CTA,), self.variant.shared_bytes)
+        self._partial_launch = (partial_grid, (THREADS_PER_CTA,), self._kernels.variant.shared_bytes)
         self._partial_tail = (meta["kv_indices"], meta["chunk_info"])
         self._partial_consts = (self._partial_o, self._partial_lse, self._counters,
                                 np.int32(self.num_qo_heads), np.int32(self.num_kv_heads),
@@ -179,9 +209,9 @@ class BatchDecodeWrapper:
                                 sm_scale_log2, np.int32(plan.strategy == "fused"))
         self._merge_launch = None
         if plan.strategy == "split_merge" and plan.needs_merge:
-            rows = plan.problem.batch_size * self.num_qo_heads
-            warps = THREADS_PER_CTA // 32
-            self._merge_launch = ((-(-rows // warps),), (THREADS_PER_CTA,),
+            # one thread per (request, qo head, 4 dims)
+            slots = plan.problem.batch_size * self.num_qo_heads * (self.head_dim // 4)
+            self._merge_launch = ((-(-slots // THREADS_PER_CTA),), (THREADS_PER_CTA,),
                                   (self._partial_o, self._partial_lse, meta["merge_indptr"]),
                                   (np.int32(plan.problem.batch_size), np.int32(self.num_qo_heads)))
 

@@ -1,0 +1,107 @@
+"""Where does a short decode call spend its time? Times the same plans with parts of the
+decode kernel cut out (by patching its source), so the differences price each part:
+
+  base       the kernel as shipped
+  no_merge   returns after writing the partials (no fence, ticket or fused merge)
+  no_pages   reads page pidx of the pool instead of looking it up (no page-table loads)
+  no_kv      the K/V copies read nothing (zero-fill): no K/V traffic at all
+  bare       no K/V traffic and no merge: start-up, Q, page table, math, epilogue
+  empty      returns at once: the launch itself, in a graph of one call per layer
+  cluster    as shipped, fused plans merging in thread-block clusters where eligible (the
+             probes above all use the atomic-ticket merge)
+
+The patched kernels compute wrong answers on purpose; only their times mean anything.
+
+    python3 benchmarks/dissect_latency.py [--cases b1_n1k,b1_n8k] [--json out.json]
+"""
+
+import argparse
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from splitkv import BatchDecodeWrapper
+from splitkv.bench.cases import select
+from splitkv.plan import plan_chunk_tokens
+from splitkv.problem import DecodeProblem
+from splitkv.runtime.kernel_source import DecodeVariant
+from splitkv.runtime.testing import scattered_page_table
+from splitkv.runtime.timing import make_layers, time_wrapper_us
+
+_COPIES = ("cp_async16(k_smem_u32 + dst, k_cache + off, valid ? 16 : 0);\n"
+           "      cp_async16(v_smem_u32 + dst, v_cache + off, valid ? 16 : 0);")
+_NO_COPIES = ("cp_async16(k_smem_u32 + dst, k_cache + off, 0);\n"
+              "      cp_async16(v_smem_u32 + dst, v_cache + off, 0);")
+_MERGE = "  if (direct || !fused) return;"
+_PAGES = "? pages[pidx] : -1"
+_SMEM = "extern __shared__ __align__(128) unsigned char smem[];"
+PATCHES = {
+    "base": [],
+    "no_merge": [(_MERGE, "  return;")],
+    "no_pages": [(_PAGES, "? pidx : -1")],
+    "no_kv": [(_COPIES, _NO_COPIES)],
+    "bare": [(_COPIES, _NO_COPIES), (_MERGE, "  return;")],
+    "empty": [(_SMEM, _SMEM + "\n  if (blockDim.x > 0) return;")],
+}
+# The plans to dissect per case: (strategy, chunk tokens).
+PLANS = {
+    "b1_n1k": [("fused", 64), ("fused", 128), ("split_merge", 128), ("fused", 256), ("fused", 512)],
+    "b1_n8k": [("fused", 256), ("fused", 512), ("fused", 1024)],
+    "b1_n32k": [("fused", 1024), ("fused", 2048), ("split_merge", 2048)],
+    "g8_b1_n32k": [("fused", 2048), ("split_merge", 2048)],
+    "mha_b1_n32k": [("fused", 4096), ("fused", 8192)],
+    "b8_n8k": [("fused", 4096), ("fused", 2048), ("single", 1 << 30)],
+    "b32_n2k": [("fused", 1024), ("single", 1 << 30)],
+}
+
+
+@dataclass(frozen=True)
+class ProbeVariant(DecodeVariant):
+    """A decode variant with source patches applied; a distinct key in the kernel cache."""
+
+    probe: str = "base"
+
+    def source(self) -> str:
+        text = super().source()
+        for old, new in PATCHES[self.probe]:
+            if text.count(old) != 1:
+                raise RuntimeError(f"probe {self.probe}: patch target not found once: {old!r}")
+            text = text.replace(old, new)
+        return text
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default=",".join(PLANS))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = []
+    for case in select(args.cases):
+        pt, _ = scattered_page_table(case.kv_lens, case.page_size, np.random.default_rng(0), 0)
+        prob = DecodeProblem.from_page_table(pt, case.num_qo_heads, case.num_kv_heads, case.head_dim)
+        data = make_layers(pt, prob.num_qo_heads, prob.num_kv_heads, prob.head_dim, prob.dtype)
+        for strategy, chunk in PLANS[case.name]:
+            plan = plan_chunk_tokens(prob, chunk, strategy, align=64)
+            times = {}
+            for probe, clusters in [(p, False) for p in PATCHES] + [("cluster", None)]:
+                w = BatchDecodeWrapper(prob.num_qo_heads, prob.num_kv_heads, prob.head_dim,
+                                       prob.page_size, prob.dtype, use_clusters=clusters)
+                v = w.variant
+                w.variant = ProbeVariant(v.dtype, v.head_dim, v.head_tiles, v.stages,
+                                         v.max_registers, probe=probe if clusters is False else "base")
+                w.plan(pt, plan=plan)
+                times[probe] = time_wrapper_us(w, data, trials=5, min_trial_ms=10.0)
+            rows.append({"case": case.name, "strategy": plan.strategy, "chunk_tokens": chunk,
+                         "num_splits": plan.num_splits, "ctas": plan.num_chunks * prob.num_kv_heads,
+                         "layers": data.num_layers, **{k: round(t, 2) for k, t in times.items()}})
+            r = rows[-1]
+            print(f"{case.name:12s} {plan.strategy:11s}/{plan.num_splits:<3d} ctas {r['ctas']:4d}  "
+                  + "  ".join(f"{k} {r[k]:7.2f}" for k in times), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -12,19 +12,23 @@ def ctas_per_kv_head(group_size: int) -> int:
     """CTAs that share one (chunk, kv head): GQA groups past 64 heads launch more of them."""
     return -(-group_size // MAX_HEADS_PER_CTA)
 
-# Cluster sizes the fused merge can run as (thread-block clusters, sm_90+). 16 is past the
-# portable 8; the H100/H200 allow it when the kernel opts in and two CTAs fit on an SM.
-CLUSTER_SIZES = (2, 4, 8, 16)
-MAX_PORTABLE_CLUSTER = 8
+# When a 'fused' plan merges inside thread-block clusters (sm_90+) instead of with the atomic
+# ticket. Measured on the H200 (benchmarks/NOTES.md): the cluster merge saves ~1-2 us of round
+# trips to L2, but co-scheduling a cluster in one GPC costs streaming bandwidth when CTAs run
+# long, and clusters of 16 (non-portable) were slower everywhere. So: 2, 4 or 8 chunks per
+# request, each at most 1,024 tokens.
+CLUSTER_SIZES = (2, 4, 8)
+CLUSTER_MAX_CHUNK_TOKENS = 1024
 
 
-def fused_cluster_size(strategy: str, chunks_per_request, max_cluster: int = 16) -> int:
-    """S when a 'fused' plan can merge inside thread-block clusters: every request is cut into
-    exactly S chunks, S one of ``CLUSTER_SIZES`` up to ``max_cluster``. 0 otherwise (ragged
-    chunk counts, no split, or another strategy), and the fused merge uses the atomic ticket."""
-    if strategy != "fused" or len(chunks_per_request) == 0:
+def fused_cluster_size(strategy: str, chunks_per_request, longest_chunk: int) -> int:
+    """S when a 'fused' plan merges inside thread-block clusters: every request is cut into
+    exactly S chunks, S one of ``CLUSTER_SIZES``, none longer than ``CLUSTER_MAX_CHUNK_TOKENS``.
+    0 otherwise (ragged chunk counts, long chunks, no split, another strategy): the fused merge
+    then uses the atomic ticket."""
+    if strategy != "fused" or len(chunks_per_request) == 0 or longest_chunk > CLUSTER_MAX_CHUNK_TOKENS:
         return 0
     s = int(chunks_per_request[0])
-    if s not in CLUSTER_SIZES or s > max_cluster:
+    if s not in CLUSTER_SIZES:
         return 0
     return s if all(int(c) == s for c in chunks_per_request) else 0

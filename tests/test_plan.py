@@ -165,17 +165,18 @@ def test_inconsistent_hand_built_plans_are_refused(arrays, name):
         Plan(make_problem([20, 0, 5]), "split_merge", *arrays)
 
 
-def test_fused_cluster_size_needs_fused_and_equal_chunk_counts():
-    from splitkv.geometry import fused_cluster_size
+def test_fused_cluster_size_needs_fused_equal_counts_and_short_chunks():
+    from splitkv.geometry import CLUSTER_MAX_CHUNK_TOKENS, fused_cluster_size
 
-    assert fused_cluster_size("fused", [16, 16, 16]) == 16
-    assert fused_cluster_size("fused", [2]) == 2
-    assert fused_cluster_size("fused", [16, 16], max_cluster=8) == 0
-    assert fused_cluster_size("fused", [8, 8, 7]) == 0       # ragged chunk counts
-    assert fused_cluster_size("fused", [3, 3]) == 0          # not a cluster size
-    assert fused_cluster_size("fused", [1, 1]) == 0
-    assert fused_cluster_size("split_merge", [4, 4]) == 0
-    assert fused_cluster_size("fused", []) == 0
+    assert fused_cluster_size("fused", [8, 8, 8], 128) == 8
+    assert fused_cluster_size("fused", [2], CLUSTER_MAX_CHUNK_TOKENS) == 2
+    assert fused_cluster_size("fused", [2], CLUSTER_MAX_CHUNK_TOKENS + 1) == 0   # long chunks
+    assert fused_cluster_size("fused", [16, 16], 64) == 0     # past the sizes that paid
+    assert fused_cluster_size("fused", [8, 8, 7], 128) == 0   # ragged chunk counts
+    assert fused_cluster_size("fused", [3, 3], 128) == 0
+    assert fused_cluster_size("fused", [1, 1], 128) == 0
+    assert fused_cluster_size("split_merge", [4, 4], 128) == 0
+    assert fused_cluster_size("fused", [], 0) == 0
 
 
 def test_cluster_variant_names_and_shared_memory():
@@ -184,10 +185,10 @@ def test_cluster_variant_names_and_shared_memory():
     from splitkv.runtime.kernel_source import DecodeVariant
 
     plain = DecodeVariant("bfloat16", 128, 1)
-    clustered = DecodeVariant("bfloat16", 128, 1, cluster=16)
-    assert clustered.name == plain.name + "_c16" and clustered.defines["CLUSTER"] == 16
+    clustered = DecodeVariant("bfloat16", 128, 1, cluster=8)
+    assert clustered.name == plain.name + "_c8" and clustered.defines["CLUSTER"] == 8
     assert clustered.shared_bytes >= plain.shared_bytes
     # d256 with 64 rows: the CTA's partial state pushes past the pipeline's buffers
     assert DecodeVariant("float16", 256, 4, cluster=2).shared_bytes > DecodeVariant("float16", 256, 4).shared_bytes
     with pytest.raises(ValueError, match="cluster"):
-        DecodeVariant("bfloat16", 128, 1, cluster=3)
+        DecodeVariant("bfloat16", 128, 1, cluster=16)

@@ -93,12 +93,6 @@ def all_variants() -> list[DecodeVariant]:
             for ht in (1, 2, 4)]
 
 
-def cluster_variants() -> list[DecodeVariant]:
-    """The cluster-merge variants (sm_90+ only)."""
-    return [DecodeVariant(dt, d, ht, cluster=c) for dt in ("float16", "bfloat16")
-            for d in (64, 128, 256) for ht in (1, 2, 4) for c in CLUSTER_SIZES]
-
-
 def compile_cubin(source: str, arch: str, name: str = "kernel.cu", verbose: bool = False):
     """Compile with NVRTC to a CUBIN without touching a GPU. Returns (cubin bytes, log)."""
     from cupy_backends.cuda.libs import nvrtc

@@ -5,10 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..geometry import MAX_PORTABLE_CLUSTER
 from .kernel_source import NVRTC_OPTIONS, DecodeVariant
-
-_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14     # CUfunction_attribute (cuda.h)
 
 
 @dataclass
@@ -35,10 +32,6 @@ def get_decode_kernels(variant: DecodeVariant) -> DecodeKernels:
     partial = module.get_function("decode_partial")
     merge = module.get_function("merge_partials")
     partial.max_dynamic_shared_size_bytes = variant.shared_bytes
-    if variant.cluster > MAX_PORTABLE_CLUSTER:
-        from cupy_backends.cuda.api import driver
-
-        driver.funcSetAttribute(partial.kernel.ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
     kernels = DecodeKernels(variant, partial, merge, time.perf_counter() - t0)
     _CACHE[key] = kernels
     return kernels

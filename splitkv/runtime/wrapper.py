@@ -23,8 +23,7 @@ from .. import validation as V
 from ..plan import Plan
 from ..problem import DecodeProblem, PageTable
 from .arrays import as_cupy_stream, as_device_array, cupy_storage_dtype
-from ..geometry import (MAX_PORTABLE_CLUSTER, THREADS_PER_CTA, ctas_per_kv_head,
-                        fused_cluster_size)
+from ..geometry import THREADS_PER_CTA, ctas_per_kv_head, fused_cluster_size
 from .kernel_source import DecodeVariant
 from .modules import get_decode_kernels
 
@@ -55,7 +54,7 @@ class BatchDecodeWrapper:
             0 if stages is None else V.check_int("stages", stages, 2),
             0 if max_registers is None else V.check_int("max_registers", max_registers, 0))
         self.head_tile_groups = ctas_per_kv_head(self.group_size)
-        # None: a fused plan whose requests all have 2, 4, 8 or 16 chunks merges inside
+        # None: a fused plan that suits clusters (geometry.fused_cluster_size) merges inside
         # thread-block clusters when the GPU has them (sm_90+); False: always the atomic ticket.
         if use_clusters is not None and not isinstance(use_clusters, bool):
             raise TypeError(f"use_clusters: expected None, True or False, got {use_clusters!r}")
@@ -128,10 +127,8 @@ class BatchDecodeWrapper:
                              "no thread-block clusters; they need 9.0 or newer")
         if self.use_clusters is False or not has_clusters:
             return self.variant
-        # past the portable 8, a cluster must fit in half as many SMs: two CTAs per SM
-        two_per_sm = 2 * self.variant.shared_bytes <= info["shared_per_block_optin"]
-        size = fused_cluster_size(plan.strategy, plan.chunks_per_request,
-                                  max_cluster=16 if two_per_sm else MAX_PORTABLE_CLUSTER)
+        longest = int((plan.chunk_end - plan.chunk_start).max()) if plan.num_chunks else 0
+        size = fused_cluster_size(plan.strategy, plan.chunks_per_request, longest)
         return replace(self.variant, cluster=size) if size else self.variant
 
     @property

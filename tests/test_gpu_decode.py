@@ -144,6 +144,22 @@ def test_cluster_merge_matches_reference_and_ticket_merge(hq, hk, d, dtype):
         np.testing.assert_array_equal(lse, lse_ticket)
 
 
+@pytest.mark.parametrize("page", [4, 16, 32])
+@pytest.mark.parametrize("align", [1, 64])
+def test_first_pages_from_the_record_or_the_table(page, align):
+    """Chunks starting on a page boundary take their first tiles' page ids from the chunk
+    record; unaligned chunks and small pages look them up: the same answer either way."""
+    rng = np.random.default_rng(page * align)
+    pt, q, k, v = make_case(rng, [1500, 999, 37], 16, 4, 128, page, "bfloat16")
+    ref_o, _ = reference_decode(q.get(), k.get(), v.get(), pt)
+    w = BatchDecodeWrapper(16, 4, 128, page, "bfloat16")
+    problem = DecodeProblem.from_page_table(pt, 16, 4, 128)
+    for strategy in ("split_merge", "fused"):
+        plan = plan_from_chunk_counts(problem, [5, 3, 2], strategy, align=align)
+        _, o, _ = run_checked(w, pt, q, k, v, "bfloat16", plan=plan)
+        assert rel_err(o, ref_o) < TOL["bfloat16"], f"{plan}"
+
+
 def test_extreme_logits_no_nan():
     rng = np.random.default_rng(5)
     pt, q, k, v = make_case(rng, [3000, 64], 8, 2, 128, 16, "float16")

@@ -192,3 +192,30 @@ def test_cluster_variant_names_and_shared_memory():
     assert DecodeVariant("float16", 256, 4, cluster=2).shared_bytes > DecodeVariant("float16", 256, 4).shared_bytes
     with pytest.raises(ValueError, match="cluster"):
         DecodeVariant("bfloat16", 128, 1, cluster=16)
+
+
+def test_chunk_records_carry_each_chunks_first_pages():
+    from splitkv.geometry import RECORD_PAGES
+    from splitkv.plan import plan_from_chunk_counts
+    from splitkv.problem import DecodeProblem, PageTable
+    from splitkv.runtime.wrapper import first_pages, pages_fit_record
+
+    lens = [100, 0, 2000]
+    rng = np.random.default_rng(0)
+    pages = [rng.permutation(1000)[:-(-n // 16)] for n in lens]
+    last = [n - 16 * (p.size - 1) if n else 0 for n, p in zip(lens, pages)]
+    table = PageTable.from_flashinfer(np.cumsum([0] + [p.size for p in pages]),
+                                      np.concatenate(pages), last, 16)
+    problem = DecodeProblem.from_page_table(table, 8, 2, 128)
+    plan = plan_from_chunk_counts(problem, [1, 1, 4], "fused", align=64)
+    got = first_pages(table, plan.chunk_request, plan.chunk_start)
+    assert got.shape == (plan.num_chunks, RECORD_PAGES)
+    for c in range(plan.num_chunks):
+        req, start = plan.chunk_request[c], plan.chunk_start[c]
+        own = pages[req][start // 16:]
+        n = min(own.size, RECORD_PAGES)
+        np.testing.assert_array_equal(got[c, :n], own[:n])
+    assert pages_fit_record(plan, 16, stages=3)
+    assert not pages_fit_record(plan, 4, stages=3)      # 3 tiles span 48 pages of 4 tokens
+    unaligned = plan_from_chunk_counts(problem, [1, 1, 3], "fused", align=1)
+    assert np.any(unaligned.chunk_start % 16) and not pages_fit_record(unaligned, 16, stages=3)

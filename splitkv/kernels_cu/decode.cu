@@ -46,6 +46,8 @@
 #define DCHUNKS (HEAD_DIM / 8)                 // 16-byte chunks per row
 #define KSTEPS (HEAD_DIM / 16)
 #define DTILES (HEAD_DIM / 8)
+#define PIPELINE_BYTES (STAGES * TILE_N * HEAD_DIM * 2 * 2)   // K and V tiles of every stage
+#define RECORD_PAGES 24                        // page ids in a chunk record (see below)
 
 // Shared-memory tile rows are HEAD_DIM halves; chunk c of row r lives at chunk c ^ (r & 7), so
 // the 8 rows one ldmatrix reads fall in 8 different bank groups.
@@ -84,7 +86,7 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
                u16* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ partial_o,
                float* __restrict__ partial_lse, unsigned* __restrict__ counters,
                int num_qo_heads, int num_kv_heads, int head_tiles, int page_size, float scale_log2,
-               int fused) {
+               int fused, int pages_in_record) {
   // The K/V tiles start at the very beginning of shared memory, 128-byte aligned: no static
   // __shared__ variable may precede them. (A 4-byte flag once shifted them by 16 bytes, and
   // every 512-byte cp.async of a warp then touched twice the L2 sectors and three times the
@@ -109,10 +111,20 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   const int group = num_qo_heads / num_kv_heads;
   const int head0 = kvh * group + htile * ROWS;
   const int rows_valid = min(ROWS, group - htile * ROWS);
-  // chunk_info[2c] = (request, first token, end token, first page-table entry of the request),
-  // chunk_info[2c+1] = (first chunk of the request, end chunk, -, -): one round trip, not three.
-  const int4 info = chunk_info[2 * chunk];
-  const int4 info2 = chunk_info[2 * chunk + 1];
+  // The chunk record, 8 int4: [0] = (request, first token, end token, first page-table entry of
+  // the request), [1] = (first chunk of the request, end chunk, -, -), [2..7] = the page ids of
+  // the chunk's first RECORD_PAGES pages. With `pages_in_record` (chunks start on a page
+  // boundary, and the first STAGES tiles fit in those pages) the page ids go to shared memory
+  // alongside the header loads: the first K/V copies wait for one round trip, not two.
+  const int4* record = chunk_info + 8 * chunk;
+  int* record_pages = reinterpret_cast<int*>(smem + PIPELINE_BYTES);
+  if (pages_in_record) {
+    if (threadIdx.x < RECORD_PAGES / 4)
+      cp_async16(smem_u32(record_pages) + threadIdx.x * 16, record + 2 + threadIdx.x, 16);
+    cp_async_commit();
+  }
+  const int4 info = record[0];
+  const int4 info2 = record[1];
   const int req = info.x, tok_begin = info.y, tok_end = info.z;
   const int* pages = kv_indices + info.w;
   const int merge_lo = info2.x, merge_hi = info2.y;
@@ -163,9 +175,13 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   };
   int pg[LOADS], slot[LOADS];
   const bool step_within_page = page_size >= ROW_STEP;
-  auto fetch_pages = [&](int tile) {
+  // from_record: the entries come from the record's copy in shared memory, where page index 0
+  // is the chunk's first page (a page boundary). The main loop passes a literal false.
+  auto fetch_pages = [&](int tile, bool from_record) {
     const int tok0 = tok_begin + tile * TILE_N + my_row0;
-    int pidx = tok0 / page_size, off = tok0 - pidx * page_size;  // one division per tile
+    const int* table = from_record ? record_pages : pages;
+    const int base = from_record ? tok_begin : 0;
+    int pidx = (tok0 - base) / page_size, off = tok0 - base - pidx * page_size;  // one division per tile
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) {
       const int tok = tok0 + i * ROW_STEP;
@@ -174,11 +190,11 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
           off += ROW_STEP;
           if (off >= page_size) { off -= page_size; ++pidx; }
         } else {
-          pidx = tok / page_size;
-          off = tok - pidx * page_size;
+          pidx = (tok - base) / page_size;
+          off = tok - base - pidx * page_size;
         }
       }
-      pg[i] = (tile < num_tiles && tok < tok_end) ? pages[pidx] : -1;
+      pg[i] = (tile < num_tiles && tok < tok_end) ? table[pidx] : -1;
       slot[i] = off;
     }
   };
@@ -203,13 +219,17 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   // Rows g and g+8; d holds this lane's share of each denominator until the end.
   SoftmaxState state[2] = {SoftmaxState::empty(), SoftmaxState::empty()};
 
+  if (pages_in_record) {   // the record's page ids are in shared memory
+    cp_async_wait<0>();
+    __syncthreads();
+  }
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    fetch_pages(s);
+    fetch_pages(s, pages_in_record);
     if (s < num_tiles) issue_tile(s);
     cp_async_commit();
   }
-  fetch_pages(STAGES - 1);
+  fetch_pages(STAGES - 1, pages_in_record);
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<STAGES - 2>();
@@ -218,7 +238,7 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
       const int next = tile + STAGES - 1;
       if (next < num_tiles) issue_tile(next % STAGES);
       cp_async_commit();
-      fetch_pages(next + 1);
+      fetch_pages(next + 1, false);
     }
     const int stage = tile % STAGES;
     const u32 ks_base = k_smem_u32 + (u32)(stage * TILE_N * HEAD_DIM * 2);

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 
-from ..geometry import CLUSTER_SIZES, MAX_HEADS_PER_CTA, TILE_TOKENS, WARPS_PER_CTA
+from ..geometry import (CLUSTER_SIZES, MAX_HEADS_PER_CTA, RECORD_PAGES, TILE_TOKENS,
+                        WARPS_PER_CTA)
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
@@ -58,7 +59,7 @@ class DecodeVariant:
 
     @property
     def shared_bytes(self) -> int:
-        pipeline = self.stages * TILE_TOKENS * self.head_dim * 2 * 2
+        pipeline = self.stages * TILE_TOKENS * self.head_dim * 2 * 2 + RECORD_PAGES * 4
         combine = WARPS_PER_CTA * 16 * (self.head_dim + 2) * 4   # reused after the pipeline
         if self.cluster:
             combine += self.rows * (self.head_dim + 1) * 4          # the CTA's partial state

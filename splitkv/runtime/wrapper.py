@@ -23,11 +23,32 @@ from .. import validation as V
 from ..plan import Plan
 from ..problem import DecodeProblem, PageTable
 from .arrays import as_cupy_stream, as_device_array, cupy_storage_dtype
-from ..geometry import THREADS_PER_CTA, ctas_per_kv_head, fused_cluster_size
+from ..geometry import (RECORD_PAGES, THREADS_PER_CTA, TILE_TOKENS, ctas_per_kv_head,
+                        fused_cluster_size)
 from .kernel_source import DecodeVariant
 from .modules import get_decode_kernels
 
 LOG2E = 1.4426950408889634
+
+
+def first_pages(page_table: PageTable, chunk_request, chunk_start) -> np.ndarray:
+    """[num_chunks, RECORD_PAGES] page ids of each chunk's first pages (from the page holding
+    its first token), carried in its record so the kernel need not look them up before its
+    first copies. Entries past the request's last page repeat that page (never read)."""
+    entries = (page_table.kv_indptr[chunk_request] + chunk_start // page_table.page_size)[:, None] \
+        + np.arange(RECORD_PAGES)
+    last = np.maximum(page_table.kv_indptr[np.asarray(chunk_request) + 1] - 1, 0)[:, None]
+    if page_table.kv_indices.size == 0:
+        return np.zeros(entries.shape, dtype=np.int32)
+    return page_table.kv_indices[np.minimum(entries, last)]
+
+
+def pages_fit_record(plan: Plan, page_size: int, stages: int) -> bool:
+    """Whether the kernel may take its first ``stages`` tiles' page ids from the chunk
+    records: every chunk starts on a page boundary and those tiles span at most RECORD_PAGES
+    pages."""
+    return (stages * TILE_TOKENS <= RECORD_PAGES * page_size
+            and not np.any(plan.chunk_start % page_size))
 
 
 class BatchDecodeWrapper:
@@ -151,13 +172,14 @@ class BatchDecodeWrapper:
         import cupy
 
         req = plan.chunk_request
-        chunk_info = np.zeros((plan.num_chunks, 8), dtype=np.int32)   # two int4 per chunk
+        chunk_info = np.zeros((plan.num_chunks, 32), dtype=np.int32)   # 8 int4 per chunk
         chunk_info[:, 0] = req
         chunk_info[:, 1] = plan.chunk_start
         chunk_info[:, 2] = plan.chunk_end
         chunk_info[:, 3] = page_table.kv_indptr[req]
         chunk_info[:, 4] = plan.merge_indptr[req]
         chunk_info[:, 5] = plan.merge_indptr[req + 1]
+        chunk_info[:, 8:] = first_pages(page_table, req, plan.chunk_start)
         parts = {"chunk_info": chunk_info.ravel(), "kv_indices": page_table.kv_indices,
                  "merge_indptr": plan.merge_indptr}
         sizes = [-(-max(1, a.size) // 4) * 4 for a in parts.values()]   # 16-byte aligned parts
@@ -203,7 +225,9 @@ class BatchDecodeWrapper:
         self._partial_consts = (self._partial_o, self._partial_lse, self._counters,
                                 np.int32(self.num_qo_heads), np.int32(self.num_kv_heads),
                                 np.int32(self.head_tile_groups), np.int32(self.page_size),
-                                sm_scale_log2, np.int32(plan.strategy == "fused"))
+                                sm_scale_log2, np.int32(plan.strategy == "fused"),
+                                np.int32(pages_fit_record(plan, self.page_size,
+                                                          self._kernels.variant.stages)))
         self._merge_launch = None
         if plan.strategy == "split_merge" and plan.needs_merge:
             # one thread per (request, qo head, 4 dims)

@@ -34,7 +34,7 @@ _COPIES = ("cp_async16(k_smem_u32 + dst, k_cache + off, valid ? 16 : 0);\n"
 _NO_COPIES = ("cp_async16(k_smem_u32 + dst, k_cache + off, 0);\n"
               "      cp_async16(v_smem_u32 + dst, v_cache + off, 0);")
 _MERGE = "  if (direct || !fused) return;"
-_PAGES = "? pages[pidx] : -1"
+_PAGES = "? table[pidx] : -1"
 _SMEM = "extern __shared__ __align__(128) unsigned char smem[];"
 PATCHES = {
     "base": [],

@@ -169,10 +169,10 @@ def row_features(rows, items_per_chunk, slots, num_sms, some_items=False) -> np.
     planner's rows), so the guard of the mean against 0 items can be skipped."""
     max_splits = rows[5]
     rows[7] = 1.0
-    np.minimum(max_splits, 2.0, out=rows[8])       # max_splits >= 1: 1 + (max_splits > 1)
-    np.subtract(rows[8], 1.0, rows[9])
+    np.minimum(max_splits, _TWO, out=rows[8])      # max_splits >= 1: 1 + (max_splits > 1)
+    np.subtract(rows[8], _ONE, rows[9])
     np.multiply(rows[9], max_splits, rows[10])
-    scaled = rows[:3] * float(items_per_chunk)     # items, and their tokens and tiles
+    scaled = rows[:3] * _float_array(items_per_chunk)    # items, and their tokens and tiles
     items, crit = scaled[0], scaled[1:]
     waves_rows = rows[13:15]                       # waves(items, slots), waves(items, num_sms)
     np.divide(items, _wave_slots(slots, num_sms), waves_rows)
@@ -185,6 +185,18 @@ def row_features(rows, items_per_chunk, slots, num_sms, some_items=False) -> np.
     crit *= rows[14]
     np.maximum(crit, rows[3:5], out=rows[11:13])
     return rows
+
+
+# 0-d arrays rather than Python numbers: NumPy converts a Python number on every call.
+_ONE, _TWO = np.array(1.0), np.array(2.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _float_array(value) -> np.ndarray:
+    """``value`` as a read-only 0-d float array (see ``_ONE``)."""
+    array = np.array(float(value))
+    array.setflags(write=False)
+    return array
 
 
 @functools.lru_cache(maxsize=64)

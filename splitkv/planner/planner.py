@@ -79,13 +79,20 @@ def wave_filling_chunk_tokens(total_tokens: int, batch_size: int, items_per_chun
     123 chunks, 3.7 waves) to 2048 (about 65 chunks, just under 2 waves).
     """
     sizes = []                      # more chunks for more waves: c never grows with j
-    for j in range(1, max_waves + 1):
-        chunks = j * slots // items_per_chunk - batch_size / 2
-        if chunks > 0:
-            c = -(-int(total_tokens / chunks) // TILE_TOKENS) * TILE_TOKENS
-            if TILE_TOKENS <= c < max_len and (not sizes or c != sizes[-1]):
-                sizes.append(c)
+    for chunks in _wave_chunk_counts(batch_size, items_per_chunk, slots, max_waves):
+        c = -(-int(total_tokens / chunks) // TILE_TOKENS) * TILE_TOKENS
+        if TILE_TOKENS <= c < max_len and (not sizes or c != sizes[-1]):
+            sizes.append(c)
     return sizes
+
+
+@functools.lru_cache(maxsize=256)
+def _wave_chunk_counts(batch_size: int, items_per_chunk: int, slots: int,
+                       max_waves: int) -> tuple[float, ...]:
+    """The chunk counts of ``wave_filling_chunk_tokens`` (j waves, less half a chunk per
+    request), the positive ones: the same on every step of a batch."""
+    counts = (j * slots // items_per_chunk - batch_size / 2 for j in range(1, max_waves + 1))
+    return tuple(c for c in counts if c > 0)
 
 
 def wave_filling_splits(num_items: int, slots: int, max_waves: int = 4) -> list[int]:

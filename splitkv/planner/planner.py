@@ -355,7 +355,7 @@ def _pair_features(num_rows: int, first_is_no_split: bool, strategy, *shape):
 @dataclass
 class _Scores:
     """Every candidate of one problem, scored (``_candidates``' rows; ``_row_stats``' chunk
-    counts k [rows, requests] and tiles per request, or for one length (``copies`` requests)
+    counts k [rows, requests] and tiles per request, or when all lengths are equal
     ``_one_length_stats``' k [rows, 1] and None), and per pair its row index, strategy and
     predicted us."""
 
@@ -363,7 +363,6 @@ class _Scores:
     splits: slice
     k: np.ndarray
     units: np.ndarray | None
-    copies: int
     pair_rows: np.ndarray
     strategies: tuple
     predicted: np.ndarray
@@ -407,14 +406,14 @@ def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=N
              model.ctas_per_sm, model.bandwidth_gbps)
     ipc, slots, _ = feature_constants(*shape)
     if min_len == max_len:
-        copies, total, lens_f = batch_size, max_len * batch_size, None
+        total, lens_f = max_len * batch_size, None
     else:
-        copies, lens_f = 1, lens.astype(_FLOAT64)
+        lens_f = lens.astype(_FLOAT64)
         total = int(lens_f.dot(_ones(batch_size)))
     values, splits, caps, chunk, num_tiny, pair_key = \
         _candidates(batch_size, max_len, total, ipc, slots, num_splits, strategy)
     if lens_f is None:
-        rows, k = _one_length_stats(max_len, copies, total, chunk, splits, caps, num_tiny)
+        rows, k = _one_length_stats(max_len, batch_size, total, chunk, splits, caps, num_tiny)
         units = None
     else:
         divisors = np.array([*chunk, TILE_TOKENS], _FLOAT64)[:, None]
@@ -426,7 +425,7 @@ def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=N
     # equal features must tie exactly, as they did there ([features, pairs], C order).
     x = gather_features(row_features(rows, ipc, slots, model.num_sms, some_items=True), index,
                         scale)
-    return _Scores(values, splits, k, units, copies, pair_rows, strategies, x.T @ model.coef_)
+    return _Scores(values, splits, k, units, pair_rows, strategies, x.T @ model.coef_)
 
 
 def _as_cost_model(profile) -> CostModel:

@@ -169,27 +169,32 @@ def _uniform_chunk_arrays(batch_size: int, length: int, count: int,
             chunk_end.reshape(-1), np.arange(0, batch_size * count + 1, count, dtype=_INT32))
 
 
-def _chunk_arrays(lens: np.ndarray, counts: np.ndarray, align: int) -> tuple[np.ndarray, ...]:
-    """Request b (``lens`` int64) cut into ``counts[b]`` (int64) chunks. NumPy methods, not
-    the slower module functions, and int64 for the products (exact for any int32 length)."""
+def _chunk_arrays(lens: np.ndarray, counts: np.ndarray, align: int,
+                  units: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """Request b (``lens`` int64) cut into ``counts[b]`` (int64) chunks; ``units``: each
+    request's length in ``align`` units, ceil(len / align), if the caller has it (int64).
+    NumPy methods, not the slower module functions, and int64 for the products (exact for any
+    int32 length)."""
     n = lens.size
-    ends = counts.cumsum()                               # one past each request's last chunk
+    merge_indptr = np.empty(n + 1, _INT32)
+    merge_indptr[0] = 0
+    ends = merge_indptr[1:]                              # one past each request's last chunk
+    np.add.accumulate(counts, out=ends)
     total = int(ends[-1]) if n else 0
     if total == n:
         return _single_chunk_arrays(lens)
     chunk_request = np.arange(n, dtype=_INT32).repeat(counts)
     start = np.arange(total, dtype=_INT64)
-    start -= (ends - counts).take(chunk_request)          # chunk index inside its request
-    start *= ((lens + (align - 1)) // align).take(chunk_request)
-    start //= counts.take(chunk_request)
+    start -= (ends - counts).repeat(counts)             # chunk index inside its request
+    if units is None:
+        units = (lens + (align - 1)) // align
+    start *= units.repeat(counts)
+    start //= counts.repeat(counts)
     start *= align
     chunk_start = start.astype(_INT32)
     chunk_end = np.empty(total, _INT32)
     chunk_end[:-1] = chunk_start[1:]
     chunk_end.put(ends - 1, lens)
-    merge_indptr = np.empty(n + 1, _INT32)
-    merge_indptr[0] = 0
-    merge_indptr[1:] = ends
     return chunk_request, chunk_start, chunk_end, merge_indptr
 
 

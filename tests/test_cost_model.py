@@ -36,8 +36,8 @@ def test_waves_and_critical_path_worked_example():
 
 def test_decomposition_stats_exact():
     stats = decomposition_stats([64, 101, 92, 32, 29], [2, 1, 1, 1])
-    # num_chunks, total_tokens, total_tiles, max_chunk_tokens, max_chunk_tiles, split_chunks,
-    # max_splits
+    # num_chunks, total_tokens, total_tiles, max_chunk_tokens, max_chunk_tiles, max_splits,
+    # split_chunks
     np.testing.assert_array_equal(stats, [5, 318, 7, 101, 2, 2, 2])
     np.testing.assert_array_equal(decomposition_stats([], []), np.zeros(7))
 

@@ -8,7 +8,10 @@ import pytest
 from splitkv import DecodeProblem, Plan
 from splitkv.planner import CostModel, choose_plan, rank_candidates
 from splitkv.planner import cli as plan_cli
-from splitkv.planner.planner import chunk_token_candidates, wave_filling_splits
+from splitkv.planner.cost_model import feature_constants
+from splitkv.planner.planner import (CHUNK_TOKENS, NO_SPLIT, NUM_SPLITS, TILE_TOKENS, TINY_CONTEXT,
+                                     Candidate, chunk_token_candidates, wave_filling_chunk_tokens,
+                                     wave_filling_splits)
 from splitkv.planner.profiles import default_profile, roofline_prior
 
 RAGGED_B32 = [2623, 1653, 3648, 1041, 3200, 6690, 2792, 1711, 2317, 8665, 1207, 1927, 1989, 557,
@@ -83,6 +86,104 @@ def test_candidate_predictions_match_the_built_plans(rng):
             built = c.build(p)
             assert built.predicted_us == c.predicted_us
             assert PRIOR.predict(built) == pytest.approx(c.predicted_us, rel=1e-9), (c, p)
+
+
+# --- The fast path against a straightforward reference ------------------------------------------
+# choose_plan computes every candidate's statistics in closed form from kv_lens (no plan is built
+# but the winner's). The reference below enumerates the same candidates from the public rules,
+# builds every one as a Plan with the public (checked) builders, computes its features from that
+# plan and predicts it alone; the first cheapest in enumeration order wins.
+
+def reference_candidates(p, model, num_splits=None, strategy=None) -> list[Candidate]:
+    """Every candidate of ``p`` in enumeration order (the planner module's docstring): no
+    split, the chunk sizes of at least a tile (powers of two, then the wave-filling sizes not
+    already there), the split counts a request can take, then the tiny chunk sizes; each split
+    row as 'split_merge' then 'fused'. Forced splits or strategies narrow it as documented."""
+    ipc = feature_constants(p.num_qo_heads, p.num_kv_heads, p.head_dim, model.num_sms,
+                            model.ctas_per_sm, model.bandwidth_gbps)[0]
+    slots = model.num_sms * model.ctas_per_sm
+    lens = p.kv_lens
+    n, max_len, total = lens.size, int(lens.max()), int(lens.sum())
+    if num_splits is not None and num_splits > 1:
+        rows = [(NUM_SPLITS, num_splits)]
+    elif num_splits == 1 or strategy == "single":
+        rows = [(NO_SPLIT, 1)]
+    else:
+        sizes = chunk_token_candidates(max_len, total, ipc, n, slots)
+        tiny = [c for c in sizes if c < TILE_TOKENS] if max_len <= TINY_CONTEXT else []
+        big = [c for c in sizes if c not in tiny]
+        big += [c for c in wave_filling_chunk_tokens(total, n, ipc, slots, max_len)
+                if c not in big]
+        max_tiles = -(-max_len // TILE_TOKENS)
+        splits = [s for s in wave_filling_splits(n * ipc, slots) if s <= max_tiles]
+        rows = ([(NO_SPLIT, 1)] + [(CHUNK_TOKENS, c) for c in big]
+                + [(NUM_SPLITS, s) for s in splits] + [(CHUNK_TOKENS, c) for c in tiny])
+    out = []
+    for kind, value in rows:
+        if strategy is not None:
+            names = [strategy]
+        else:
+            names = ["single"] if kind == NO_SPLIT else ["split_merge", "fused"]
+        out += [Candidate(kind, value, name) for name in names]
+    return out
+
+
+def reference_choice(p, model, num_splits=None, strategy=None):
+    """(candidate, built plan, predicted us) of every candidate, and the index of the first
+    cheapest: each plan built by ``Candidate.build`` and predicted on its own."""
+    scored = []
+    for cand in reference_candidates(p, model, num_splits, strategy):
+        plan = cand.build(p)
+        scored.append((cand, plan, float(model.features(plan) @ model.coef_)))
+    times = [t for _, _, t in scored]
+    return scored, times.index(min(times))
+
+
+def reference_requests(count=240, seed=7):
+    """Random (problem, model, num_splits, strategy): batches of 1..256, equal and ragged
+    lengths 1..128k, GQA groups 1..8 over 1..8 kv heads; a sixth with a forced split count or
+    strategy."""
+    rng = np.random.default_rng(seed)
+    models = (PRIOR, default_profile().cost_model())
+    out = []
+    for i in range(count):
+        b = int(np.exp(rng.uniform(0, np.log(257))))
+        hi = int(np.exp(rng.uniform(0, np.log(131072))))
+        shape = i % 3
+        if shape == 0:
+            lens = np.full(b, int(rng.integers(1, hi + 1)))                    # equal lengths
+        elif shape == 1:
+            lens = rng.integers(1, hi + 1, b)                                   # ragged, uniform
+        else:
+            lens = np.maximum(1, np.exp(rng.uniform(0, np.log(hi), b)).astype(np.int64))
+        hk = int(rng.choice([1, 2, 4, 8]))
+        p = problem(lens, hk * int(rng.integers(1, 9)), hk, int(rng.choice([64, 128, 256])))
+        num_splits = strategy = None
+        if i % 6 == 5:
+            num_splits, strategy = [(1, None), (3, None), (None, "fused"), (None, "single"),
+                                    (5, "split_merge"), (None, "split_merge")][int(rng.integers(6))]
+        out.append((p, models[i % 2], num_splits, strategy))
+    return out
+
+
+def test_fast_path_matches_a_straightforward_reference():
+    """The same chosen candidate (so the same plan) and the same predicted times as building and
+    predicting every candidate one by one, on a few hundred random batches. Predictions agree to
+    rounding (the reference sums each plan's features alone, the fast path all at once)."""
+    for p, model, num_splits, strategy in reference_requests():
+        scored, best = reference_choice(p, model, num_splits, strategy)
+        ranked = rank_candidates(p, model, num_splits, strategy)
+        assert sorted(c.label for c in ranked) == sorted(c.label for c, _, _ in scored), p
+        fast = {c.label: c.predicted_us for c in ranked}
+        for cand, _, t in scored:
+            assert fast[cand.label] == pytest.approx(t, rel=1e-12, abs=0), (cand.label, p)
+        cand, want, t = scored[best]
+        got = choose_plan(p, model, num_splits=num_splits, strategy=strategy)
+        assert got.strategy == want.strategy, (cand.label, p)
+        for name in ("chunk_request", "chunk_start", "chunk_end", "merge_indptr"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+        assert got.predicted_us == fast[cand.label]
+        assert got.predicted_us == pytest.approx(t, rel=1e-12, abs=0)
 
 
 def test_candidates_are_ranked_and_cover_both_split_strategies():

@@ -64,10 +64,11 @@ SINGLE, SPLIT_MERGE, FUSED = (STRATEGIES.index(s) for s in ("single", "split_mer
 
 
 # The numbers of a decomposition the features need, rows of a ``stats`` array in this order.
-# ``split_chunks`` counts the chunks of requests cut into more than one; ``max_splits`` is the
-# most chunks any request has.
+# ``max_splits`` is the most chunks any request has; ``split_chunks`` counts the chunks of
+# requests cut into more than one. (The maxima are neighbours: the planner takes them in one
+# reduction.)
 STAT_NAMES = ("num_chunks", "total_tokens", "total_tiles", "max_chunk_tokens",
-              "max_chunk_tiles", "split_chunks", "max_splits")
+              "max_chunk_tiles", "max_splits", "split_chunks")
 
 
 def waves(num_items, slots):
@@ -103,8 +104,8 @@ def decomposition_stats(chunk_tokens, chunks_per_request) -> np.ndarray:
     if tok.size == 0:
         return np.zeros(len(STAT_NAMES))
     tiles = -(-tok // TILE_TOKENS)
-    return np.array([tok.size, tok.sum(), tiles.sum(), tok.max(), tiles.max(),
-                     cpr[cpr > 1].sum(), cpr.max()], dtype=np.float64)
+    return np.array([tok.size, tok.sum(), tiles.sum(), tok.max(), tiles.max(), cpr.max(),
+                     cpr[cpr > 1].sum()], dtype=np.float64)
 
 
 @functools.lru_cache(maxsize=256)
@@ -142,8 +143,10 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
 #                  strategy does not pay it (``strategy_scale``).
 # Each value is the same bits as the plain formulas (``waves``, ``critical_path``): the same
 # IEEE operations in the same order, and multiplying by 1 or 0 is exact.
-FEATURE_ROWS = STAT_NAMES + ("one", "one_plus_split", "split", "crit_tokens", "crit_tiles",
-                             "waves", "split_x_max_splits", "sm_waves", "tail_tokens")
+# (Rows that one call fills together are neighbours: crit_tokens and crit_tiles, waves and
+# sm_waves.)
+FEATURE_ROWS = STAT_NAMES + ("one", "one_plus_split", "split", "split_x_max_splits",
+                             "crit_tokens", "crit_tiles", "waves", "sm_waves", "tail_tokens")
 _ROW = {name: i for i, name in enumerate(FEATURE_ROWS)}
 # Row of each feature (FEATURE_NAMES order); launches is 1 + split only when merging.
 FEATURE_SOURCE = np.array([_ROW[name] for name in (
@@ -159,28 +162,49 @@ def new_feature_rows(n: int) -> tuple[np.ndarray, np.ndarray]:
     return rows, rows[:len(STAT_NAMES)]
 
 
-def row_features(rows, items_per_chunk, slots, num_sms) -> np.ndarray:
+def row_features(rows, items_per_chunk, slots, num_sms, some_items=False) -> np.ndarray:
     """Fill the derived rows of a ``new_feature_rows`` array from its stats; returns it.
     Waves (start-ups) count per slot, the critical path per SM: ``critical_path`` with
-    ``num_sms`` for its slots."""
-    max_splits = rows[6]
+    ``num_sms`` for its slots. ``some_items``: every column has at least one chunk (the
+    planner's rows), so the guard of the mean against 0 items can be skipped."""
+    max_splits = rows[5]
     rows[7] = 1.0
-    np.minimum(max_splits, 2.0, out=rows[8])       # max_splits >= 1: 1 + (max_splits > 1)
-    np.subtract(rows[8], 1.0, rows[9])
-    np.multiply(rows[9], max_splits, rows[13])
-    scaled = rows[:3] * float(items_per_chunk)     # items, and their tokens and tiles
+    np.minimum(max_splits, _TWO, out=rows[8])      # max_splits >= 1: 1 + (max_splits > 1)
+    np.subtract(rows[8], _ONE, rows[9])
+    np.multiply(rows[9], max_splits, rows[10])
+    scaled = rows[:3] * _float_array(items_per_chunk)    # items, and their tokens and tiles
     items, crit = scaled[0], scaled[1:]
-    np.divide(items, slots, rows[12])              # waves(items, slots)
-    np.ceil(rows[12], rows[12])
-    np.divide(items, num_sms, rows[14])            # waves(items, num_sms)
-    np.ceil(rows[14], rows[14])
+    waves_rows = rows[13:15]                       # waves(items, slots), waves(items, num_sms)
+    np.divide(items, _wave_slots(slots, num_sms), waves_rows)
+    np.ceil(waves_rows, waves_rows)
+    if not some_items:
+        np.maximum(items, 1.0, out=items)
     # critical_path of tokens and tiles per SM: max(largest, sm waves * (total / max(items, 1)))
-    np.maximum(items, 1.0, out=items)
     crit /= items
     np.subtract(rows[3], crit[0], rows[15])        # largest - mean chunk tokens
     crit *= rows[14]
-    np.maximum(crit, rows[3:5], out=rows[10:12])
+    np.maximum(crit, rows[3:5], out=rows[11:13])
     return rows
+
+
+# 0-d arrays rather than Python numbers: NumPy converts a Python number on every call.
+_ONE, _TWO = np.array(1.0), np.array(2.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _float_array(value) -> np.ndarray:
+    """``value`` as a read-only 0-d float array (see ``_ONE``)."""
+    array = np.array(float(value))
+    array.setflags(write=False)
+    return array
+
+
+@functools.lru_cache(maxsize=64)
+def _wave_slots(slots: int, num_sms: int) -> np.ndarray:
+    """[[slots], [num_sms]] as floats: one division gives both wave counts."""
+    column = np.array([[slots], [num_sms]], dtype=np.float64)
+    column.setflags(write=False)
+    return column
 
 
 def strategy_scale(units, strategy_code, n: int) -> np.ndarray:

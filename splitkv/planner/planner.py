@@ -79,13 +79,20 @@ def wave_filling_chunk_tokens(total_tokens: int, batch_size: int, items_per_chun
     123 chunks, 3.7 waves) to 2048 (about 65 chunks, just under 2 waves).
     """
     sizes = []                      # more chunks for more waves: c never grows with j
-    for j in range(1, max_waves + 1):
-        chunks = j * slots // items_per_chunk - batch_size / 2
-        if chunks > 0:
-            c = -(-int(total_tokens / chunks) // TILE_TOKENS) * TILE_TOKENS
-            if TILE_TOKENS <= c < max_len and (not sizes or c != sizes[-1]):
-                sizes.append(c)
+    for chunks in _wave_chunk_counts(batch_size, items_per_chunk, slots, max_waves):
+        c = -(-int(total_tokens / chunks) // TILE_TOKENS) * TILE_TOKENS
+        if TILE_TOKENS <= c < max_len and (not sizes or c != sizes[-1]):
+            sizes.append(c)
     return sizes
+
+
+@functools.lru_cache(maxsize=256)
+def _wave_chunk_counts(batch_size: int, items_per_chunk: int, slots: int,
+                       max_waves: int) -> tuple[float, ...]:
+    """The chunk counts of ``wave_filling_chunk_tokens`` (j waves, less half a chunk per
+    request), the positive ones: the same on every step of a batch."""
+    counts = (j * slots // items_per_chunk - batch_size / 2 for j in range(1, max_waves + 1))
+    return tuple(c for c in counts if c > 0)
 
 
 def wave_filling_splits(num_items: int, slots: int, max_waves: int = 4) -> list[int]:
@@ -149,80 +156,83 @@ class Candidate:
 NO_SPLIT_CHUNK = float(2 ** 60)     # a chunk size no request reaches: one chunk each
 # dtype objects, not the scalar types: NumPy converts a type to a dtype on every call.
 _FLOAT64, _INT64 = np.dtype(np.float64), np.dtype(np.int64)
+# 0-d arrays, not Python floats, for the same reason.
+_ONE, _TWO, _TILE_TOKENS = np.array(1.0), np.array(2.0), np.array(float(TILE_TOKENS))
 
 
-def _row_stats(lens: np.ndarray, max_len: int, total: int, chunk: np.ndarray, splits: slice,
-               split_caps: np.ndarray, num_tiny: int, items_per_chunk: int,
-               slots: int) -> tuple[np.ndarray, np.ndarray]:
+def _row_stats(lens: np.ndarray, min_len: int, max_len: int, total: int, divisors: np.ndarray,
+               splits: slice, split_caps: np.ndarray, num_tiny: int) -> tuple[np.ndarray, ...]:
     """``STAT_NAMES`` of every candidate row in closed form from the lengths, as the stats of
-    a ``new_feature_rows`` array (returned whole, for ``row_features``), and the chunk counts
-    k [rows, requests] (what the winning row's plan is built from).
+    a ``new_feature_rows`` array (returned whole, for ``row_features``); and what the winning
+    row's plan is built from: the chunk counts k [rows, requests] and the tiles per request.
 
-    Request b gets k = ceil(max(len_b, 1) / chunk) chunks (``chunk`` [rows, 1]: 2**60 for no
-    split, so one chunk each; the chunk size for a chunk-size row; 64 for a split row ``splits``,
-    whose k is then capped at its split count ``split_caps`` [splits, 1], fewer for a request
-    of fewer tiles); an empty request is one empty chunk. Chunks are aligned to the 64-token
-    tile, except in the last ``num_tiny`` rows (16 or 32 tokens, aligned to themselves: every
-    chunk is one partial tile).
+    Request b gets k = ceil(max(len_b, 1) / chunk) chunks (``divisors`` [rows + 1, 1]: the
+    chunk size of each row, then the tile; 2**60 for no split, so one chunk each; 64 for a
+    split row ``splits``, whose k is then capped at its split count ``split_caps`` [splits, 1],
+    fewer for a request of fewer tiles); an empty request is one empty chunk. Chunks are
+    aligned to the 64-token tile, except in the last ``num_tiny`` rows (16 or 32 tokens,
+    aligned to themselves: every chunk is one partial tile).
 
-    ``lens`` (float) holds the requests' lengths, ``max_len`` their maximum and ``total``
-    their sum. The same numbers as
-    ``decomposition_stats`` of the built plan, exactly: all are integers far below 2**53, so
-    any exact float formula gives the same bits.
+    ``lens`` (float) holds the requests' lengths, ``min_len``, ``max_len`` and ``total`` their
+    minimum, maximum and sum. The same numbers as ``decomposition_stats`` of the built plan,
+    exactly: all are integers far below 2**53, so any exact float formula gives the same bits.
 
     This runs on every decode step, and at these sizes each NumPy call costs more than the
-    arithmetic, so the formulas are picked for few calls: sums are dot products, the requests
-    left whole are those of at most ``chunk`` tokens (a search in the sorted lengths), and the
-    maxima over the requests come from one reduction.
+    arithmetic (a reduction or a sort several times more than an element-wise call), so the
+    formulas are picked for few, cheap calls: one division and one ceiling give the chunk
+    counts and the tiles, one dot product sums the chunks, the tiles and min(k, 2), and one
+    reduction gives the maxima over the requests.
     """
     n = lens.size
-    rows = chunk.shape[0]
-    ones, per_tile = _request_constants(n)
-    lens1 = np.maximum(lens, ones)
-    tiles = lens * per_tile                              # exact: 1/64 is a power of two
-    units = np.ceil(tiles)                               # whole tiles of each request
-    # One buffer for the [rows, requests] arrays, so that those that take the same operation
-    # take one call: [m - 1, k - 1 then the largest chunk, m, k].
-    work = np.empty((4, rows, n))
-    m, k = work[2], work[3]
-    np.divide(lens1, chunk, k)
-    np.ceil(k, k)
+    rows = divisors.shape[0] - 1
+    lens1 = lens if min_len else np.maximum(lens, 1.0)
+    quotients = lens1 / divisors                         # [len / chunk per row; len / 64]
+    # One buffer for the [rows, requests] arrays (blocks of rows), so that those that take the
+    # same operation take one call: m - 1, k - 1 (then the largest chunk), m, k, the whole
+    # tiles of each request (one row), min(k, 2).
+    work = np.empty((5 * rows + 1, n))
+    m, k = work[2 * rows:3 * rows], work[3 * rows:4 * rows]
+    units = work[4 * rows]
+    np.ceil(quotients, work[3 * rows:4 * rows + 1])      # k, units
+    tiles = quotients[rows]                              # exact: 1/64 is a power of two
+    if not min_len:                                      # an empty request has no tile
+        tiles = lens * (1.0 / TILE_TOKENS)
+        np.ceil(tiles, units)
     if split_caps.size:
         capped = k[splits]
         np.minimum(capped, split_caps, out=capped)
+    np.minimum(k, _TWO, out=work[4 * rows + 1:])
+    sums = work[3 * rows:].dot(_ones(n))                 # chunks, tiles, sum of min(k, 2)
     feature_rows, st = new_feature_rows(rows)
-    num_chunks, split_chunks = st[0], st[5]
-    k.dot(ones, num_chunks)                              # (before copies)
+    st[0] = sums[:rows]
+    # chunks of split requests = all chunks - requests in one chunk
+    #                           = chunks + (requests + split requests) - 2 requests
+    split_chunks = st[6]
+    np.add(sums[:rows], sums[rows + 1:], split_chunks)
+    split_chunks -= 2.0 * n
     st[1] = total
-    st[2] = units.dot(ones)
-    # The largest chunk is needed exactly (it sets the ``tail_us`` feature), even when the
-    # mean load decides the critical path.
+    st[2] = sums[rows]
     # A request's chunks have m - 1 or m tiles (m = ceil(units / k)), the last one m; it
     # is short of its tiles by pad = units * 64 - len tokens. So the largest chunk has m
     # tiles and min(64 m, len - 64 (k - 1)(m - 1)) tokens: 64 m unless the last chunk is
     # the only one of m tiles (then the k - 1 others hold m - 1 tiles each). In tiles:
     np.divide(units, k, m)
     np.ceil(m, m)
-    np.subtract(work[2:], 1.0, work[:2])                 # m - 1, k - 1
-    largest = work[1]
-    largest *= work[0]
+    np.subtract(work[2 * rows:4 * rows], _ONE, work[:2 * rows])      # m - 1, k - 1
+    largest = work[rows:2 * rows]
+    largest *= work[:rows]
     np.subtract(tiles, largest, largest)
     np.minimum(largest, m, out=largest)
-    # the maxima of the largest chunk, m and k; k's lands in row 5, then moves to row 6
-    maxima = st[3:6]
-    np.maximum.reduce(work[1:], axis=2, out=maxima)
-    maxima[0] *= float(TILE_TOKENS)
-    st[6] = split_chunks
-    # chunks of split requests = all chunks - requests in one chunk
-    lens1.sort()
-    np.subtract(num_chunks, lens1.searchsorted(chunk.ravel(), "right"), split_chunks)
+    # the maxima of the largest chunk, m and k
+    np.maximum.reduce(work[rows:4 * rows], axis=1, out=st[3:6].reshape(3 * rows))
+    np.multiply(st[3], _TILE_TOKENS, st[3])
     if num_tiny:
         # Every tiny chunk is one tile (a partial one); an empty request has no tile.
         t = st[:, rows - num_tiny:]
         t[2] = st[0, rows - num_tiny:] - (n - np.count_nonzero(lens))
-        t[3] = np.minimum(chunk[rows - num_tiny:, 0], max_len)
+        t[3] = np.minimum(divisors[rows - num_tiny:rows, 0], max_len)
         t[4] = 1.0
-    return feature_rows, k
+    return feature_rows, k, units
 
 
 def _one_length_stats(length: int, copies: int, total: int, chunk: list, splits: slice,
@@ -236,7 +246,7 @@ def _one_length_stats(length: int, copies: int, total: int, chunk: list, splits:
     caps = [None] * splits.start + [int(s) for s in split_caps.ravel()]
     caps += [None] * (len(chunk) - len(caps))
     st = [[] for _ in STAT_NAMES]
-    num_chunks, _, _, max_tokens, max_tiles, split_chunks, max_splits = st
+    num_chunks, _, _, max_tokens, max_tiles, max_splits, split_chunks = st
     for c, cap in zip(chunk, caps):
         k = -(-length1 // int(c))
         if cap is not None and k > cap:
@@ -261,12 +271,11 @@ def _one_length_stats(length: int, copies: int, total: int, chunk: list, splits:
 
 
 @functools.lru_cache(maxsize=64)
-def _request_constants(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """[n] ones and [n] 1/64s: NumPy takes its fast path when operands have the same shape."""
-    ones, per_tile = np.ones(n), np.full(n, 1.0 / TILE_TOKENS)
+def _ones(n: int) -> np.ndarray:
+    """[n] ones: a dot product with them sums rows (cheaper than a reduction)."""
+    ones = np.ones(n)
     ones.setflags(write=False)
-    per_tile.setflags(write=False)
-    return ones, per_tile
+    return ones
 
 
 @functools.lru_cache(maxsize=256)
@@ -345,14 +354,15 @@ def _pair_features(num_rows: int, first_is_no_split: bool, strategy, *shape):
 
 @dataclass
 class _Scores:
-    """Every candidate of one problem, scored (``_candidates``' rows, ``_row_stats``' k, one
-    column per request, or one for all when ``copies`` > 1), and per pair its row index,
-    strategy and predicted us."""
+    """Every candidate of one problem, scored (``_candidates``' rows; ``_row_stats``' chunk
+    counts k [rows, requests] and tiles per request, or when all lengths are equal
+    ``_one_length_stats``' k [rows, 1] and None), and per pair its row index, strategy and
+    predicted us."""
 
     values: list
     splits: slice
     k: np.ndarray
-    copies: int
+    units: np.ndarray | None
     pair_rows: np.ndarray
     strategies: tuple
     predicted: np.ndarray
@@ -376,10 +386,11 @@ class _Scores:
         align = min(value, TILE_TOKENS) if kind == CHUNK_TOKENS else TILE_TOKENS
         if kind == NO_SPLIT:
             arrays = _single_chunk_arrays(lens)
-        elif self.copies > 1 or lens.size == 1:
+        elif self.units is None:
             arrays = _uniform_chunk_arrays(lens.size, int(lens[0]), int(self.k[row][0]), align)
         else:
-            arrays = _chunk_arrays(lens, self.k[row].astype(_INT64), align)
+            units = self.units.astype(_INT64) if align == TILE_TOKENS else None
+            arrays = _chunk_arrays(lens, self.k[row].astype(_INT64), align, units)
         return Plan._trusted(problem, self.strategies[i], *arrays,
                              predicted_us=self.predicted.item(i))
 
@@ -389,30 +400,32 @@ def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=N
     pair. Equal lengths (the common benchmark case) collapse to one request standing for all."""
     lens = problem.kv_lens
     batch_size = lens.size
-    max_len = int(np.maximum.reduce(lens))
-    copies = 1
-    if batch_size > 1 and int(lens[0]) == max_len and np.minimum.reduce(lens) == max_len:
-        lens, copies = lens[:1], batch_size
-        total = max_len * copies
-    else:
-        total = int(np.add.reduce(lens))
+    max_len = int(lens[lens.argmax()])                   # argmax: cheaper than a reduction
+    min_len = int(lens[lens.argmin()])
     shape = (problem.num_qo_heads, problem.num_kv_heads, problem.head_dim, model.num_sms,
              model.ctas_per_sm, model.bandwidth_gbps)
     ipc, slots, _ = feature_constants(*shape)
+    if min_len == max_len:
+        total, lens_f = max_len * batch_size, None
+    else:
+        lens_f = lens.astype(_FLOAT64)
+        total = int(lens_f.dot(_ones(batch_size)))
     values, splits, caps, chunk, num_tiny, pair_key = \
         _candidates(batch_size, max_len, total, ipc, slots, num_splits, strategy)
-    if lens.size == 1:
-        rows, k = _one_length_stats(max_len, copies, total, chunk, splits, caps, num_tiny)
+    if lens_f is None:
+        rows, k = _one_length_stats(max_len, batch_size, total, chunk, splits, caps, num_tiny)
+        units = None
     else:
-        rows, k = _row_stats(lens.astype(_FLOAT64), max_len, total,
-                             np.array(chunk, _FLOAT64)[:, None], splits, caps, num_tiny, ipc,
-                             slots)
+        divisors = np.array([*chunk, TILE_TOKENS], _FLOAT64)[:, None]
+        rows, k, units = _row_stats(lens_f, min_len, max_len, total, divisors, splits, caps,
+                                    num_tiny)
     pair_rows, strategies, index, scale = _pair_features(*pair_key, *shape)
     # The same bits as features_from_stats(stats[:, pair_rows]) @ coef_. Even the memory
     # layout matters: the matrix-vector product's rounding depends on it, and candidates with
     # equal features must tie exactly, as they did there ([features, pairs], C order).
-    x = gather_features(row_features(rows, ipc, slots, model.num_sms), index, scale)
-    return _Scores(values, splits, k, copies, pair_rows, strategies, x.T @ model.coef_)
+    x = gather_features(row_features(rows, ipc, slots, model.num_sms, some_items=True), index,
+                        scale)
+    return _Scores(values, splits, k, units, pair_rows, strategies, x.T @ model.coef_)
 
 
 def _as_cost_model(profile) -> CostModel:

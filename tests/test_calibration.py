@@ -22,7 +22,7 @@ DEVICE = {"name": "NVIDIA H200", "num_sms": 132, "l2_bytes": 62914560, "cc": "90
 @pytest.fixture
 def fake_gpu():
     """time_plan_us of a GPU that follows TRUE_COEF with 1% noise."""
-    truth = CostModel.from_coef(TRUE_COEF)
+    truth = CostModel.from_coef(TRUE_COEF, clusters=True)   # DEVICE is sm_90
     rng = np.random.default_rng(7)
     calls = []
 

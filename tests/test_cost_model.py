@@ -8,7 +8,7 @@ from splitkv.planner.cost_model import (FEATURE_NAMES, CostModel, critical_path,
                                         decomposition_stats, plan_features, waves)
 from splitkv.planner.profiles import roofline_prior
 
-H200 = dict(num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0)
+H200 = dict(num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0, clusters=True)
 # A "GPU" unlike the prior in every parameter the prior sets (and any feature added later).
 TRUTH = {name: 1.5 * value + 0.05 for name, value in roofline_prior(132, 4460.0).items()}
 
@@ -177,3 +177,26 @@ def test_from_coef_checks_names():
         CostModel.from_coef({"const": 1.0})
     with pytest.raises(ValueError, match="finite"):
         CostModel.from_coef([np.nan] * len(FEATURE_NAMES))
+
+
+def test_cluster_merges_replace_the_ticket_exactly_where_the_runtime_clusters(plans):
+    """cluster_merges is 1 for a fused plan exactly when ``geometry.fused_cluster_size`` (the
+    runtime's rule) accepts it; such a plan pays no partials and no ticket."""
+    from splitkv.geometry import fused_cluster_size
+
+    ticket_only = {**H200, "clusters": False}
+    seen = set()
+    for plan in plans:
+        x = CostModel(**H200).features(plan)
+        x_off = CostModel(**ticket_only).features(plan)
+        longest = int((plan.chunk_end - plan.chunk_start).max())
+        clustered = fused_cluster_size(plan.strategy, plan.chunks_per_request, longest) > 0
+        seen.add(clustered)
+        assert feature(x, "cluster_merges") == float(clustered), plan
+        assert feature(x_off, "cluster_merges") == 0.0
+        if clustered:
+            for name in ("partial_us", "fused_tail_us", "fused_merges"):
+                assert feature(x, name) == 0.0 and feature(x_off, name) > 0.0, name
+        else:
+            np.testing.assert_array_equal(x, x_off)
+    assert seen == {True, False}

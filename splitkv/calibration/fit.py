@@ -98,8 +98,10 @@ def fit_profile(measurements, device: dict, *, heldout_fraction: float = 0.2, se
     measurements = list(measurements)
     if bandwidth_gbps is None:
         bandwidth_gbps = guess_bandwidth_gbps(device["name"])
+    # sm_90+ runs suitable fused plans as clusters (the wrapper's default): the model knows
     hyper = dict(num_sms=int(device["num_sms"]), ctas_per_sm=ctas_per_sm,
-                 bandwidth_gbps=float(bandwidth_gbps))
+                 bandwidth_gbps=float(bandwidth_gbps),
+                 clusters=int(device.get("cc", 0)) >= 90)
 
     train, heldout = split_heldout(measurements, heldout_fraction, seed)
     heldout_mape = heldout_max = None

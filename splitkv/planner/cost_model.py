@@ -42,23 +42,32 @@ The feature columns, in order (``FEATURE_NAMES``):
                   walks a row's partials one dependent L2 round trip after another.
   tail_us         (largest chunk - mean chunk) bytes of one CTA / one slot's bandwidth: the
                   scheduling tail of unequal chunks (0 when every chunk is the same size).
+  cluster_merges  1 when 'fused' merges inside thread-block clusters (``clusters`` hardware
+                  and a plan ``geometry.fused_cluster_size`` accepts); such a plan writes no
+                  partials and takes no ticket, so its partial_us, fused_tail_us and
+                  fused_merges are 0.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import numpy as np
 from scipy.optimize import nnls
 
-from ..geometry import TILE_TOKENS, ctas_per_kv_head
+from ..geometry import CLUSTER_MAX_CHUNK_TOKENS, CLUSTER_SIZES, TILE_TOKENS, ctas_per_kv_head
 from ..plan import Plan
 from ..validation import STRATEGIES
 
 
 FEATURE_NAMES = ("const", "launches", "kv_us", "crit_us", "crit_tiles", "crit_tile_rows",
                  "waves", "partial_us", "fused_tail_us", "fused_merges", "merge_chain",
-                 "tail_us")
+                 "tail_us", "cluster_merges")
+# The features a clustered fused merge does not pay (contiguous: partial_us, fused_tail_us,
+# fused_merges), and the one it pays instead.
+_TICKET = slice(7, 10)
+_CLUSTER = 12
 
 SINGLE, SPLIT_MERGE, FUSED = (STRATEGIES.index(s) for s in ("single", "split_merge", "fused"))
 
@@ -128,7 +137,7 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
     units = np.array([1.0, 1.0, num_kv_heads * token_bytes / bw, token_bytes / sm_bw,
                       head_dim / 128, rows * head_dim / 128, 1.0,
                       2 * num_qo_heads * partial_bytes / bw, rows * partial_bytes / slot_bw, 1.0,
-                      1.0, token_bytes / slot_bw])[:, None]
+                      1.0, token_bytes / slot_bw, 1.0])[:, None]
     units.setflags(write=False)
     return items_per_chunk, slots, units
 
@@ -146,12 +155,14 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
 # (Rows that one call fills together are neighbours: crit_tokens and crit_tiles, waves and
 # sm_waves.)
 FEATURE_ROWS = STAT_NAMES + ("one", "one_plus_split", "split", "split_x_max_splits",
-                             "crit_tokens", "crit_tiles", "waves", "sm_waves", "tail_tokens")
+                             "crit_tokens", "crit_tiles", "waves", "sm_waves", "tail_tokens",
+                             "clustered")
 _ROW = {name: i for i, name in enumerate(FEATURE_ROWS)}
 # Row of each feature (FEATURE_NAMES order); launches is 1 + split only when merging.
 FEATURE_SOURCE = np.array([_ROW[name] for name in (
     "one", "one", "total_tokens", "crit_tokens", "crit_tiles", "crit_tiles", "waves",
-    "split_chunks", "split_x_max_splits", "split", "split_x_max_splits", "tail_tokens")])
+    "split_chunks", "split_x_max_splits", "split", "split_x_max_splits", "tail_tokens",
+    "clustered")])
 MERGE_LAUNCHES_SOURCE = _ROW["one_plus_split"]
 
 
@@ -162,11 +173,14 @@ def new_feature_rows(n: int) -> tuple[np.ndarray, np.ndarray]:
     return rows, rows[:len(STAT_NAMES)]
 
 
-def row_features(rows, items_per_chunk, slots, num_sms, some_items=False) -> np.ndarray:
+def row_features(rows, items_per_chunk, slots, num_sms, some_items=False,
+                 cluster_batch_size=0) -> np.ndarray:
     """Fill the derived rows of a ``new_feature_rows`` array from its stats; returns it.
     Waves (start-ups) count per slot, the critical path per SM: ``critical_path`` with
     ``num_sms`` for its slots. ``some_items``: every column has at least one chunk (the
-    planner's rows), so the guard of the mean against 0 items can be skipped."""
+    planner's rows), so the guard of the mean against 0 items can be skipped.
+    ``cluster_batch_size``: the batch size when the GPU has clusters and some row may use
+    them, else 0 (the 'clustered' row is then 0)."""
     max_splits = rows[5]
     rows[7] = 1.0
     np.minimum(max_splits, _TWO, out=rows[8])      # max_splits >= 1: 1 + (max_splits > 1)
@@ -184,7 +198,34 @@ def row_features(rows, items_per_chunk, slots, num_sms, some_items=False) -> np.
     np.subtract(rows[3], crit[0], rows[15])        # largest - mean chunk tokens
     crit *= rows[14]
     np.maximum(crit, rows[3:5], out=rows[11:13])
+    if cluster_batch_size:
+        _clustered_row(rows, cluster_batch_size)
+    else:
+        rows[16] = 0.0
     return rows
+
+
+# 1 at the cluster sizes, indexed by a chunk count (larger counts clip to the final 0).
+_CLUSTER_SIZE_OK = np.zeros(max(CLUSTER_SIZES) + 2)
+_CLUSTER_SIZE_OK[list(CLUSTER_SIZES)] = 1.0
+_CLUSTER_SIZE_OK.setflags(write=False)
+
+
+def _clustered_row(rows, batch_size: int) -> None:
+    """Row 'clustered' = ``geometry.fused_cluster_size(...) > 0`` in closed form: every request
+    has max_splits chunks (the counts, each at most max_splits, sum to batch_size x
+    max_splits), max_splits is a cluster size, and no chunk is longer than
+    ``CLUSTER_MAX_CHUNK_TOKENS``."""
+    out = rows[16]
+    np.take(_CLUSTER_SIZE_OK, rows[5].astype(np.intp), mode="clip", out=out)
+    out *= np.equal(rows[0], rows[5] * float(batch_size))
+    out *= np.less_equal(rows[3], CLUSTER_MAX_CHUNK_TOKENS)
+
+
+def may_cluster(clusters: bool, max_len: int) -> bool:
+    """Whether any decomposition of a batch whose longest request has ``max_len`` tokens can
+    merge in clusters: at most the largest cluster size of the longest chunks."""
+    return clusters and max_len <= max(CLUSTER_SIZES) * CLUSTER_MAX_CHUNK_TOKENS
 
 
 # 0-d arrays rather than Python numbers: NumPy converts a Python number on every call.
@@ -210,13 +251,14 @@ def _wave_slots(slots: int, num_sms: int) -> np.ndarray:
 def strategy_scale(units, strategy_code, n: int) -> np.ndarray:
     """``[len(FEATURE_NAMES), n]``: each feature's unit, or 0 where the strategy (code: index
     in ``STRATEGIES``, [n] or one for all) does not pay it: merge_chain only for
-    'split_merge', fused_tail_us and fused_merges only for 'fused'."""
+    'split_merge', fused_tail_us, fused_merges and cluster_merges only for 'fused'."""
     scale = np.repeat(units, n, axis=1)
     merges = np.equal(strategy_code, SPLIT_MERGE)
     fuses = np.equal(strategy_code, FUSED)
     scale[10] *= merges
     scale[8] *= fuses
     scale[9] *= fuses
+    scale[12] *= fuses
     return scale
 
 
@@ -231,38 +273,46 @@ def feature_index(n: int, columns, strategy_code) -> np.ndarray:
     return source * n + columns[None, :]
 
 
-def gather_features(rows, index, scale) -> np.ndarray:
+def gather_features(rows, index, scale, clusters=False) -> np.ndarray:
     """Features ``[len(FEATURE_NAMES), m]`` of m candidates: ``rows.take(index)`` (see
-    ``feature_index``) times ``strategy_scale``."""
+    ``feature_index``) times ``strategy_scale``; with ``clusters``, a candidate that merges in
+    clusters drops the ticket merge's features."""
     x = rows.take(index)
     x *= scale
+    if clusters:
+        x[_TICKET] *= 1.0 - x[_CLUSTER]
     return x
 
 
 def features_from_stats(num_qo_heads, num_kv_heads, head_dim, strategy_code, stats, *,
-                        num_sms, ctas_per_sm, bandwidth_gbps) -> np.ndarray:
+                        num_sms, ctas_per_sm, bandwidth_gbps, batch_size=0,
+                        clusters=False) -> np.ndarray:
     """Feature matrix ``[n, len(FEATURE_NAMES)]`` of n candidates from their ``stats``
     ``[len(STAT_NAMES), n]`` and strategy codes (index in ``STRATEGIES``; [n] or one for all).
     The planner computes the statistics of many candidates at once in closed form;
-    ``plan_features`` computes them from a built plan."""
+    ``plan_features`` computes them from a built plan. ``clusters``: the GPU merges suitable
+    fused plans in clusters (needs the ``batch_size`` of the decompositions)."""
     ipc, slots, units = feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms,
                                           ctas_per_sm, bandwidth_gbps)
     n = np.shape(stats)[1]
     rows, stat_rows = new_feature_rows(n)
     stat_rows[:] = stats
     index = feature_index(n, np.arange(n), strategy_code)
-    return gather_features(row_features(rows, ipc, slots, num_sms), index,
-                           strategy_scale(units, strategy_code, n)).T
+    cluster_batch_size = batch_size if clusters else 0
+    return gather_features(row_features(rows, ipc, slots, num_sms,
+                                        cluster_batch_size=cluster_batch_size), index,
+                           strategy_scale(units, strategy_code, n), clusters=clusters).T
 
 
 def plan_features(problem, chunk_tokens, chunks_per_request, strategy, *, num_sms=132,
-                  ctas_per_sm=2, bandwidth_gbps=4460.0) -> np.ndarray:
+                  ctas_per_sm=2, bandwidth_gbps=4460.0, clusters=False) -> np.ndarray:
     """Feature vector of one decomposition: per-chunk token counts, chunks per request and the
     strategy ('single', 'split_merge' or 'fused')."""
     stats = decomposition_stats(chunk_tokens, chunks_per_request)
     return features_from_stats(problem.num_qo_heads, problem.num_kv_heads, problem.head_dim,
                                STRATEGIES.index(strategy), stats[:, None], num_sms=num_sms,
-                               ctas_per_sm=ctas_per_sm, bandwidth_gbps=bandwidth_gbps)[0]
+                               ctas_per_sm=ctas_per_sm, bandwidth_gbps=bandwidth_gbps,
+                               batch_size=len(chunks_per_request), clusters=clusters)[0]
 
 
 class CostModel:
@@ -279,10 +329,11 @@ class CostModel:
     feature_names = FEATURE_NAMES
 
     def __init__(self, num_sms: int = 132, ctas_per_sm: int = 2, bandwidth_gbps: float = 4460.0,
-                 robust: bool = True):
+                 robust: bool = True, clusters: bool = False):
         self.num_sms = num_sms
         self.ctas_per_sm = ctas_per_sm
         self.bandwidth_gbps = bandwidth_gbps
+        self.clusters = clusters        # the GPU merges suitable fused plans in clusters
         self.robust = robust
 
     @classmethod
@@ -305,13 +356,22 @@ class CostModel:
         model.n_samples_ = 0
         return model
 
+    def with_clusters(self, clusters: bool) -> "CostModel":
+        """This model, or a copy of it that predicts for a GPU with (or without) clusters: for
+        a caller that turns clusters off, or a device that has none."""
+        if clusters == self.clusters:
+            return self
+        other = copy.copy(self)
+        other.clusters = clusters
+        return other
+
     @property
     def slots(self) -> int:
         return self.num_sms * self.ctas_per_sm
 
     def _hardware(self) -> dict:
         return dict(num_sms=self.num_sms, ctas_per_sm=self.ctas_per_sm,
-                    bandwidth_gbps=self.bandwidth_gbps)
+                    bandwidth_gbps=self.bandwidth_gbps, clusters=self.clusters)
 
     def features(self, plan: Plan) -> np.ndarray:
         """Feature vector of a built plan."""
@@ -384,7 +444,7 @@ class CostModel:
 
     def __repr__(self) -> str:
         head = (f"CostModel(num_sms={self.num_sms}, ctas_per_sm={self.ctas_per_sm}, "
-                f"bandwidth_gbps={self.bandwidth_gbps}")
+                f"bandwidth_gbps={self.bandwidth_gbps}, clusters={self.clusters}")
         if getattr(self, "coef_", None) is None:
             return head + ", not fitted)"
         coef = ", ".join(f"{k}={v:.3g}" for k, v in self.coef_dict().items())

@@ -28,8 +28,8 @@ from ..plan import (Plan, _chunk_arrays, _single_chunk_arrays, _uniform_chunk_ar
                     plan_chunk_tokens, plan_fixed_splits, plan_from_chunk_counts)
 from ..problem import DecodeProblem
 from .cost_model import (STAT_NAMES, TILE_TOKENS, CostModel, feature_constants,
-                         feature_index, features_from_stats, gather_features, new_feature_rows,
-                         row_features, strategy_scale)
+                         feature_index, features_from_stats, gather_features, may_cluster,
+                         new_feature_rows, row_features, strategy_scale)
 
 NO_SPLIT, CHUNK_TOKENS, NUM_SPLITS = "no split", "chunk tokens", "num splits"
 TINY_CONTEXT = 2048        # up to this longest request, 16- and 32-token chunks are tried too
@@ -423,8 +423,10 @@ def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=N
     # The same bits as features_from_stats(stats[:, pair_rows]) @ coef_. Even the memory
     # layout matters: the matrix-vector product's rounding depends on it, and candidates with
     # equal features must tie exactly, as they did there ([features, pairs], C order).
-    x = gather_features(row_features(rows, ipc, slots, model.num_sms, some_items=True), index,
-                        scale)
+    clusters = may_cluster(model.clusters, max_len)
+    x = gather_features(row_features(rows, ipc, slots, model.num_sms, some_items=True,
+                                     cluster_batch_size=batch_size if clusters else 0),
+                        index, scale, clusters=clusters)
     return _Scores(values, splits, k, units, pair_rows, strategies, x.T @ model.coef_)
 
 
@@ -466,7 +468,7 @@ def _empty_candidate(problem, model, strategy) -> Candidate:
     x = features_from_stats(problem.num_qo_heads, problem.num_kv_heads, problem.head_dim,
                             V.STRATEGIES.index(strategy), np.zeros((len(STAT_NAMES), 1)),
                             num_sms=model.num_sms, ctas_per_sm=model.ctas_per_sm,
-                            bandwidth_gbps=model.bandwidth_gbps)
+                            bandwidth_gbps=model.bandwidth_gbps, clusters=model.clusters)
     return Candidate(NO_SPLIT, 1, strategy, float(x[0] @ model.coef_))
 
 

@@ -82,7 +82,7 @@ def roofline_prior(num_sms: int, bandwidth_gbps: float) -> dict:
     del num_sms, bandwidth_gbps
     return {"const": 0.5, "launches": 0.52, "kv_us": 0.24, "crit_us": 1.62, "crit_tiles": 0.02,
             "crit_tile_rows": 0.005, "waves": 0.6, "partial_us": 1.0, "fused_tail_us": 1.0,
-            "fused_merges": 1.0, "merge_chain": 0.05, "tail_us": 0.1}
+            "fused_merges": 1.0, "merge_chain": 0.05, "tail_us": 0.1, "cluster_merges": 0.3}
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,7 @@ class Profile:
     bandwidth_gbps: float                   # streaming-read bandwidth the features are scaled by
     coef: dict                              # feature name -> fitted parameter
     ctas_per_sm: int = 2
+    clusters: bool = False                  # suitable fused plans merge in clusters (sm_90+)
     measured_bandwidth_gbps: float | None = None   # best K+V bandwidth a decode reached
     fit_error: float | None = None          # RMS relative error on the fitted measurements
     heldout_error: float | None = None      # mean relative error on held-out shapes
@@ -111,7 +112,7 @@ class Profile:
     def _model(self) -> CostModel:
         model = CostModel.from_coef(self.coef, num_sms=self.num_sms,
                                     ctas_per_sm=self.ctas_per_sm,
-                                    bandwidth_gbps=self.bandwidth_gbps)
+                                    bandwidth_gbps=self.bandwidth_gbps, clusters=self.clusters)
         model.fit_error_ = self.fit_error
         return model
 
@@ -174,7 +175,12 @@ class Profile:
 
         if not isinstance(data["device_name"], str) or not data["device_name"]:
             raise bad(f"device_name: expected a non-empty string, got {data['device_name']!r}")
+        clusters = data.get("clusters", False)
+        if not isinstance(clusters, bool):
+            raise bad(f"clusters: expected true or false, got {clusters!r}")
         coef = data["coef"]
+        if isinstance(coef, dict) and not clusters and "cluster_merges" not in coef:
+            coef = {**coef, "cluster_merges": 0.0}   # written before clusters: never used
         if not isinstance(coef, dict) or set(coef) != set(FEATURE_NAMES):
             got = sorted(coef) if isinstance(coef, dict) else coef
             raise bad(f"coef: expected one parameter for each feature {list(FEATURE_NAMES)}, "
@@ -199,6 +205,7 @@ class Profile:
                    bandwidth_gbps=number("bandwidth_gbps", positive=True),
                    coef={k: float(coef[k]) for k in FEATURE_NAMES},
                    ctas_per_sm=integer("ctas_per_sm") if "ctas_per_sm" in data else 2,
+                   clusters=clusters,
                    measured_bandwidth_gbps=number("measured_bandwidth_gbps", optional=True),
                    fit_error=number("fit_error", optional=True),
                    heldout_error=number("heldout_error", optional=True),

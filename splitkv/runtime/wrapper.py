@@ -115,7 +115,8 @@ class BatchDecodeWrapper:
         else:
             from ..planner import choose_plan
 
-            chosen = choose_plan(problem, self.profile, num_splits, strategy)
+            model = self.profile.cost_model().with_clusters(self._clusters_enabled())
+            chosen = choose_plan(problem, model, num_splits, strategy)
         sm_scale_log2 = np.float32(V.check_sm_scale(sm_scale, self.head_dim) * LOG2E)
         max_page = int(page_table.kv_indices.max()) if page_table.kv_indices.size else -1
         if max_page >= 2**31:
@@ -137,16 +138,20 @@ class BatchDecodeWrapper:
         """Cluster size the current plan's fused merge runs in; 0 when it uses the ticket."""
         return self._kernels.variant.cluster if self._plan is not None else 0
 
-    def _variant_for(self, plan: Plan) -> DecodeVariant:
-        """The wrapper's kernel variant, in its cluster form when ``plan`` can use one."""
+    def _clusters_enabled(self) -> bool:
+        """Whether fused plans may merge in clusters on the current device."""
         from . import device_info
 
-        info = device_info(self._device_id)
+        info = device_info()
         has_clusters = int(info["cc"]) >= 90
         if self.use_clusters and not has_clusters:
             raise ValueError(f"use_clusters: {info['name']} (compute capability {info['cc']}) has "
                              "no thread-block clusters; they need 9.0 or newer")
-        if self.use_clusters is False or not has_clusters:
+        return has_clusters and self.use_clusters is not False
+
+    def _variant_for(self, plan: Plan) -> DecodeVariant:
+        """The wrapper's kernel variant, in its cluster form when ``plan`` can use one."""
+        if not self._clusters_enabled():
             return self.variant
         longest = int((plan.chunk_end - plan.chunk_start).max()) if plan.num_chunks else 0
         size = fused_cluster_size(plan.strategy, plan.chunks_per_request, longest)

@@ -7,6 +7,7 @@ decode kernel cut out (by patching its source), so the differences price each pa
   no_kv      the K/V copies read nothing (zero-fill): no K/V traffic at all
   bare       no K/V traffic and no merge: start-up, Q, page table, math, epilogue
   empty      returns at once: the launch itself, in a graph of one call per layer
+  pages2     page ids fetched two tiles ahead instead of one
   cluster    as shipped, fused plans merging in thread-block clusters where eligible (the
              probes above all use the atomic-ticket merge)
 
@@ -43,6 +44,7 @@ PATCHES = {
     "no_kv": [(_COPIES, _NO_COPIES)],
     "bare": [(_COPIES, _NO_COPIES), (_MERGE, "  return;")],
     "empty": [(_SMEM, _SMEM + "\n  if (blockDim.x > 0) return;")],
+    "pages2": [("#ifndef PAGE_LOOKAHEAD", "#define PAGE_LOOKAHEAD 2\n#ifndef PAGE_LOOKAHEAD")],
 }
 # The plans to dissect per case: (strategy, chunk tokens).
 PLANS = {
@@ -53,6 +55,9 @@ PLANS = {
     "mha_b1_n32k": [("fused", 4096), ("fused", 8192)],
     "b8_n8k": [("fused", 4096), ("fused", 2048), ("single", 1 << 30)],
     "b32_n2k": [("fused", 1024), ("single", 1 << 30)],
+    "b1_n128k": [("fused", 4096)],
+    "b32_n8k": [("single", 1 << 30)],
+    "ragged_b32": [("fused", 2048)],
 }
 
 
@@ -75,6 +80,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default=",".join(PLANS))
     parser.add_argument("--json", default=None)
+    parser.add_argument("--probes", default=",".join([*PATCHES, "cluster"]),
+                        help="comma-separated subset of the probes")
     args = parser.parse_args()
     rows = []
     for case in select(args.cases):
@@ -84,7 +91,9 @@ def main():
         for strategy, chunk in PLANS[case.name]:
             plan = plan_chunk_tokens(prob, chunk, strategy, align=64)
             times = {}
-            for probe, clusters in [(p, False) for p in PATCHES] + [("cluster", None)]:
+            chosen = args.probes.split(",")
+            for probe, clusters in [(p, False) for p in PATCHES if p in chosen] + \
+                    [("cluster", None)] * ("cluster" in chosen):
                 w = BatchDecodeWrapper(prob.num_qo_heads, prob.num_kv_heads, prob.head_dim,
                                        prob.page_size, prob.dtype, use_clusters=clusters)
                 v = w.variant

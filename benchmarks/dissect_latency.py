@@ -7,7 +7,6 @@ decode kernel cut out (by patching its source), so the differences price each pa
   no_kv      the K/V copies read nothing (zero-fill): no K/V traffic at all
   bare       no K/V traffic and no merge: start-up, Q, page table, math, epilogue
   empty      returns at once: the launch itself, in a graph of one call per layer
-  pages2     page ids fetched two tiles ahead instead of one
   cluster    as shipped, fused plans merging in thread-block clusters where eligible (the
              probes above all use the atomic-ticket merge)
 
@@ -44,7 +43,6 @@ PATCHES = {
     "no_kv": [(_COPIES, _NO_COPIES)],
     "bare": [(_COPIES, _NO_COPIES), (_MERGE, "  return;")],
     "empty": [(_SMEM, _SMEM + "\n  if (blockDim.x > 0) return;")],
-    "pages2": [("#ifndef PAGE_LOOKAHEAD", "#define PAGE_LOOKAHEAD 2\n#ifndef PAGE_LOOKAHEAD")],
 }
 # The plans to dissect per case: (strategy, chunk tokens).
 PLANS = {

@@ -48,9 +48,6 @@
 #define DTILES (HEAD_DIM / 8)
 #define PIPELINE_BYTES (STAGES * TILE_N * HEAD_DIM * 2 * 2)   // K and V tiles of every stage
 #define RECORD_PAGES 24                        // page ids in a chunk record (see below)
-#ifndef PAGE_LOOKAHEAD
-#define PAGE_LOOKAHEAD 1                       // tiles ahead the page ids are fetched
-#endif
 
 // Shared-memory tile rows are HEAD_DIM halves; chunk c of row r lives at chunk c ^ (r & 7), so
 // the 8 rows one ldmatrix reads fall in 8 different bank groups.
@@ -233,10 +230,6 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
     cp_async_commit();
   }
   fetch_pages(STAGES - 1, pages_in_record, pg, slot);
-#if PAGE_LOOKAHEAD == 2
-  int pg2[LOADS], slot2[LOADS];
-  fetch_pages(STAGES, false, pg2, slot2);
-#endif
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<STAGES - 2>();
@@ -245,13 +238,7 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
       const int next = tile + STAGES - 1;
       if (next < num_tiles) issue_tile(next % STAGES);
       cp_async_commit();
-#if PAGE_LOOKAHEAD == 2
-#pragma unroll
-      for (int i = 0; i < LOADS; ++i) { pg[i] = pg2[i]; slot[i] = slot2[i]; }
-      fetch_pages(next + 2, false, pg2, slot2);
-#else
       fetch_pages(next + 1, false, pg, slot);
-#endif
     }
     const int stage = tile % STAGES;
     const u32 ks_base = k_smem_u32 + (u32)(stage * TILE_N * HEAD_DIM * 2);

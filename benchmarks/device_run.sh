@@ -2,6 +2,7 @@
 # Everything the GPU machine has to do, in one call per phase; logs and results under $OUT.
 #   bash benchmarks/device_run.sh tests calibrate      # GPU tests + memcheck, then calibration
 #   bash benchmarks/device_run.sh eval bench           # planner evaluation, then the benchmark
+#   bash benchmarks/device_run.sh dissect              # what a short call spends its time on
 #   bash benchmarks/device_run.sh dist                 # 2+ GPUs: context-parallel tests and benchmark
 # Later phases plan with the profile `calibrate` just wrote, else with the shipped one.
 set -o pipefail
@@ -16,7 +17,7 @@ for phase in "$@"; do
     tests)
       python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_decode.py 2>&1 | tee "$RES/gpu_tests.log" | tail -3
       compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-        tests/test_gpu_decode.py -k "zero_length or bad_inputs or every_split or mqa" 2>&1 \
+        tests/test_gpu_decode.py -k "zero_length or bad_inputs or every_split or mqa or cluster or first_pages" 2>&1 \
         | tee "$RES/memcheck.log" | tail -4 ;;
     calibrate)
       python3 -m splitkv.cli calibrate --plot --trials 3 --min-trial-ms 10 --out "$RES/nvidia-h200.yaml" 2>&1 | tee "$RES/calibrate.log" | tail -25
@@ -27,6 +28,9 @@ for phase in "$@"; do
     bench)
       SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench --json "$RES/h200.json" --markdown "$RES/h200.md" 2>&1 \
         | grep -v Warning | tee "$RES/bench.log" | tail -22 ;;
+    dissect)
+      python3 benchmarks/dissect_latency.py --probes base,no_merge,bare,empty,cluster \
+        --json "$RES/h200-dissect.json" 2>&1 | grep -v Warning | tee "$RES/dissect.log" | tail -25 ;;
     dist)
       export NCCL_NVLS_ENABLE=0    # NVLink multicast stays off on shared machines
       python3 -c "import cupy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'nccl', nccl.get_version(), 'gpus', cupy.cuda.runtime.getDeviceCount())"

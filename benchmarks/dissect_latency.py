@@ -9,6 +9,9 @@ decode kernel cut out (by patching its source), so the differences price each pa
   empty      returns at once: the launch itself, in a graph of one call per layer
   cluster    as shipped, fused plans merging in thread-block clusters where eligible (the
              probes above all use the atomic-ticket merge)
+  cluster_any     every fused plan with 2, 4, 8 or 16 chunks per request in clusters, however
+                  long its chunks (16 is a non-portable size the kernel opts into)
+  cluster_spread  the same, asking the driver to spread a cluster's CTAs over SMs
 
 The patched kernels compute wrong answers on purpose; only their times mean anything.
 
@@ -16,6 +19,7 @@ The patched kernels compute wrong answers on purpose; only their times mean anyt
 """
 
 import argparse
+import contextlib
 import json
 from dataclasses import dataclass
 
@@ -25,6 +29,8 @@ from splitkv import BatchDecodeWrapper
 from splitkv.bench.cases import select
 from splitkv.plan import plan_chunk_tokens
 from splitkv.problem import DecodeProblem
+from splitkv import geometry
+from splitkv.runtime import kernel_source
 from splitkv.runtime.kernel_source import DecodeVariant
 from splitkv.runtime.testing import scattered_page_table
 from splitkv.runtime.timing import make_layers, time_wrapper_us
@@ -59,6 +65,35 @@ PLANS = {
 }
 
 
+CLUSTER_PROBES = ("cluster", "cluster_any", "cluster_spread")
+_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, _CLUSTER_SCHEDULING_POLICY = 14, 15   # CUfunction_attribute
+_POLICY_DEFAULT, _POLICY_SPREAD = 0, 1                                    # CUclusterSchedulingPolicy
+
+
+@contextlib.contextmanager
+def cluster_rule(probe):
+    """For the cluster_any/_spread probes: every uniform split of 2..16 chunks clusters."""
+    if probe == "cluster":
+        yield
+        return
+    saved = (geometry.CLUSTER_SIZES, geometry.CLUSTER_MAX_CHUNK_TOKENS, kernel_source.CLUSTER_SIZES)
+    geometry.CLUSTER_SIZES = kernel_source.CLUSTER_SIZES = (2, 4, 8, 16)
+    geometry.CLUSTER_MAX_CHUNK_TOKENS = 1 << 30
+    try:
+        yield
+    finally:
+        geometry.CLUSTER_SIZES, geometry.CLUSTER_MAX_CHUNK_TOKENS, kernel_source.CLUSTER_SIZES = saved
+
+
+def opt_in(kernel, spread: bool) -> None:
+    """Allow clusters of 16; ask for the spread or the default scheduling policy."""
+    from cupy_backends.cuda.api import driver
+
+    driver.funcSetAttribute(kernel.kernel.ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+    driver.funcSetAttribute(kernel.kernel.ptr, _CLUSTER_SCHEDULING_POLICY,
+                            _POLICY_SPREAD if spread else _POLICY_DEFAULT)
+
+
 @dataclass(frozen=True)
 class ProbeVariant(DecodeVariant):
     """A decode variant with source patches applied; a distinct key in the kernel cache."""
@@ -91,13 +126,16 @@ def main():
             times = {}
             chosen = args.probes.split(",")
             for probe, clusters in [(p, False) for p in PATCHES if p in chosen] + \
-                    [("cluster", None)] * ("cluster" in chosen):
+                    [(p, None) for p in CLUSTER_PROBES if p in chosen]:
                 w = BatchDecodeWrapper(prob.num_qo_heads, prob.num_kv_heads, prob.head_dim,
                                        prob.page_size, prob.dtype, use_clusters=clusters)
                 v = w.variant
                 w.variant = ProbeVariant(v.dtype, v.head_dim, v.head_tiles, v.stages,
                                          v.max_registers, probe=probe if clusters is False else "base")
-                w.plan(pt, plan=plan)
+                with cluster_rule(probe):
+                    w.plan(pt, plan=plan)
+                if w.cluster_size:      # the kernel object is shared: set both every time
+                    opt_in(w._kernels.partial, spread=probe == "cluster_spread")
                 times[probe] = time_wrapper_us(w, data, trials=5, min_trial_ms=10.0)
             rows.append({"case": case.name, "strategy": plan.strategy, "chunk_tokens": chunk,
                          "num_splits": plan.num_splits, "ctas": plan.num_chunks * prob.num_kv_heads,

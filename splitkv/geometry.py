@@ -14,22 +14,25 @@ def ctas_per_kv_head(group_size: int) -> int:
     return -(-group_size // MAX_HEADS_PER_CTA)
 
 # When a 'fused' plan merges inside thread-block clusters (sm_90+) instead of with the atomic
-# ticket. Measured on the H200 (benchmarks/NOTES.md): the cluster merge saves ~1-2 us of round
-# trips to L2, but co-scheduling a cluster in one GPC costs streaming bandwidth when CTAs run
-# long, and clusters of 16 (non-portable) were slower everywhere. So: 2, 4 or 8 chunks per
-# request, each at most 1,024 tokens.
+# ticket. Measured on the H200 (benchmarks/NOTES.md): the cluster merge saves ~1-1.5 us of
+# round trips to L2, but clusters cost streaming time when CTAs run long, when a grid holds
+# many clusters of 4 or 8 (b8_n8k as 64 clusters of 4: 69 -> 92 us; 4 x 609 tokens as 32 of 8:
+# 9.3 -> 13.8 us), and clusters of 16 (non-portable) were slower everywhere. So: 2, 4 or 8
+# chunks per request, each at most 1,024 tokens, and clusters of 4 or 8 only in grids of at
+# most 64 CTAs.
 CLUSTER_SIZES = (2, 4, 8)
 CLUSTER_MAX_CHUNK_TOKENS = 1024
+CLUSTER_MAX_WIDE_CTAS = 64
 
 
-def fused_cluster_size(strategy: str, chunks_per_request, longest_chunk: int) -> int:
+def fused_cluster_size(strategy: str, chunks_per_request, longest_chunk: int, num_ctas: int) -> int:
     """S when a 'fused' plan merges inside thread-block clusters: every request is cut into
-    exactly S chunks, S one of ``CLUSTER_SIZES``, none longer than ``CLUSTER_MAX_CHUNK_TOKENS``.
-    0 otherwise (ragged chunk counts, long chunks, no split, another strategy): the fused merge
-    then uses the atomic ticket."""
+    exactly S chunks, S one of ``CLUSTER_SIZES``, none longer than ``CLUSTER_MAX_CHUNK_TOKENS``,
+    and a grid of ``num_ctas`` CTAs at most ``CLUSTER_MAX_WIDE_CTAS`` when S > 2. 0 otherwise
+    (the fused merge then uses the atomic ticket)."""
     if strategy != "fused" or len(chunks_per_request) == 0 or longest_chunk > CLUSTER_MAX_CHUNK_TOKENS:
         return 0
     s = int(chunks_per_request[0])
-    if s not in CLUSTER_SIZES:
+    if s not in CLUSTER_SIZES or (s > 2 and num_ctas > CLUSTER_MAX_WIDE_CTAS):
         return 0
     return s if all(int(c) == s for c in chunks_per_request) else 0

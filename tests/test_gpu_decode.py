@@ -119,22 +119,27 @@ def test_every_split_count_and_fused_equals_split_merge():
                                             (96, 1, 128, "bfloat16"), (4, 4, 256, "float16")])
 def test_cluster_merge_matches_reference_and_ticket_merge(hq, hk, d, dtype):
     """Fused plans with 2, 4 or 8 short chunks per request merge inside thread-block clusters
-    on sm_90+: the same answer as the atomic-ticket merge, to the bit."""
+    on sm_90+ (where geometry.fused_cluster_size allows): the same answer as the atomic-ticket
+    merge, to the bit."""
+    from splitkv.geometry import ctas_per_kv_head, fused_cluster_size
     from splitkv.runtime import device_info
 
     if int(device_info()["cc"]) < 90:
         pytest.skip("thread-block clusters need compute capability 9.0")
     rng = np.random.default_rng(hq * d)
-    pt, q, k, v = make_case(rng, [1000, 777, 1100, 9], hq, hk, d, 16, dtype)
+    pt, q, k, v = make_case(rng, [1000, 9], hq, hk, d, 16, dtype)
     ref_o, ref_lse = reference_decode(q.get(), k.get(), v.get(), pt)
     clustered = BatchDecodeWrapper(hq, hk, d, 16, dtype)
     ticket = BatchDecodeWrapper(hq, hk, d, 16, dtype, use_clusters=False)
+    problem = DecodeProblem.from_page_table(pt, hq, hk, d, dtype)
+    sizes = []
     for n in (2, 4, 8):
-        counts = [n, n, n, n]
-        problem = DecodeProblem.from_page_table(pt, hq, hk, d, dtype)
-        plan = plan_from_chunk_counts(problem, counts, "fused")
+        plan = plan_from_chunk_counts(problem, [n, n], "fused")
         _, o, lse = run_checked(clustered, pt, q, k, v, dtype, plan=plan)
-        assert clustered.cluster_size == n
+        ctas = plan.num_work_items * ctas_per_kv_head(hq // hk)
+        longest = int((plan.chunk_end - plan.chunk_start).max())
+        assert clustered.cluster_size == fused_cluster_size("fused", [n, n], longest, ctas)
+        sizes.append(clustered.cluster_size)
         assert rel_err(o, ref_o) < TOL[dtype], f"{plan}"
         finite = np.isfinite(ref_lse)
         np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=2e-3, atol=2e-3)
@@ -142,6 +147,7 @@ def test_cluster_merge_matches_reference_and_ticket_merge(hq, hk, d, dtype):
         assert ticket.cluster_size == 0
         np.testing.assert_array_equal(o, o_ticket)
         np.testing.assert_array_equal(lse, lse_ticket)
+    assert sizes[0] == 2 and max(sizes) >= 4      # pairs always, and a wider cluster too
 
 
 @pytest.mark.parametrize("page", [4, 16, 32])

@@ -165,18 +165,20 @@ def test_inconsistent_hand_built_plans_are_refused(arrays, name):
         Plan(make_problem([20, 0, 5]), "split_merge", *arrays)
 
 
-def test_fused_cluster_size_needs_fused_equal_counts_and_short_chunks():
-    from splitkv.geometry import CLUSTER_MAX_CHUNK_TOKENS, fused_cluster_size
+def test_fused_cluster_size_needs_fused_equal_counts_short_chunks_and_small_grids():
+    from splitkv.geometry import CLUSTER_MAX_CHUNK_TOKENS, CLUSTER_MAX_WIDE_CTAS, fused_cluster_size
 
-    assert fused_cluster_size("fused", [8, 8, 8], 128) == 8
-    assert fused_cluster_size("fused", [2], CLUSTER_MAX_CHUNK_TOKENS) == 2
-    assert fused_cluster_size("fused", [2], CLUSTER_MAX_CHUNK_TOKENS + 1) == 0   # long chunks
-    assert fused_cluster_size("fused", [16, 16], 64) == 0     # past the sizes that paid
-    assert fused_cluster_size("fused", [8, 8, 7], 128) == 0   # ragged chunk counts
-    assert fused_cluster_size("fused", [3, 3], 128) == 0
-    assert fused_cluster_size("fused", [1, 1], 128) == 0
-    assert fused_cluster_size("split_merge", [4, 4], 128) == 0
-    assert fused_cluster_size("fused", [], 0) == 0
+    assert fused_cluster_size("fused", [8, 8, 8], 128, 48) == 8
+    assert fused_cluster_size("fused", [8], 128, CLUSTER_MAX_WIDE_CTAS + 8) == 0   # big grid
+    assert fused_cluster_size("fused", [2] * 64, 1000, 1024) == 2   # pairs: any grid
+    assert fused_cluster_size("fused", [2], CLUSTER_MAX_CHUNK_TOKENS, 16) == 2
+    assert fused_cluster_size("fused", [2], CLUSTER_MAX_CHUNK_TOKENS + 1, 16) == 0   # long chunks
+    assert fused_cluster_size("fused", [16, 16], 64, 32) == 0    # past the sizes that paid
+    assert fused_cluster_size("fused", [8, 8, 7], 128, 23) == 0  # ragged chunk counts
+    assert fused_cluster_size("fused", [3, 3], 128, 6) == 0
+    assert fused_cluster_size("fused", [1, 1], 128, 2) == 0
+    assert fused_cluster_size("split_merge", [4, 4], 128, 8) == 0
+    assert fused_cluster_size("fused", [], 0, 0) == 0
 
 
 def test_cluster_variant_names_and_shared_memory():

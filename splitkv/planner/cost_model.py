@@ -56,7 +56,8 @@ import functools
 import numpy as np
 from scipy.optimize import nnls
 
-from ..geometry import CLUSTER_MAX_CHUNK_TOKENS, CLUSTER_SIZES, TILE_TOKENS, ctas_per_kv_head
+from ..geometry import (CLUSTER_MAX_CHUNK_TOKENS, CLUSTER_MAX_WIDE_CTAS, CLUSTER_SIZES,
+                        TILE_TOKENS, ctas_per_kv_head)
 from ..plan import Plan
 from ..validation import STRATEGIES
 
@@ -199,7 +200,7 @@ def row_features(rows, items_per_chunk, slots, num_sms, some_items=False,
     crit *= rows[14]
     np.maximum(crit, rows[3:5], out=rows[11:13])
     if cluster_batch_size:
-        _clustered_row(rows, cluster_batch_size)
+        _clustered_row(rows, cluster_batch_size, items_per_chunk)
     else:
         rows[16] = 0.0
     return rows
@@ -211,15 +212,17 @@ _CLUSTER_SIZE_OK[list(CLUSTER_SIZES)] = 1.0
 _CLUSTER_SIZE_OK.setflags(write=False)
 
 
-def _clustered_row(rows, batch_size: int) -> None:
+def _clustered_row(rows, batch_size: int, items_per_chunk: int) -> None:
     """Row 'clustered' = ``geometry.fused_cluster_size(...) > 0`` in closed form: every request
     has max_splits chunks (the counts, each at most max_splits, sum to batch_size x
-    max_splits), max_splits is a cluster size, and no chunk is longer than
-    ``CLUSTER_MAX_CHUNK_TOKENS``."""
+    max_splits), max_splits is a cluster size, no chunk is longer than
+    ``CLUSTER_MAX_CHUNK_TOKENS``, and clusters wider than 2 have a small grid."""
     out = rows[16]
     np.take(_CLUSTER_SIZE_OK, rows[5].astype(np.intp), mode="clip", out=out)
     out *= np.equal(rows[0], rows[5] * float(batch_size))
     out *= np.less_equal(rows[3], CLUSTER_MAX_CHUNK_TOKENS)
+    small_grid = np.less_equal(rows[0] * float(items_per_chunk), CLUSTER_MAX_WIDE_CTAS)
+    out *= np.logical_or(small_grid, np.less_equal(rows[5], 2.0))
 
 
 def may_cluster(clusters: bool, max_len: int) -> bool:

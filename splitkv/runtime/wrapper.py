@@ -154,7 +154,8 @@ class BatchDecodeWrapper:
         if not self._clusters_enabled():
             return self.variant
         longest = int((plan.chunk_end - plan.chunk_start).max()) if plan.num_chunks else 0
-        size = fused_cluster_size(plan.strategy, plan.chunks_per_request, longest)
+        num_ctas = plan.num_work_items * self.head_tile_groups
+        size = fused_cluster_size(plan.strategy, plan.chunks_per_request, longest, num_ctas)
         return replace(self.variant, cluster=size) if size else self.variant
 
     @property

@@ -22,18 +22,17 @@ from pathlib import Path
 import numpy as np
 
 from splitkv import DecodeProblem
-from splitkv.bench.cases import RAGGED_B32
+from splitkv.bench.cases import RAGGED_B32, ragged_b256_lengths
 from splitkv.planner import choose_plan, load_profile
 
 PROFILE = Path(__file__).resolve().parents[1] / "splitkv/planner/profiles/nvidia-h200.yaml"
 
 
 def cases() -> dict[str, np.ndarray]:
-    lognormal = np.random.default_rng(0).lognormal(np.log(2048), 1.2, 256)
     return {
         "ragged_b32": np.array(RAGGED_B32),
         "ragged_b256 (uniform)": np.random.default_rng(0).integers(1, 32768, 256),
-        "ragged_b256 (lognormal)": np.clip(lognormal, 16, 32768).astype(np.int64),
+        "ragged_b256 (lognormal)": ragged_b256_lengths(),
     }
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 RAGGED_B32 = [2623, 1653, 3648, 1041, 3200, 6690, 2792, 1711, 2317, 8665, 1207, 1927, 1989, 557,
               4407, 880, 7824, 2685, 1287, 438, 4244, 5400, 1889, 1276, 2444, 520, 3909, 4031, 611,
               6923, 1353, 12903]
@@ -58,3 +60,10 @@ def select(names: str | None) -> list[Case]:
     if unknown:
         raise ValueError(f"--cases: unknown case(s) {unknown}; known: {sorted(by_name)}")
     return [by_name[n] for n in wanted]
+
+
+def ragged_b256_lengths() -> np.ndarray:
+    """The issue's plan-cost batch, "a ragged batch of 256 requests": 256 log-normal lengths
+    (median ~2k tokens, clipped to 16..32k; seed 0), many short requests and a few long ones."""
+    lens = np.random.default_rng(0).lognormal(np.log(2048), 1.2, 256)
+    return np.clip(lens, 16, 32768).astype(np.int64)

@@ -283,7 +283,12 @@ def test_plan_cli(capsys):
     out = capsys.readouterr().out
     assert "plan:" in out and "predicted:" in out and "top 3 of" in out
     assert plan_cli.run(parser.parse_args(["--lens", "100,2000,30000", "--strategy", "fused"])) == 0
-    assert "fused" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fused" in out and "merge:     by the last CTA" in out    # ragged: the ticket
+    # the shipped H200 profile has clusters: one short request cut in 8 merges in a cluster
+    assert plan_cli.run(parser.parse_args(["--kv-len", "1024", "--num-splits", "8",
+                                           "--strategy", "fused"])) == 0
+    assert "clusters of 8" in capsys.readouterr().out
     assert plan_cli.run(parser.parse_args(["--head-dim", "96"])) == 2
     assert "head_dim" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -11,7 +11,7 @@ from splitkv.calibration.sweep import read_measurements
 
 csv_path, out = sys.argv[1], sys.argv[2]
 measurements = read_measurements(csv_path, quick=False, seed=0)
-profile, report = fit_profile(measurements, {"name": "NVIDIA H200", "num_sms": 132},
+profile, report = fit_profile(measurements, {"name": "NVIDIA H200", "num_sms": 132, "cc": "90"},
                               sweep={"name": "full", "seed": 0,
                                      "timing": {"trials": 3, "min_trial_ms": 10.0},
                                      "refit_from": csv_path})

@@ -10,7 +10,8 @@ decode kernel cut out (by patching its source), so the differences price each pa
   cluster    as shipped, fused plans merging in thread-block clusters where eligible (the
              probes above all use the atomic-ticket merge)
   cluster_any     every fused plan with 2, 4, 8 or 16 chunks per request in clusters, however
-                  long its chunks (16 is a non-portable size the kernel opts into)
+                  long its chunks and large its grid (16 is a non-portable size the kernel
+                  opts into)
   cluster_spread  the same, asking the driver to spread a cluster's CTAs over SMs
 
 The patched kernels compute wrong answers on purpose; only their times mean anything.
@@ -76,13 +77,15 @@ def cluster_rule(probe):
     if probe == "cluster":
         yield
         return
-    saved = (geometry.CLUSTER_SIZES, geometry.CLUSTER_MAX_CHUNK_TOKENS, kernel_source.CLUSTER_SIZES)
+    saved = (geometry.CLUSTER_SIZES, geometry.CLUSTER_MAX_CHUNK_TOKENS,
+             geometry.CLUSTER_MAX_WIDE_CTAS, kernel_source.CLUSTER_SIZES)
     geometry.CLUSTER_SIZES = kernel_source.CLUSTER_SIZES = (2, 4, 8, 16)
-    geometry.CLUSTER_MAX_CHUNK_TOKENS = 1 << 30
+    geometry.CLUSTER_MAX_CHUNK_TOKENS = geometry.CLUSTER_MAX_WIDE_CTAS = 1 << 30
     try:
         yield
     finally:
-        geometry.CLUSTER_SIZES, geometry.CLUSTER_MAX_CHUNK_TOKENS, kernel_source.CLUSTER_SIZES = saved
+        (geometry.CLUSTER_SIZES, geometry.CLUSTER_MAX_CHUNK_TOKENS,
+         geometry.CLUSTER_MAX_WIDE_CTAS, kernel_source.CLUSTER_SIZES) = saved
 
 
 def opt_in(kernel, spread: bool) -> None:
@@ -123,7 +126,7 @@ def main():
         data = make_layers(pt, prob.num_qo_heads, prob.num_kv_heads, prob.head_dim, prob.dtype)
         for strategy, chunk in PLANS[case.name]:
             plan = plan_chunk_tokens(prob, chunk, strategy, align=64)
-            times = {}
+            times, sizes = {}, {}
             chosen = args.probes.split(",")
             for probe, clusters in [(p, False) for p in PATCHES if p in chosen] + \
                     [(p, None) for p in CLUSTER_PROBES if p in chosen]:
@@ -137,9 +140,11 @@ def main():
                 if w.cluster_size:      # the kernel object is shared: set both every time
                     opt_in(w._kernels.partial, spread=probe == "cluster_spread")
                 times[probe] = time_wrapper_us(w, data, trials=5, min_trial_ms=10.0)
+                sizes[probe] = w.cluster_size
             rows.append({"case": case.name, "strategy": plan.strategy, "chunk_tokens": chunk,
                          "num_splits": plan.num_splits, "ctas": plan.num_chunks * prob.num_kv_heads,
-                         "layers": data.num_layers, **{k: round(t, 2) for k, t in times.items()}})
+                         "layers": data.num_layers, **{k: round(t, 2) for k, t in times.items()},
+                         "cluster_size": sizes})
             r = rows[-1]
             print(f"{case.name:12s} {plan.strategy:11s}/{plan.num_splits:<3d} ctas {r['ctas']:4d}  "
                   + "  ".join(f"{k} {r[k]:7.2f}" for k in times), flush=True)

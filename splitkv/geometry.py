@@ -7,6 +7,7 @@ TILE_TOKENS = 16 * WARPS_PER_CTA    # tokens per pipeline stage (TILE_N)
 THREADS_PER_CTA = 32 * WARPS_PER_CTA
 MAX_HEADS_PER_CTA = 64              # query heads one CTA computes (16 x the largest HEAD_TILES)
 RECORD_PAGES = 24                   # page ids carried in each chunk's record (decode.cu)
+RECORD_INTS = 8 + RECORD_PAGES      # a chunk record: two int4 of header, then the page ids
 
 
 def ctas_per_kv_head(group_size: int) -> int:
@@ -36,3 +37,14 @@ def fused_cluster_size(strategy: str, chunks_per_request, longest_chunk: int, nu
     if s not in CLUSTER_SIZES or (s > 2 and num_ctas > CLUSTER_MAX_WIDE_CTAS):
         return 0
     return s if all(int(c) == s for c in chunks_per_request) else 0
+
+
+def plan_cluster_size(plan) -> int:
+    """``fused_cluster_size`` of a built plan: the cluster size its fused merge runs in on a GPU
+    with clusters (0: the atomic ticket, or no fused merge)."""
+    if plan.num_chunks == 0:
+        return 0
+    longest = int((plan.chunk_end - plan.chunk_start).max())
+    group = plan.problem.num_qo_heads // plan.problem.num_kv_heads
+    return fused_cluster_size(plan.strategy, plan.chunks_per_request, longest,
+                              plan.num_work_items * ctas_per_kv_head(group))

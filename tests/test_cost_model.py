@@ -180,18 +180,16 @@ def test_from_coef_checks_names():
 
 
 def test_cluster_merges_replace_the_ticket_exactly_where_the_runtime_clusters(plans):
-    """cluster_merges is 1 for a fused plan exactly when ``geometry.fused_cluster_size`` (the
+    """cluster_merges is 1 for a fused plan exactly when ``geometry.plan_cluster_size`` (the
     runtime's rule) accepts it; such a plan pays no partials and no ticket."""
-    from splitkv.geometry import ctas_per_kv_head, fused_cluster_size
+    from splitkv.geometry import plan_cluster_size
 
     ticket_only = {**H200, "clusters": False}
     seen = set()
     for plan in plans:
         x = CostModel(**H200).features(plan)
         x_off = CostModel(**ticket_only).features(plan)
-        longest = int((plan.chunk_end - plan.chunk_start).max())
-        ctas = plan.num_work_items * ctas_per_kv_head(plan.problem.num_qo_heads // plan.problem.num_kv_heads)
-        clustered = fused_cluster_size(plan.strategy, plan.chunks_per_request, longest, ctas) > 0
+        clustered = plan_cluster_size(plan) > 0
         seen.add(clustered)
         assert feature(x, "cluster_merges") == float(clustered), plan
         assert feature(x_off, "cluster_merges") == 0.0

@@ -55,7 +55,8 @@ def _rel_err_subset(wrapper, page_table, data, max_requests: int = 4) -> float:
 
 
 def _plan_cpu_us(problem, profile, repeats: int = 200) -> float:
-    """Median host time of choosing a plan (what plan() does before its one upload)."""
+    """Median host time of choosing a plan (``choose_plan``; ``plan()`` then builds the chunk
+    records and uploads them)."""
     from ..planner import choose_plan
 
     samples = []
@@ -151,7 +152,7 @@ def run(args) -> int:
 
 def markdown_table(result: dict) -> str:
     lines = [f"read floor: {result['read_gbps']:,.0f} GB/s; first-call compile "
-             f"{result['first_call_compile_s']} s; plan() CPU time: ragged_b32 "
+             f"{result['first_call_compile_s']} s; planner (choose_plan) CPU time: ragged_b32 "
              f"{result['plan_cpu_us_ragged_b32']} us, 256 ragged requests "
              f"{result.get('plan_cpu_us_ragged_b256')} us", "",
              "| case | us | GB/s | % read bw | rel err | plan | best paged peer us | SDPA (contig.) us | target |",

@@ -47,7 +47,11 @@
 #define KSTEPS (HEAD_DIM / 16)
 #define DTILES (HEAD_DIM / 8)
 #define PIPELINE_BYTES (STAGES * TILE_N * HEAD_DIM * 2 * 2)   // K and V tiles of every stage
-#define RECORD_PAGES 24                        // page ids in a chunk record (see below)
+#ifndef RECORD_PAGES
+#error "RECORD_PAGES must be defined"
+#endif
+#define RECORD_INT4 (2 + RECORD_PAGES / 4)     // a chunk record: header, then the page ids
+static_assert(RECORD_PAGES % 4 == 0 && RECORD_PAGES / 4 <= NUM_THREADS, "record copy");
 
 // Shared-memory tile rows are HEAD_DIM halves; chunk c of row r lives at chunk c ^ (r & 7), so
 // the 8 rows one ldmatrix reads fall in 8 different bank groups.
@@ -111,12 +115,12 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   const int group = num_qo_heads / num_kv_heads;
   const int head0 = kvh * group + htile * ROWS;
   const int rows_valid = min(ROWS, group - htile * ROWS);
-  // The chunk record, 8 int4: [0] = (request, first token, end token, first page-table entry of
-  // the request), [1] = (first chunk of the request, end chunk, -, -), [2..7] = the page ids of
+  // The chunk record, RECORD_INT4 int4: [0] = (request, first token, end token, first page-table entry of
+  // the request), [1] = (first chunk of the request, end chunk, -, -), [2..] = the page ids of
   // the chunk's first RECORD_PAGES pages. With `pages_in_record` (chunks start on a page
   // boundary, and the first STAGES tiles fit in those pages) the page ids go to shared memory
   // alongside the header loads: the first K/V copies wait for one round trip, not two.
-  const int4* record = chunk_info + 8 * chunk;
+  const int4* record = chunk_info + RECORD_INT4 * chunk;
   int* record_pages = reinterpret_cast<int*>(smem + PIPELINE_BYTES);
   if (pages_in_record) {
     if (threadIdx.x < RECORD_PAGES / 4)

@@ -90,15 +90,13 @@ def run(args) -> int:
 
 def _merge_description(plan, clusters: bool) -> str:
     """How the plan's partial states get merged, as the runtime will run it."""
-    from ..geometry import ctas_per_kv_head, fused_cluster_size
+    from ..geometry import plan_cluster_size
 
     if not plan.needs_merge:
         return "none (every request in one chunk)"
     if plan.strategy == "split_merge":
         return "a second kernel"
-    longest = int((plan.chunk_end - plan.chunk_start).max())
-    ctas = plan.num_work_items * ctas_per_kv_head(plan.problem.num_qo_heads // plan.problem.num_kv_heads)
-    size = fused_cluster_size(plan.strategy, plan.chunks_per_request, longest, ctas) if clusters else 0
+    size = plan_cluster_size(plan) if clusters else 0
     if size:
         return f"in thread-block clusters of {size}, through distributed shared memory (sm_90+)"
     return "by the last CTA of each request (atomic ticket)"

@@ -67,8 +67,9 @@ FEATURE_NAMES = ("const", "launches", "kv_us", "crit_us", "crit_tiles", "crit_ti
                  "tail_us", "cluster_merges")
 # The features a clustered fused merge does not pay (contiguous: partial_us, fused_tail_us,
 # fused_merges), and the one it pays instead.
-_TICKET = slice(7, 10)
-_CLUSTER = 12
+_TICKET = slice(FEATURE_NAMES.index("partial_us"), FEATURE_NAMES.index("fused_merges") + 1)
+_CLUSTER = FEATURE_NAMES.index("cluster_merges")
+assert FEATURE_NAMES[_TICKET] == ("partial_us", "fused_tail_us", "fused_merges")
 
 SINGLE, SPLIT_MERGE, FUSED = (STRATEGIES.index(s) for s in ("single", "split_merge", "fused"))
 

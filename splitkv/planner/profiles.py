@@ -180,7 +180,9 @@ class Profile:
             raise bad(f"clusters: expected true or false, got {clusters!r}")
         coef = data["coef"]
         if isinstance(coef, dict) and not clusters and "cluster_merges" not in coef:
-            coef = {**coef, "cluster_merges": 0.0}   # written before clusters: never used
+            # written before clusters: its model never predicts a cluster merge (the wrapper
+            # only ever turns a model's clusters off), so this parameter goes unused
+            coef = {**coef, "cluster_merges": 0.0}
         if not isinstance(coef, dict) or set(coef) != set(FEATURE_NAMES):
             got = sorted(coef) if isinstance(coef, dict) else coef
             raise bad(f"coef: expected one parameter for each feature {list(FEATURE_NAMES)}, "

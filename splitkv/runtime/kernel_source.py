@@ -69,7 +69,8 @@ class DecodeVariant:
     def defines(self) -> dict[str, int]:
         return {"SPLITKV_BF16": int(self.dtype == "bfloat16"), "HEAD_DIM": self.head_dim,
                 "HEAD_TILES": self.head_tiles, "STAGES": self.stages, "NUM_WARPS": WARPS_PER_CTA,
-                "MAX_REGISTERS": self.max_registers, "CLUSTER": self.cluster}
+                "MAX_REGISTERS": self.max_registers, "CLUSTER": self.cluster,
+                "RECORD_PAGES": RECORD_PAGES}
 
     @property
     def name(self) -> str:

@@ -23,31 +23,37 @@ from .. import validation as V
 from ..plan import Plan
 from ..problem import DecodeProblem, PageTable
 from .arrays import as_cupy_stream, as_device_array, cupy_storage_dtype
-from ..geometry import (RECORD_PAGES, THREADS_PER_CTA, TILE_TOKENS, ctas_per_kv_head,
-                        fused_cluster_size)
+from ..geometry import (RECORD_INTS, RECORD_PAGES, THREADS_PER_CTA, TILE_TOKENS,
+                        ctas_per_kv_head, plan_cluster_size)
 from .kernel_source import DecodeVariant
 from .modules import get_decode_kernels
 
 LOG2E = 1.4426950408889634
 
 
-def first_pages(page_table: PageTable, chunk_request, chunk_start) -> np.ndarray:
-    """[num_chunks, RECORD_PAGES] page ids of each chunk's first pages (from the page holding
-    its first token), carried in its record so the kernel need not look them up before its
-    first copies. Entries past the request's last page repeat that page (never read)."""
+def first_pages(page_table: PageTable, chunk_request, chunk_start,
+                count: int = RECORD_PAGES) -> np.ndarray:
+    """[num_chunks, count] page ids of each chunk's first pages (from the page holding its
+    first token), carried in its record so the kernel need not look them up before its first
+    copies. Entries past the request's last page repeat that page (never read)."""
     entries = (page_table.kv_indptr[chunk_request] + chunk_start // page_table.page_size)[:, None] \
-        + np.arange(RECORD_PAGES)
+        + np.arange(count)
     last = np.maximum(page_table.kv_indptr[np.asarray(chunk_request) + 1] - 1, 0)[:, None]
     if page_table.kv_indices.size == 0:
         return np.zeros(entries.shape, dtype=np.int32)
     return page_table.kv_indices[np.minimum(entries, last)]
 
 
+def record_pages_needed(page_size: int, stages: int) -> int:
+    """Pages the first ``stages`` tiles of a page-aligned chunk span."""
+    return -(-stages * TILE_TOKENS // page_size)
+
+
 def pages_fit_record(plan: Plan, page_size: int, stages: int) -> bool:
     """Whether the kernel may take its first ``stages`` tiles' page ids from the chunk
     records: every chunk starts on a page boundary and those tiles span at most RECORD_PAGES
     pages."""
-    return (stages * TILE_TOKENS <= RECORD_PAGES * page_size
+    return (record_pages_needed(page_size, stages) <= RECORD_PAGES
             and not np.any(plan.chunk_start % page_size))
 
 
@@ -75,8 +81,10 @@ class BatchDecodeWrapper:
             0 if stages is None else V.check_int("stages", stages, 2),
             0 if max_registers is None else V.check_int("max_registers", max_registers, 0))
         self.head_tile_groups = ctas_per_kv_head(self.group_size)
-        # None: a fused plan that suits clusters (geometry.fused_cluster_size) merges inside
-        # thread-block clusters when the GPU has them (sm_90+); False: always the atomic ticket.
+        # None or True: a fused plan that suits clusters (geometry.fused_cluster_size) merges
+        # inside thread-block clusters when the GPU has them (sm_90+), True raising where it has
+        # none; False: always the atomic ticket. A cluster variant compiles (about a second) the
+        # first time a plan needs it.
         if use_clusters is not None and not isinstance(use_clusters, bool):
             raise TypeError(f"use_clusters: expected None, True or False, got {use_clusters!r}")
         self.use_clusters = use_clusters
@@ -115,7 +123,9 @@ class BatchDecodeWrapper:
         else:
             from ..planner import choose_plan
 
-            model = self.profile.cost_model().with_clusters(self._clusters_enabled())
+            model = self.profile.cost_model()
+            if not self._clusters_enabled():     # predict the ticket merge that will run
+                model = model.with_clusters(False)
             chosen = choose_plan(problem, model, num_splits, strategy)
         sm_scale_log2 = np.float32(V.check_sm_scale(sm_scale, self.head_dim) * LOG2E)
         max_page = int(page_table.kv_indices.max()) if page_table.kv_indices.size else -1
@@ -125,6 +135,8 @@ class BatchDecodeWrapper:
         self._device_id = cupy.cuda.runtime.getDevice()
         s = as_cupy_stream(stream)
         self._kernels = get_decode_kernels(self._variant_for(chosen))
+        self._pages_in_record = pages_fit_record(chosen, self.page_size,
+                                                 self._kernels.variant.stages)
         meta = self._upload(page_table, chosen, s)
         self._ensure_workspace(chosen, s)
         self._ready.record(s)          # run() on another stream waits for the upload
@@ -153,9 +165,7 @@ class BatchDecodeWrapper:
         """The wrapper's kernel variant, in its cluster form when ``plan`` can use one."""
         if not self._clusters_enabled():
             return self.variant
-        longest = int((plan.chunk_end - plan.chunk_start).max()) if plan.num_chunks else 0
-        num_ctas = plan.num_work_items * self.head_tile_groups
-        size = fused_cluster_size(plan.strategy, plan.chunks_per_request, longest, num_ctas)
+        size = plan_cluster_size(plan)
         return replace(self.variant, cluster=size) if size else self.variant
 
     @property
@@ -178,14 +188,16 @@ class BatchDecodeWrapper:
         import cupy
 
         req = plan.chunk_request
-        chunk_info = np.zeros((plan.num_chunks, 32), dtype=np.int32)   # 8 int4 per chunk
+        chunk_info = np.zeros((plan.num_chunks, RECORD_INTS), dtype=np.int32)
         chunk_info[:, 0] = req
         chunk_info[:, 1] = plan.chunk_start
         chunk_info[:, 2] = plan.chunk_end
         chunk_info[:, 3] = page_table.kv_indptr[req]
         chunk_info[:, 4] = plan.merge_indptr[req]
         chunk_info[:, 5] = plan.merge_indptr[req + 1]
-        chunk_info[:, 8:] = first_pages(page_table, req, plan.chunk_start)
+        if self._pages_in_record:
+            count = record_pages_needed(self.page_size, self._kernels.variant.stages)
+            chunk_info[:, 8:8 + count] = first_pages(page_table, req, plan.chunk_start, count)
         parts = {"chunk_info": chunk_info.ravel(), "kv_indices": page_table.kv_indices,
                  "merge_indptr": plan.merge_indptr}
         sizes = [-(-max(1, a.size) // 4) * 4 for a in parts.values()]   # 16-byte aligned parts
@@ -209,7 +221,9 @@ class BatchDecodeWrapper:
     def _ensure_workspace(self, plan: Plan, stream) -> None:
         import cupy
 
-        rows = plan.num_chunks * self.num_qo_heads if plan.needs_merge else 1
+        # a cluster merge keeps its partials in shared memory: no workspace
+        merges_in_memory = plan.needs_merge and not self._kernels.variant.cluster
+        rows = plan.num_chunks * self.num_qo_heads if merges_in_memory else 1
         counters = max(1, plan.problem.batch_size * self.num_kv_heads * self.head_tile_groups)
         cap_rows, cap_counters = self._workspace_capacity
         if rows > cap_rows:
@@ -232,8 +246,7 @@ class BatchDecodeWrapper:
                                 np.int32(self.num_qo_heads), np.int32(self.num_kv_heads),
                                 np.int32(self.head_tile_groups), np.int32(self.page_size),
                                 sm_scale_log2, np.int32(plan.strategy == "fused"),
-                                np.int32(pages_fit_record(plan, self.page_size,
-                                                          self._kernels.variant.stages)))
+                                np.int32(self._pages_in_record))
         self._merge_launch = None
         if plan.strategy == "split_merge" and plan.needs_merge:
             # one thread per (request, qo head, 4 dims)

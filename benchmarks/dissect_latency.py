@@ -13,6 +13,7 @@ decode kernel cut out (by patching its source), so the differences price each pa
                   long its chunks and large its grid (16 is a non-portable size the kernel
                   opts into)
   cluster_spread  the same, asking the driver to spread a cluster's CTAs over SMs
+  cluster_1sm     cluster_any with shared memory padded so only one CTA fits on an SM
 
 The patched kernels compute wrong answers on purpose; only their times mean anything.
 
@@ -66,7 +67,8 @@ PLANS = {
 }
 
 
-CLUSTER_PROBES = ("cluster", "cluster_any", "cluster_spread")
+CLUSTER_PROBES = ("cluster", "cluster_any", "cluster_spread", "cluster_1sm")
+ONE_PER_SM_BYTES = 120 * 1024      # more than half an SM's shared memory: one CTA per SM
 _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, _CLUSTER_SCHEDULING_POLICY = 14, 15   # CUfunction_attribute
 _POLICY_DEFAULT, _POLICY_SPREAD = 0, 1                                    # CUclusterSchedulingPolicy
 
@@ -139,6 +141,10 @@ def main():
                     w.plan(pt, plan=plan)
                 if w.cluster_size:      # the kernel object is shared: set both every time
                     opt_in(w._kernels.partial, spread=probe == "cluster_spread")
+                if probe == "cluster_1sm":
+                    w._kernels.partial.max_dynamic_shared_size_bytes = ONE_PER_SM_BYTES
+                    grid, block, _ = w._partial_launch
+                    w._partial_launch = (grid, block, ONE_PER_SM_BYTES)
                 times[probe] = time_wrapper_us(w, data, trials=5, min_trial_ms=10.0)
                 sizes[probe] = w.cluster_size
             rows.append({"case": case.name, "strategy": plan.strategy, "chunk_tokens": chunk,

@@ -1,8 +1,8 @@
 // Split-KV decode attention over a paged KV cache: the partial kernel, the fused variant, and
 // the merge kernel.
 //
-// decode_partial: one CTA per work item (chunk, kv head, head tile), flat grid, heads fastest. It streams the chunk's
-// tokens of K and V for that kv head through shared memory (cp.async, STAGES tiles of 64 tokens
+// decode_partial: one CTA per work item (chunk, kv head, head tile), flat grid, heads fastest.
+// It streams the chunk's tokens of K and V for that kv head through shared memory (cp.async, STAGES tiles of 64 tokens
 // in flight, page-table lookups per token) and computes attention for all query heads of the
 // GQA group at once on tensor cores: S = Q K^T and O += P V with mma.m16n8k16, query heads
 // packed into the 16 MMA rows (HEAD_TILES row tiles of 16), so every K/V byte is read once per
@@ -20,7 +20,7 @@
 // partials.
 //
 // Compile-time parameters: SPLITKV_BF16, HEAD_DIM, HEAD_TILES (1, 2, 4), STAGES, NUM_WARPS,
-// MAX_REGISTERS, CLUSTER.
+// MAX_REGISTERS, CLUSTER, RECORD_PAGES.
 #include "softmax_state.cuh"
 
 #ifndef HEAD_DIM
@@ -115,9 +115,9 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   const int group = num_qo_heads / num_kv_heads;
   const int head0 = kvh * group + htile * ROWS;
   const int rows_valid = min(ROWS, group - htile * ROWS);
-  // The chunk record, RECORD_INT4 int4: [0] = (request, first token, end token, first page-table entry of
-  // the request), [1] = (first chunk of the request, end chunk, -, -), [2..] = the page ids of
-  // the chunk's first RECORD_PAGES pages. With `pages_in_record` (chunks start on a page
+  // The chunk record, RECORD_INT4 int4: [0] = (request, first token, end token, first
+  // page-table entry of the request), [1] = (first chunk of the request, end chunk, -, -),
+  // [2..] = the page ids of the chunk's first RECORD_PAGES pages. With `pages_in_record` (chunks start on a page
   // boundary, and the first STAGES tiles fit in those pages) the page ids go to shared memory
   // alongside the header loads: the first K/V copies wait for one round trip, not two.
   const int4* record = chunk_info + RECORD_INT4 * chunk;

@@ -1,12 +1,12 @@
 // Split-KV decode attention over a paged KV cache: the partial kernel, the fused variant, and
 // the merge kernel.
 //
-// decode_partial: one CTA per work item (chunk, kv head, head tile), flat grid, heads fastest.
-// It streams the chunk's tokens of K and V for that kv head through shared memory (cp.async,
-// STAGES tiles of 64 tokens in flight, page-table lookups per token) and computes attention for all query heads of the
-// GQA group at once on tensor cores: S = Q K^T and O += P V with mma.m16n8k16, query heads
-// packed into the 16 MMA rows (HEAD_TILES row tiles of 16), so every K/V byte is read once per
-// group. It writes either the final output (request not split) or an fp32 partial state
+// decode_partial: one CTA per work item (chunk, kv head, head tile), flat grid, heads fastest. It
+// streams the chunk's tokens of K and V for that kv head through shared memory (cp.async, STAGES
+// tiles of 64 tokens in flight, page-table lookups per token) and computes attention for all
+// query heads of the GQA group at once on tensor cores: S = Q K^T and O += P V with mma.m16n8k16,
+// query heads packed into the 16 MMA rows (HEAD_TILES row tiles of 16), so every K/V byte is read
+// once per group. It writes either the final output (request not split) or an fp32 partial state
 // (partial_o, partial_lse). With `fused`, the last CTA of a (request, kv head, head tile) to
 // finish then merges all partials of that output itself.
 //

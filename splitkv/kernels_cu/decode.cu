@@ -181,7 +181,7 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   const bool step_within_page = page_size >= ROW_STEP;
   // from_record: the entries come from the record's copy in shared memory, where page index 0
   // is the chunk's first page (a page boundary). The main loop passes a literal false.
-  auto fetch_pages = [&](int tile, bool from_record, int (&pg)[LOADS], int (&slot)[LOADS]) {
+  auto fetch_pages = [&](int tile, bool from_record) {
     const int tok0 = tok_begin + tile * TILE_N + my_row0;
     const int* table = from_record ? record_pages : pages;
     const int base = from_record ? tok_begin : 0;
@@ -229,11 +229,11 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   }
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    fetch_pages(s, pages_in_record, pg, slot);
+    fetch_pages(s, pages_in_record);
     if (s < num_tiles) issue_tile(s);
     cp_async_commit();
   }
-  fetch_pages(STAGES - 1, pages_in_record, pg, slot);
+  fetch_pages(STAGES - 1, pages_in_record);
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<STAGES - 2>();
@@ -242,7 +242,7 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
       const int next = tile + STAGES - 1;
       if (next < num_tiles) issue_tile(next % STAGES);
       cp_async_commit();
-      fetch_pages(next + 1, false, pg, slot);
+      fetch_pages(next + 1, false);
     }
     const int stage = tile % STAGES;
     const u32 ks_base = k_smem_u32 + (u32)(stage * TILE_N * HEAD_DIM * 2);

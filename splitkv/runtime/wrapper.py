@@ -23,8 +23,8 @@ from .. import validation as V
 from ..plan import Plan
 from ..problem import DecodeProblem, PageTable
 from .arrays import as_cupy_stream, as_device_array, cupy_storage_dtype
-from ..geometry import (RECORD_INTS, RECORD_PAGES, THREADS_PER_CTA, TILE_TOKENS,
-                        ctas_per_kv_head, plan_cluster_size)
+from ..geometry import (RECORD_HEADER_INTS, RECORD_INTS, RECORD_PAGES, THREADS_PER_CTA,
+                        TILE_TOKENS, ctas_per_kv_head, plan_cluster_size)
 from .kernel_source import DecodeVariant
 from .modules import get_decode_kernels
 
@@ -114,6 +114,7 @@ class BatchDecodeWrapper:
                              f"wrapper's page_size {self.page_size}")
         problem = DecodeProblem.from_page_table(page_table, self.num_qo_heads, self.num_kv_heads,
                                                 self.head_dim, self.dtype)
+        clusters = self._clusters_enabled()
         if plan is not None:
             V.check_instance("plan", plan, Plan)
             V.check_plan_for_table(plan, page_table, num_qo_heads=self.num_qo_heads,
@@ -124,7 +125,7 @@ class BatchDecodeWrapper:
             from ..planner import choose_plan
 
             model = self.profile.cost_model()
-            if not self._clusters_enabled():     # predict the ticket merge that will run
+            if not clusters:                     # predict the ticket merge that will run
                 model = model.with_clusters(False)
             chosen = choose_plan(problem, model, num_splits, strategy)
         sm_scale_log2 = np.float32(V.check_sm_scale(sm_scale, self.head_dim) * LOG2E)
@@ -134,7 +135,7 @@ class BatchDecodeWrapper:
 
         self._device_id = cupy.cuda.runtime.getDevice()
         s = as_cupy_stream(stream)
-        self._kernels = get_decode_kernels(self._variant_for(chosen))
+        self._kernels = get_decode_kernels(self._variant_for(chosen, clusters))
         self._pages_in_record = pages_fit_record(chosen, self.page_size,
                                                  self._kernels.variant.stages)
         meta = self._upload(page_table, chosen, s)
@@ -161,9 +162,9 @@ class BatchDecodeWrapper:
                              "no thread-block clusters; they need 9.0 or newer")
         return has_clusters and self.use_clusters is not False
 
-    def _variant_for(self, plan: Plan) -> DecodeVariant:
+    def _variant_for(self, plan: Plan, clusters: bool) -> DecodeVariant:
         """The wrapper's kernel variant, in its cluster form when ``plan`` can use one."""
-        if not self._clusters_enabled():
+        if not clusters:
             return self.variant
         size = plan_cluster_size(plan)
         return replace(self.variant, cluster=size) if size else self.variant
@@ -197,7 +198,8 @@ class BatchDecodeWrapper:
         chunk_info[:, 5] = plan.merge_indptr[req + 1]
         if self._pages_in_record:
             count = record_pages_needed(self.page_size, self._kernels.variant.stages)
-            chunk_info[:, 8:8 + count] = first_pages(page_table, req, plan.chunk_start, count)
+            chunk_info[:, RECORD_HEADER_INTS:RECORD_HEADER_INTS + count] = \
+                first_pages(page_table, req, plan.chunk_start, count)
         parts = {"chunk_info": chunk_info.ravel(), "kv_indices": page_table.kv_indices,
                  "merge_indptr": plan.merge_indptr}
         sizes = [-(-max(1, a.size) // 4) * 4 for a in parts.values()]   # 16-byte aligned parts

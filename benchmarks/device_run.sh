@@ -15,7 +15,7 @@ PROFILE=splitkv/planner/profiles/nvidia-h200.yaml
 for phase in "$@"; do
   case $phase in
     tests)
-      python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_decode.py 2>&1 | tee "$RES/gpu_tests.log" | tail -3
+      python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_decode.py tests/test_bench_probe.py 2>&1 | tee "$RES/gpu_tests.log" | tail -3
       compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
         tests/test_gpu_decode.py -k "zero_length or bad_inputs or every_split or mqa or cluster or first_pages" 2>&1 \
         | tee "$RES/memcheck.log" | tail -4 ;;

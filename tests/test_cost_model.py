@@ -72,6 +72,25 @@ def test_features_have_physical_units():
     assert feature(xf, "fused_tail_us") == pytest.approx(32 * 4 * 129 * 4 / (4460e3 / 264))
 
 
+def test_lone_cta_pays_only_when_no_sm_holds_two_and_the_chunk_is_long():
+    """lone_cta_us repeats crit_us for grids of at most one CTA per SM with chunks of 1024
+    tokens or more, and is 0 otherwise."""
+    model = CostModel(**H200)
+    mha = problem([32768], 32, 32)
+    lone = model.features(plan_fixed_splits(mha, 4, "fused", align=64))     # 128 CTAs of 8k
+    paired = model.features(plan_fixed_splits(mha, 8, "fused", align=64))   # 256 CTAs of 4k
+    assert feature(lone, "lone_cta_us") == feature(lone, "crit_us") > 0
+    assert feature(paired, "lone_cta_us") == 0
+    assert feature(paired, "crit_us") == pytest.approx(feature(lone, "crit_us"))
+    # 132 CTAs are still one per SM; 133 put two on one SM
+    at_limit = model.features(plan_fixed_splits(problem([132 * 1024], 8, 1), 132, "fused"))
+    past = model.features(plan_fixed_splits(problem([133 * 1024], 8, 1), 133, "fused"))
+    assert feature(at_limit, "lone_cta_us") > 0 and feature(past, "lone_cta_us") == 0
+    # short chunks: start-up bound, no lone-CTA term
+    short = model.features(plan_fixed_splits(problem([8 * 1023]), 8, "fused"))
+    assert feature(short, "lone_cta_us") == 0
+
+
 def test_partial_tile_costs_a_tile_but_only_its_bytes():
     p = problem([65])
     x = plan_features(p, [65], [1], "single", **H200)

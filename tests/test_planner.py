@@ -307,12 +307,12 @@ def test_plan_cli(capsys):
 # prior and a calibrated H200 fit as of writing), so editing a shipped profile does not move them.
 
 GOLDEN_MODELS = (
-    CostModel.from_coef([0.5, 0.52, 0.24, 1.62, 0.02, 0.005, 0.6, 1.0, 1.0, 1.0, 0.05, 0.1, 0.3],
+    CostModel.from_coef([0.5, 0.52, 0.24, 1.62, 0.02, 0.005, 0.6, 1.0, 1.0, 1.0, 0.05, 0.1, 0.3, 0.0],
                         num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0),
     CostModel.from_coef([0.0, 1.8807719868661437, 0.32556644232783427, 0.4517194084609214,
                          0.3615549426805041, 0.0008415333516333831, 2.096808942828332,
                          3.7370855474488534, 0.8718192272865495, 1.4490919835391016,
-                         0.16407905293316438, 0.07975235492270334, 0.0],
+                         0.16407905293316438, 0.07975235492270334, 0.0, 0.0],
                         num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0),
 )
 

@@ -46,6 +46,14 @@ The feature columns, in order (``FEATURE_NAMES``):
                   and a plan ``geometry.fused_cluster_size`` accepts); such a plan writes no
                   partials and takes no ticket, so its partial_us, fused_tail_us and
                   fused_merges are 0.
+  lone_cta_us     crit_us again when no SM runs two CTAs at once (work items <= num_sms) and
+                  the largest chunk has at least ``LONE_CTA_MIN_TOKENS`` tokens. A CTA alone on
+                  its SM keeps half the loads in flight that two do, so it streams below the
+                  SM's share of the bandwidth. H200, one run: 1 request x 32k tokens with 32
+                  kv heads as 128 CTAs of 8k tokens (one per SM) 131.8 us, as 256 CTAs of 4k
+                  (two per SM) 127.8 us; 8 x 32k, 8 kv heads: 257.1 vs 251.9 us; 8 x 8k: 70.1
+                  vs 69.0 us. crit_us alone predicts those pairs equal. A short chunk's time is
+                  mostly its start-up, which a second CTA does not shorten.
 """
 
 from __future__ import annotations
@@ -64,7 +72,9 @@ from ..validation import STRATEGIES
 
 FEATURE_NAMES = ("const", "launches", "kv_us", "crit_us", "crit_tiles", "crit_tile_rows",
                  "waves", "partial_us", "fused_tail_us", "fused_merges", "merge_chain",
-                 "tail_us", "cluster_merges")
+                 "tail_us", "cluster_merges", "lone_cta_us")
+# Chunks from which a lone CTA's streaming rate, not its start-up, sets its time (lone_cta_us).
+LONE_CTA_MIN_TOKENS = 1024
 # The features a clustered fused merge does not pay (contiguous: partial_us, fused_tail_us,
 # fused_merges), and the one it pays instead.
 _TICKET = slice(FEATURE_NAMES.index("partial_us"), FEATURE_NAMES.index("fused_merges") + 1)
@@ -139,7 +149,7 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
     units = np.array([1.0, 1.0, num_kv_heads * token_bytes / bw, token_bytes / sm_bw,
                       head_dim / 128, rows * head_dim / 128, 1.0,
                       2 * num_qo_heads * partial_bytes / bw, rows * partial_bytes / slot_bw, 1.0,
-                      1.0, token_bytes / slot_bw, 1.0])[:, None]
+                      1.0, token_bytes / slot_bw, 1.0, token_bytes / sm_bw])[:, None]
     units.setflags(write=False)
     return items_per_chunk, slots, units
 
@@ -158,13 +168,13 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
 # sm_waves.)
 FEATURE_ROWS = STAT_NAMES + ("one", "one_plus_split", "split", "split_x_max_splits",
                              "crit_tokens", "crit_tiles", "waves", "sm_waves", "tail_tokens",
-                             "clustered")
+                             "clustered", "lone_tokens")
 _ROW = {name: i for i, name in enumerate(FEATURE_ROWS)}
 # Row of each feature (FEATURE_NAMES order); launches is 1 + split only when merging.
 FEATURE_SOURCE = np.array([_ROW[name] for name in (
     "one", "one", "total_tokens", "crit_tokens", "crit_tiles", "crit_tiles", "waves",
     "split_chunks", "split_x_max_splits", "split", "split_x_max_splits", "tail_tokens",
-    "clustered")])
+    "clustered", "lone_tokens")])
 MERGE_LAUNCHES_SOURCE = _ROW["one_plus_split"]
 
 
@@ -204,6 +214,11 @@ def row_features(rows, items_per_chunk, slots, num_sms, some_items=False,
         _clustered_row(rows, cluster_batch_size, items_per_chunk)
     else:
         rows[16] = 0.0
+    # lone_tokens: crit_tokens where one SM wave holds every item and the largest chunk is long
+    lone = rows[17]
+    np.greater_equal(rows[3], _LONE_CTA_MIN_TOKENS, out=lone)
+    lone *= np.equal(rows[14], _ONE)
+    lone *= rows[11]
     return rows
 
 
@@ -234,6 +249,7 @@ def may_cluster(clusters: bool, max_len: int) -> bool:
 
 # 0-d arrays rather than Python numbers: NumPy converts a Python number on every call.
 _ONE, _TWO = np.array(1.0), np.array(2.0)
+_LONE_CTA_MIN_TOKENS = np.array(float(LONE_CTA_MIN_TOKENS))
 
 
 @functools.lru_cache(maxsize=64)

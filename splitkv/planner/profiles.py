@@ -76,13 +76,15 @@ def roofline_prior(num_sms: int, bandwidth_gbps: float) -> dict:
     lone CTA streams ~18 GB/s and a full grid ~4.3 TB/s. The rest are guesses of the right
     size: a tile's non-memory work (0.02 us, +0.005 us per query head), partials at full
     bandwidth, the fused tail at one CTA's bandwidth plus ~1 us for the ticket atomic and
-    fences, a tenth of the largest chunk's excess over the mean as a scheduling tail.
+    fences, a tenth of the largest chunk's excess over the mean as a scheduling tail, and a
+    lone CTA streaming 3% slower than its SM's share (measured on the H200: 2-3%).
     The parameters do not depend on the SM count or bandwidth: the features scale with them.
     """
     del num_sms, bandwidth_gbps
     return {"const": 0.5, "launches": 0.52, "kv_us": 0.24, "crit_us": 1.62, "crit_tiles": 0.02,
             "crit_tile_rows": 0.005, "waves": 0.6, "partial_us": 1.0, "fused_tail_us": 1.0,
-            "fused_merges": 1.0, "merge_chain": 0.05, "tail_us": 0.1, "cluster_merges": 0.3}
+            "fused_merges": 1.0, "merge_chain": 0.05, "tail_us": 0.1, "cluster_merges": 0.3,
+            "lone_cta_us": 0.05}
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,9 @@ class Profile:
             # written before clusters: its model never predicts a cluster merge (the wrapper
             # only ever turns a model's clusters off), so this parameter goes unused
             coef = {**coef, "cluster_merges": 0.0}
+        if isinstance(coef, dict) and "lone_cta_us" not in coef:
+            # fitted before the feature existed: that fit is the model with this parameter 0
+            coef = {**coef, "lone_cta_us": 0.0}
         if not isinstance(coef, dict) or set(coef) != set(FEATURE_NAMES):
             got = sorted(coef) if isinstance(coef, dict) else coef
             raise bad(f"coef: expected one parameter for each feature {list(FEATURE_NAMES)}, "

@@ -49,3 +49,15 @@ def plan_cluster_size(plan) -> int:
     group = plan.problem.num_qo_heads // plan.problem.num_kv_heads
     return fused_cluster_size(plan.strategy, plan.chunks_per_request, longest,
                               plan.num_work_items * ctas_per_kv_head(group))
+
+
+def launch_order(chunk_tokens):
+    """The order in which the kernel's grid runs a plan's chunks: longest first (stable, so
+    equal chunks keep plan order and a uniform plan is unchanged). The GPU deals CTAs onto its
+    SMs in grid order, so a long chunk dealt last would run alone after the others finished;
+    longest-first leaves only short chunks for the end of the grid (LPT list scheduling).
+    Cluster grids keep plan order: a cluster's CTAs must be neighbours."""
+    import numpy as np
+
+    tokens = np.asarray(chunk_tokens)
+    return np.argsort(-tokens.astype(np.int64), kind="stable")

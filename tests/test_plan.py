@@ -223,3 +223,11 @@ def test_chunk_records_carry_each_chunks_first_pages():
     assert not pages_fit_record(plan, 4, stages=3)      # 3 tiles span 48 pages of 4 tokens
     unaligned = plan_from_chunk_counts(problem, [1, 1, 3], "fused", align=1)
     assert np.any(unaligned.chunk_start % 16) and not pages_fit_record(unaligned, 16, stages=3)
+
+
+def test_launch_order_runs_the_longest_chunks_first_and_keeps_ties_in_plan_order():
+    from splitkv.geometry import launch_order
+
+    np.testing.assert_array_equal(launch_order([5, 9, 5, 1, 9]), [1, 4, 0, 2, 3])
+    np.testing.assert_array_equal(launch_order([64] * 6), np.arange(6))   # uniform: unchanged
+    assert launch_order(np.array([], dtype=np.int32)).size == 0

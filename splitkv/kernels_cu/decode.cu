@@ -104,10 +104,10 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
 #if CLUSTER > 1
   const int rank = blockIdx.x % CLUSTER;                 // %cluster_ctarank of a 1-D cluster
   const int item = blockIdx.x / CLUSTER;                 // (request, head item)
-  const int chunk = item / heads_per_chunk * CLUSTER + rank;
+  const int record_index = item / heads_per_chunk * CLUSTER + rank;
   const int head_item = item % heads_per_chunk;
 #else
-  const int chunk = blockIdx.x / heads_per_chunk;
+  const int record_index = blockIdx.x / heads_per_chunk;
   const int head_item = blockIdx.x % heads_per_chunk;
 #endif
   const int kvh = head_item / head_tiles;
@@ -116,11 +116,13 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   const int head0 = kvh * group + htile * ROWS;
   const int rows_valid = min(ROWS, group - htile * ROWS);
   // The chunk record, RECORD_INT4 int4: [0] = (request, first token, end token, first
-  // page-table entry of the request), [1] = (first chunk of the request, end chunk, -, -),
+  // page-table entry of the request), [1] = (first chunk of the request, end chunk, this
+  // chunk's index in the plan, -): records are in launch order (longest chunks first), which
+  // need not be plan order, so the chunk's partial rows come from its index, not blockIdx;
   // [2..] = the page ids of the chunk's first RECORD_PAGES pages. With `pages_in_record` (chunks start on a page
   // boundary, and the first STAGES tiles fit in those pages) the page ids go to shared memory
   // alongside the header loads: the first K/V copies wait for one round trip, not two.
-  const int4* record = chunk_info + RECORD_INT4 * chunk;
+  const int4* record = chunk_info + RECORD_INT4 * record_index;
   int* record_pages = reinterpret_cast<int*>(smem + PIPELINE_BYTES);
   if (pages_in_record) {
     if (threadIdx.x < RECORD_PAGES / 4)
@@ -393,7 +395,7 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
       store4(out + ((i64)req * num_qo_heads + head) * HEAD_DIM + dim, a0 * inv, a1 * inv, a2 * inv, a3 * inv);
       if (lse_out != nullptr && dim == 0) lse_out[(i64)req * num_qo_heads + head] = lse2 * SPLITKV_LN2;
     } else {
-      const i64 prow = (i64)chunk * num_qo_heads + head;
+      const i64 prow = (i64)info2.z * num_qo_heads + head;
       *reinterpret_cast<float4*>(partial_o + prow * HEAD_DIM + dim) = make_float4(a0 * inv, a1 * inv, a2 * inv, a3 * inv);
       if (dim == 0) partial_lse[prow] = lse2;
     }

@@ -24,7 +24,7 @@ from ..plan import Plan
 from ..problem import DecodeProblem, PageTable
 from .arrays import as_cupy_stream, as_device_array, cupy_storage_dtype
 from ..geometry import (RECORD_HEADER_INTS, RECORD_INTS, RECORD_PAGES, THREADS_PER_CTA,
-                        TILE_TOKENS, ctas_per_kv_head, plan_cluster_size)
+                        TILE_TOKENS, ctas_per_kv_head, launch_order, plan_cluster_size)
 from .kernel_source import DecodeVariant
 from .modules import get_decode_kernels
 
@@ -68,7 +68,8 @@ class BatchDecodeWrapper:
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype="bfloat16", profile=None, stages: int | None = None,
-                 max_registers: int | None = None, use_clusters: bool | None = None):
+                 max_registers: int | None = None, use_clusters: bool | None = None,
+                 longest_chunks_first: bool = True):
         self.num_qo_heads, self.num_kv_heads = V.check_heads(num_qo_heads, num_kv_heads)
         self.head_dim = V.check_head_dim(head_dim)
         self.page_size = V.check_int("page_size", page_size, 1)
@@ -88,6 +89,12 @@ class BatchDecodeWrapper:
         if use_clusters is not None and not isinstance(use_clusters, bool):
             raise TypeError(f"use_clusters: expected None, True or False, got {use_clusters!r}")
         self.use_clusters = use_clusters
+        # True: the grid runs a ragged plan's longest chunks first (geometry.launch_order), so
+        # no long chunk starts late and runs alone; False: plan order (for experiments).
+        if not isinstance(longest_chunks_first, bool):
+            raise TypeError(f"longest_chunks_first: expected True or False, got "
+                            f"{longest_chunks_first!r}")
+        self.longest_chunks_first = longest_chunks_first
         self._profile = profile
         self._plan: Plan | None = None
         self._device_id: int | None = None
@@ -188,18 +195,21 @@ class BatchDecodeWrapper:
         previous copy out of it must have finished (a host wait on that small copy only)."""
         import cupy
 
-        req = plan.chunk_request
+        order = self._launch_order(plan)
+        req = plan.chunk_request[order]
+        start = plan.chunk_start[order]
         chunk_info = np.zeros((plan.num_chunks, RECORD_INTS), dtype=np.int32)
         chunk_info[:, 0] = req
-        chunk_info[:, 1] = plan.chunk_start
-        chunk_info[:, 2] = plan.chunk_end
+        chunk_info[:, 1] = start
+        chunk_info[:, 2] = plan.chunk_end[order]
         chunk_info[:, 3] = page_table.kv_indptr[req]
         chunk_info[:, 4] = plan.merge_indptr[req]
         chunk_info[:, 5] = plan.merge_indptr[req + 1]
+        chunk_info[:, 6] = order                  # the chunk's index in the plan: its partials
         if self._pages_in_record:
             count = record_pages_needed(self.page_size, self._kernels.variant.stages)
             chunk_info[:, RECORD_HEADER_INTS:RECORD_HEADER_INTS + count] = \
-                first_pages(page_table, req, plan.chunk_start, count)
+                first_pages(page_table, req, start, count)
         parts = {"chunk_info": chunk_info.ravel(), "kv_indices": page_table.kv_indices,
                  "merge_indptr": plan.merge_indptr}
         sizes = [-(-max(1, a.size) // 4) * 4 for a in parts.values()]   # 16-byte aligned parts
@@ -219,6 +229,13 @@ class BatchDecodeWrapper:
             offset += size
         self._meta_device[:total].set(host, stream=stream)
         return views
+
+    def _launch_order(self, plan: Plan) -> np.ndarray:
+        """Plan indices of the chunks in grid order: ``geometry.launch_order`` (longest first)
+        unless turned off or the plan runs in clusters, whose CTAs must stay neighbours."""
+        if not self.longest_chunks_first or self._kernels.variant.cluster:
+            return np.arange(plan.num_chunks)
+        return launch_order(plan.chunk_end - plan.chunk_start)
 
     def _ensure_workspace(self, plan: Plan, stream) -> None:
         import cupy

@@ -1,5 +1,5 @@
-"""A/B: the same plans with the grid in plan order and longest chunks first, interleaved in one
-process (benchmarks/NOTES.md, session 5). Ragged batches only: a uniform plan's order does not
+"""A/B: the same plans with the grid in each launch order (plan order, longest requests first,
+longest chunks first), interleaved in one process (benchmarks/NOTES.md, session 5). Ragged batches only: a uniform plan's order does not
 change.
 
     PYTHONPATH=$PWD python3 benchmarks/ab_launch_order.py
@@ -24,7 +24,8 @@ batches = {"ragged_b32": np.array(RAGGED_B32), "ragged_b256": ragged_b256_length
            "lognormal_b16_m4k": ragged_lengths(16, 4096, rng),
            "lognormal_b64_m2k": ragged_lengths(64, 2048, rng),
            "lognormal_b128_m1k": ragged_lengths(128, 1024, rng)}
-print(f"{'batch':>20} {'plan':>24} {'plan order':>11} {'longest 1st':>11} {'change':>7}")
+ORDERS = ("plan", "longest_requests", "longest_chunks")
+print(f"{'batch':>20} {'plan':>24} " + " ".join(f"{o:>16}" for o in ORDERS))
 for name, lens in batches.items():
     pt, _ = scattered_page_table(lens, 16, np.random.default_rng(0), 0)
     problem = DecodeProblem.from_page_table(pt, 32, 8, 128)
@@ -34,13 +35,14 @@ for name, lens in batches.items():
              "single": plan_chunk_tokens(problem, 1 << 30, "single"),
              "fused, 1024-token chunks": plan_chunk_tokens(problem, 1024, "fused", align=64)}
     for label, plan in plans.items():
-        us = {False: [], True: []}
+        us = {order: [] for order in ORDERS}
         for _ in range(3):                              # interleaved rounds
-            for first in (False, True):
+            for order in ORDERS:
                 w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", profile=profile,
-                                       longest_chunks_first=first)
+                                       launch_order=order)
                 w.plan(pt, plan=plan)
-                us[first].append(time_wrapper_us(w, data, trials=5, min_trial_ms=10.0))
-        a, b = np.median(us[False]), np.median(us[True])
-        print(f"{name:>20} {label:>24} {a:9.2f}us {b:9.2f}us {b / a - 1:+7.1%}", flush=True)
+                us[order].append(time_wrapper_us(w, data, trials=5, min_trial_ms=10.0))
+        base = np.median(us["plan"])
+        cells = [f"{np.median(us[o]):8.2f} ({np.median(us[o]) / base - 1:+5.1%})" for o in ORDERS]
+        print(f"{name:>20} {label:>24} " + " ".join(f"{c:>16}" for c in cells), flush=True)
     del data

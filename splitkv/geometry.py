@@ -51,13 +51,30 @@ def plan_cluster_size(plan) -> int:
                               plan.num_work_items * ctas_per_kv_head(group))
 
 
-def launch_order(chunk_tokens):
-    """The order in which the kernel's grid runs a plan's chunks: longest first (stable, so
-    equal chunks keep plan order and a uniform plan is unchanged). The GPU deals CTAs onto its
-    SMs in grid order, so a long chunk dealt last would run alone after the others finished;
-    longest-first leaves only short chunks for the end of the grid (LPT list scheduling).
-    Cluster grids keep plan order: a cluster's CTAs must be neighbours."""
+
+LAUNCH_ORDERS = ("longest_requests", "longest_chunks", "plan")
+
+
+def launch_order(chunk_request, chunk_tokens, kv_lens, policy: str = "longest_requests"):
+    """Plan indices of a plan's chunks in the order the kernel's grid runs them. The GPU deals
+    CTAs onto its SMs in grid order, so a long piece of work dealt last runs alone after the
+    rest finished; running the long work first leaves only short work for the end (LPT list
+    scheduling). Sorts are stable: ties, and so a uniform plan, keep plan order.
+
+    'longest_requests': the chunks of the longest requests first, each request's chunks
+        together (so each request's fused merge happens as it completes, not all at the end);
+    'longest_chunks': the longest chunks first, whatever their request;
+    'plan': plan order (requests in batch order).
+    Cluster grids must keep plan order: a cluster's CTAs are neighbours.
+    """
     import numpy as np
 
-    tokens = np.asarray(chunk_tokens)
-    return np.argsort(-tokens.astype(np.int64), kind="stable")
+    if policy == "plan":
+        return np.arange(len(chunk_tokens))
+    if policy == "longest_chunks":
+        key = np.asarray(chunk_tokens, dtype=np.int64)
+    elif policy == "longest_requests":
+        key = np.asarray(kv_lens, dtype=np.int64)[np.asarray(chunk_request, dtype=np.intp)]
+    else:
+        raise ValueError(f"launch_order: expected one of {LAUNCH_ORDERS}, got {policy!r}")
+    return np.argsort(-key, kind="stable")

@@ -116,26 +116,26 @@ def test_every_split_count_and_fused_equals_split_merge():
 
 
 @pytest.mark.parametrize("strategy", ["single", "split_merge", "fused"])
-def test_longest_first_launch_order_changes_no_bit(strategy):
-    """A ragged plan's chunks run longest first, each writing its partials by its plan index:
-    outputs and lse are bit-identical to running the grid in plan order, and match the
-    reference."""
+def test_launch_order_changes_no_bit(strategy):
+    """A ragged plan's chunks run in another order than the plan's (longest requests or chunks
+    first), each writing its partials by its plan index: outputs and lse are bit-identical to
+    plan order, and match the reference."""
     rng = np.random.default_rng(21)
     lens = [3000, 17, 700, 0, 9000, 64, 1500]
     pt, q, k, v = make_case(rng, lens, 32, 8, 128, 16, "bfloat16")
     ref_o, _ = reference_decode(q.get(), k.get(), v.get(), pt)
-    results = []
-    for longest_first in (True, False):
-        w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", longest_chunks_first=longest_first)
-        plan = plan_chunk_tokens(DecodeProblem.from_page_table(pt, 32, 8, 128),
-                                 1 << 30 if strategy == "single" else 512, strategy, align=64)
+    plan = plan_chunk_tokens(DecodeProblem.from_page_table(pt, 32, 8, 128),
+                             1 << 30 if strategy == "single" else 512, strategy, align=64)
+    results = {}
+    for policy in ("plan", "longest_requests", "longest_chunks"):
+        w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", launch_order=policy)
         _, o, lse = run_checked(w, pt, q, k, v, "bfloat16", plan=plan)
         assert rel_err(o, ref_o) < TOL["bfloat16"]
-        order = w._launch_order(plan)
-        assert (order[:3] != np.arange(3)).any() == longest_first    # it really reordered
-        results.append((o, lse))
-    np.testing.assert_array_equal(results[0][0], results[1][0])
-    np.testing.assert_array_equal(results[0][1], results[1][1])
+        assert (w._launch_order(plan)[:3] != np.arange(3)).any() == (policy != "plan")
+        results[policy] = (o, lse)
+    for o, lse in results.values():
+        np.testing.assert_array_equal(o, results["plan"][0])
+        np.testing.assert_array_equal(lse, results["plan"][1])
 
 
 @pytest.mark.parametrize("hq,hk,d,dtype", [(32, 8, 128, "bfloat16"), (8, 2, 64, "float16"),

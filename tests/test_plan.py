@@ -225,9 +225,19 @@ def test_chunk_records_carry_each_chunks_first_pages():
     assert np.any(unaligned.chunk_start % 16) and not pages_fit_record(unaligned, 16, stages=3)
 
 
-def test_launch_order_runs_the_longest_chunks_first_and_keeps_ties_in_plan_order():
+
+def test_launch_orders_run_the_long_work_first_and_keep_ties_in_plan_order():
     from splitkv.geometry import launch_order
 
-    np.testing.assert_array_equal(launch_order([5, 9, 5, 1, 9]), [1, 4, 0, 2, 3])
-    np.testing.assert_array_equal(launch_order([64] * 6), np.arange(6))   # uniform: unchanged
-    assert launch_order(np.array([], dtype=np.int32)).size == 0
+    req = [0, 0, 1, 2, 2, 2]
+    tokens = [512, 100, 300, 512, 512, 40]
+    lens = [612, 300, 1064]
+    np.testing.assert_array_equal(launch_order(req, tokens, lens), [3, 4, 5, 0, 1, 2])
+    np.testing.assert_array_equal(launch_order(req, tokens, lens, "longest_chunks"),
+                                  [0, 3, 4, 2, 1, 5])
+    np.testing.assert_array_equal(launch_order(req, tokens, lens, "plan"), np.arange(6))
+    uniform = launch_order([0, 0, 1, 1], [64] * 4, [128, 128])
+    np.testing.assert_array_equal(uniform, np.arange(4))
+    assert launch_order([], [], [5]).size == 0
+    with pytest.raises(ValueError, match="launch_order"):
+        launch_order(req, tokens, lens, "shortest")

@@ -24,7 +24,8 @@ from ..plan import Plan
 from ..problem import DecodeProblem, PageTable
 from .arrays import as_cupy_stream, as_device_array, cupy_storage_dtype
 from ..geometry import (RECORD_HEADER_INTS, RECORD_INTS, RECORD_PAGES, THREADS_PER_CTA,
-                        TILE_TOKENS, ctas_per_kv_head, launch_order, plan_cluster_size)
+                        TILE_TOKENS, LAUNCH_ORDERS, ctas_per_kv_head, launch_order,
+                        plan_cluster_size)
 from .kernel_source import DecodeVariant
 from .modules import get_decode_kernels
 
@@ -69,7 +70,7 @@ class BatchDecodeWrapper:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype="bfloat16", profile=None, stages: int | None = None,
                  max_registers: int | None = None, use_clusters: bool | None = None,
-                 longest_chunks_first: bool = True):
+                 launch_order: str = "longest_requests"):
         self.num_qo_heads, self.num_kv_heads = V.check_heads(num_qo_heads, num_kv_heads)
         self.head_dim = V.check_head_dim(head_dim)
         self.page_size = V.check_int("page_size", page_size, 1)
@@ -89,12 +90,11 @@ class BatchDecodeWrapper:
         if use_clusters is not None and not isinstance(use_clusters, bool):
             raise TypeError(f"use_clusters: expected None, True or False, got {use_clusters!r}")
         self.use_clusters = use_clusters
-        # True: the grid runs a ragged plan's longest chunks first (geometry.launch_order), so
-        # no long chunk starts late and runs alone; False: plan order (for experiments).
-        if not isinstance(longest_chunks_first, bool):
-            raise TypeError(f"longest_chunks_first: expected True or False, got "
-                            f"{longest_chunks_first!r}")
-        self.longest_chunks_first = longest_chunks_first
+        # The order the grid runs a ragged plan's chunks in (geometry.launch_order): by default
+        # the longest requests first, so no long request starts late and runs alone.
+        if launch_order not in LAUNCH_ORDERS:
+            raise ValueError(f"launch_order: expected one of {LAUNCH_ORDERS}, got {launch_order!r}")
+        self.launch_order = launch_order
         self._profile = profile
         self._plan: Plan | None = None
         self._device_id: int | None = None
@@ -231,11 +231,11 @@ class BatchDecodeWrapper:
         return views
 
     def _launch_order(self, plan: Plan) -> np.ndarray:
-        """Plan indices of the chunks in grid order: ``geometry.launch_order`` (longest first)
-        unless turned off or the plan runs in clusters, whose CTAs must stay neighbours."""
-        if not self.longest_chunks_first or self._kernels.variant.cluster:
-            return np.arange(plan.num_chunks)
-        return launch_order(plan.chunk_end - plan.chunk_start)
+        """Plan indices of the chunks in grid order: ``geometry.launch_order`` of the wrapper's
+        policy, or plan order when the plan runs in clusters (their CTAs must be neighbours)."""
+        policy = "plan" if self._kernels.variant.cluster else self.launch_order
+        return launch_order(plan.chunk_request, plan.chunk_end - plan.chunk_start,
+                            plan.problem.kv_lens, policy)
 
     def _ensure_workspace(self, plan: Plan, stream) -> None:
         import cupy

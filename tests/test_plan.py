@@ -232,9 +232,9 @@ def test_launch_orders_run_the_long_work_first_and_keep_ties_in_plan_order():
     req = [0, 0, 1, 2, 2, 2]
     tokens = [512, 100, 300, 512, 512, 40]
     lens = [612, 300, 1064]
-    np.testing.assert_array_equal(launch_order(req, tokens, lens), [3, 4, 5, 0, 1, 2])
-    np.testing.assert_array_equal(launch_order(req, tokens, lens, "longest_chunks"),
-                                  [0, 3, 4, 2, 1, 5])
+    np.testing.assert_array_equal(launch_order(req, tokens, lens), [0, 3, 4, 2, 1, 5])
+    np.testing.assert_array_equal(launch_order(req, tokens, lens, "longest_requests"),
+                                  [3, 4, 5, 0, 1, 2])
     np.testing.assert_array_equal(launch_order(req, tokens, lens, "plan"), np.arange(6))
     uniform = launch_order([0, 0, 1, 1], [64] * 4, [128, 128])
     np.testing.assert_array_equal(uniform, np.arange(4))

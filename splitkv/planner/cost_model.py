@@ -21,9 +21,9 @@ pipes and tensor cores, so two CTAs of n tokens on one SM take about as long as 
 tokens alone on it (H200 calibration: 1 request of 4096 tokens, 8 kv heads, as 128 CTAs of 256
 tokens 11.7 us vs 256 CTAs of 128 tokens 13.5 us; 32k tokens as 128 x 2048 44.0 us vs
 256 x 1024 45.1 us). Counting per slot credited a split that doubles the CTAs on half-idle SMs
-with halving the critical path. Unequal chunks add a tail: CTAs are dealt in launch order, so
-a long chunk can start late and run after the others finished (list scheduling: makespan up to
-mean load + largest item); ``tail_us`` carries what the largest chunk exceeds the mean by.
+with halving the critical path. Unequal chunks add a tail: CTAs are dealt in grid order (the
+longest chunks first, ``geometry.launch_order``), and list scheduling's makespan is up to mean
+load + largest item; ``tail_us`` carries what the largest chunk exceeds the mean by.
 
 The feature columns, in order (``FEATURE_NAMES``):
   const           1 per call.

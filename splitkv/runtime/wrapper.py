@@ -70,7 +70,7 @@ class BatchDecodeWrapper:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype="bfloat16", profile=None, stages: int | None = None,
                  max_registers: int | None = None, use_clusters: bool | None = None,
-                 launch_order: str = "longest_requests"):
+                 launch_order: str = "longest_chunks"):
         self.num_qo_heads, self.num_kv_heads = V.check_heads(num_qo_heads, num_kv_heads)
         self.head_dim = V.check_head_dim(head_dim)
         self.page_size = V.check_int("page_size", page_size, 1)
@@ -91,7 +91,7 @@ class BatchDecodeWrapper:
             raise TypeError(f"use_clusters: expected None, True or False, got {use_clusters!r}")
         self.use_clusters = use_clusters
         # The order the grid runs a ragged plan's chunks in (geometry.launch_order): by default
-        # the longest requests first, so no long request starts late and runs alone.
+        # the longest chunks first, so no long chunk starts late and runs alone.
         if launch_order not in LAUNCH_ORDERS:
             raise ValueError(f"launch_order: expected one of {LAUNCH_ORDERS}, got {launch_order!r}")
         self.launch_order = launch_order

@@ -65,9 +65,10 @@ def launch_order(chunk_request, chunk_tokens, kv_lens, policy: str = "longest_ch
     'longest_requests': the chunks of the longest requests first, each request's chunks
         together;
     'plan': plan order (requests in batch order).
-    H200 (benchmarks/NOTES.md, session 5): on five ragged batches both sorted orders took the
-    planner's plans 2.5% under plan order on average (up to 6.7%), unsplit plans 10-24%; a grid
-    that ends in many short chunks can lose ~3% (their start-up is no longer hidden).
+    H200 (benchmarks/results/h200-launch-order.log), five ragged batches, longest chunks first
+    against plan order: the planner's plans 2.6% faster on average (up to 5.6%), unsplit plans
+    0.4-24% faster; a grid that ends in many short chunks can lose ~3% (their start-up is no
+    longer hidden behind other CTAs' streaming). Longest requests first measured about the same.
     Cluster grids must keep plan order: a cluster's CTAs are neighbours.
     """
     import numpy as np

@@ -150,7 +150,9 @@ def test_cluster_merge_matches_reference_and_ticket_merge(hq, hk, d, dtype):
     if int(device_info()["cc"]) < 90:
         pytest.skip("thread-block clusters need compute capability 9.0")
     rng = np.random.default_rng(hq * d)
-    pt, q, k, v = make_case(rng, [1000, 9], hq, hk, d, 16, dtype)
+    # the short request first: a longest-first launch order would move the long request's
+    # chunks ahead of it and break the clusters, so the wrapper must keep plan order for them
+    pt, q, k, v = make_case(rng, [9, 1000], hq, hk, d, 16, dtype)
     ref_o, ref_lse = reference_decode(q.get(), k.get(), v.get(), pt)
     clustered = BatchDecodeWrapper(hq, hk, d, 16, dtype)
     ticket = BatchDecodeWrapper(hq, hk, d, 16, dtype, use_clusters=False)
@@ -162,11 +164,15 @@ def test_cluster_merge_matches_reference_and_ticket_merge(hq, hk, d, dtype):
         ctas = plan.num_work_items * ctas_per_kv_head(hq // hk)   # chunks of < 1,024 tokens
         assert clustered.cluster_size == (n if n == 2 or ctas <= CLUSTER_MAX_WIDE_CTAS else 0)
         sizes.append(clustered.cluster_size)
+        if clustered.cluster_size:
+            np.testing.assert_array_equal(clustered._launch_order(plan), np.arange(plan.num_chunks))
         assert rel_err(o, ref_o) < TOL[dtype], f"{plan}"
         finite = np.isfinite(ref_lse)
         np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=2e-3, atol=2e-3)
         _, o_ticket, lse_ticket = run_checked(ticket, pt, q, k, v, dtype, plan=plan)
         assert ticket.cluster_size == 0
+        # the ticket grid does run the long request's chunks first
+        assert not np.array_equal(ticket._launch_order(plan), np.arange(plan.num_chunks))
         np.testing.assert_array_equal(o, o_ticket)
         np.testing.assert_array_equal(lse, lse_ticket)
     assert sizes[0] == 2 and max(sizes) >= 4      # pairs always, and a wider cluster too

@@ -226,6 +226,40 @@ def test_chunk_records_carry_each_chunks_first_pages():
 
 
 
+def test_chunk_records_in_launch_order_name_their_plan_chunk():
+    """Record r holds chunk order[r] whole (request, tokens, page-table start, the request's
+    chunk range, its first pages) and that chunk's plan index, where its partials go."""
+    from splitkv.geometry import RECORD_HEADER_INTS, launch_order
+    from splitkv.plan import plan_chunk_tokens
+    from splitkv.problem import DecodeProblem, PageTable
+    from splitkv.runtime.wrapper import chunk_records, first_pages
+
+    lens = [300, 0, 2000, 64]
+    rng = np.random.default_rng(1)
+    pages = [rng.permutation(1000)[:-(-n // 16)] for n in lens]
+    last = [n - 16 * (p.size - 1) if n else 0 for n, p in zip(lens, pages)]
+    table = PageTable.from_flashinfer(np.cumsum([0] + [p.size for p in pages]),
+                                      np.concatenate(pages), last, 16)
+    plan = plan_chunk_tokens(DecodeProblem.from_page_table(table, 8, 2, 128), 512, "fused",
+                             align=64)
+    order = launch_order(plan.chunk_request, plan.chunk_end - plan.chunk_start, lens)
+    assert not np.array_equal(order, np.arange(plan.num_chunks))        # it does reorder
+    records = chunk_records(plan, table, order, 4)
+    natural = chunk_records(plan, table, np.arange(plan.num_chunks), 4)
+    np.testing.assert_array_equal(records, natural[order])               # rows move whole
+    np.testing.assert_array_equal(records[:, 6], order)
+    for r, c in enumerate(order):
+        b = plan.chunk_request[c]
+        assert list(records[r, :6]) == [b, plan.chunk_start[c], plan.chunk_end[c],
+                                        table.kv_indptr[b], plan.merge_indptr[b],
+                                        plan.merge_indptr[b + 1]]
+    np.testing.assert_array_equal(
+        records[:, RECORD_HEADER_INTS:RECORD_HEADER_INTS + 4],
+        first_pages(table, plan.chunk_request[order], plan.chunk_start[order], 4))
+    assert not records[:, RECORD_HEADER_INTS + 4:].any()                  # only what was asked
+    assert not chunk_records(plan, table, order, 0)[:, RECORD_HEADER_INTS:].any()
+
+
 def test_launch_orders_run_the_long_work_first_and_keep_ties_in_plan_order():
     from splitkv.geometry import launch_order
 

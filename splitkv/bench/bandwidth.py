@@ -2,9 +2,11 @@
 
 The floor that "% of read bandwidth" is judged against must be the best rate a plain read
 reaches, or it flatters the kernel. One launch shape is not enough: on one H200 run a
-single-shape probe (8 CTAs per SM, one 16-byte load in flight per thread) read 4,275 GB/s
-while the decode kernel itself sustained 4,333 GB/s. So the probe tries a few shapes,
-including ones that keep four loads in flight per thread, and keeps the fastest.
+single-shape probe (a grid of 8 x 512-thread CTAs per SM, one 16-byte load in flight per
+thread) read 4,275 GB/s while the decode kernel itself sustained 4,333 GB/s. So the probe
+tries a few shapes, including ones that keep four loads in flight per thread, and keeps the
+fastest. (A shape's "CTAs per SM" is the grid's size over the SM count; an SM holds at most
+2,048 threads, so 8 x 512 runs as two waves of 4.)
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def read_kernel_source(loads: int) -> str:
     return f"#define LOADS {int(loads)}\n" + _READ_KERNEL
 
 
-# (CTAs per SM, threads per CTA, loads in flight per thread)
+# (grid CTAs per SM, threads per CTA, loads in flight per thread)
 PROBE_SHAPES = ((8, 512, 1), (4, 1024, 1), (16, 256, 1), (4, 512, 4), (8, 256, 4))
 
 

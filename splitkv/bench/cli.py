@@ -126,7 +126,7 @@ def run(args) -> int:
                "peer_us": None if peer is None else round(peer, 2),
                "best_paged_peer_us": case.best_paged_peer_us, "kv_mib": problem.kv_bytes / 2**20}
         rows.append(row)
-        print(f"{case.name:>12}: {us:8.2f} us {gbps:7.0f} GB/s {100 * gbps / read_gbps:5.1f}% "
+        print(f"{case.name:>12}: {us:8.2f} us {gbps:7.0f} GB/s {100 * gbps / read_gbps:5.1f}% "   # of the first probe
               f"{plan.strategy}/{plan.num_splits} err {err:.1e}"
               + (f" | sdpa {peer:.2f} us" if peer else ""), flush=True)
         del data

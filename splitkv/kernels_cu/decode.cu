@@ -117,8 +117,8 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   const int rows_valid = min(ROWS, group - htile * ROWS);
   // The chunk record, RECORD_INT4 int4: [0] = (request, first token, end token, first
   // page-table entry of the request), [1] = (first chunk of the request, end chunk, this
-  // chunk's index in the plan, -): records are in launch order (longest chunks first), which
-  // need not be plan order, so the chunk's partial rows come from its index, not blockIdx;
+  // chunk's index in the plan, -): records are in the wrapper's launch order (by default the
+  // longest chunks first; plan order for clusters), so the partial rows come from that index;
   // [2..] = the page ids of the chunk's first RECORD_PAGES pages. With `pages_in_record` (chunks start on a page
   // boundary, and the first STAGES tiles fit in those pages) the page ids go to shared memory
   // alongside the header loads: the first K/V copies wait for one round trip, not two.

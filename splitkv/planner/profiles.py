@@ -77,7 +77,7 @@ def roofline_prior(num_sms: int, bandwidth_gbps: float) -> dict:
     size: a tile's non-memory work (0.02 us, +0.005 us per query head), partials at full
     bandwidth, the fused tail at one CTA's bandwidth plus ~1 us for the ticket atomic and
     fences, a tenth of the largest chunk's excess over the mean as a scheduling tail, and a
-    lone CTA streaming 3% slower than its SM's share (measured on the H200: 2-3%).
+    lone CTA streaming 3% slower than its SM's share (measured on the H200: 1.6-3.1%).
     The parameters do not depend on the SM count or bandwidth: the features scale with them.
     """
     del num_sms, bandwidth_gbps

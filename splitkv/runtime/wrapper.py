@@ -24,8 +24,8 @@ from ..plan import Plan
 from ..problem import DecodeProblem, PageTable
 from .arrays import as_cupy_stream, as_device_array, cupy_storage_dtype
 from ..geometry import (RECORD_HEADER_INTS, RECORD_INTS, RECORD_PAGES, THREADS_PER_CTA,
-                        TILE_TOKENS, LAUNCH_ORDERS, ctas_per_kv_head, launch_order,
-                        plan_cluster_size)
+                        TILE_TOKENS, LAUNCH_ORDERS, ctas_per_kv_head,
+                        launch_order as grid_order, plan_cluster_size)
 from .kernel_source import DecodeVariant
 from .modules import get_decode_kernels
 
@@ -56,6 +56,29 @@ def pages_fit_record(plan: Plan, page_size: int, stages: int) -> bool:
     pages."""
     return (record_pages_needed(page_size, stages) <= RECORD_PAGES
             and not np.any(plan.chunk_start % page_size))
+
+
+def chunk_records(plan: Plan, page_table: PageTable, order, record_pages: int) -> np.ndarray:
+    """[num_chunks, RECORD_INTS] int32: the kernel's chunk records, one per CTA row of the grid,
+    in ``order`` (plan indices in launch order). Record r describes chunk c = order[r]: its
+    request, first and end token, the request's first page-table entry, the request's chunk
+    range (where its partials are), c itself (the partial rows it writes) and, when
+    ``record_pages`` > 0, the page ids of its first ``record_pages`` pages."""
+    order = np.asarray(order, dtype=np.intp)
+    req = plan.chunk_request[order]
+    start = plan.chunk_start[order]
+    records = np.zeros((plan.num_chunks, RECORD_INTS), dtype=np.int32)
+    records[:, 0] = req
+    records[:, 1] = start
+    records[:, 2] = plan.chunk_end[order]
+    records[:, 3] = page_table.kv_indptr[req]
+    records[:, 4] = plan.merge_indptr[req]
+    records[:, 5] = plan.merge_indptr[req + 1]
+    records[:, 6] = order
+    if record_pages:
+        records[:, RECORD_HEADER_INTS:RECORD_HEADER_INTS + record_pages] = \
+            first_pages(page_table, req, start, record_pages)
+    return records
 
 
 class BatchDecodeWrapper:
@@ -195,21 +218,9 @@ class BatchDecodeWrapper:
         previous copy out of it must have finished (a host wait on that small copy only)."""
         import cupy
 
-        order = self._launch_order(plan)
-        req = plan.chunk_request[order]
-        start = plan.chunk_start[order]
-        chunk_info = np.zeros((plan.num_chunks, RECORD_INTS), dtype=np.int32)
-        chunk_info[:, 0] = req
-        chunk_info[:, 1] = start
-        chunk_info[:, 2] = plan.chunk_end[order]
-        chunk_info[:, 3] = page_table.kv_indptr[req]
-        chunk_info[:, 4] = plan.merge_indptr[req]
-        chunk_info[:, 5] = plan.merge_indptr[req + 1]
-        chunk_info[:, 6] = order                  # the chunk's index in the plan: its partials
-        if self._pages_in_record:
-            count = record_pages_needed(self.page_size, self._kernels.variant.stages)
-            chunk_info[:, RECORD_HEADER_INTS:RECORD_HEADER_INTS + count] = \
-                first_pages(page_table, req, start, count)
+        pages = (record_pages_needed(self.page_size, self._kernels.variant.stages)
+                 if self._pages_in_record else 0)
+        chunk_info = chunk_records(plan, page_table, self._launch_order(plan), pages)
         parts = {"chunk_info": chunk_info.ravel(), "kv_indices": page_table.kv_indices,
                  "merge_indptr": plan.merge_indptr}
         sizes = [-(-max(1, a.size) // 4) * 4 for a in parts.values()]   # 16-byte aligned parts
@@ -234,8 +245,8 @@ class BatchDecodeWrapper:
         """Plan indices of the chunks in grid order: ``geometry.launch_order`` of the wrapper's
         policy, or plan order when the plan runs in clusters (their CTAs must be neighbours)."""
         policy = "plan" if self._kernels.variant.cluster else self.launch_order
-        return launch_order(plan.chunk_request, plan.chunk_end - plan.chunk_start,
-                            plan.problem.kv_lens, policy)
+        return grid_order(plan.chunk_request, plan.chunk_end - plan.chunk_start,
+                          plan.problem.kv_lens, policy)
 
     def _ensure_workspace(self, plan: Plan, stream) -> None:
         import cupy

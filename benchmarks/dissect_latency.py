@@ -7,9 +7,6 @@ decode kernel cut out (by patching its source), so the differences price each pa
   no_kv      the K/V copies read nothing (zero-fill): no K/V traffic at all
   bare       no K/V traffic and no merge: start-up, Q, page table, math, epilogue
   empty      returns at once: the launch itself, in a graph of one call per layer
-  register_merge  the fused merge loads its partials into registers, MERGE_BATCH per round
-             trip and pass over the rows, instead of staging them in shared memory (the
-             merge before session 5; the same answer)
   cluster    as shipped, fused plans merging in thread-block clusters where eligible (the
              probes above all use the atomic-ticket merge)
   cluster_any     every fused plan with 2, 4, 8 or 16 chunks per request in clusters, however
@@ -47,7 +44,6 @@ _NO_COPIES = ("cp_async16(k_smem_u32 + dst, k_cache + off, 0);\n"
 _MERGE = "  if (direct || !fused) return;"
 _PAGES = "? table[pidx] : -1"
 _SMEM = "extern __shared__ __align__(128) unsigned char smem[];"
-_STAGED = "#if HEAD_TILES == 1\n  const int n_merge"
 PATCHES = {
     "base": [],
     "no_merge": [(_MERGE, "  return;")],
@@ -55,18 +51,17 @@ PATCHES = {
     "no_kv": [(_COPIES, _NO_COPIES)],
     "bare": [(_COPIES, _NO_COPIES), (_MERGE, "  return;")],
     "empty": [(_SMEM, _SMEM + "\n  if (blockDim.x > 0) return;")],
-    "register_merge": [(_STAGED, "#if 0  // staged merge off\n  const int n_merge")],
 }
 # The plans to dissect per case: (strategy, chunk tokens).
 PLANS = {
     "b1_n1k": [("fused", 64), ("fused", 128), ("split_merge", 128), ("fused", 256), ("fused", 512)],
     "b1_n8k": [("fused", 256), ("fused", 512), ("fused", 1024)],
     "b1_n32k": [("fused", 1024), ("fused", 2048), ("split_merge", 2048)],
-    "g8_b1_n32k": [("fused", 2048), ("split_merge", 2048), ("fused", 1024), ("split_merge", 1024)],
+    "g8_b1_n32k": [("fused", 2048), ("split_merge", 2048)],
     "mha_b1_n32k": [("fused", 4096), ("fused", 8192)],
     "b8_n8k": [("fused", 4096), ("fused", 2048), ("single", 1 << 30)],
     "b32_n2k": [("fused", 1024), ("single", 1 << 30)],
-    "b1_n128k": [("fused", 4096), ("split_merge", 4096)],
+    "b1_n128k": [("fused", 4096)],
     "b32_n8k": [("single", 1 << 30)],
     "ragged_b32": [("fused", 2048)],
 }

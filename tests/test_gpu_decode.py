@@ -107,9 +107,8 @@ def test_mqa_group_64_and_beyond():
 @pytest.mark.parametrize("hq,hk,d,dtype", [(32, 8, 128, "bfloat16"), (64, 8, 128, "float16"),
                                             (8, 8, 64, "bfloat16"), (16, 1, 256, "float16")])
 def test_every_split_count_and_fused_equals_split_merge(hq, hk, d, dtype):
-    """The fused merge (staged through shared memory in pieces where the rows fit, e.g. 64
-    chunks of 4 or 8 rows in pieces of 32 or 16; in registers for 16 rows of 256 dims) gives
-    the merge kernel's bits."""
+    """The fused merge gives the merge kernel's bits, for 1 to 16 rows a CTA and 2 to 64
+    chunks (several MERGE_BATCH passes)."""
     rng = np.random.default_rng(11)
     res = check_against_reference(rng, [5000, 17, 2500], hq, hk, d, 16, dtype,
                                   splits=(1, 2, 3, 7, 16, 33, 64))

@@ -47,7 +47,6 @@
 #define KSTEPS (HEAD_DIM / 16)
 #define DTILES (HEAD_DIM / 8)
 #define PIPELINE_BYTES (STAGES * TILE_N * HEAD_DIM * 2 * 2)   // K and V tiles of every stage
-#define MERGE_SLOTS ((ROWS * (HEAD_DIM / 4) + NUM_THREADS - 1) / NUM_THREADS)   // per thread
 #ifndef RECORD_PAGES
 #error "RECORD_PAGES must be defined"
 #endif
@@ -440,64 +439,7 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
     last_arrival = ticket == (unsigned)(n_chunks - 1);
   }
   if (!__syncthreads_or(last_arrival)) return;   // thread 0's answer, for the whole CTA
-  __threadfence();  // acquire: the partial reads below (cg: from L2) come after the ticket
-
-  // Staged: the CTA copies its rows' partials of a piece of chunks from L2 into the (now idle)
-  // pipeline buffers, every copy in flight at once, so a piece costs one round trip where the
-  // register merge below pays one per MERGE_BATCH chunks per pass over the rows. Pieces are
-  // whole multiples of MERGE_BATCH (but the last), so the bits equal merge_slot's. Compiled for
-  // one row tile only: wider CTAs' rows rarely leave room for MERGE_BATCH chunks, and their
-  // accumulators would cost registers the main loop needs.
-#if HEAD_TILES == 1
-  const int n_merge = merge_hi - merge_lo;
-  const int capacity = PIPELINE_BYTES / (rows_valid * (HEAD_DIM + 1) * 4);   // chunks that fit
-  if (capacity >= MERGE_BATCH) {
-    const int piece = n_merge <= capacity ? n_merge : capacity / MERGE_BATCH * MERGE_BATCH;
-    const int vecs = rows_valid * (HEAD_DIM / 4);            // float4 of one chunk's rows
-    float* st_o = reinterpret_cast<float*>(smem);            // [piece][rows_valid][HEAD_DIM]
-    float* st_lse = st_o + piece * rows_valid * HEAD_DIM;    // [piece][rows_valid]
-    MergeAccumulator merged[MERGE_SLOTS];
-    for (int c0 = 0; c0 < n_merge; c0 += piece) {
-      const int cn = min(piece, n_merge - c0);
-      const float* src = partial_o + ((i64)(merge_lo + c0) * num_qo_heads + head0) * HEAD_DIM;
-      for (int i = tid; i < cn * vecs; i += NUM_THREADS) {
-        const int c = i / vecs;
-        cp_async16(smem_u32(st_o) + i * 16, src + (i64)c * num_qo_heads * HEAD_DIM + (i - c * vecs) * 4, 16);
-      }
-      cp_async_commit();
-      const float* lse_src = partial_lse + (i64)(merge_lo + c0) * num_qo_heads + head0;
-      for (int i = tid; i < cn * rows_valid; i += 2 * NUM_THREADS) {   // two loads in flight
-        const int i2 = i + NUM_THREADS;
-        const float a = ld_cg(lse_src + (i / rows_valid) * num_qo_heads + i % rows_valid);
-        const float b = i2 < cn * rows_valid
-                            ? ld_cg(lse_src + (i2 / rows_valid) * num_qo_heads + i2 % rows_valid) : 0.f;
-        st_lse[i] = a;
-        if (i2 < cn * rows_valid) st_lse[i2] = b;
-      }
-      cp_async_wait<0>();
-      __syncthreads();
-#pragma unroll
-      for (int s = 0; s < MERGE_SLOTS; ++s) {
-        const int idx = tid + s * NUM_THREADS;
-        if (idx < vecs)
-          merge_shared<HEAD_DIM>(merged[s], st_o, st_lse, cn, rows_valid, idx / (HEAD_DIM / 4),
-                                 (idx % (HEAD_DIM / 4)) * 4);
-      }
-      __syncthreads();   // the next piece overwrites the buffers
-    }
-#pragma unroll
-    for (int s = 0; s < MERGE_SLOTS; ++s) {
-      const int idx = tid + s * NUM_THREADS;
-      if (idx < vecs) {
-        const int row = idx / (HEAD_DIM / 4), dim = (idx % (HEAD_DIM / 4)) * 4;
-        const i64 out_row = (i64)req * num_qo_heads + head0 + row;
-        const float lse2 = merged[s].finish(out + out_row * HEAD_DIM + dim);
-        if (lse_out != nullptr && dim == 0) lse_out[out_row] = lse2 * SPLITKV_LN2;
-      }
-    }
-    return;
-  }
-#endif
+  __threadfence();  // acquire: the partial reads below (ld.cg, from L2) come after the ticket
   for (int idx = tid; idx < rows_valid * (HEAD_DIM / 4); idx += NUM_THREADS) {
     const int row = idx / (HEAD_DIM / 4), dim = (idx % (HEAD_DIM / 4)) * 4;
     const int head = head0 + row;

@@ -104,26 +104,3 @@ __device__ __forceinline__ float merge_slot(const float* __restrict__ partial_o,
   }
   return merged.finish(out_row + dim);
 }
-
-// merge_slot's merge over partials already copied to shared memory, for one piece of `n`
-// chunks laid out [chunk][row][DIM] (o) and [chunk][row] (lse2) with `rows` rows a chunk: the
-// same batches of MERGE_BATCH and the same arithmetic, so as long as pieces start at multiples
-// of MERGE_BATCH the bits equal merge_slot's. Accumulates into `merged`.
-template <int DIM>
-__device__ __forceinline__ void merge_shared(MergeAccumulator& merged, const float* st_o,
-                                             const float* st_lse, int n, int rows, int row,
-                                             int dim) {
-  for (int c0 = 0; c0 < n; c0 += MERGE_BATCH) {
-    float lse2[MERGE_BATCH];
-    float4 o[MERGE_BATCH];
-#pragma unroll
-    for (int j = 0; j < MERGE_BATCH; ++j) {
-      const int c = c0 + j;
-      const bool valid = c < n;
-      lse2[j] = valid ? st_lse[c * rows + row] : SPLITKV_NEG_INF;
-      o[j] = valid ? *reinterpret_cast<const float4*>(st_o + (c * rows + row) * DIM + dim)
-                   : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    merged.add(lse2, o);
-  }
-}

@@ -1,6 +1,8 @@
 """Host time of one decode step's planning on the GPU machine: ``choose_plan`` alone, and the
-whole ``BatchDecodeWrapper.plan()`` (choose, build the chunk records, copy them to the GPU,
-reset the merge counters). Median microseconds over many calls, after a warm-up.
+whole ``BatchDecodeWrapper.plan()`` (choose, build the chunk records, copy them and the page
+table to the GPU). Median microseconds over many calls, after a warm-up; the device is idle
+before each call (untimed synchronize), as in a decode loop where the previous step's copy
+finished long ago.
 
     PYTHONPATH=$PWD python3 benchmarks/plan_host_cost.py [--repeats 500]
 """
@@ -18,10 +20,13 @@ from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 
 def median_us(fn, repeats: int) -> float:
+    import cupy
+
     for _ in range(max(repeats // 10, 20)):
         fn()
     samples = []
     for _ in range(repeats):
+        cupy.cuda.runtime.deviceSynchronize()
         t0 = time.perf_counter_ns()
         fn()
         samples.append(time.perf_counter_ns() - t0)

@@ -43,7 +43,12 @@ def fused_cluster_size(strategy: str, chunks_per_request, longest_chunk: int, nu
 def plan_cluster_size(plan) -> int:
     """``fused_cluster_size`` of a built plan: the cluster size its fused merge runs in on a GPU
     with clusters (0: the atomic ticket, or no fused merge)."""
-    if plan.num_chunks == 0:
+    # the cheap tests first: plan() asks on every decode step
+    if plan.strategy != "fused" or plan.num_chunks == 0:
+        return 0
+    batch = plan.problem.batch_size
+    s = plan.num_chunks // batch
+    if s not in CLUSTER_SIZES or s * batch != plan.num_chunks or int(plan.merge_indptr[1]) != s:
         return 0
     longest = int((plan.chunk_end - plan.chunk_start).max())
     group = plan.problem.num_qo_heads // plan.problem.num_kv_heads
@@ -76,7 +81,7 @@ def launch_order(chunk_request, chunk_tokens, kv_lens, policy: str = "longest_ch
     if policy == "plan":
         return np.arange(len(chunk_tokens))
     if policy == "longest_chunks":
-        key = np.asarray(chunk_tokens, dtype=np.int64)
+        key = np.asarray(chunk_tokens)
     elif policy == "longest_requests":
         key = np.asarray(kv_lens, dtype=np.int64)[np.asarray(chunk_request, dtype=np.intp)]
     else:

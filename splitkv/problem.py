@@ -118,6 +118,9 @@ class DecodeProblem:
         lens = lens.copy()
         lens.setflags(write=False)
         object.__setattr__(self, "kv_lens", lens)
+        self._check_shapes()
+
+    def _check_shapes(self) -> None:
         hq, hk = V.check_heads(self.num_qo_heads, self.num_kv_heads)
         object.__setattr__(self, "num_qo_heads", hq)
         object.__setattr__(self, "num_kv_heads", hk)
@@ -128,8 +131,16 @@ class DecodeProblem:
     @classmethod
     def from_page_table(cls, page_table: PageTable, num_qo_heads: int, num_kv_heads: int,
                         head_dim: int, dtype="bfloat16") -> "DecodeProblem":
-        return cls(page_table.kv_lens, num_qo_heads, num_kv_heads, head_dim, page_table.page_size,
-                   dtype)
+        """The problem of a page table. Its lengths are shared, not copied or checked again:
+        the table already holds them checked and read-only (plan() runs on every step)."""
+        V.check_instance("page_table", page_table, PageTable)
+        problem = cls.__new__(cls)
+        for name, value in (("kv_lens", page_table.kv_lens), ("num_qo_heads", num_qo_heads),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                            ("page_size", page_table.page_size), ("dtype", dtype)):
+            object.__setattr__(problem, name, value)
+        problem._check_shapes()
+        return problem
 
     @property
     def batch_size(self) -> int:

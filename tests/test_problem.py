@@ -115,3 +115,16 @@ def test_dtype_aliases(alias, canon):
 def test_empty_decode_problem():
     p = DecodeProblem(np.zeros(0, dtype=np.int64), 8, 2, 128, 16)
     assert p.batch_size == 0 and p.total_tokens == 0 and p.kv_bytes == 0
+
+
+def test_problem_from_a_page_table_shares_its_checked_lengths_and_checks_its_shapes():
+    table = PageTable.from_block_table(np.array([[3, 1], [2, 0]]), np.array([20, 5]), 16)
+    problem = DecodeProblem.from_page_table(table, 32, 8, 128, "float16")
+    assert problem.kv_lens is table.kv_lens and not problem.kv_lens.flags.writeable
+    assert (problem.page_size, problem.dtype, problem.batch_size) == (16, "float16", 2)
+    with pytest.raises(ValueError, match="num_kv_heads|num_qo_heads"):
+        DecodeProblem.from_page_table(table, 32, 7, 128)
+    with pytest.raises(ValueError, match="head_dim"):
+        DecodeProblem.from_page_table(table, 32, 8, 100)
+    with pytest.raises(TypeError, match="page_table"):
+        DecodeProblem.from_page_table(np.array([20, 5]), 32, 8, 128)

@@ -261,10 +261,11 @@ class BatchDecodeWrapper:
             self._partial_lse = cupy.empty(rows, dtype=np.float32)
             cap_rows = rows
         if counters > cap_counters:
-            self._counters = cupy.empty(counters, dtype=np.uint32)
+            # Zeroed once: a fused run leaves every ticket counter at 0 again (atomicInc wraps
+            # on the last arrival), so later plans need no fill (a launch per plan() call).
+            with stream:                # on the stream the kernels will follow
+                self._counters = cupy.zeros(counters, dtype=np.uint32)
             cap_counters = counters
-        with stream:
-            self._counters.fill(0)
         self._workspace_capacity = (cap_rows, cap_counters)
 
     def _bind_arguments(self, plan: Plan, meta: dict, sm_scale_log2) -> None:

@@ -91,25 +91,6 @@ def test_lone_cta_pays_only_when_no_sm_holds_two_and_the_chunk_is_long():
     assert feature(short, "lone_cta_us") == 0
 
 
-def test_merge_trips_count_the_merges_dependent_round_trips():
-    """A merging thread loads 16 partials a round trip; the fused merge's CTA also covers its
-    rows in passes of 128 slots (4 rows of 128 dims in one pass, 8 rows in two)."""
-    model = CostModel(**H200)
-    for hq, passes in ((32, 1), (64, 2)):
-        p = problem([32768], hq, 8)
-        fused = model.features(plan_fixed_splits(p, 33, "fused", align=64))
-        merged = model.features(plan_fixed_splits(p, 33, "split_merge", align=64))
-        assert feature(fused, "fused_merge_trips") == 3 * passes        # ceil(33 / 16) = 3
-        assert feature(fused, "merge_trips") == 0
-        assert feature(merged, "merge_trips") == 3 and feature(merged, "fused_merge_trips") == 0
-    single = model.features(plan_fixed_splits(problem([32768]), 1, "single"))
-    assert feature(single, "merge_trips") == feature(single, "fused_merge_trips") == 0
-    # a cluster merge has no ticket and no round trips to L2
-    clustered = model.features(plan_fixed_splits(problem([1024]), 8, "fused", align=64))
-    assert feature(clustered, "cluster_merges") == 1
-    assert feature(clustered, "fused_merge_trips") == 0
-
-
 def test_partial_tile_costs_a_tile_but_only_its_bytes():
     p = problem([65])
     x = plan_features(p, [65], [1], "single", **H200)

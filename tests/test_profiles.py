@@ -53,15 +53,13 @@ def test_shipped_h200_profile_loads_and_says_what_it_is():
 
 
 def test_profile_fitted_before_a_feature_reads_it_as_zero(tmp_path):
-    """A profile without the features added later (fitted before them) predicts as it did."""
+    """A profile without lone_cta_us (fitted before the feature) predicts as it did."""
     p = make_profile()
     path = p.save(tmp_path / "old.yaml")
     data = yaml.safe_load(path.read_text())
-    for name in ("lone_cta_us", "fused_merge_trips", "merge_trips"):
-        del data["coef"][name]
+    del data["coef"]["lone_cta_us"]
     path.write_text(yaml.safe_dump(data))
-    assert read_profile(path).coef == {**p.coef, "lone_cta_us": 0.0, "fused_merge_trips": 0.0,
-                                       "merge_trips": 0.0}
+    assert read_profile(path).coef == {**p.coef, "lone_cta_us": 0.0}
 
 
 def test_round_trip(tmp_path):

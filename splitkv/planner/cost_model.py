@@ -56,15 +56,6 @@ The feature columns, in order (``FEATURE_NAMES``):
                   vs 69.0 us (3.1%, 2.1%, 1.6%). crit_us alone predicts those pairs equal. A
                   short chunk's time is mostly its start-up, which a second CTA does not
                   shorten. Cluster plans count too (all were measured as ticket plans).
-  fused_merge_trips  'fused' with the ticket: the merging CTA's dependent round trips to L2,
-                  passes over its rows x ceil(max chunks / MERGE_BATCH) (it loads 16 partials
-                  per trip and covers its rows x head_dim / 4 slots 128 threads at a time).
-  merge_trips     'split_merge' with a split: the merge kernel's round trips, ceil(max chunks /
-                  MERGE_BATCH) (one thread per slot, all rows at once). With fused_tail_us and
-                  merge_chain (both linear in the chunk count) these say why the merge kernel
-                  wins for groups of 8 and more chunks, and the fused merge for groups of 4
-                  (H200 sweep, batch 1: fused/33 beats split_merge/33 by 1.9 us with 4 query
-                  heads a CTA, loses by 2.8 us with 8).
 """
 
 from __future__ import annotations
@@ -76,22 +67,21 @@ import numpy as np
 from scipy.optimize import nnls
 
 from ..geometry import (CLUSTER_MAX_CHUNK_TOKENS, CLUSTER_MAX_WIDE_CTAS, CLUSTER_SIZES,
-                        THREADS_PER_CTA, TILE_TOKENS, ctas_per_kv_head)
+                        TILE_TOKENS, ctas_per_kv_head)
 from ..plan import Plan
 from ..validation import STRATEGIES
 
 
 FEATURE_NAMES = ("const", "launches", "kv_us", "crit_us", "crit_tiles", "crit_tile_rows",
                  "waves", "partial_us", "fused_tail_us", "fused_merges", "merge_chain",
-                 "tail_us", "cluster_merges", "lone_cta_us", "fused_merge_trips", "merge_trips")
+                 "tail_us", "cluster_merges", "lone_cta_us")
 # Chunks from which a lone CTA's streaming rate, not its start-up, sets its time (lone_cta_us).
 LONE_CTA_MIN_TOKENS = 1024
-MERGE_BATCH = 16              # partials a merging thread loads per round trip (softmax_state.cuh)
 # The features a clustered fused merge does not pay (contiguous: partial_us, fused_tail_us,
 # fused_merges), and the one it pays instead.
-_TICKET = [FEATURE_NAMES.index(name) for name in ("partial_us", "fused_tail_us", "fused_merges",
-                                                   "fused_merge_trips")]
+_TICKET = slice(FEATURE_NAMES.index("partial_us"), FEATURE_NAMES.index("fused_merges") + 1)
 _CLUSTER = FEATURE_NAMES.index("cluster_merges")
+assert FEATURE_NAMES[_TICKET] == ("partial_us", "fused_tail_us", "fused_merges")
 
 SINGLE, SPLIT_MERGE, FUSED = (STRATEGIES.index(s) for s in ("single", "split_merge", "fused"))
 
@@ -150,7 +140,6 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
     group = num_qo_heads // num_kv_heads
     head_tiles = ctas_per_kv_head(group)
     rows = -(-group // head_tiles)                 # query heads per CTA
-    merge_passes = -(-(rows * head_dim // 4) // THREADS_PER_CTA)   # a fused merge's passes
     items_per_chunk = num_kv_heads * head_tiles
     slots = num_sms * ctas_per_sm
     bw = bandwidth_gbps * 1e3                      # bytes per microsecond
@@ -162,8 +151,7 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
     units = np.array([1.0, 1.0, num_kv_heads * token_bytes / bw, token_bytes / sm_bw,
                       head_dim / 128, rows * head_dim / 128, 1.0,
                       2 * num_qo_heads * partial_bytes / bw, rows * partial_bytes / slot_bw, 1.0,
-                      1.0, token_bytes / slot_bw, 1.0, token_bytes / sm_bw, merge_passes,
-                      1.0])[:, None]
+                      1.0, token_bytes / slot_bw, 1.0, token_bytes / sm_bw])[:, None]
     units.setflags(write=False)
     return items_per_chunk, slots, units
 
@@ -182,13 +170,13 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
 # sm_waves.)
 FEATURE_ROWS = STAT_NAMES + ("one", "one_plus_split", "split", "split_x_max_splits",
                              "crit_tokens", "crit_tiles", "waves", "sm_waves", "tail_tokens",
-                             "clustered", "lone_tokens", "merge_trips")
+                             "clustered", "lone_tokens")
 _ROW = {name: i for i, name in enumerate(FEATURE_ROWS)}
 # Row of each feature (FEATURE_NAMES order); launches is 1 + split only when merging.
 FEATURE_SOURCE = np.array([_ROW[name] for name in (
     "one", "one", "total_tokens", "crit_tokens", "crit_tiles", "crit_tiles", "waves",
     "split_chunks", "split_x_max_splits", "split", "split_x_max_splits", "tail_tokens",
-    "clustered", "lone_tokens", "merge_trips", "merge_trips")])
+    "clustered", "lone_tokens")])
 MERGE_LAUNCHES_SOURCE = _ROW["one_plus_split"]
 
 
@@ -233,11 +221,6 @@ def row_features(rows, items_per_chunk, slots, num_sms, some_items=False,
     np.greater_equal(rows[3], _LONE_CTA_MIN_TOKENS, out=lone)
     lone *= np.equal(rows[14], _ONE)
     lone *= rows[11]
-    # merge_trips: split x ceil(max_splits / MERGE_BATCH)
-    trips = rows[18]
-    np.divide(max_splits, _MERGE_BATCH, trips)
-    np.ceil(trips, trips)
-    trips *= rows[9]
     return rows
 
 
@@ -269,7 +252,6 @@ def may_cluster(clusters: bool, max_len: int) -> bool:
 # 0-d arrays rather than Python numbers: NumPy converts a Python number on every call.
 _ONE, _TWO = np.array(1.0), np.array(2.0)
 _LONE_CTA_MIN_TOKENS = np.array(float(LONE_CTA_MIN_TOKENS))
-_MERGE_BATCH = np.array(float(MERGE_BATCH))
 
 
 @functools.lru_cache(maxsize=64)
@@ -290,18 +272,15 @@ def _wave_slots(slots: int, num_sms: int) -> np.ndarray:
 
 def strategy_scale(units, strategy_code, n: int) -> np.ndarray:
     """``[len(FEATURE_NAMES), n]``: each feature's unit, or 0 where the strategy (code: index
-    in ``STRATEGIES``, [n] or one for all) does not pay it: merge_chain and merge_trips only
-    for 'split_merge'; fused_tail_us, fused_merges, cluster_merges and fused_merge_trips only
-    for 'fused'."""
+    in ``STRATEGIES``, [n] or one for all) does not pay it: merge_chain only for
+    'split_merge', fused_tail_us, fused_merges and cluster_merges only for 'fused'."""
     scale = np.repeat(units, n, axis=1)
     merges = np.equal(strategy_code, SPLIT_MERGE)
     fuses = np.equal(strategy_code, FUSED)
     scale[10] *= merges
-    scale[15] *= merges
     scale[8] *= fuses
     scale[9] *= fuses
     scale[12] *= fuses
-    scale[14] *= fuses
     return scale
 
 

@@ -66,9 +66,6 @@ def guess_bandwidth_gbps(device_name: str) -> float:
                 DEFAULT_BANDWIDTH_GBPS)
 
 
-# Features added after profiles were first written; a profile without them reads them as 0.
-_LATER_FEATURES = ("lone_cta_us", "fused_merge_trips", "merge_trips")
-
 def roofline_prior(num_sms: int, bandwidth_gbps: float) -> dict:
     """Parameters before any calibration, from the physics measured on an H200 (GPU.md).
 
@@ -80,15 +77,14 @@ def roofline_prior(num_sms: int, bandwidth_gbps: float) -> dict:
     size: a tile's non-memory work (0.02 us, +0.005 us per query head), partials at full
     bandwidth, the fused tail at one CTA's bandwidth plus ~1 us for the ticket atomic and
     fences, a tenth of the largest chunk's excess over the mean as a scheduling tail, and a
-    lone CTA streaming 3% slower than its SM's share (measured on the H200: 1.6-3.1%), and
-    half a microsecond per dependent round trip of a merge.
+    lone CTA streaming 3% slower than its SM's share (measured on the H200: 1.6-3.1%).
     The parameters do not depend on the SM count or bandwidth: the features scale with them.
     """
     del num_sms, bandwidth_gbps
     return {"const": 0.5, "launches": 0.52, "kv_us": 0.24, "crit_us": 1.62, "crit_tiles": 0.02,
             "crit_tile_rows": 0.005, "waves": 0.6, "partial_us": 1.0, "fused_tail_us": 1.0,
             "fused_merges": 1.0, "merge_chain": 0.05, "tail_us": 0.1, "cluster_merges": 0.3,
-            "lone_cta_us": 0.05, "fused_merge_trips": 0.5, "merge_trips": 0.5}
+            "lone_cta_us": 0.05}
 
 
 @dataclass(frozen=True)
@@ -189,9 +185,9 @@ class Profile:
             # written before clusters: its model never predicts a cluster merge (the wrapper
             # only ever turns a model's clusters off), so this parameter goes unused
             coef = {**coef, "cluster_merges": 0.0}
-        if isinstance(coef, dict):
-            # fitted before these features existed: that fit is the model with them at 0
-            coef = {**{name: 0.0 for name in _LATER_FEATURES}, **coef}
+        if isinstance(coef, dict) and "lone_cta_us" not in coef:
+            # fitted before the feature existed: that fit is the model with this parameter 0
+            coef = {**coef, "lone_cta_us": 0.0}
         if not isinstance(coef, dict) or set(coef) != set(FEATURE_NAMES):
             got = sorted(coef) if isinstance(coef, dict) else coef
             raise bad(f"coef: expected one parameter for each feature {list(FEATURE_NAMES)}, "

@@ -2,6 +2,8 @@
 describes, named once. Must match the defines of ``kernels_cu/decode.cu`` (the runtime passes
 them to NVRTC)."""
 
+import numpy as np
+
 WARPS_PER_CTA = 4                   # NUM_WARPS (8 warps x 128-token tiles measured slower)
 TILE_TOKENS = 16 * WARPS_PER_CTA    # tokens per pipeline stage (TILE_N)
 THREADS_PER_CTA = 32 * WARPS_PER_CTA
@@ -56,7 +58,6 @@ def plan_cluster_size(plan) -> int:
                               plan.num_work_items * ctas_per_kv_head(group))
 
 
-
 LAUNCH_ORDERS = ("longest_chunks", "longest_requests", "plan")
 
 
@@ -76,8 +77,6 @@ def launch_order(chunk_request, chunk_tokens, kv_lens, policy: str = "longest_ch
     longer hidden behind other CTAs' streaming). Longest requests first measured about the same.
     Cluster grids must keep plan order: a cluster's CTAs are neighbours.
     """
-    import numpy as np
-
     if policy == "plan":
         return np.arange(len(chunk_tokens))
     if policy == "longest_chunks":

@@ -8,7 +8,6 @@ finished long ago.
 """
 
 import argparse
-import time
 
 import numpy as np
 
@@ -16,22 +15,8 @@ from splitkv.bench.cases import RAGGED_B32, ragged_b256_lengths
 from splitkv.planner import choose_plan
 from splitkv.problem import DecodeProblem
 from splitkv.runtime.testing import scattered_page_table
+from splitkv.runtime.timing import median_host_us
 from splitkv.runtime.wrapper import BatchDecodeWrapper
-
-
-def median_us(fn, repeats: int, idle: bool = True) -> float:
-    import cupy
-
-    for _ in range(max(repeats // 10, 20)):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        if idle:
-            cupy.cuda.runtime.deviceSynchronize()
-        t0 = time.perf_counter_ns()
-        fn()
-        samples.append(time.perf_counter_ns() - t0)
-    return float(np.median(samples)) / 1e3
 
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -46,7 +31,9 @@ for name, lens in (("ragged_b32", np.array(RAGGED_B32)), ("ragged_b256", ragged_
     w.plan(pt)
     problem = DecodeProblem.from_page_table(pt, 32, 8, 128)
     model = w.profile.cost_model()
-    choose = median_us(lambda: choose_plan(problem, model), args.repeats, idle)
-    whole = median_us(lambda: w.plan(pt), args.repeats, idle)
+    warmup = max(args.repeats // 10, 20)
+    choose = median_host_us(lambda: choose_plan(problem, model), args.repeats, warmup=warmup,
+                            idle_device=idle)
+    whole = median_host_us(lambda: w.plan(pt), args.repeats, warmup=warmup, idle_device=idle)
     print(f"{name:>12}: choose_plan {choose:7.1f} us, wrapper.plan {whole:7.1f} us "
           f"({w.current_plan.num_chunks} chunks)", flush=True)

@@ -202,3 +202,11 @@ def rank_candidates_of(model):
     from splitkv.planner import rank_candidates
 
     return rank_candidates(DecodeProblem(np.array([100, 5000]), 32, 8, 128, 16), model)
+
+
+def test_median_host_us_warms_up_then_times_each_call():
+    from splitkv.runtime.timing import median_host_us
+
+    calls = []
+    us = median_host_us(lambda: calls.append(1), 7, warmup=3)
+    assert len(calls) == 10 and 0 < us < 1e5

@@ -35,7 +35,6 @@ extern "C" __global__ void stream_read(const uint4* __restrict__ src, long long 
 """
 
 
-
 def read_kernel_source(loads: int) -> str:
     """The probe's CUDA source with ``loads`` 16-byte loads in flight per thread."""
     return f"#define LOADS {int(loads)}\n" + _READ_KERNEL

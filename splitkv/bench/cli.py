@@ -7,10 +7,10 @@ import datetime as _dt
 import json
 import os
 import sys
-import time
 
 import numpy as np
 
+from ..runtime.timing import median_host_us
 from ..validation import STRATEGIES
 from .bandwidth import PROBE_SHAPES
 from .cases import LATENCY_TARGETS_US, ragged_b256_lengths, select
@@ -60,29 +60,15 @@ def _plan_cpu_us(problem, profile, repeats: int = 200) -> float:
     records and uploads them)."""
     from ..planner import choose_plan
 
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        choose_plan(problem, profile)
-        samples.append((time.perf_counter() - t0) * 1e6)
-    return float(np.median(samples))
+    return median_host_us(lambda: choose_plan(problem, profile), repeats)
 
 
 def _wrapper_plan_cpu_us(wrapper, page_table, repeats: int = 200, **plan_args) -> float:
     """Median host time of the whole ``wrapper.plan(page_table)``: choosing, building the chunk
     records, copying them and the page table to the GPU. The device is idle before each call
     (untimed synchronize), as in a decode loop."""
-    import cupy
-
-    for _ in range(20):
-        wrapper.plan(page_table, **plan_args)
-    samples = []
-    for _ in range(repeats):
-        cupy.cuda.runtime.deviceSynchronize()
-        t0 = time.perf_counter()
-        wrapper.plan(page_table, **plan_args)
-        samples.append((time.perf_counter() - t0) * 1e6)
-    return float(np.median(samples))
+    return median_host_us(lambda: wrapper.plan(page_table, **plan_args), repeats, warmup=20,
+                          idle_device=True)
 
 
 def run(args) -> int:
@@ -145,7 +131,8 @@ def run(args) -> int:
                "peer_us": None if peer is None else round(peer, 2),
                "best_paged_peer_us": case.best_paged_peer_us, "kv_mib": problem.kv_bytes / 2**20}
         rows.append(row)
-        print(f"{case.name:>12}: {us:8.2f} us {gbps:7.0f} GB/s {100 * gbps / read_gbps:5.1f}% "   # of the first probe
+        # % of the floor probed before the cases; the table uses the final floor
+        print(f"{case.name:>12}: {us:8.2f} us {gbps:7.0f} GB/s {100 * gbps / read_gbps:5.1f}% "
               f"{plan.strategy}/{plan.num_splits} err {err:.1e}"
               + (f" | sdpa {peer:.2f} us" if peer else ""), flush=True)
         del data

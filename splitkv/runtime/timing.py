@@ -9,6 +9,7 @@ of at least 30 ms each, timed with CUDA events.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,6 +40,25 @@ def median_us_per_call(run_timed: Callable[[int], float], calls_per_repeat: int 
     repeats = max(1, math.ceil(min_trial_ms / one_ms))
     samples = [run_timed(repeats) * 1e3 / (repeats * calls_per_repeat) for _ in range(trials)]
     return float(np.median(samples))
+
+
+def median_host_us(fn: Callable[[], object], repeats: int, *, warmup: int = 0,
+                   idle_device: bool = False) -> float:
+    """Median host microseconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed
+    ones. ``idle_device``: synchronize the GPU (untimed) before each call, as in a decode loop
+    where the previous step's copies finished long ago."""
+    if idle_device:
+        import cupy
+    for _ in range(warmup):
+        fn()
+    samples = np.empty(repeats)
+    for i in range(repeats):
+        if idle_device:
+            cupy.cuda.runtime.deviceSynchronize()
+        t0 = time.perf_counter_ns()
+        fn()
+        samples[i] = time.perf_counter_ns() - t0
+    return float(np.median(samples)) / 1e3
 
 
 def cupy_timer(launch: Callable[[], None], stream) -> Callable[[int], float]:

@@ -17,7 +17,7 @@ for phase in "$@"; do
     tests)
       python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_decode.py tests/test_bench_probe.py 2>&1 | tee "$RES/gpu_tests.log" | tail -3
       compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-        tests/test_gpu_decode.py -k "zero_length or bad_inputs or every_split or mqa or cluster or first_pages or launch_order" 2>&1 \
+        tests/test_gpu_decode.py -k "zero_length or bad_inputs or every_split or mqa or cluster or first_pages or launch_order or pdl" 2>&1 \
         | tee "$RES/memcheck.log" | tail -4 ;;
     calibrate)
       python3 -m splitkv.cli calibrate --plot --trials 3 --min-trial-ms 10 --out "$RES/nvidia-h200.yaml" 2>&1 | tee "$RES/calibrate.log" | tail -25

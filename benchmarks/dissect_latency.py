@@ -133,7 +133,8 @@ def main():
             for probe, clusters in [(p, False) for p in PATCHES if p in chosen] + \
                     [(p, None) for p in CLUSTER_PROBES if p in chosen]:
                 w = BatchDecodeWrapper(prob.num_qo_heads, prob.num_kv_heads, prob.head_dim,
-                                       prob.page_size, prob.dtype, use_clusters=clusters)
+                                       prob.page_size, prob.dtype, use_clusters=clusters,
+                                       pdl=False)   # the probes patch plain launches
                 v = w.variant
                 w.variant = ProbeVariant(v.dtype, v.head_dim, v.head_tiles, v.stages,
                                          v.max_registers, probe=probe if clusters is False else "base")

@@ -225,3 +225,39 @@ def test_executor_checks_the_plan_matches(inputs):
 def test_hand_built_plan_refuses_device_arrays(problem, fake):
     with pytest.raises(TypeError, match="chunk_start"):
         Plan(problem, "single", [0, 1, 2], fake(np.array([0, 0, 0])), [40, 0, 9], [0, 1, 2, 3])
+
+
+def test_wrapper_pdl_argument_is_checked():
+    from splitkv.runtime.wrapper import PDL_TRIGGERS, BatchDecodeWrapper
+
+    with pytest.raises(ValueError, match="pdl"):
+        BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", pdl="sometimes")
+    for value in (None, True, False, *PDL_TRIGGERS):
+        assert BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", pdl=value).pdl == value
+
+
+def test_pdl_kernel_arguments_are_plain_numbers():
+    """PdlLaunch writes each argument into a ctypes slot: NumPy scalars become ints or floats
+    (a float32 scale stays a float), and the slots' kinds match the kernels' signatures."""
+    from splitkv.runtime.wrapper import MERGE_PARAMS, PARTIAL_PARAMS, _plain
+
+    args = _plain((np.int32(7), np.float32(0.5), np.uint64(2**40), 3))
+    assert args == (7, 0.5, 2**40, 3)
+    assert [type(a) for a in args] == [int, float, int, int]
+    assert kernel_parameter_kinds("decode_partial") == PARTIAL_PARAMS
+    assert kernel_parameter_kinds("merge_partials") == MERGE_PARAMS
+
+
+def kernel_parameter_kinds(name: str) -> tuple:
+    """The parameter kinds of a kernel in decode.cu, read from its signature."""
+    import re
+
+    from splitkv.runtime.kernel_source import read_source
+
+    params = re.search(name + r"\(([^)]*)\)\s*\{", read_source("decode.cu")).group(1)
+    kinds = []
+    for param in params.split(","):
+        declaration = param.rsplit(None, 1)[0]      # drop the parameter's name
+        kinds.append("pointer" if "*" in declaration else "int64" if "long long" in declaration
+                     else "float32" if declaration.strip() == "float" else "int32")
+    return tuple(kinds)

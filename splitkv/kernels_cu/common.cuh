@@ -142,3 +142,29 @@ __device__ __forceinline__ float4 ld_cluster4(u32 addr) {
   return v;
 }
 #endif
+
+// Programmatic dependent launch (sm_90+). A kernel launched with the programmatic stream
+// serialization attribute may start while the kernel before it in the stream still runs; it
+// must not read what that kernel (or anything before it) writes until wait_for_prior_grid()
+// returns, which is once the prior grid has completed and its memory is visible. Launched
+// without the attribute, both are no-ops.
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// A 4-byte global load kept after wait_for_prior_grid(): the compiler may move a plain load
+// through a `const __restrict__` pointer above the wait (it takes such data as unchanging during
+// the kernel), but never one asm volatile above another.
+__device__ __forceinline__ u32 ld_after_wait_u32(const void* p) {
+  u32 v;
+  asm volatile("ld.global.b32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+// Lets the next kernel in the stream launch early (once every CTA of this grid has called it
+// or exited); it still waits for this grid's completion before reading anything.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}

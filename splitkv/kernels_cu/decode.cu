@@ -90,7 +90,7 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
                u16* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ partial_o,
                float* __restrict__ partial_lse, unsigned* __restrict__ counters,
                int num_qo_heads, int num_kv_heads, int head_tiles, int page_size, float scale_log2,
-               int fused, int pages_in_record) {
+               int fused, int pages_in_record, int pdl_early) {
   // The K/V tiles start at the very beginning of shared memory, 128-byte aligned: no static
   // __shared__ variable may precede them. (A 4-byte flag once shifted them by 16 bytes, and
   // every 512-byte cp.async of a warp then touched twice the L2 sectors and three times the
@@ -131,6 +131,10 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   }
   const int4 info = record[0];
   const int4 info2 = record[1];
+  // With PDL, the next kernel in the stream may launch once every CTA of this grid has allowed
+  // it: here (`pdl_early`) or when its streaming is done (below). Either way it waits for this
+  // grid's end before reading anything this grid writes.
+  if (pdl_early) allow_dependent_launch();
   const int req = info.x, tok_begin = info.y, tok_end = info.z;
   const int* pages = kv_indices + info.w;
   const int merge_lo = info2.x, merge_hi = info2.y;
@@ -143,21 +147,6 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   u16* k_smem = reinterpret_cast<u16*>(smem);
   u16* v_smem = k_smem + STAGES * TILE_N * HEAD_DIM;
   const u32 k_smem_u32 = smem_u32(k_smem), v_smem_u32 = smem_u32(v_smem);
-
-  // Q as MMA A-fragments, one row tile per warp; rows past the group are zero.
-  u32 qf[KSTEPS][4];
-  {
-    const int r0 = warp_m * 16 + g, r1 = r0 + 8;
-    const u16* q_rows = q + ((i64)req * num_qo_heads + head0) * HEAD_DIM;
-#pragma unroll
-    for (int ks = 0; ks < KSTEPS; ++ks) {
-      const int c0 = ks * 16 + 2 * t, c1 = c0 + 8;
-      qf[ks][0] = r0 < rows_valid ? *reinterpret_cast<const u32*>(q_rows + r0 * HEAD_DIM + c0) : 0u;
-      qf[ks][1] = r1 < rows_valid ? *reinterpret_cast<const u32*>(q_rows + r1 * HEAD_DIM + c0) : 0u;
-      qf[ks][2] = r0 < rows_valid ? *reinterpret_cast<const u32*>(q_rows + r0 * HEAD_DIM + c1) : 0u;
-      qf[ks][3] = r1 < rows_valid ? *reinterpret_cast<const u32*>(q_rows + r1 * HEAD_DIM + c1) : 0u;
-    }
-  }
 
   const int num_tiles = (tok_end - tok_begin + TILE_N - 1) / TILE_N;
   const i64 head_offset = (i64)kvh * HEAD_DIM;
@@ -229,6 +218,27 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
     cp_async_wait<0>();
     __syncthreads();
   }
+  // Programmatic dependent launch: the chunk records and the page table are the wrapper's own
+  // uploads, complete before the kernel ahead of this one started, so they were read above; q,
+  // the K/V cache and the workspace may be written by the kernel just before (or read by it:
+  // the previous merge reads the partials this kernel overwrites), so they wait for its end.
+  wait_for_prior_grid();
+  // Q as MMA A-fragments, one row tile per warp; rows past the group are zero. (Loaded with
+  // ld_after_wait_u32: with PDL, q may be the previous kernel's output.)
+  u32 qf[KSTEPS][4];
+  {
+    const int r0 = warp_m * 16 + g, r1 = r0 + 8;
+    const u16* q_rows = q + ((i64)req * num_qo_heads + head0) * HEAD_DIM;
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+      const int c0 = ks * 16 + 2 * t, c1 = c0 + 8;
+      qf[ks][0] = r0 < rows_valid ? ld_after_wait_u32(q_rows + r0 * HEAD_DIM + c0) : 0u;
+      qf[ks][1] = r1 < rows_valid ? ld_after_wait_u32(q_rows + r1 * HEAD_DIM + c0) : 0u;
+      qf[ks][2] = r0 < rows_valid ? ld_after_wait_u32(q_rows + r0 * HEAD_DIM + c1) : 0u;
+      qf[ks][3] = r1 < rows_valid ? ld_after_wait_u32(q_rows + r1 * HEAD_DIM + c1) : 0u;
+    }
+  }
+
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     fetch_pages(s, pages_in_record);
@@ -339,6 +349,7 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
       }
     }
   }
+  if (!pdl_early) allow_dependent_launch();   // this CTA's streaming is done
   cp_async_wait<0>();
   __syncthreads();  // the pipeline buffers are reused below
 
@@ -455,6 +466,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 merge_partials(const float* __restrict__ partial_o, const float* __restrict__ partial_lse,
                const int* __restrict__ merge_indptr, u16* __restrict__ out,
                float* __restrict__ lse_out, int batch_size, int num_qo_heads) {
+  allow_dependent_launch();
+  wait_for_prior_grid();   // the partials are the previous kernel's output
   const int slot = blockIdx.x * NUM_THREADS + threadIdx.x;
   const int row = slot / (HEAD_DIM / 4), dim = (slot % (HEAD_DIM / 4)) * 4;
   if (row >= batch_size * num_qo_heads) return;

@@ -30,6 +30,7 @@ def _device_info(device_id: int) -> dict:
     return {"name": name, "num_sms": int(props["multiProcessorCount"]),
             "l2_bytes": int(props["l2CacheSize"]), "cc": f"{props['major']}{props['minor']}",
             "shared_per_block_optin": int(props.get("sharedMemPerBlockOptin", 0)),
+            "shared_per_sm": int(props.get("sharedMemPerMultiprocessor", 0)),
             "device_id": device_id}
 
 

@@ -93,7 +93,7 @@ class BatchDecodeWrapper:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype="bfloat16", profile=None, stages: int | None = None,
                  max_registers: int | None = None, use_clusters: bool | None = None,
-                 launch_order: str = "longest_chunks"):
+                 launch_order: str = "longest_chunks", pdl: bool | None = None):
         self.num_qo_heads, self.num_kv_heads = V.check_heads(num_qo_heads, num_kv_heads)
         self.head_dim = V.check_head_dim(head_dim)
         self.page_size = V.check_int("page_size", page_size, 1)
@@ -118,6 +118,17 @@ class BatchDecodeWrapper:
         if launch_order not in LAUNCH_ORDERS:
             raise ValueError(f"launch_order: expected one of {LAUNCH_ORDERS}, got {launch_order!r}")
         self.launch_order = launch_order
+        # None or True: launch with programmatic dependent launch where the GPU has it (sm_90+;
+        # True raises where it has none): a kernel's CTAs start while the kernel before it in
+        # the stream finishes, read the plan's records, and wait for it before touching q, K/V
+        # or the workspace (runtime/launch.py). False: plain launches.
+        # "early" / "late" force where the partial kernel lets the next kernel launch (at its
+        # start, or once its CTAs finished streaming); None and True choose per plan.
+        if pdl is not None and not isinstance(pdl, bool) and pdl not in PDL_TRIGGERS:
+            raise ValueError(f"pdl: expected None, True, False or one of {PDL_TRIGGERS}, "
+                             f"got {pdl!r}")
+        self.pdl = pdl
+        self.pdl_spread = None      # experiments: force _pdl_spread's answer
         self._profile = profile
         self._plan: Plan | None = None
         self._device_id: int | None = None
@@ -191,6 +202,44 @@ class BatchDecodeWrapper:
             raise ValueError(f"use_clusters: {info['name']} (compute capability {info['cc']}) has "
                              "no thread-block clusters; they need 9.0 or newer")
         return has_clusters and self.use_clusters is not False
+
+    def _pdl_enabled(self) -> bool:
+        """Whether launches use programmatic dependent launch on the current device."""
+        from . import device_info
+
+        info = device_info()
+        has_pdl = int(info["cc"]) >= 90
+        if self.pdl and not has_pdl:
+            raise ValueError(f"pdl: {info['name']} (compute capability {info['cc']}) has no "
+                             "programmatic dependent launch; it needs 9.0 or newer")
+        return has_pdl and self.pdl is not False
+
+    def _pdl_trigger(self, plan: Plan) -> str:
+        """Where the partial kernel lets the next kernel launch: the caller's choice, else
+        'late' (see PDL_TRIGGERS)."""
+        return self.pdl if isinstance(self.pdl, str) else "late"
+
+    def _pdl_spread(self, num_ctas: int) -> bool:
+        """Whether a PDL launch of ``num_ctas`` CTAs reserves more than half an SM's shared
+        memory, so that the CTA scheduler must place them one per SM: it places a PDL grid while
+        the kernel before it still holds the SMs, and a grid that a plain launch spreads one
+        CTA per SM can then land two to an SM (H200: b1_n32k fused/16 7% slower)."""
+        if self.pdl_spread is not None:
+            return self.pdl_spread
+        from . import device_info
+
+        return num_ctas <= device_info()["num_sms"]
+
+    def _one_per_sm_bytes(self, shared: int) -> int:
+        """Dynamic shared memory that leaves no room for a second CTA on the SM."""
+        from . import device_info
+
+        info = device_info()
+        spread = min(max(shared, info["shared_per_sm"] // 2 + 16), info["shared_per_block_optin"])
+        kernel = self._kernels.partial
+        if kernel.max_dynamic_shared_size_bytes < spread:
+            kernel.max_dynamic_shared_size_bytes = spread
+        return spread
 
     def _variant_for(self, plan: Plan, clusters: bool) -> DecodeVariant:
         """The wrapper's kernel variant, in its cluster form when ``plan`` can use one."""
@@ -271,13 +320,14 @@ class BatchDecodeWrapper:
     def _bind_arguments(self, plan: Plan, meta: dict, sm_scale_log2) -> None:
         """Everything a launch needs that does not depend on the tensors, built once per plan."""
         partial_grid = (plan.num_chunks * self.num_kv_heads * self.head_tile_groups,)
-        self._partial_launch = (partial_grid, (THREADS_PER_CTA,), self._kernels.variant.shared_bytes)
+        shared = self._kernels.variant.shared_bytes
+        self._partial_launch = (partial_grid, (THREADS_PER_CTA,), shared)
         self._partial_tail = (meta["kv_indices"], meta["chunk_info"])
         self._partial_consts = (self._partial_o, self._partial_lse, self._counters,
                                 np.int32(self.num_qo_heads), np.int32(self.num_kv_heads),
                                 np.int32(self.head_tile_groups), np.int32(self.page_size),
                                 sm_scale_log2, np.int32(plan.strategy == "fused"),
-                                np.int32(self._pages_in_record))
+                                np.int32(self._pages_in_record), np.int32(0))
         self._merge_launch = None
         if plan.strategy == "split_merge" and plan.needs_merge:
             # one thread per (request, qo head, 4 dims)
@@ -285,6 +335,21 @@ class BatchDecodeWrapper:
             self._merge_launch = ((-(-slots // THREADS_PER_CTA),), (THREADS_PER_CTA,),
                                   (self._partial_o, self._partial_lse, meta["merge_indptr"]),
                                   (np.int32(plan.problem.batch_size), np.int32(self.num_qo_heads)))
+        self._pdl_partial = self._pdl_merge = None
+        if self._pdl_enabled():
+            from .launch import PdlLaunch
+
+            if self._pdl_spread(partial_grid[0]):
+                shared = self._one_per_sm_bytes(shared)
+            self._pdl_partial = PdlLaunch(self._kernels.partial, partial_grid,
+                                          (THREADS_PER_CTA,), shared, PARTIAL_PARAMS)
+            self._pdl_partial_tail = _plain(self._partial_tail)
+            early = self._pdl_trigger(plan) == "early"
+            self._pdl_partial_consts = (*_plain(self._partial_consts[:-1]), int(early))
+            if self._merge_launch is not None:
+                grid, block, head, tail = self._merge_launch
+                self._pdl_merge = PdlLaunch(self._kernels.merge, grid, block, 0, MERGE_PARAMS)
+                self._pdl_merge_args = (_plain(head), _plain(tail))
 
     # ------------------------------------------------------------------- run
     def run(self, q, k_cache, v_cache, *, out=None, lse=None, return_lse: bool = False,
@@ -332,6 +397,14 @@ class BatchDecodeWrapper:
         return (out, lse) if want_lse else out
 
     def _launch(self, q_ptr, k_ptr, v_ptr, page_stride, token_stride, out_ptr, lse_ptr, stream):
+        if self._pdl_partial is not None:
+            self._pdl_partial((q_ptr, k_ptr, v_ptr, page_stride, token_stride,
+                               *self._pdl_partial_tail, out_ptr, lse_ptr,
+                               *self._pdl_partial_consts), stream.ptr)
+            if self._pdl_merge is not None:
+                head, tail = self._pdl_merge_args
+                self._pdl_merge((*head, out_ptr, lse_ptr, *tail), stream.ptr)
+            return
         ptr = np.uint64
         grid, block, shared = self._partial_launch
         self._kernels.partial(
@@ -343,3 +416,20 @@ class BatchDecodeWrapper:
             grid, block, head, tail = self._merge_launch
             self._kernels.merge(grid, block, (*head, ptr(out_ptr), ptr(lse_ptr), *tail),
                                 stream=stream)
+
+
+def _plain(args) -> tuple:
+    """Kernel arguments as plain Python numbers for ``PdlLaunch``: device arrays as their
+    pointers, NumPy scalars as ints or floats."""
+    return tuple(a.data.ptr if hasattr(a, "data") and hasattr(a.data, "ptr")
+                 else float(a) if isinstance(a, (float, np.floating)) else int(a) for a in args)
+
+
+# Where a PDL partial kernel lets the next kernel launch: 'early', as soon as its CTAs read
+# their records; 'late', once every CTA finished streaming its chunk.
+PDL_TRIGGERS = ("early", "late")
+
+# The kernels' parameter kinds (decode.cu's decode_partial and merge_partials), for PdlLaunch.
+PARTIAL_PARAMS = (*("pointer",) * 3, "int64", "int64", *("pointer",) * 7, *("int32",) * 4,
+                  "float32", *("int32",) * 3)
+MERGE_PARAMS = (*("pointer",) * 5, "int32", "int32")

@@ -3,6 +3,7 @@
 #   bash benchmarks/device_run.sh tests calibrate      # GPU tests + memcheck, then calibration
 #   bash benchmarks/device_run.sh eval bench           # planner evaluation, then the benchmark
 #   bash benchmarks/device_run.sh dissect              # what a short call spends its time on
+#   bash benchmarks/device_run.sh pdl                  # A/B: plain launches against PDL
 #   bash benchmarks/device_run.sh dist                 # 2+ GPUs: context-parallel tests and benchmark
 # Later phases plan with the profile `calibrate` just wrote, else with the shipped one.
 set -o pipefail
@@ -31,6 +32,8 @@ for phase in "$@"; do
     dissect)
       python3 benchmarks/dissect_latency.py --probes base,no_merge,bare,empty,cluster \
         --json "$RES/h200-dissect.json" 2>&1 | grep -v Warning | tee "$RES/dissect.log" | tail -25 ;;
+    pdl)
+      python3 benchmarks/ab_pdl.py 2>&1 | grep -v Warning | tee "$RES/ab_pdl.log" ;;
     dist)
       export NCCL_NVLS_ENABLE=0    # NVLink multicast stays off on shared machines
       python3 -c "import cupy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'nccl', nccl.get_version(), 'gpus', cupy.cuda.runtime.getDeviceCount())"

@@ -21,15 +21,11 @@ from splitkv.runtime.wrapper import BatchDecodeWrapper
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--cases", default=None)
 parser.add_argument("--rounds", type=int, default=3)
-parser.add_argument("--modes", default="late,late_prefetch",
-                    help="PDL modes after plain: early|late, then _spread and/or _prefetch, "
-                         "e.g. early_spread (spread: one CTA per SM; default: the wrapper's rule)")
 args = parser.parse_args()
 
 info = device_info()
 profile = load_profile(device_name=info["name"], num_sms=info["num_sms"])
-parser_modes = args.modes.split(",")
-MODES = (False, *parser_modes)
+MODES = (False, "early", "late", "early_spread", "late_spread")
 print(f"{'case':>14} {'plan':>18} {'plain us':>9} " + " ".join(f"{m + ' us':>16}" for m in MODES[1:])
       + "  same bits")
 for case in select(args.cases):
@@ -51,9 +47,7 @@ for case in select(args.cases):
                 w = BatchDecodeWrapper(case.num_qo_heads, case.num_kv_heads, case.head_dim,
                                        case.page_size, "bfloat16", profile=profile,
                                        pdl=mode if not mode else mode.split("_")[0])
-                if mode and "spread" in mode:
-                    w.pdl_spread = True
-                w.pdl_prefetch = bool(mode) and "prefetch" in mode
+                w.pdl_spread = bool(mode) and mode.endswith("spread")
                 w.plan(pt, plan=plan)
                 us[mode].append(time_wrapper_us(w, data, trials=5, min_trial_ms=10.0))
                 outs[mode] = w.run(data.q, data.k_layers[0], data.v_layers[0]).get().view(np.uint16)

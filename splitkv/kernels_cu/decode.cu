@@ -90,7 +90,7 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
                u16* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ partial_o,
                float* __restrict__ partial_lse, unsigned* __restrict__ counters,
                int num_qo_heads, int num_kv_heads, int head_tiles, int page_size, float scale_log2,
-               int fused, int pages_in_record, int pdl_early, int pdl_prefetch) {
+               int fused, int pages_in_record, int pdl_early) {
   // The K/V tiles start at the very beginning of shared memory, 128-byte aligned: no static
   // __shared__ variable may precede them. (A 4-byte flag once shifted them by 16 bytes, and
   // every 512-byte cp.async of a warp then touched twice the L2 sectors and three times the
@@ -208,18 +208,6 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
     }
   };
 
-  // One prefetch per 128-byte line of each row this thread would copy.
-  auto prefetch_tile = [&]() {
-#pragma unroll
-    for (int i = 0; i < LOADS; ++i) {
-      if (pg[i] >= 0 && my_chunk % 8 == 0) {
-        const i64 off = (i64)pg[i] * page_stride + (i64)slot[i] * token_stride + head_offset + my_chunk * 8;
-        prefetch_l2(k_cache + off);
-        prefetch_l2(v_cache + off);
-      }
-    }
-  };
-
   float o[DTILES][4];
 #pragma unroll
   for (int i = 0; i < DTILES; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
@@ -234,17 +222,6 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   // uploads, complete before the kernel ahead of this one started, so they were read above; q,
   // the K/V cache and the workspace may be written by the kernel just before (or read by it:
   // the previous merge reads the partials this kernel overwrites), so they wait for its end.
-  // `pdl_prefetch`: while waiting, pull the first STAGES tiles' K/V lines into L2. A prefetch
-  // returns nothing to the thread, and L2 is where every SM's writes land, so a line the
-  // previous kernel writes afterwards is still read fresh by the copies below, which then hit
-  // L2 instead of DRAM.
-  if (pdl_prefetch) {
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      fetch_pages(s, pages_in_record);
-      if (s < num_tiles) prefetch_tile();
-    }
-  }
   wait_for_prior_grid();
   // Q as MMA A-fragments, one row tile per warp; rows past the group are zero. (Loaded with
   // ld_after_wait_u32: with PDL, q may be the previous kernel's output.)

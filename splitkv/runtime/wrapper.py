@@ -129,7 +129,6 @@ class BatchDecodeWrapper:
                              f"got {pdl!r}")
         self.pdl = pdl
         self.pdl_spread = None      # experiments: force _pdl_spread's answer
-        self.pdl_prefetch = False   # experiments: prefetch the first K/V tiles into L2 while waiting
         self._profile = profile
         self._plan: Plan | None = None
         self._device_id: int | None = None
@@ -328,7 +327,7 @@ class BatchDecodeWrapper:
                                 np.int32(self.num_qo_heads), np.int32(self.num_kv_heads),
                                 np.int32(self.head_tile_groups), np.int32(self.page_size),
                                 sm_scale_log2, np.int32(plan.strategy == "fused"),
-                                np.int32(self._pages_in_record), np.int32(0), np.int32(0))
+                                np.int32(self._pages_in_record), np.int32(0))
         self._merge_launch = None
         if plan.strategy == "split_merge" and plan.needs_merge:
             # one thread per (request, qo head, 4 dims)
@@ -346,8 +345,7 @@ class BatchDecodeWrapper:
                                           (THREADS_PER_CTA,), shared, PARTIAL_PARAMS)
             self._pdl_partial_tail = _plain(self._partial_tail)
             early = self._pdl_trigger(plan) == "early"
-            self._pdl_partial_consts = (*_plain(self._partial_consts[:-2]), int(early),
-                                        int(self.pdl_prefetch))
+            self._pdl_partial_consts = (*_plain(self._partial_consts[:-1]), int(early))
             if self._merge_launch is not None:
                 grid, block, head, tail = self._merge_launch
                 self._pdl_merge = PdlLaunch(self._kernels.merge, grid, block, 0, MERGE_PARAMS)
@@ -433,5 +431,5 @@ PDL_TRIGGERS = ("early", "late")
 
 # The kernels' parameter kinds (decode.cu's decode_partial and merge_partials), for PdlLaunch.
 PARTIAL_PARAMS = (*("pointer",) * 3, "int64", "int64", *("pointer",) * 7, *("int32",) * 4,
-                  "float32", *("int32",) * 4)
+                  "float32", *("int32",) * 3)
 MERGE_PARAMS = (*("pointer",) * 5, "int32", "int32")

@@ -261,3 +261,17 @@ def kernel_parameter_kinds(name: str) -> tuple:
         kinds.append("pointer" if "*" in declaration else "int64" if "long long" in declaration
                      else "float32" if declaration.strip() == "float" else "int32")
     return tuple(kinds)
+
+
+def test_pdl_launch_structs_match_cuda_h():
+    """runtime/launch.py's ctypes mirrors of CUlaunchAttribute and CUlaunchConfig (cuda.h,
+    64-bit): the driver reads them by offset, so a wrong layout would launch garbage."""
+    import ctypes
+
+    from splitkv.runtime.launch import _LaunchAttribute, _LaunchConfig
+
+    assert ctypes.sizeof(_LaunchAttribute) == 72            # id, 4 pad bytes, 64-byte union
+    assert _LaunchAttribute.value.offset == 8
+    assert [getattr(_LaunchConfig, f).offset for f in
+            ("grid", "block", "shared_bytes", "stream", "attrs", "num_attrs")] == [0, 12, 24, 32, 40, 48]
+    assert ctypes.sizeof(_LaunchConfig) == 56

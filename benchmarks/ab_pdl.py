@@ -7,10 +7,11 @@ checks that both give the same output bits.
 """
 
 import argparse
+import re
 
 import numpy as np
 
-from splitkv.bench.cases import select
+from splitkv.bench.cases import STANDARD_CASES, Case, select
 from splitkv.planner import choose_plan, load_profile
 from splitkv.problem import DecodeProblem
 from splitkv.runtime import device_info
@@ -19,16 +20,36 @@ from splitkv.runtime.timing import make_layers, time_wrapper_us
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--cases", default=None)
+parser.add_argument("--cases", default=None,
+                    help="standard case names, or bB_nN for B requests of N tokens (32/8 heads)")
+parser.add_argument("--modes", default="early,late,early_spread,late_spread",
+                    help="PDL modes after plain: early|late, optionally _spread or _nospread to "
+                         "force one CTA per SM or not (else the wrapper's rule)")
 parser.add_argument("--rounds", type=int, default=3)
 args = parser.parse_args()
 
 info = device_info()
 profile = load_profile(device_name=info["name"], num_sms=info["num_sms"])
-MODES = (False, "early", "late", "early_spread", "late_spread")
+MODES = (False, *args.modes.split(","))
+
+
+def cases(names):
+    if not names:
+        return select(None)
+    out = []
+    for name in names.split(","):
+        shape = re.fullmatch(r"b(\d+)_n(\d+)", name)
+        if shape and name not in {c.name for c in STANDARD_CASES}:
+            out.append(Case(name, (int(shape[2]),) * int(shape[1])))
+        else:
+            out += select(name)
+    return out
+
+
+
 print(f"{'case':>14} {'plan':>18} {'plain us':>9} " + " ".join(f"{m + ' us':>16}" for m in MODES[1:])
       + "  same bits")
-for case in select(args.cases):
+for case in cases(args.cases):
     pt, _ = scattered_page_table(case.kv_lens, case.page_size, np.random.default_rng(0), 0)
     problem = DecodeProblem.from_page_table(pt, case.num_qo_heads, case.num_kv_heads,
                                             case.head_dim)
@@ -47,7 +68,8 @@ for case in select(args.cases):
                 w = BatchDecodeWrapper(case.num_qo_heads, case.num_kv_heads, case.head_dim,
                                        case.page_size, "bfloat16", profile=profile,
                                        pdl=mode if not mode else mode.split("_")[0])
-                w.pdl_spread = bool(mode) and mode.endswith("spread")
+                if mode and "_" in mode:
+                    w.pdl_spread = mode.endswith("_spread")
                 w.plan(pt, plan=plan)
                 us[mode].append(time_wrapper_us(w, data, trials=5, min_trial_ms=10.0))
                 outs[mode] = w.run(data.q, data.k_layers[0], data.v_layers[0]).get().view(np.uint16)

@@ -27,7 +27,8 @@ for phase in "$@"; do
       python3 benchmarks/eval_planner.py --profile "$PROFILE" --json "$RES/h200-planner.json" 2>&1 \
         | tee "$RES/eval.log" | tail -8 ;;
     bench)
-      SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench --json "$RES/h200.json" --markdown "$RES/h200.md" 2>&1 \
+      # a fresh CuPy kernel cache, so the first-call compile time is a cold one
+      CUPY_CACHE_DIR=$(mktemp -d) SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench --json "$RES/h200.json" --markdown "$RES/h200.md" 2>&1 \
         | grep -v Warning | tee "$RES/bench.log" | tail -22 ;;
     dissect)
       python3 benchmarks/dissect_latency.py --probes base,no_merge,bare,empty,cluster \

@@ -250,20 +250,20 @@ def test_graph_replay_matches_eager():
 def test_pdl_chain_reads_the_previous_output(strategy, splits):
     """Programmatic dependent launch: each call's q is the previous call's output, so a kernel
     that read q (or reused the workspace) before the previous kernel ended would differ. The
-    chain with PDL equals the chain without it, to the bit, eagerly and replayed from a graph
-    (fused/2 on short chunks runs in clusters on sm_90)."""
+    chain with PDL (both triggers) equals the chain without it, to the bit, eagerly and
+    replayed from a graph (fused/2 on short chunks runs in clusters on sm_90). Planned on the
+    run stream: a run on another stream waits on plan()'s event, which would serialise it and
+    hide a race."""
     from splitkv.runtime import device_info
 
     if int(device_info()["cc"]) < 90:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     rng = np.random.default_rng(31)
-    pt, q, k, v = make_case(rng, [900, 2500, 40], 32, 8, 128, 16, "bfloat16")
-    if strategy == "fused" and splits == 2:
-        pt, q, k, v = make_case(rng, [900, 1000, 600], 32, 8, 128, 16, "bfloat16")
-    links = 6
+    lens = [900, 1000, 600] if (strategy, splits) == ("fused", 2) else [900, 2500, 40]
+    pt, q, k, v = make_case(rng, lens, 32, 8, 128, 16, "bfloat16")
+    links = 12
 
-    def chain(w, graph):
-        stream = cupy.cuda.Stream(non_blocking=True)
+    def chain(w, stream, graph):
         with stream:
             bufs = [q.copy()] + [poisoned(q.shape, "bfloat16") for _ in range(links)]
             if graph:
@@ -276,15 +276,17 @@ def test_pdl_chain_reads_the_previous_output(strategy, splits):
         return [b.get() for b in bufs[1:]]
 
     results = {}
-    for pdl in (False, True):
+    for pdl in (False, True, "early"):
+        stream = cupy.cuda.Stream(non_blocking=True)
         w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", pdl=pdl)
-        w.plan(pt, num_splits=splits, strategy=strategy)
-        assert (w._pdl_partial is not None) == pdl
+        w.plan(pt, num_splits=splits, strategy=strategy, stream=stream)
+        assert (w._pdl_partial is not None) == (pdl is not False)
         assert w.cluster_size == (2 if (strategy, splits) == ("fused", 2) else 0)
-        results[pdl] = (chain(w, graph=False), chain(w, graph=True))
-    for plain, fast in zip(results[False], results[True]):
-        for a, b in zip(plain, fast):
-            np.testing.assert_array_equal(a, b)
+        results[pdl] = (chain(w, stream, graph=False), chain(w, stream, graph=True))
+    for mode in (True, "early"):
+        for plain, fast in zip(results[False], results[mode]):
+            for a, b in zip(plain, fast):
+                np.testing.assert_array_equal(a, b)
 
 
 def test_torch_tensors_zero_copy():

@@ -275,3 +275,6 @@ def test_pdl_launch_structs_match_cuda_h():
     assert [getattr(_LaunchConfig, f).offset for f in
             ("grid", "block", "shared_bytes", "stream", "attrs", "num_attrs")] == [0, 12, 24, 32, 40, 48]
     assert ctypes.sizeof(_LaunchConfig) == 56
+    from splitkv.runtime.launch import _PROGRAMMATIC_STREAM_SERIALIZATION
+
+    assert _PROGRAMMATIC_STREAM_SERIALIZATION == 6     # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION

@@ -219,7 +219,8 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
     __syncthreads();
   }
   // Programmatic dependent launch: the chunk records and the page table are the wrapper's own
-  // uploads, complete before the kernel ahead of this one started, so they were read above; q,
+  // uploads, complete before this kernel could start (a copy on this stream before the kernel
+  // ahead of it, or an event this stream waited on), so they were read above; q,
   // the K/V cache and the workspace may be written by the kernel just before (or read by it:
   // the previous merge reads the partials this kernel overwrites), so they wait for its end.
   wait_for_prior_grid();

@@ -8,13 +8,15 @@ that kernel has completed. What it saves is the launch gap between two kernels a
 dependent round trip. Inside a CUDA graph capture the attribute becomes a programmatic edge.
 
 The argument buffers are built once per plan (``PdlLaunch``); a run only writes the tensor
-pointers into them and calls the driver, so it adds no NumPy or CuPy work per launch.
+pointers into them and calls the driver, under a lock (two threads may run one wrapper), so it
+adds no NumPy or CuPy work per launch. The caller makes the plan's device current.
 """
 
 from __future__ import annotations
 
 import ctypes
 import sys
+import threading
 
 # cuda.h: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
@@ -70,12 +72,14 @@ _CTYPES = {POINTER: ctypes.c_uint64, INT64: ctypes.c_int64, INT32: ctypes.c_int3
 class PdlLaunch:
     """One kernel launch configuration with the PDL attribute and reusable argument slots.
 
-    kernel: a ``cupy.RawKernel``; kinds: the kind of each kernel parameter, in order
-    (``POINTER``, ``INT64``, ``INT32``, ``FLOAT32``).
+    kernel: a ``cupy.RawKernel`` (loaded on the current device); kinds: the kind of each
+    kernel parameter, in order (``POINTER``, ``INT64``, ``INT32``, ``FLOAT32``).
     """
 
     def __init__(self, kernel, grid, block, shared_bytes: int, kinds):
+        self._kernel = kernel                  # keeps the module, hence the function, loaded
         self._function = ctypes.c_void_p(kernel.kernel.ptr)
+        self._lock = threading.Lock()          # the slots are shared by every call
         self._slots = [_CTYPES[kind]() for kind in kinds]
         self._params = (ctypes.c_void_p * len(self._slots))(
             *[ctypes.addressof(slot) for slot in self._slots])
@@ -93,10 +97,11 @@ class PdlLaunch:
         """Launch with ``args`` (one Python number per parameter) on the stream ``stream_ptr``."""
         if len(args) != len(self._slots):
             raise ValueError(f"args: expected {len(self._slots)} kernel arguments, got {len(args)}")
-        for slot, value in zip(self._slots, args):
-            slot.value = value
-        self._config.stream = stream_ptr or None
-        code = _driver().cuLaunchKernelEx(ctypes.byref(self._config), self._function,
-                                          self._params, None)
+        with self._lock:       # ctypes releases the GIL during the call
+            for slot, value in zip(self._slots, args):
+                slot.value = value
+            self._config.stream = stream_ptr or None
+            code = _driver().cuLaunchKernelEx(ctypes.byref(self._config), self._function,
+                                              self._params, None)
         if code != 0:
             raise RuntimeError(f"cuLaunchKernelEx failed: {_error_name(code)}")

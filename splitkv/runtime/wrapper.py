@@ -123,7 +123,10 @@ class BatchDecodeWrapper:
         # the stream finishes, read the plan's records, and wait for it before touching q, K/V
         # or the workspace (runtime/launch.py). False: plain launches.
         # "early" / "late" force where the partial kernel lets the next kernel launch (at its
-        # start, or once its CTAs finished streaming); None and True choose per plan.
+        # start, or once its CTAs finished streaming; True and None: "late"), and like True
+        # raise where the GPU has no PDL. Plan on the stream you run on: a run on another
+        # stream waits for plan()'s upload with an event, which serialises it with the kernel
+        # before it and forgoes the overlap.
         if pdl is not None and not isinstance(pdl, bool) and pdl not in PDL_TRIGGERS:
             raise ValueError(f"pdl: expected None, True, False or one of {PDL_TRIGGERS}, "
                              f"got {pdl!r}")
@@ -214,9 +217,9 @@ class BatchDecodeWrapper:
                              "programmatic dependent launch; it needs 9.0 or newer")
         return has_pdl and self.pdl is not False
 
-    def _pdl_trigger(self, plan: Plan) -> str:
+    def _pdl_trigger(self) -> str:
         """Where the partial kernel lets the next kernel launch: the caller's choice, else
-        'late' (see PDL_TRIGGERS)."""
+        'late' (see PDL_TRIGGERS; measured on the H200, neither wins everywhere)."""
         return self.pdl if isinstance(self.pdl, str) else "late"
 
     def _pdl_spread(self, num_ctas: int) -> bool:
@@ -347,7 +350,7 @@ class BatchDecodeWrapper:
             self._pdl_partial = PdlLaunch(self._kernels.partial, partial_grid,
                                           (THREADS_PER_CTA,), shared, PARTIAL_PARAMS)
             self._pdl_partial_tail = _plain(self._partial_tail)
-            early = self._pdl_trigger(plan) == "early"
+            early = self._pdl_trigger() == "early"
             self._pdl_partial_consts = (*_plain(self._partial_consts[:-1]), int(early))
             if self._merge_launch is not None:
                 grid, block, head, tail = self._merge_launch
@@ -401,12 +404,17 @@ class BatchDecodeWrapper:
 
     def _launch(self, q_ptr, k_ptr, v_ptr, page_stride, token_stride, out_ptr, lse_ptr, stream):
         if self._pdl_partial is not None:
-            self._pdl_partial((q_ptr, k_ptr, v_ptr, page_stride, token_stride,
-                               *self._pdl_partial_tail, out_ptr, lse_ptr,
-                               *self._pdl_partial_consts), stream.ptr)
-            if self._pdl_merge is not None:
-                head, tail = self._pdl_merge_args
-                self._pdl_merge((*head, out_ptr, lse_ptr, *tail), stream.ptr)
+            import cupy
+
+            # the driver launches in the current context: make it the plan's device's (CuPy's
+            # own launches look the device up the same way)
+            with cupy.cuda.Device(self._device_id):
+                self._pdl_partial((q_ptr, k_ptr, v_ptr, page_stride, token_stride,
+                                   *self._pdl_partial_tail, out_ptr, lse_ptr,
+                                   *self._pdl_partial_consts), stream.ptr)
+                if self._pdl_merge is not None:
+                    head, tail = self._pdl_merge_args
+                    self._pdl_merge((*head, out_ptr, lse_ptr, *tail), stream.ptr)
             return
         ptr = np.uint64
         grid, block, shared = self._partial_launch

@@ -197,25 +197,11 @@ class BatchDecodeWrapper:
 
     def _clusters_enabled(self) -> bool:
         """Whether fused plans may merge in clusters on the current device."""
-        from . import device_info
-
-        info = device_info()
-        has_clusters = int(info["cc"]) >= 90
-        if self.use_clusters and not has_clusters:
-            raise ValueError(f"use_clusters: {info['name']} (compute capability {info['cc']}) has "
-                             "no thread-block clusters; they need 9.0 or newer")
-        return has_clusters and self.use_clusters is not False
+        return _sm90_option("use_clusters", self.use_clusters, "thread-block clusters")
 
     def _pdl_enabled(self) -> bool:
         """Whether launches use programmatic dependent launch on the current device."""
-        from . import device_info
-
-        info = device_info()
-        has_pdl = int(info["cc"]) >= 90
-        if self.pdl and not has_pdl:
-            raise ValueError(f"pdl: {info['name']} (compute capability {info['cc']}) has no "
-                             "programmatic dependent launch; it needs 9.0 or newer")
-        return has_pdl and self.pdl is not False
+        return _sm90_option("pdl", self.pdl, "programmatic dependent launch")
 
     def _pdl_trigger(self) -> str:
         """Where the partial kernel lets the next kernel launch: the caller's choice, else
@@ -427,6 +413,19 @@ class BatchDecodeWrapper:
             grid, block, head, tail = self._merge_launch
             self._kernels.merge(grid, block, (*head, ptr(out_ptr), ptr(lse_ptr), *tail),
                                 stream=stream)
+
+
+def _sm90_option(name: str, wanted, feature: str) -> bool:
+    """An option that needs compute capability 9.0: None (use it where the device has it),
+    False (never), or anything true (use it, raising where the device has none)."""
+    from . import device_info
+
+    info = device_info()
+    has_it = int(info["cc"]) >= 90
+    if wanted and not has_it:
+        raise ValueError(f"{name}: {info['name']} (compute capability {info['cc']}) has no "
+                         f"{feature}; it needs compute capability 9.0 or newer")
+    return has_it and wanted is not False
 
 
 def _plain(args) -> tuple:

@@ -45,8 +45,6 @@ class DecodeVariant:
     max_registers: int = 0    # per-thread register cap (experiments); 0 = the compiler's choice
     cluster: int = 0    # S > 1: the S chunks of each request run as one thread-block cluster
                         # and merge through distributed shared memory (sm_90+); 0 = no cluster
-    warps: int = WARPS_PER_CTA   # warps per CTA; a tile holds 16 tokens per warp (experiments:
-                                 # the planner's cost model assumes the default)
 
     def __post_init__(self):
         if self.stages == 0:
@@ -54,27 +52,15 @@ class DecodeVariant:
             object.__setattr__(self, "stages", DEFAULT_STAGES[self.head_dim])
         if self.cluster not in (0, *CLUSTER_SIZES):
             raise ValueError(f"cluster: expected 0 or one of {CLUSTER_SIZES}, got {self.cluster}")
-        if self.warps not in (4, 8) or self.warps < self.head_tiles:
-            raise ValueError(f"warps: expected 4 or 8 (at least head_tiles={self.head_tiles}), "
-                             f"got {self.warps}")
 
     @property
     def rows(self) -> int:
         return 16 * self.head_tiles
 
     @property
-    def tile_tokens(self) -> int:
-        """Tokens per pipeline stage (TILE_N)."""
-        return 16 * self.warps
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
-
-    @property
     def shared_bytes(self) -> int:
-        pipeline = self.stages * self.tile_tokens * self.head_dim * 2 * 2 + RECORD_PAGES * 4
-        combine = self.warps * 16 * (self.head_dim + 2) * 4      # reused after the pipeline
+        pipeline = self.stages * TILE_TOKENS * self.head_dim * 2 * 2 + RECORD_PAGES * 4
+        combine = WARPS_PER_CTA * 16 * (self.head_dim + 2) * 4   # reused after the pipeline
         if self.cluster:
             combine += self.rows * (self.head_dim + 1) * 4          # the CTA's partial state
         return max(pipeline, combine)
@@ -82,7 +68,7 @@ class DecodeVariant:
     @property
     def defines(self) -> dict[str, int]:
         return {"SPLITKV_BF16": int(self.dtype == "bfloat16"), "HEAD_DIM": self.head_dim,
-                "HEAD_TILES": self.head_tiles, "STAGES": self.stages, "NUM_WARPS": self.warps,
+                "HEAD_TILES": self.head_tiles, "STAGES": self.stages, "NUM_WARPS": WARPS_PER_CTA,
                 "MAX_REGISTERS": self.max_registers, "CLUSTER": self.cluster,
                 "RECORD_PAGES": RECORD_PAGES}
 
@@ -90,9 +76,7 @@ class DecodeVariant:
     def name(self) -> str:
         regs = f"_reg{self.max_registers}" if self.max_registers else ""
         cluster = f"_c{self.cluster}" if self.cluster else ""
-        warps = f"_w{self.warps}" if self.warps != WARPS_PER_CTA else ""
-        return (f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}_s{self.stages}{regs}{cluster}"
-                f"{warps}")
+        return f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}_s{self.stages}{regs}{cluster}"
 
     def source(self) -> str:
         header = "".join(f"#define {k} {v}\n" for k, v in self.defines.items())

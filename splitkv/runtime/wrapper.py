@@ -23,7 +23,8 @@ from .. import validation as V
 from ..plan import Plan
 from ..problem import DecodeProblem, PageTable
 from .arrays import as_cupy_stream, as_device_array, cupy_storage_dtype
-from ..geometry import (RECORD_HEADER_INTS, RECORD_INTS, RECORD_PAGES, TILE_TOKENS, LAUNCH_ORDERS, ctas_per_kv_head,
+from ..geometry import (RECORD_HEADER_INTS, RECORD_INTS, RECORD_PAGES, THREADS_PER_CTA,
+                        TILE_TOKENS, LAUNCH_ORDERS, ctas_per_kv_head,
                         launch_order as grid_order, plan_cluster_size)
 from .kernel_source import DecodeVariant
 from .modules import get_decode_kernels
@@ -44,17 +45,16 @@ def first_pages(page_table: PageTable, chunk_request, chunk_start,
     return page_table.kv_indices[np.minimum(entries, last)]
 
 
-def record_pages_needed(page_size: int, stages: int, tile_tokens: int = TILE_TOKENS) -> int:
+def record_pages_needed(page_size: int, stages: int) -> int:
     """Pages the first ``stages`` tiles of a page-aligned chunk span."""
-    return -(-stages * tile_tokens // page_size)
+    return -(-stages * TILE_TOKENS // page_size)
 
 
-def pages_fit_record(plan: Plan, page_size: int, stages: int,
-                     tile_tokens: int = TILE_TOKENS) -> bool:
+def pages_fit_record(plan: Plan, page_size: int, stages: int) -> bool:
     """Whether the kernel may take its first ``stages`` tiles' page ids from the chunk
     records: every chunk starts on a page boundary and those tiles span at most RECORD_PAGES
     pages."""
-    return (record_pages_needed(page_size, stages, tile_tokens) <= RECORD_PAGES
+    return (record_pages_needed(page_size, stages) <= RECORD_PAGES
             and not np.any(plan.chunk_start % page_size))
 
 
@@ -180,9 +180,8 @@ class BatchDecodeWrapper:
         self._device_id = cupy.cuda.runtime.getDevice()
         s = as_cupy_stream(stream)
         self._kernels = get_decode_kernels(self._variant_for(chosen, clusters))
-        variant = self._kernels.variant
-        self._pages_in_record = pages_fit_record(chosen, self.page_size, variant.stages,
-                                                 variant.tile_tokens)
+        self._pages_in_record = pages_fit_record(chosen, self.page_size,
+                                                 self._kernels.variant.stages)
         meta = self._upload(page_table, chosen, s)
         self._ensure_workspace(chosen, s)
         self._ready.record(s)          # run() on another stream waits for the upload
@@ -260,8 +259,7 @@ class BatchDecodeWrapper:
         previous copy out of it must have finished (a host wait on that small copy only)."""
         import cupy
 
-        variant = self._kernels.variant
-        pages = (record_pages_needed(self.page_size, variant.stages, variant.tile_tokens)
+        pages = (record_pages_needed(self.page_size, self._kernels.variant.stages)
                  if self._pages_in_record else 0)
         chunk_info = chunk_records(plan, page_table, self._launch_order(plan), pages)
         parts = {"chunk_info": chunk_info.ravel(), "kv_indices": page_table.kv_indices,
@@ -315,8 +313,7 @@ class BatchDecodeWrapper:
         """Everything a launch needs that does not depend on the tensors, built once per plan."""
         partial_grid = (plan.num_chunks * self.num_kv_heads * self.head_tile_groups,)
         shared = self._kernels.variant.shared_bytes
-        threads = self._kernels.variant.threads
-        self._partial_launch = (partial_grid, (threads,), shared)
+        self._partial_launch = (partial_grid, (THREADS_PER_CTA,), shared)
         self._partial_tail = (meta["kv_indices"], meta["chunk_info"])
         self._partial_consts = (self._partial_o, self._partial_lse, self._counters,
                                 np.int32(self.num_qo_heads), np.int32(self.num_kv_heads),
@@ -327,7 +324,7 @@ class BatchDecodeWrapper:
         if plan.strategy == "split_merge" and plan.needs_merge:
             # one thread per (request, qo head, 4 dims)
             slots = plan.problem.batch_size * self.num_qo_heads * (self.head_dim // 4)
-            self._merge_launch = ((-(-slots // threads),), (threads,),
+            self._merge_launch = ((-(-slots // THREADS_PER_CTA),), (THREADS_PER_CTA,),
                                   (self._partial_o, self._partial_lse, meta["merge_indptr"]),
                                   (np.int32(plan.problem.batch_size), np.int32(self.num_qo_heads)))
         self._pdl_partial = self._pdl_merge = None
@@ -337,7 +334,7 @@ class BatchDecodeWrapper:
             if self._pdl_spread(partial_grid[0]):
                 shared = self._one_per_sm_bytes(shared)
             self._pdl_partial = PdlLaunch(self._kernels.partial, partial_grid,
-                                          (threads,), shared, PARTIAL_PARAMS)
+                                          (THREADS_PER_CTA,), shared, PARTIAL_PARAMS)
             self._pdl_partial_tail = _plain(self._partial_tail)
             early = self._pdl_trigger() == "early"
             self._pdl_partial_consts = (*_plain(self._partial_consts[:-1]), int(early))

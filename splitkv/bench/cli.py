@@ -127,7 +127,7 @@ def run(args) -> int:
                "frac_read_bw": round(gbps / read_gbps, 4), "rel_err": float(f"{err:.3e}"),
                "strategy": plan.strategy, "num_splits": plan.num_splits,
                "work_items": plan.num_work_items, "layers": data.num_layers,
-               "pdl": w._pdl_partial is not None, "cluster": w.cluster_size,
+               "pdl": w.pdl_active, "cluster": w.cluster_size,
                "predicted_us": None if plan.predicted_us is None else round(plan.predicted_us, 2),
                "peer_us": None if peer is None else round(peer, 2),
                "best_paged_peer_us": case.best_paged_peer_us, "kv_mib": problem.kv_bytes / 2**20}

@@ -27,6 +27,7 @@ from ..geometry import (RECORD_HEADER_INTS, RECORD_INTS, RECORD_PAGES, THREADS_P
                         TILE_TOKENS, LAUNCH_ORDERS, ctas_per_kv_head,
                         launch_order as grid_order, plan_cluster_size)
 from .kernel_source import DecodeVariant
+from .launch import FLOAT32, INT32, INT64, POINTER, PdlLaunch
 from .modules import get_decode_kernels
 
 LOG2E = 1.4426950408889634
@@ -203,10 +204,10 @@ class BatchDecodeWrapper:
         """Whether launches use programmatic dependent launch on the current device."""
         return _sm90_option("pdl", self.pdl, "programmatic dependent launch")
 
-    def _pdl_trigger(self) -> str:
-        """Where the partial kernel lets the next kernel launch: the caller's choice, else
-        'late' (see PDL_TRIGGERS; measured on the H200, neither wins everywhere)."""
-        return self.pdl if isinstance(self.pdl, str) else "late"
+    @property
+    def pdl_active(self) -> bool:
+        """Whether the current plan launches with programmatic dependent launch."""
+        return self._plan is not None and self._pdl_partial is not None
 
     def _pdl_spread(self, num_ctas: int) -> bool:
         """Whether a PDL launch of ``num_ctas`` CTAs reserves more than half an SM's shared
@@ -313,13 +314,17 @@ class BatchDecodeWrapper:
         """Everything a launch needs that does not depend on the tensors, built once per plan."""
         partial_grid = (plan.num_chunks * self.num_kv_heads * self.head_tile_groups,)
         shared = self._kernels.variant.shared_bytes
+        pdl = self._pdl_enabled()
+        # where a PDL partial kernel lets the next kernel launch: 'late' unless asked (see
+        # PDL_TRIGGERS; measured on the H200, neither wins everywhere); plain launches ignore it
+        pdl_early = pdl and self.pdl == "early"
         self._partial_launch = (partial_grid, (THREADS_PER_CTA,), shared)
         self._partial_tail = (meta["kv_indices"], meta["chunk_info"])
         self._partial_consts = (self._partial_o, self._partial_lse, self._counters,
                                 np.int32(self.num_qo_heads), np.int32(self.num_kv_heads),
                                 np.int32(self.head_tile_groups), np.int32(self.page_size),
                                 sm_scale_log2, np.int32(plan.strategy == "fused"),
-                                np.int32(self._pages_in_record), np.int32(0))
+                                np.int32(self._pages_in_record), np.int32(pdl_early))
         self._merge_launch = None
         if plan.strategy == "split_merge" and plan.needs_merge:
             # one thread per (request, qo head, 4 dims)
@@ -328,16 +333,13 @@ class BatchDecodeWrapper:
                                   (self._partial_o, self._partial_lse, meta["merge_indptr"]),
                                   (np.int32(plan.problem.batch_size), np.int32(self.num_qo_heads)))
         self._pdl_partial = self._pdl_merge = None
-        if self._pdl_enabled():
-            from .launch import PdlLaunch
-
+        if pdl:
             if self._pdl_spread(partial_grid[0]):
                 shared = self._one_per_sm_bytes(shared)
             self._pdl_partial = PdlLaunch(self._kernels.partial, partial_grid,
                                           (THREADS_PER_CTA,), shared, PARTIAL_PARAMS)
             self._pdl_partial_tail = _plain(self._partial_tail)
-            early = self._pdl_trigger() == "early"
-            self._pdl_partial_consts = (*_plain(self._partial_consts[:-1]), int(early))
+            self._pdl_partial_consts = _plain(self._partial_consts)
             if self._merge_launch is not None:
                 grid, block, head, tail = self._merge_launch
                 self._pdl_merge = PdlLaunch(self._kernels.merge, grid, block, 0, MERGE_PARAMS)
@@ -440,6 +442,6 @@ def _plain(args) -> tuple:
 PDL_TRIGGERS = ("early", "late")
 
 # The kernels' parameter kinds (decode.cu's decode_partial and merge_partials), for PdlLaunch.
-PARTIAL_PARAMS = (*("pointer",) * 3, "int64", "int64", *("pointer",) * 7, *("int32",) * 4,
-                  "float32", *("int32",) * 3)
-MERGE_PARAMS = (*("pointer",) * 5, "int32", "int32")
+PARTIAL_PARAMS = (*(POINTER,) * 3, INT64, INT64, *(POINTER,) * 7, *(INT32,) * 4, FLOAT32,
+                  *(INT32,) * 3)
+MERGE_PARAMS = (*(POINTER,) * 5, INT32, INT32)

@@ -13,7 +13,13 @@ Strategies:
   single       every request has exactly one chunk; the partial kernel writes the output.
   split_merge  partial kernel, then a merge kernel (requests with one chunk are written
                directly by the partial kernel and skipped by the merge).
-  fused        one kernel; the last CTA to finish for each (request, kv head) merges.
+  fused        one kernel; the last CTA to finish for each (request, kv head) merges (with
+               an atomic ticket, or inside a thread-block cluster on sm_90+).
+
+How the plan runs on the GPU (its merge mode and the grid's launch order) is its
+``execution``, decided by ``splitkv.execution.decide``: plans built here assume a GPU without
+clusters and the default launch order; the planner, and ``with_execution``, decide for a
+given device.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import validation as V
+from .execution import DEFAULT_LAUNCH_ORDER, Execution, decide
 from .problem import DecodeProblem
 
 
@@ -35,6 +42,7 @@ class Plan:
     chunk_end: np.ndarray       # int32 [num_chunks], exclusive
     merge_indptr: np.ndarray    # int32 [batch_size + 1]
     predicted_us: float | None = None
+    execution: Execution | None = None   # None: ``decide``'s answer without clusters
 
     def __post_init__(self):
         V.check_instance("problem", self.problem, DecodeProblem)
@@ -48,6 +56,14 @@ class Plan:
         if self.strategy == "single" and self.num_chunks != self.problem.batch_size:
             raise ValueError("strategy: 'single' needs exactly one chunk per request, "
                              f"got {self.num_chunks} chunks for {self.problem.batch_size} requests")
+        if self.execution is None:
+            object.__setattr__(self, "execution", decide(self))
+        else:
+            V.check_instance("execution", self.execution, Execution)
+            if self.execution != decide(self, clusters=self.execution.merge == "cluster",
+                                        launch_order=self.execution.launch_order):
+                raise ValueError(f"execution: {self.execution} is not how a "
+                                 f"{self.strategy} plan of these chunks can run")
 
     @property
     def num_chunks(self) -> int:
@@ -68,7 +84,22 @@ class Plan:
 
     @property
     def needs_merge(self) -> bool:
-        return self.num_splits > 1
+        # every request has at least one chunk: more chunks than requests means a split
+        return self.num_chunks > self.problem.batch_size
+
+    @property
+    def merge(self) -> str:
+        """The merge mode (``execution.MERGE_MODES``)."""
+        return self.execution.merge
+
+    @property
+    def cluster_size(self) -> int:
+        """S when the plan merges in thread-block clusters of S, else 0."""
+        return self.execution.cluster_size
+
+    @property
+    def launch_order(self) -> str:
+        return self.execution.launch_order
 
     def with_prediction(self, predicted_us: float) -> "Plan":
         """The same plan with a predicted time; the arrays were checked once, not again."""
@@ -76,18 +107,32 @@ class Plan:
         plan.__dict__.update(self.__dict__, predicted_us=float(predicted_us))
         return plan
 
+    def with_execution(self, *, clusters: bool = False,
+                       launch_order: str = DEFAULT_LAUNCH_ORDER) -> "Plan":
+        """The same chunks, run as ``decide`` says for a GPU with (or without) thread-block
+        clusters and the launch order asked for."""
+        execution = decide(self, clusters=clusters, launch_order=launch_order)
+        if execution == self.execution:
+            return self
+        plan = object.__new__(Plan)
+        plan.__dict__.update(self.__dict__, execution=execution)
+        return plan
+
     @classmethod
     def _trusted(cls, problem, strategy, chunk_request, chunk_start, chunk_end, merge_indptr,
-                 predicted_us=None):
+                 predicted_us=None, *, clusters: bool = False,
+                 launch_order: str = DEFAULT_LAUNCH_ORDER):
         """A plan built by this module's own decomposition functions, correct by construction:
         skips the checks a hand-built plan gets (they cost more than the planning itself). The
-        arrays must be contiguous int32 (``_*_chunk_arrays`` make them so); they are frozen."""
+        arrays must be contiguous int32 (``_*_chunk_arrays`` make them so); they are frozen.
+        Its execution is ``decide``'s for ``clusters`` and ``launch_order``."""
         plan = object.__new__(cls)
         for arr in (chunk_request, chunk_start, chunk_end, merge_indptr):
             arr.setflags(write=False)
         plan.__dict__.update(problem=problem, strategy=strategy, chunk_request=chunk_request,
                              chunk_start=chunk_start, chunk_end=chunk_end,
                              merge_indptr=merge_indptr, predicted_us=predicted_us)
+        plan.__dict__["execution"] = decide(plan, clusters=clusters, launch_order=launch_order)
         return plan
 
     def summary(self) -> dict:
@@ -99,13 +144,17 @@ class Plan:
             "num_work_items": self.num_work_items,
             "chunk_tokens_max": int(sizes.max()) if sizes.size else 0,
             "chunk_tokens_min": int(sizes.min()) if sizes.size else 0,
+            "merge": self.merge,
+            "cluster_size": self.cluster_size,
+            "launch_order": self.launch_order,
             "predicted_us": self.predicted_us,
         }
 
     def __repr__(self) -> str:
         s = self.summary()
         pred = "n/a" if self.predicted_us is None else f"{self.predicted_us:.1f} us"
-        return (f"Plan(strategy={s['strategy']}, num_splits={s['num_splits']}, "
+        merge = s["merge"] + (f" of {s['cluster_size']}" if s["cluster_size"] else "")
+        return (f"Plan(strategy={s['strategy']}, num_splits={s['num_splits']}, merge={merge}, "
                 f"work_items={s['num_work_items']} ({s['num_chunks']} chunks x "
                 f"{self.problem.num_kv_heads} kv heads), chunk tokens "
                 f"{s['chunk_tokens_min']}..{s['chunk_tokens_max']}, predicted={pred}, "

@@ -127,7 +127,7 @@ def synthetic_plans():
                         plans.append(plan_chunk_tokens(p, c, s, align=min(c, 64)))
             for s in (3, 33):
                 plans.append(plan_fixed_splits(p, s, "fused", align=64))
-    return plans
+    return [plan.with_execution(clusters=True) for plan in plans]    # as an H200 runs them
 
 
 @pytest.fixture(scope="module")
@@ -198,20 +198,25 @@ def test_from_coef_checks_names():
         CostModel.from_coef([np.nan] * len(FEATURE_NAMES))
 
 
-def test_cluster_merges_replace_the_ticket_exactly_where_the_runtime_clusters(plans):
-    """cluster_merges is 1 for a fused plan exactly when ``geometry.plan_cluster_size`` (the
-    runtime's rule) accepts it; such a plan pays no partials and no ticket."""
-    from splitkv.geometry import plan_cluster_size
-
-    ticket_only = {**H200, "clusters": False}
+def test_cluster_merges_replace_the_ticket_exactly_where_the_plan_clusters(plans):
+    """cluster_merges is 1 exactly when the plan's execution merges in clusters
+    (``execution.decide`` on a GPU with them); such a plan pays no partials and no ticket. The
+    planner's closed form (``plan_features`` without a merge, ``execution.clustered``) agrees
+    with the rule on every plan."""
     seen = set()
+    model = CostModel(**H200)
     for plan in plans:
-        x = CostModel(**H200).features(plan)
-        x_off = CostModel(**ticket_only).features(plan)
-        clustered = plan_cluster_size(plan) > 0
+        on_clusters = plan.with_execution(clusters=True)
+        x = model.features(on_clusters)
+        x_off = model.features(plan.with_execution(clusters=False))      # the ticket
+        clustered = on_clusters.merge == "cluster"
+        assert clustered == (on_clusters.cluster_size > 0)
         seen.add(clustered)
         assert feature(x, "cluster_merges") == float(clustered), plan
         assert feature(x_off, "cluster_merges") == 0.0
+        closed_form = plan_features(plan.problem, plan.chunk_end - plan.chunk_start,
+                                    plan.chunks_per_request, plan.strategy, **H200)
+        np.testing.assert_array_equal(closed_form, x)
         if clustered:
             for name in ("partial_us", "fused_tail_us", "fused_merges"):
                 assert feature(x, name) == 0.0 and feature(x_off, name) > 0.0, name

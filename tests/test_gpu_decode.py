@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from splitkv import reference_decode
+from splitkv.execution import grid_order
 from splitkv.plan import plan_chunk_tokens, plan_from_chunk_counts
 from splitkv.problem import DecodeProblem
 from splitkv.reference import to_float64
@@ -135,7 +136,7 @@ def test_launch_order_changes_no_bit(strategy):
         w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", launch_order=policy)
         _, o, lse = run_checked(w, pt, q, k, v, "bfloat16", plan=plan)
         assert rel_err(o, ref_o) < TOL["bfloat16"]
-        assert (w._launch_order(plan)[:3] != np.arange(3)).any() == (policy != "plan")
+        assert (grid_order(w.current_plan)[:3] != np.arange(3)).any() == (policy != "plan")
         results[policy] = (o, lse)
     for o, lse in results.values():
         np.testing.assert_array_equal(o, results["plan"][0])
@@ -146,9 +147,10 @@ def test_launch_order_changes_no_bit(strategy):
                                             (96, 1, 128, "bfloat16"), (4, 4, 256, "float16")])
 def test_cluster_merge_matches_reference_and_ticket_merge(hq, hk, d, dtype):
     """Fused plans with 2, 4 or 8 short chunks per request merge inside thread-block clusters
-    on sm_90+ (where geometry.fused_cluster_size allows): the same answer as the atomic-ticket
+    on sm_90+ (where execution.fused_cluster_size allows): the same answer as the atomic-ticket
     merge, to the bit."""
-    from splitkv.geometry import CLUSTER_MAX_WIDE_CTAS, ctas_per_kv_head
+    from splitkv.execution import CLUSTER_MAX_WIDE_CTAS
+    from splitkv.geometry import ctas_per_kv_head
     from splitkv.runtime import device_info
 
     if int(device_info()["cc"]) < 90:
@@ -169,14 +171,14 @@ def test_cluster_merge_matches_reference_and_ticket_merge(hq, hk, d, dtype):
         assert clustered.cluster_size == (n if n == 2 or ctas <= CLUSTER_MAX_WIDE_CTAS else 0)
         sizes.append(clustered.cluster_size)
         if clustered.cluster_size:
-            np.testing.assert_array_equal(clustered._launch_order(plan), np.arange(plan.num_chunks))
+            np.testing.assert_array_equal(grid_order(clustered.current_plan), np.arange(plan.num_chunks))
         assert rel_err(o, ref_o) < TOL[dtype], f"{plan}"
         finite = np.isfinite(ref_lse)
         np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=2e-3, atol=2e-3)
         _, o_ticket, lse_ticket = run_checked(ticket, pt, q, k, v, dtype, plan=plan)
         assert ticket.cluster_size == 0
         # the ticket grid does run the long request's chunks first
-        assert not np.array_equal(ticket._launch_order(plan), np.arange(plan.num_chunks))
+        assert not np.array_equal(grid_order(ticket.current_plan), np.arange(plan.num_chunks))
         np.testing.assert_array_equal(o, o_ticket)
         np.testing.assert_array_equal(lse, lse_ticket)
     assert sizes[0] == 2 and max(sizes) >= 4      # pairs always, and a wider cluster too

@@ -111,13 +111,15 @@ def test_repr_shows_strategy_splits_and_problem():
     for text in (repr(plan), str(plan)):
         assert "strategy=fused" in text and "num_splits=4" in text
         assert "work_items=16" in text and "DecodeProblem(" in text and "predicted=n/a" in text
+        assert "merge=ticket" in text
     assert "predicted=12.5 us" in repr(plan.with_prediction(12.5))
 
 
 def test_summary():
     s = plan_fixed_splits(make_problem([100, 40]), 4, "fused").summary()
     assert s == {"strategy": "fused", "num_splits": 4, "num_chunks": 8, "num_work_items": 16,
-                 "chunk_tokens_max": 25, "chunk_tokens_min": 10, "predicted_us": None}
+                 "chunk_tokens_max": 25, "chunk_tokens_min": 10, "merge": "ticket",
+                 "cluster_size": 0, "launch_order": "longest_chunks", "predicted_us": None}
 
 
 def test_with_prediction_keeps_the_decomposition():
@@ -163,22 +165,6 @@ def test_hand_built_plan():
 def test_inconsistent_hand_built_plans_are_refused(arrays, name):
     with pytest.raises(ValueError, match=name):
         Plan(make_problem([20, 0, 5]), "split_merge", *arrays)
-
-
-def test_fused_cluster_size_needs_fused_equal_counts_short_chunks_and_small_grids():
-    from splitkv.geometry import CLUSTER_MAX_CHUNK_TOKENS, CLUSTER_MAX_WIDE_CTAS, fused_cluster_size
-
-    assert fused_cluster_size("fused", [8, 8, 8], 128, 48) == 8
-    assert fused_cluster_size("fused", [8], 128, CLUSTER_MAX_WIDE_CTAS + 8) == 0   # big grid
-    assert fused_cluster_size("fused", [2] * 64, 1000, 1024) == 2   # pairs: any grid
-    assert fused_cluster_size("fused", [2], CLUSTER_MAX_CHUNK_TOKENS, 16) == 2
-    assert fused_cluster_size("fused", [2], CLUSTER_MAX_CHUNK_TOKENS + 1, 16) == 0   # long chunks
-    assert fused_cluster_size("fused", [16, 16], 64, 32) == 0    # past the sizes that paid
-    assert fused_cluster_size("fused", [8, 8, 7], 128, 23) == 0  # ragged chunk counts
-    assert fused_cluster_size("fused", [3, 3], 128, 6) == 0
-    assert fused_cluster_size("fused", [1, 1], 128, 2) == 0
-    assert fused_cluster_size("split_merge", [4, 4], 128, 8) == 0
-    assert fused_cluster_size("fused", [], 0, 0) == 0
 
 
 def test_cluster_variant_names_and_shared_memory():
@@ -229,7 +215,8 @@ def test_chunk_records_carry_each_chunks_first_pages():
 def test_chunk_records_in_launch_order_name_their_plan_chunk():
     """Record r holds chunk order[r] whole (request, tokens, page-table start, the request's
     chunk range, its first pages) and that chunk's plan index, where its partials go."""
-    from splitkv.geometry import RECORD_HEADER_INTS, launch_order
+    from splitkv.execution import launch_order
+    from splitkv.geometry import RECORD_HEADER_INTS
     from splitkv.plan import plan_chunk_tokens
     from splitkv.problem import DecodeProblem, PageTable
     from splitkv.runtime.wrapper import chunk_records, first_pages
@@ -258,20 +245,3 @@ def test_chunk_records_in_launch_order_name_their_plan_chunk():
         first_pages(table, plan.chunk_request[order], plan.chunk_start[order], 4))
     assert not records[:, RECORD_HEADER_INTS + 4:].any()                  # only what was asked
     assert not chunk_records(plan, table, order, 0)[:, RECORD_HEADER_INTS:].any()
-
-
-def test_launch_orders_run_the_long_work_first_and_keep_ties_in_plan_order():
-    from splitkv.geometry import launch_order
-
-    req = [0, 0, 1, 2, 2, 2]
-    tokens = [512, 100, 300, 512, 512, 40]
-    lens = [612, 300, 1064]
-    np.testing.assert_array_equal(launch_order(req, tokens, lens), [0, 3, 4, 2, 1, 5])
-    np.testing.assert_array_equal(launch_order(req, tokens, lens, "longest_requests"),
-                                  [3, 4, 5, 0, 1, 2])
-    np.testing.assert_array_equal(launch_order(req, tokens, lens, "plan"), np.arange(6))
-    uniform = launch_order([0, 0, 1, 1], [64] * 4, [128, 128])
-    np.testing.assert_array_equal(uniform, np.arange(4))
-    assert launch_order([], [], [5]).size == 0
-    with pytest.raises(ValueError, match="launch_order"):
-        launch_order(req, tokens, lens, "shortest")

@@ -133,7 +133,7 @@ def reference_choice(p, model, num_splits=None, strategy=None):
     cheapest: each plan built by ``Candidate.build`` and predicted on its own."""
     scored = []
     for cand in reference_candidates(p, model, num_splits, strategy):
-        plan = cand.build(p)
+        plan = cand.build(p, clusters=model.clusters)
         scored.append((cand, plan, float(model.features(plan) @ model.coef_)))
     times = [t for _, _, t in scored]
     return scored, times.index(min(times))

@@ -8,7 +8,7 @@ planner needs. The profile's parameters are then refitted on all measurements.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -95,13 +95,15 @@ def fit_profile(measurements, device: dict, *, heldout_fraction: float = 0.2, se
                 sweep: dict | None = None) -> tuple[Profile, FitReport]:
     """Fit on ``measurements`` (from ``sweep.measure``) for the device ``device``
     (``splitkv.runtime.device_info()``: name, num_sms, ...)."""
-    measurements = list(measurements)
     if bandwidth_gbps is None:
         bandwidth_gbps = guess_bandwidth_gbps(device["name"])
-    # sm_90+ runs suitable fused plans as clusters (the wrapper's default): the model knows
+    # sm_90+ runs suitable fused plans as clusters (the wrapper's default): the model knows,
+    # and each plan is fitted as it ran there
     hyper = dict(num_sms=int(device["num_sms"]), ctas_per_sm=ctas_per_sm,
                  bandwidth_gbps=float(bandwidth_gbps),
                  clusters=int(device.get("cc", 0)) >= 90)
+    measurements = [replace(m, plan=m.plan.with_execution(clusters=hyper["clusters"]))
+                    for m in measurements]
 
     train, heldout = split_heldout(measurements, heldout_fraction, seed)
     heldout_mape = heldout_max = None

@@ -108,7 +108,7 @@ def candidate_plans(problem: DecodeProblem, model: CostModel,
     chosen = [next(c for c in ranked if c.kind == NO_SPLIT)]
     chosen += [by_key[(kind, value, strategy)] for kind, value in decomps
                for strategy in ("split_merge", "fused")]
-    return [(c.label, c.build(problem)) for c in chosen]
+    return [(c.label, c.build(problem, clusters=model.clusters)) for c in chosen]
 
 
 def sweep_points(model: CostModel, quick: bool = False, seed: int = 0) -> list[SweepPoint]:

@@ -72,7 +72,7 @@ def run(args) -> int:
     for w in caught:
         print(f"note: {w.message}", file=sys.stderr)
 
-    plan = ranked[0].build(problem)
+    plan = ranked[0].build(problem, clusters=profile.cost_model().clusters)
     print(f"problem:   {problem!r}")
     print(f"profile:   {profile.device_name}, {profile.num_sms} SMs "
           f"({profile.source or 'unknown'}; {profile.origin})")
@@ -81,22 +81,8 @@ def run(args) -> int:
     rate = problem.kv_bytes / plan.predicted_us / 1e3 if plan.predicted_us else 0.0
     print(f"predicted: {plan.predicted_us:.2f} us for {kv_mib:,.1f} MiB of K and V "
           f"({rate:,.0f} GB/s)")
-    print(f"merge:     {_merge_description(plan, profile.cost_model().clusters)}")
+    print(f"merge:     {plan.execution.describe()}")
     print(f"top {min(args.top, len(ranked))} of {len(ranked)} candidates:")
     for c in ranked[: args.top]:
         print(f"  {c}")
     return 0
-
-
-def _merge_description(plan, clusters: bool) -> str:
-    """How the plan's partial states get merged, as the runtime will run it."""
-    from ..geometry import plan_cluster_size
-
-    if not plan.needs_merge:
-        return "none (every request in one chunk)"
-    if plan.strategy == "split_merge":
-        return "a second kernel"
-    size = plan_cluster_size(plan) if clusters else 0
-    if size:
-        return f"in thread-block clusters of {size}, through distributed shared memory (sm_90+)"
-    return "by the last CTA of each request (atomic ticket)"

@@ -22,7 +22,7 @@ tokens alone on it (H200 calibration: 1 request of 4096 tokens, 8 kv heads, as 1
 tokens 11.7 us vs 256 CTAs of 128 tokens 13.5 us; 32k tokens as 128 x 2048 44.0 us vs
 256 x 1024 45.1 us). Counting per slot credited a split that doubles the CTAs on half-idle SMs
 with halving the critical path. Unequal chunks add a tail: CTAs are dealt in grid order (the
-wrapper's launch order, by default the longest chunks first: ``geometry.launch_order``), and
+plan's launch order, by default the longest chunks first: ``execution.launch_order``), and
 list scheduling's makespan is up to mean load + largest item; ``tail_us`` carries what the
 largest chunk exceeds the mean by.
 
@@ -43,10 +43,10 @@ The feature columns, in order (``FEATURE_NAMES``):
                   walks a row's partials one dependent L2 round trip after another.
   tail_us         (largest chunk - mean chunk) bytes of one CTA / one slot's bandwidth: the
                   scheduling tail of unequal chunks (0 when every chunk is the same size).
-  cluster_merges  1 when 'fused' merges inside thread-block clusters (``clusters`` hardware
-                  and a plan ``geometry.fused_cluster_size`` accepts); such a plan writes no
-                  partials and takes no ticket, so its partial_us, fused_tail_us and
-                  fused_merges are 0.
+  cluster_merges  1 when the plan merges inside thread-block clusters (its execution's merge
+                  is 'cluster'; for the planner's candidates, ``execution.clustered`` on a GPU
+                  with clusters); such a plan writes no partials and takes no ticket, so its
+                  partial_us, fused_tail_us and fused_merges are 0.
   lone_cta_us     crit_us again when no SM runs two CTAs at once (work items <= num_sms) and
                   the largest chunk has at least ``LONE_CTA_MIN_TOKENS`` tokens. A CTA alone on
                   its SM keeps half the loads in flight that two do, so it streams below the
@@ -66,8 +66,8 @@ import functools
 import numpy as np
 from scipy.optimize import nnls
 
-from ..geometry import (CLUSTER_MAX_CHUNK_TOKENS, CLUSTER_MAX_WIDE_CTAS, CLUSTER_SIZES,
-                        TILE_TOKENS, ctas_per_kv_head)
+from ..execution import MERGE_CLUSTER, clustered
+from ..geometry import TILE_TOKENS, ctas_per_kv_head
 from ..plan import Plan
 from ..validation import STRATEGIES
 
@@ -213,7 +213,7 @@ def row_features(rows, items_per_chunk, slots, num_sms, some_items=False,
     crit *= rows[14]
     np.maximum(crit, rows[3:5], out=rows[11:13])
     if cluster_batch_size:
-        _clustered_row(rows, cluster_batch_size, items_per_chunk)
+        clustered(rows[16], rows[0], rows[3], rows[5], cluster_batch_size, items_per_chunk)
     else:
         rows[16] = 0.0
     # lone_tokens: crit_tokens where one SM wave holds every item and the largest chunk is long
@@ -222,31 +222,6 @@ def row_features(rows, items_per_chunk, slots, num_sms, some_items=False,
     lone *= np.equal(rows[14], _ONE)
     lone *= rows[11]
     return rows
-
-
-# 1 at the cluster sizes, indexed by a chunk count (larger counts clip to the final 0).
-_CLUSTER_SIZE_OK = np.zeros(max(CLUSTER_SIZES) + 2)
-_CLUSTER_SIZE_OK[list(CLUSTER_SIZES)] = 1.0
-_CLUSTER_SIZE_OK.setflags(write=False)
-
-
-def _clustered_row(rows, batch_size: int, items_per_chunk: int) -> None:
-    """Row 'clustered' = ``geometry.fused_cluster_size(...) > 0`` in closed form: every request
-    has max_splits chunks (the counts, each at most max_splits, sum to batch_size x
-    max_splits), max_splits is a cluster size, no chunk is longer than
-    ``CLUSTER_MAX_CHUNK_TOKENS``, and clusters wider than 2 have a small grid."""
-    out = rows[16]
-    np.take(_CLUSTER_SIZE_OK, rows[5].astype(np.intp), mode="clip", out=out)
-    out *= np.equal(rows[0], rows[5] * float(batch_size))
-    out *= np.less_equal(rows[3], CLUSTER_MAX_CHUNK_TOKENS)
-    small_grid = np.less_equal(rows[0] * float(items_per_chunk), CLUSTER_MAX_WIDE_CTAS)
-    out *= np.logical_or(small_grid, np.less_equal(rows[5], 2.0))
-
-
-def may_cluster(clusters: bool, max_len: int) -> bool:
-    """Whether any decomposition of a batch whose longest request has ``max_len`` tokens can
-    merge in clusters: at most the largest cluster size of the longest chunks."""
-    return clusters and max_len <= max(CLUSTER_SIZES) * CLUSTER_MAX_CHUNK_TOKENS
 
 
 # 0-d arrays rather than Python numbers: NumPy converts a Python number on every call.
@@ -308,33 +283,46 @@ def gather_features(rows, index, scale, clusters=False) -> np.ndarray:
 
 def features_from_stats(num_qo_heads, num_kv_heads, head_dim, strategy_code, stats, *,
                         num_sms, ctas_per_sm, bandwidth_gbps, batch_size=0,
-                        clusters=False) -> np.ndarray:
+                        clusters=False, clustered_as=None) -> np.ndarray:
     """Feature matrix ``[n, len(FEATURE_NAMES)]`` of n candidates from their ``stats``
     ``[len(STAT_NAMES), n]`` and strategy codes (index in ``STRATEGIES``; [n] or one for all).
     The planner computes the statistics of many candidates at once in closed form;
     ``plan_features`` computes them from a built plan. ``clusters``: the GPU merges suitable
-    fused plans in clusters (needs the ``batch_size`` of the decompositions)."""
+    fused plans in clusters (needs the ``batch_size`` of the decompositions);
+    ``clustered_as``: 1.0 or 0.0, whether the candidates merge in clusters, when that is known
+    (a built plan's execution) rather than derived."""
     ipc, slots, units = feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms,
                                           ctas_per_sm, bandwidth_gbps)
     n = np.shape(stats)[1]
     rows, stat_rows = new_feature_rows(n)
     stat_rows[:] = stats
     index = feature_index(n, np.arange(n), strategy_code)
-    cluster_batch_size = batch_size if clusters else 0
-    return gather_features(row_features(rows, ipc, slots, num_sms,
-                                        cluster_batch_size=cluster_batch_size), index,
-                           strategy_scale(units, strategy_code, n), clusters=clusters).T
+    cluster_batch_size = batch_size if clusters and clustered_as is None else 0
+    row_features(rows, ipc, slots, num_sms, cluster_batch_size=cluster_batch_size)
+    if clustered_as is not None:
+        rows[FEATURE_ROWS.index("clustered")] = clustered_as
+    return gather_features(rows, index, strategy_scale(units, strategy_code, n),
+                           clusters=clusters).T
 
 
 def plan_features(problem, chunk_tokens, chunks_per_request, strategy, *, num_sms=132,
-                  ctas_per_sm=2, bandwidth_gbps=4460.0, clusters=False) -> np.ndarray:
+                  ctas_per_sm=2, bandwidth_gbps=4460.0, clusters=False,
+                  merge: str | None = None) -> np.ndarray:
     """Feature vector of one decomposition: per-chunk token counts, chunks per request and the
-    strategy ('single', 'split_merge' or 'fused')."""
+    strategy ('single', 'split_merge' or 'fused'). ``merge``: the plan's merge mode
+    (``Plan.merge``), which says whether it merges in clusters; None: as ``execution.decide``
+    would on a GPU with (``clusters``) or without thread-block clusters."""
     stats = decomposition_stats(chunk_tokens, chunks_per_request)
-    return features_from_stats(problem.num_qo_heads, problem.num_kv_heads, problem.head_dim,
-                               STRATEGIES.index(strategy), stats[:, None], num_sms=num_sms,
-                               ctas_per_sm=ctas_per_sm, bandwidth_gbps=bandwidth_gbps,
-                               batch_size=len(chunks_per_request), clusters=clusters)[0]
+    if merge is not None:
+        clusters = merge == MERGE_CLUSTER
+        if clusters and strategy != "fused":
+            raise ValueError(f"merge: a {strategy!r} plan cannot merge in clusters")
+    x = features_from_stats(problem.num_qo_heads, problem.num_kv_heads, problem.head_dim,
+                            STRATEGIES.index(strategy), stats[:, None], num_sms=num_sms,
+                            ctas_per_sm=ctas_per_sm, bandwidth_gbps=bandwidth_gbps,
+                            batch_size=len(chunks_per_request), clusters=clusters,
+                            clustered_as=None if merge is None else float(clusters))
+    return x[0]
 
 
 class CostModel:
@@ -396,9 +384,11 @@ class CostModel:
                     bandwidth_gbps=self.bandwidth_gbps, clusters=self.clusters)
 
     def features(self, plan: Plan) -> np.ndarray:
-        """Feature vector of a built plan."""
+        """Feature vector of a built plan, as its execution runs it (``plan.merge``)."""
         return plan_features(plan.problem, plan.chunk_end - plan.chunk_start,
-                             plan.chunks_per_request, plan.strategy, **self._hardware())
+                             plan.chunks_per_request, plan.strategy, num_sms=self.num_sms,
+                             ctas_per_sm=self.ctas_per_sm, bandwidth_gbps=self.bandwidth_gbps,
+                             merge=plan.merge)
 
     def _design(self, sources) -> np.ndarray:
         """Feature matrix from plans or feature vectors (rows of length len(FEATURE_NAMES))."""

@@ -27,8 +27,9 @@ from .. import validation as V
 from ..plan import (Plan, _chunk_arrays, _single_chunk_arrays, _uniform_chunk_arrays,
                     plan_chunk_tokens, plan_fixed_splits, plan_from_chunk_counts)
 from ..problem import DecodeProblem
+from ..execution import DEFAULT_LAUNCH_ORDER, check_launch_order, may_cluster
 from .cost_model import (STAT_NAMES, TILE_TOKENS, CostModel, feature_constants,
-                         feature_index, features_from_stats, gather_features, may_cluster,
+                         feature_index, features_from_stats, gather_features,
                          new_feature_rows, row_features, strategy_scale)
 
 NO_SPLIT, CHUNK_TOKENS, NUM_SPLITS = "no split", "chunk tokens", "num splits"
@@ -120,7 +121,9 @@ class Candidate:
     strategy: str
     predicted_us: float | None = None
 
-    def build(self, problem: DecodeProblem) -> Plan:
+    def build(self, problem: DecodeProblem, *, clusters: bool = False,
+              launch_order: str = DEFAULT_LAUNCH_ORDER) -> Plan:
+        """The plan, run as ``execution.decide`` says for a GPU with (or without) clusters."""
         if self.kind == NO_SPLIT:
             plan = plan_from_chunk_counts(problem, np.ones(problem.batch_size, np.int64),
                                           self.strategy)
@@ -129,6 +132,7 @@ class Candidate:
                                      align=min(self.value, TILE_TOKENS))
         else:
             plan = plan_fixed_splits(problem, self.value, self.strategy, align=TILE_TOKENS)
+        plan = plan.with_execution(clusters=clusters, launch_order=launch_order)
         return plan if self.predicted_us is None else plan.with_prediction(self.predicted_us)
 
     @property
@@ -377,7 +381,7 @@ class _Scores:
         return Candidate(*self.row(self.pair_rows[i]), self.strategies[i],
                          float(self.predicted[i]))
 
-    def build(self, problem: DecodeProblem, i: int) -> Plan:
+    def build(self, problem: DecodeProblem, i: int, clusters: bool, launch_order: str) -> Plan:
         """The plan of pair i, from the counts already computed: the same arrays as
         ``Candidate.build``, without its checks (the problem and the counts are valid)."""
         row = int(self.pair_rows[i])
@@ -392,7 +396,8 @@ class _Scores:
             units = self.units.astype(_INT64) if align == TILE_TOKENS else None
             arrays = _chunk_arrays(lens, self.k[row].astype(_INT64), align, units)
         return Plan._trusted(problem, self.strategies[i], *arrays,
-                             predicted_us=self.predicted.item(i))
+                             predicted_us=self.predicted.item(i), clusters=clusters,
+                             launch_order=launch_order)
 
 
 def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=None) -> _Scores:
@@ -473,18 +478,24 @@ def _empty_candidate(problem, model, strategy) -> Candidate:
 
 
 def choose_plan(problem: DecodeProblem, profile=None, num_splits: int | None = None,
-                strategy: str | None = None) -> Plan:
+                strategy: str | None = None, *,
+                launch_order: str = DEFAULT_LAUNCH_ORDER) -> Plan:
     """The cheapest plan the cost model knows for ``problem``, with ``predicted_us`` set.
 
     profile: a ``Profile``, a fitted ``CostModel``, or None for ``load_profile()``'s answer.
     num_splits: force every request into this many chunks (fewer where a request is shorter
         than that many tiles); 1 means no split.
     strategy: force 'single', 'split_merge' or 'fused'.
-    Deterministic: the same problem and profile give the same plan.
+    launch_order: the order the grid runs the chunks in (``execution.LAUNCH_ORDERS``).
+    The plan's execution (``Plan.execution``) is how it runs on the model's GPU: a fused plan
+    merges in clusters where the model's ``clusters`` says the GPU has them and the plan suits
+    them. Deterministic: the same problem and profile give the same plan.
     """
     num_splits, strategy = _check_request(problem, num_splits, strategy)
+    check_launch_order(launch_order)
     model = _as_cost_model(profile)
     if problem.batch_size == 0:
-        return _empty_candidate(problem, model, strategy).build(problem)
+        return _empty_candidate(problem, model, strategy).build(
+            problem, clusters=model.clusters, launch_order=launch_order)
     scores = _score(problem, model, num_splits, strategy)
-    return scores.build(problem, int(scores.predicted.argmin()))
+    return scores.build(problem, int(scores.predicted.argmin()), model.clusters, launch_order)

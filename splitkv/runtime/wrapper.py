@@ -23,9 +23,9 @@ from .. import validation as V
 from ..plan import Plan
 from ..problem import DecodeProblem, PageTable
 from .arrays import as_cupy_stream, as_device_array, cupy_storage_dtype
+from ..execution import check_launch_order, grid_order
 from ..geometry import (RECORD_HEADER_INTS, RECORD_INTS, RECORD_PAGES, THREADS_PER_CTA,
-                        TILE_TOKENS, LAUNCH_ORDERS, ctas_per_kv_head,
-                        launch_order as grid_order, plan_cluster_size)
+                        TILE_TOKENS, ctas_per_kv_head)
 from .kernel_source import DecodeVariant
 from .launch import FLOAT32, INT32, INT64, POINTER, PdlLaunch
 from .modules import get_decode_kernels
@@ -107,18 +107,16 @@ class BatchDecodeWrapper:
             0 if stages is None else V.check_int("stages", stages, 2),
             0 if max_registers is None else V.check_int("max_registers", max_registers, 0))
         self.head_tile_groups = ctas_per_kv_head(self.group_size)
-        # None or True: a fused plan that suits clusters (geometry.fused_cluster_size) merges
+        # None or True: a fused plan that suits clusters (execution.fused_cluster_size) merges
         # inside thread-block clusters when the GPU has them (sm_90+), True raising where it has
         # none; False: always the atomic ticket. A cluster variant compiles (about a second) the
         # first time a plan needs it.
         if use_clusters is not None and not isinstance(use_clusters, bool):
             raise TypeError(f"use_clusters: expected None, True or False, got {use_clusters!r}")
         self.use_clusters = use_clusters
-        # The order the grid runs a ragged plan's chunks in (geometry.launch_order): by default
+        # The order the grid runs a ragged plan's chunks in (execution.launch_order): by default
         # the longest chunks first, so no long chunk starts late and runs alone.
-        if launch_order not in LAUNCH_ORDERS:
-            raise ValueError(f"launch_order: expected one of {LAUNCH_ORDERS}, got {launch_order!r}")
-        self.launch_order = launch_order
+        self.launch_order = check_launch_order(launch_order)
         # None or True: launch with programmatic dependent launch where the GPU has it (sm_90+;
         # True raises where it has none): a kernel's CTAs start while the kernel before it in
         # the stream finishes, read the plan's records, and wait for it before touching q, K/V
@@ -149,7 +147,9 @@ class BatchDecodeWrapper:
              sm_scale: float | None = None, stream=None) -> Plan:
         """Choose and upload the decomposition for this batch. Host work plus one upload.
 
-        num_splits / strategy force the planner's hand; ``plan`` bypasses it entirely.
+        num_splits / strategy force the planner's hand; ``plan`` bypasses it, and runs with the
+        execution (merge mode, launch order) this wrapper's options give it on this device
+        (``Plan.with_execution``). Returns the plan as it runs.
         """
         import cupy
 
@@ -165,14 +165,15 @@ class BatchDecodeWrapper:
             V.check_plan_for_table(plan, page_table, num_qo_heads=self.num_qo_heads,
                                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                    dtype=self.dtype)
-            chosen = plan
+            chosen = plan.with_execution(clusters=clusters, launch_order=self.launch_order)
         else:
             from ..planner import choose_plan
 
             model = self.profile.cost_model()
             if not clusters:                     # predict the ticket merge that will run
                 model = model.with_clusters(False)
-            chosen = choose_plan(problem, model, num_splits, strategy)
+            chosen = choose_plan(problem, model, num_splits, strategy,
+                                 launch_order=self.launch_order)
         sm_scale_log2 = np.float32(V.check_sm_scale(sm_scale, self.head_dim) * LOG2E)
         max_page = int(page_table.kv_indices.max()) if page_table.kv_indices.size else -1
         if max_page >= 2**31:
@@ -180,7 +181,7 @@ class BatchDecodeWrapper:
 
         self._device_id = cupy.cuda.runtime.getDevice()
         s = as_cupy_stream(stream)
-        self._kernels = get_decode_kernels(self._variant_for(chosen, clusters))
+        self._kernels = get_decode_kernels(replace(self.variant, cluster=chosen.cluster_size))
         self._pages_in_record = pages_fit_record(chosen, self.page_size,
                                                  self._kernels.variant.stages)
         meta = self._upload(page_table, chosen, s)
@@ -234,13 +235,6 @@ class BatchDecodeWrapper:
             kernel.max_dynamic_shared_size_bytes = spread
         return spread
 
-    def _variant_for(self, plan: Plan, clusters: bool) -> DecodeVariant:
-        """The wrapper's kernel variant, in its cluster form when ``plan`` can use one."""
-        if not clusters:
-            return self.variant
-        size = plan_cluster_size(plan)
-        return replace(self.variant, cluster=size) if size else self.variant
-
     @property
     def profile(self):
         """The cost-model profile plans are chosen with: the one given (a Profile or a path),
@@ -262,7 +256,7 @@ class BatchDecodeWrapper:
 
         pages = (record_pages_needed(self.page_size, self._kernels.variant.stages)
                  if self._pages_in_record else 0)
-        chunk_info = chunk_records(plan, page_table, self._launch_order(plan), pages)
+        chunk_info = chunk_records(plan, page_table, grid_order(plan), pages)
         parts = {"chunk_info": chunk_info.ravel(), "kv_indices": page_table.kv_indices,
                  "merge_indptr": plan.merge_indptr}
         sizes = [-(-max(1, a.size) // 4) * 4 for a in parts.values()]   # 16-byte aligned parts
@@ -283,18 +277,11 @@ class BatchDecodeWrapper:
         self._meta_device[:total].set(host, stream=stream)
         return views
 
-    def _launch_order(self, plan: Plan) -> np.ndarray:
-        """Plan indices of the chunks in grid order: ``geometry.launch_order`` of the wrapper's
-        policy, or plan order when the plan runs in clusters (their CTAs must be neighbours)."""
-        policy = "plan" if self._kernels.variant.cluster else self.launch_order
-        return grid_order(plan.chunk_request, plan.chunk_end - plan.chunk_start,
-                          plan.problem.kv_lens, policy)
-
     def _ensure_workspace(self, plan: Plan, stream) -> None:
         import cupy
 
         # a cluster merge keeps its partials in shared memory: no workspace
-        merges_in_memory = plan.needs_merge and not self._kernels.variant.cluster
+        merges_in_memory = plan.merge in ("merge_kernel", "ticket")
         rows = plan.num_chunks * self.num_qo_heads if merges_in_memory else 1
         counters = max(1, plan.problem.batch_size * self.num_kv_heads * self.head_tile_groups)
         cap_rows, cap_counters = self._workspace_capacity
@@ -323,10 +310,10 @@ class BatchDecodeWrapper:
         self._partial_consts = (self._partial_o, self._partial_lse, self._counters,
                                 np.int32(self.num_qo_heads), np.int32(self.num_kv_heads),
                                 np.int32(self.head_tile_groups), np.int32(self.page_size),
-                                sm_scale_log2, np.int32(plan.strategy == "fused"),
+                                sm_scale_log2, np.int32(plan.merge == "ticket"),
                                 np.int32(self._pages_in_record), np.int32(pdl_early))
         self._merge_launch = None
-        if plan.strategy == "split_merge" and plan.needs_merge:
+        if plan.merge == "merge_kernel":
             # one thread per (request, qo head, 4 dims)
             slots = plan.problem.batch_size * self.num_qo_heads * (self.head_dim // 4)
             self._merge_launch = ((-(-slots // THREADS_PER_CTA),), (THREADS_PER_CTA,),

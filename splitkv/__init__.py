@@ -5,13 +5,12 @@ Host-side pieces (problem description, plans, the float64 reference, the CPU pla
 ``splitkv.runtime``.
 """
 
+from ._version import __version__
 from .cpu_executor import execute_plan_cpu
 from .merge import merge_states, merge_states_n
 from .plan import Plan, plan_chunk_tokens, plan_fixed_splits, plan_from_chunk_counts
 from .problem import DecodeProblem, PageTable
 from .reference import reference_decode
-
-__version__ = "0.1.0"
 
 __all__ = [
     "BatchDecodeWrapper", "DecodeProblem", "PageTable", "Plan", "execute_plan_cpu",

@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-from . import __version__
+from ._version import __version__
 
 # name -> (module, one-line help)
 COMMANDS = {

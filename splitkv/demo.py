@@ -86,15 +86,13 @@ def run_cpu(case: Case, q, k_cache, v_cache, page_table: PageTable):
 
 
 def run_gpu(case: Case, q, k_cache, v_cache, page_table: PageTable):
-    import cupy
-
+    from .runtime.cupy_arrays import to_device, to_host
     from .runtime.wrapper import BatchDecodeWrapper
 
     wrapper = BatchDecodeWrapper(case.num_qo_heads, case.num_kv_heads, HEAD_DIM, PAGE_SIZE, DTYPE)
     plan = wrapper.plan(page_table, num_splits=None, strategy=None)
-    out, lse = wrapper.run(cupy.asarray(q), cupy.asarray(k_cache), cupy.asarray(v_cache),
-                           return_lse=True)
-    return plan, cupy.asnumpy(out), cupy.asnumpy(lse)
+    out, lse = wrapper.run(to_device(q), to_device(k_cache), to_device(v_cache), return_lse=True)
+    return plan, to_host(out), to_host(lse)
 
 
 def errors(out, lse, ref_out, ref_lse) -> tuple[float, float]:

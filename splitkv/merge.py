@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .bfloat16 import array_module
+from .runtime.cupy_arrays import array_module
 
 
 def _check_pair(o, lse, name_o: str, name_lse: str):

@@ -11,34 +11,8 @@ fastest. (A shape's "CTAs per SM" is the grid's size over the SM count; an SM ho
 
 from __future__ import annotations
 
-import numpy as np
-
-# LOADS independent 16-byte loads per thread per iteration, all issued before any is used.
-_READ_KERNEL = r"""
-extern "C" __global__ void stream_read(const uint4* __restrict__ src, long long n, unsigned* sink) {
-  const long long stride = (long long)gridDim.x * blockDim.x;
-  unsigned acc = 0;
-  long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-  for (; i + (LOADS - 1) * stride < n; i += LOADS * stride) {
-    uint4 v[LOADS];
-#pragma unroll
-    for (int j = 0; j < LOADS; ++j) v[j] = src[i + j * stride];
-#pragma unroll
-    for (int j = 0; j < LOADS; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
-  }
-  for (; i < n; i += stride) {
-    uint4 v = src[i];
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x9e3779b9u) sink[0] = acc;   // keeps the loads alive; practically never stores
-}
-"""
-
-
-def read_kernel_source(loads: int) -> str:
-    """The probe's CUDA source with ``loads`` 16-byte loads in flight per thread."""
-    return f"#define LOADS {int(loads)}\n" + _READ_KERNEL
-
+# read_kernel_source is re-exported: tests/test_kernels_compile.py builds the probe by it
+from ..runtime.bandwidth_probe import read_gbps_by_shape, read_kernel_source  # noqa: F401
 
 # (grid CTAs per SM, threads per CTA, loads in flight per thread)
 PROBE_SHAPES = ((8, 512, 1), (4, 1024, 1), (16, 256, 1), (4, 512, 4), (8, 256, 4))
@@ -46,32 +20,9 @@ PROBE_SHAPES = ((8, 512, 1), (4, 1024, 1), (16, 256, 1), (4, 512, 4), (8, 256, 4
 
 def read_bandwidth_survey(num_bytes: int = 4 << 30, trials: int = 7,
                           shapes=PROBE_SHAPES) -> dict[str, float]:
-    """GB/s of a grid-stride 16-byte-load read over ``num_bytes`` (median of ``trials``) for
-    each launch shape, keyed 'ctas_per_sm x threads x loads'."""
-    import cupy
-
-    from ..runtime import device_info
-    from ..runtime.timing import cupy_timer, median_us_per_call
-
-    buf = cupy.empty(num_bytes // 4, dtype=cupy.uint32)
-    buf.fill(1)
-    sink = cupy.zeros(1, dtype=cupy.uint32)
-    n = np.int64(num_bytes // 16)
-    num_sms = device_info()["num_sms"]
-    stream = cupy.cuda.get_current_stream()
-    kernels = {loads: cupy.RawKernel(read_kernel_source(loads), "stream_read")
-               for loads in sorted({s[2] for s in shapes})}
-    out = {}
-    for ctas_per_sm, threads, loads in shapes:
-        kernel, grid, block = kernels[loads], (num_sms * ctas_per_sm,), (threads,)
-
-        def launch():
-            kernel(grid, block, (buf, n, sink))
-
-        launch()                                             # warm-up (and compile)
-        us = median_us_per_call(cupy_timer(launch, stream), trials=trials, min_trial_ms=20.0)
-        out[f"{ctas_per_sm}x{threads}x{loads}"] = round(num_bytes / (us * 1e-6) / 1e9, 1)
-    return out
+    """GB/s of the streaming read over ``num_bytes`` for each of ``shapes`` (median of
+    ``trials``), keyed 'ctas_per_sm x threads x loads'."""
+    return read_gbps_by_shape(num_bytes, trials, shapes)
 
 
 def read_bandwidth_gbps(num_bytes: int = 4 << 30, trials: int = 7) -> float:

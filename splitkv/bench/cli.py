@@ -37,10 +37,9 @@ def add_arguments(parser) -> None:
 
 def _rel_err_subset(wrapper, page_table, data, max_requests: int = 4) -> float:
     """Relative L2 error of the first few requests of layer 0 against the float64 reference."""
-    import cupy
-
     from ..problem import PageTable
     from ..reference import reference_decode, to_float64
+    from ..runtime.cupy_arrays import to_device
 
     out = wrapper.run(data.q, data.k_layers[0], data.v_layers[0])
     n = min(max_requests, page_table.batch_size)
@@ -48,7 +47,7 @@ def _rel_err_subset(wrapper, page_table, data, max_requests: int = 4) -> float:
     pages = page_table.kv_indices[:last_page]
     sub = PageTable.from_flashinfer(page_table.kv_indptr[: n + 1], np.arange(last_page),
                                     page_table.kv_last_page_len[:n], page_table.page_size)
-    idx = cupy.asarray(pages)
+    idx = to_device(pages)
     ref, _ = reference_decode(data.q[:n].get(), data.k_layers[0][idx].get(),
                               data.v_layers[0][idx].get(), sub)
     got = to_float64(out[:n])
@@ -78,9 +77,8 @@ def run(args) -> int:
     if not ok:
         print(f"splitkv bench: needs a GPU ({why})", file=sys.stderr)
         return 2
-    import cupy
-
     from ..problem import DecodeProblem
+    from ..runtime.cupy_arrays import free_cached_blocks
     from ..runtime.modules import compile_seconds_so_far
     from ..runtime.testing import scattered_page_table
     from ..runtime.timing import make_layers, time_wrapper_us
@@ -137,7 +135,7 @@ def run(args) -> int:
               f"{plan.strategy}/{plan.num_splits} err {err:.1e}"
               + (f" | sdpa {peer:.2f} us" if peer else ""), flush=True)
         del data
-        cupy.get_default_memory_pool().free_all_blocks()
+        free_cached_blocks()
 
     probe_end = read_bandwidth_survey()
     if max(probe_end.values()) > read_gbps:

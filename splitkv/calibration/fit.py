@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .._version import __version__
 from ..planner.cost_model import CostModel
 from ..planner.profiles import Profile, guess_bandwidth_gbps
 
@@ -119,7 +120,6 @@ def fit_profile(measurements, device: dict, *, heldout_fraction: float = 0.2, se
                        sorted({m.shape for m in heldout}))
 
     best_bw = max(m.plan.problem.kv_bytes / m.measured_us / 1e3 for m in measurements)
-    from .. import __version__
     profile = Profile(device_name=device["name"], coef=model.coef_dict(),
                       measured_bandwidth_gbps=round(best_bw, 1), fit_error=model.fit_error_,
                       heldout_error=heldout_mape, date=datetime.date.today().isoformat(),

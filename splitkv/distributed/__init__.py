@@ -9,7 +9,7 @@ See README.md in this folder for both, with examples, and ``launch`` for startin
 
 The sharding, the wire format of the states, the rendezvous and the launcher are pure Python
 (+ NumPy) and import without CuPy; ``NcclGroup``, ``init_process_group`` and
-``ContextParallelDecode`` import CuPy when first used.
+``ContextParallelDecode`` use CuPy (through ``splitkv.runtime``) when first used.
 """
 
 from .sharding import compact_page_table, head_shard, shard_page_table, shard_token_ranges

@@ -23,6 +23,8 @@ import numpy as np
 from .. import validation as V
 from ..plan import Plan
 from ..problem import PageTable
+from ..runtime.arrays import as_cupy_stream, as_device_array, cupy_storage_dtype
+from ..runtime.cupy_arrays import allocating_from, check_cupy_array, empty, new_memory_pool
 from .states import merge_gathered, pack_state, store_output
 
 
@@ -42,8 +44,6 @@ class ContextParallelDecode:
 
     def __init__(self, group, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype="bfloat16", **wrapper_kwargs):
-        import cupy
-
         from ..runtime.wrapper import BatchDecodeWrapper
 
         self.group = group
@@ -52,7 +52,7 @@ class ContextParallelDecode:
         self.dtype = self.wrapper.dtype
         # The merge allocates temporaries; drawing them from a pool of their own keeps the
         # addresses a captured graph uses away from everything else.
-        self._pool = cupy.cuda.MemoryPool()
+        self._pool = new_memory_pool()
         self._batch = -1
 
     @property
@@ -63,10 +63,6 @@ class ContextParallelDecode:
         """Plan the local shard (``BatchDecodeWrapper.plan`` arguments pass through). A
         collective: it checks that every rank has the same batch size, and raises on all
         ranks if not, rather than leaving the all-gather to hang."""
-        import cupy
-
-        from ..runtime.arrays import cupy_storage_dtype
-
         V.check_instance("page_table", page_table, PageTable)
         sizes = self.group.gather_host([page_table.batch_size], stream)[:, 0].astype(int)
         if (sizes != sizes[0]).any():
@@ -77,10 +73,10 @@ class ContextParallelDecode:
         if batch != self._batch:
             w = self.wrapper
             shape = (batch, w.num_qo_heads, w.head_dim)
-            self._local_out = cupy.empty(shape, dtype=cupy_storage_dtype(self.dtype))
-            self._local_lse = cupy.empty(shape[:2], dtype=np.float32)
-            self._send = cupy.empty(shape[:2] + (w.head_dim + 1,), dtype=np.float32)
-            self._recv = cupy.empty((self.group.world_size,) + self._send.shape, dtype=np.float32)
+            self._local_out = empty(shape, cupy_storage_dtype(self.dtype))
+            self._local_lse = empty(shape[:2], np.float32)
+            self._send = empty(shape[:2] + (w.head_dim + 1,), np.float32)
+            self._recv = empty((self.group.world_size,) + self._send.shape, np.float32)
             self._batch = batch
         return plan
 
@@ -100,26 +96,21 @@ class ContextParallelDecode:
 
     def exchange_merge(self, *, out=None, lse=None, return_lse: bool = False, stream=None):
         """Pack the local state, all-gather it, merge, write ``out`` (and ``lse``)."""
-        import cupy
-
-        from ..runtime.arrays import cupy_storage_dtype
-        from ..runtime.arrays import as_cupy_stream
-
         if self.wrapper.current_plan is None:
             raise RuntimeError("run: call plan() first")
         s = as_cupy_stream(stream)
         shape = self._local_out.shape
         with s:
             if out is None:
-                out = cupy.empty(shape, dtype=cupy_storage_dtype(self.dtype))
+                out = empty(shape, cupy_storage_dtype(self.dtype))
             if lse is None and return_lse:
-                lse = cupy.empty(shape[:2], dtype=np.float32)
+                lse = empty(shape[:2], np.float32)
         _check_output("out", out, shape, self.dtype)
         if lse is not None:
             _check_output("lse", lse, shape[:2], "float32")
         if shape[0] == 0:       # every rank agrees (plan checked the batch sizes): nothing to send
             return (out, lse) if lse is not None else out
-        with s, cupy.cuda.using_allocator(self._pool.malloc):
+        with s, allocating_from(self._pool):
             pack_state(self._local_out, self._local_lse, self._send, self.dtype)
             self.group.all_gather(self._send, self._recv, s)
             merged_o, merged_lse = merge_gathered(self._recv)
@@ -130,10 +121,5 @@ class ContextParallelDecode:
 
 
 def _check_output(name: str, arr, shape, dtype: str) -> None:
-    import cupy
-
-    from ..runtime.arrays import as_device_array
-
-    if not isinstance(arr, cupy.ndarray):
-        raise TypeError(f"{name}: expected a CuPy array, got {type(arr).__name__}")
+    check_cupy_array(name, arr)
     V.check_device_output(name, as_device_array(name, arr), shape, dtype)

@@ -1,4 +1,5 @@
-"""One NCCL communicator per process (one GPU each), through CuPy's bindings.
+"""One NCCL communicator per process (one GPU each), through CuPy's bindings
+(``splitkv.runtime.collectives``).
 
     group = init_process_group()          # under `python3 -m splitkv.distributed.launch`
     group.all_gather(send, recv, stream)  # enqueued on the caller's stream, no host sync
@@ -19,39 +20,14 @@ import time
 
 import numpy as np
 
+from ..runtime.arrays import as_cupy_stream
+from ..runtime.collectives import NCCL_INSTALL_HINT  # noqa: F401  (importable from here, as before)
+from ..runtime.collectives import (nccl_bindings, nccl_dtype, new_communicator, new_unique_id,
+                                   record_event, use_device)
+from ..runtime.cupy_arrays import check_cupy_array, empty, to_device
 from .rendezvous import RankInfo, publish_unique_id, wait_unique_id
 
-NCCL_INSTALL_HINT = ("pip install 'nvidia-nccl-cu13>=2.27.7,<3' (cupy-cuda13x) or "
-                     "'nvidia-nccl-cu12' (cupy-cuda12x)")
 _LIVE_GROUPS: list["NcclGroup"] = []
-
-
-def _nccl():
-    from cupy.cuda import nccl
-
-    if not getattr(nccl, "available", False):
-        raise RuntimeError(f"CuPy's NCCL bindings are not usable (libnccl not found): {NCCL_INSTALL_HINT}")
-    return nccl
-
-
-def _nccl_dtype(dtype) -> int:
-    nccl = _nccl()
-    codes = {"float32": nccl.NCCL_FLOAT32, "float64": nccl.NCCL_FLOAT64, "int32": nccl.NCCL_INT32,
-             "int64": nccl.NCCL_INT64, "uint8": nccl.NCCL_UINT8, "float16": nccl.NCCL_FLOAT16,
-             "uint16": nccl.NCCL_FLOAT16}     # 16-bit payloads are copied, never reduced
-    code = codes.get(np.dtype(dtype).name)
-    if code is None:
-        raise TypeError(f"dtype {dtype} cannot be sent through NCCL here; expected one of {sorted(codes)}")
-    return code
-
-
-def _legacy_comm_id(unique_id: bytes):
-    """CuPy 14 takes the id as bytes; older CuPy took a tuple of 128 signed chars."""
-    return tuple(b - 256 if b > 127 else b for b in unique_id)
-
-
-def _id_bytes(raw) -> bytes:
-    return bytes(raw) if isinstance(raw, (bytes, bytearray)) else bytes(b & 0xFF for b in raw)
 
 
 class NcclGroup:
@@ -70,13 +46,8 @@ class NcclGroup:
         """recv[r] = send of rank r. send: contiguous CuPy array; recv: contiguous, same dtype,
         ``world_size * send.size`` elements (any shape, e.g. [world_size, *send.shape]).
         Enqueued on ``stream`` (default: the current stream); capturable in a CUDA graph."""
-        import cupy
-
-        from ..runtime.arrays import as_cupy_stream
-
         for name, arr in (("send", send), ("recv", recv)):
-            if not isinstance(arr, cupy.ndarray):
-                raise TypeError(f"{name}: expected a CuPy array, got {type(arr).__name__}")
+            check_cupy_array(name, arr)
             if not arr.flags.c_contiguous:
                 raise ValueError(f"{name}: expected a contiguous array")
             if arr.device.id != self.device_id:
@@ -87,22 +58,18 @@ class NcclGroup:
         if recv.size != self.world_size * send.size:
             raise ValueError(f"recv: expected {self.world_size} x {send.size} = "
                              f"{self.world_size * send.size} elements, got {recv.size}")
-        code = _nccl_dtype(send.dtype)
+        code = nccl_dtype(send.dtype)
         s = as_cupy_stream(stream)
         self._live().allGather(send.data.ptr, recv.data.ptr, send.size, code, s.ptr)
 
     def gather_host(self, values, stream=None) -> np.ndarray:
         """All-gather a small host vector and wait: float64 [world_size, len(values)]. Every rank
         must call it (it is a collective)."""
-        import cupy
-
-        from ..runtime.arrays import as_cupy_stream
-
         flat = np.ascontiguousarray(values, dtype=np.float64).ravel()
         s = as_cupy_stream(stream)
         with s:
-            send = cupy.asarray(flat)
-            recv = cupy.empty(self.world_size * flat.size, dtype=np.float64)
+            send = to_device(flat)
+            recv = empty(self.world_size * flat.size, np.float64)
         self.all_gather(send, recv, s)
         self.wait(s)
         return recv.get(stream=s).reshape(self.world_size, flat.size)
@@ -115,13 +82,8 @@ class NcclGroup:
         """Wait on the host for ``stream``; raise ``TimeoutError`` (aborting the communicator, so
         its kernels stop) after ``timeout_s`` (default: the rendezvous timeout), or NCCL's own
         error if it reports one."""
-        import cupy
-
-        from ..runtime.arrays import as_cupy_stream
-
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        event = cupy.cuda.Event(disable_timing=True)
-        event.record(as_cupy_stream(stream))
+        event = record_event(stream)
         deadline = time.monotonic() + timeout
         polls = 0
         while not event.done:
@@ -167,24 +129,19 @@ def init_process_group(name: str = "world", *, timeout_s: float | None = None,
     uncaught exception prints its traceback, aborts every communicator and exits with status 1
     at once, so the launcher can stop the other ranks instead of this one hanging at exit.
     """
-    import cupy
-
     info = RankInfo.from_env()
     timeout = info.timeout_s if timeout_s is None else float(timeout_s)
-    nccl = _nccl()
-    cupy.cuda.Device(info.local_rank).use()
+    nccl_bindings()                      # no libnccl: say so before touching the device
+    use_device(info.local_rank)
     if info.rank == 0:
-        unique_id = _id_bytes(nccl.get_unique_id())
+        unique_id = new_unique_id()
         if info.world_size > 1:
             publish_unique_id(info.rendezvous_dir, unique_id, name)
     else:
         unique_id = wait_unique_id(info.rendezvous_dir, timeout, name)
     if abort_on_exception:
         _install_abort_hook()
-    try:
-        comm = nccl.NcclCommunicator(info.world_size, bytes(unique_id), info.rank)
-    except TypeError:
-        comm = nccl.NcclCommunicator(info.world_size, _legacy_comm_id(unique_id), info.rank)
+    comm = new_communicator(info.world_size, unique_id, info.rank)
     group = NcclGroup(comm, info.rank, info.world_size, info.local_rank, timeout)
     _LIVE_GROUPS.append(group)
     return group

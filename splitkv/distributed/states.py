@@ -13,8 +13,9 @@ the GPU runs is tested on the CPU. bfloat16 is handled as raw uint16 bits.
 
 from __future__ import annotations
 
-from ..bfloat16 import array_module, bits_to_float32, float32_to_bits
+from ..bfloat16 import bits_to_float32, float32_to_bits
 from ..merge import merge_states_n
+from ..runtime.cupy_arrays import array_module
 
 
 def storage_bits(arr):
@@ -30,7 +31,7 @@ def pack_state(o, lse, send, dtype: str) -> None:
     head_dim = send.shape[-1] - 1
     xp = array_module(o)
     if dtype == "bfloat16":
-        send[..., :head_dim] = bits_to_float32(storage_bits(o))
+        send[..., :head_dim] = bits_to_float32(storage_bits(o), xp)
     elif dtype == "float16":
         send[..., :head_dim] = storage_bits(o).view(xp.float16)
     else:
@@ -50,6 +51,6 @@ def store_output(o, out, dtype: str) -> None:
     either as its own dtype or as uint16 bits)."""
     xp = array_module(o)
     if dtype == "bfloat16":
-        storage_bits(out)[...] = float32_to_bits(o.astype(xp.float32, copy=False))
+        storage_bits(out)[...] = float32_to_bits(o.astype(xp.float32, copy=False), xp)
     else:
         storage_bits(out)[...] = o.astype(xp.float16).view(xp.uint16)

@@ -256,7 +256,7 @@ def prior_profile(device_name: str, num_sms: int | None = None,
     num_sms = num_sms or DEFAULT_NUM_SMS
     if bandwidth_gbps is None:
         bandwidth_gbps = guess_bandwidth_gbps(device_name)
-    from .. import __version__
+    from .._version import __version__
     return Profile(device_name=device_name, num_sms=num_sms, bandwidth_gbps=bandwidth_gbps,
                    coef=roofline_prior(num_sms, bandwidth_gbps), splitkv_version=__version__,
                    source=PRIOR_SOURCE, sweep={"name": "none: roofline prior"},

@@ -1,0 +1,80 @@
+"""The layout shows the layers: only ``splitkv/runtime/`` imports CuPy (cupy, cupyx,
+cupy_backends), and the planner imports nothing from the runtime, so plans can be made and
+inspected where there is no GPU. Read from the sources with ``ast``, so an import inside a
+function counts as much as one at the top."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import splitkv
+
+PACKAGE = Path(splitkv.__file__).parent
+CUPY = ("cupy", "cupyx", "cupy_backends")
+
+
+def package_of(path: Path) -> str:
+    """The package a file's relative imports start from: splitkv/a/b.py and splitkv/a/__init__.py
+    give splitkv.a."""
+    return ".".join(path.relative_to(PACKAGE.parent).parent.parts)
+
+
+def imported_modules(source: str, package: str) -> set[str]:
+    """Absolute names of the modules ``source`` imports (``from a import b`` gives ``a`` and
+    ``a.b``), relative imports resolved against ``package``, ``import_module("x")`` included."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and getattr(node.func, "attr", getattr(node.func, "id", None)) in
+              ("import_module", "__import__")):
+            names.add(str(node.args[0].value))
+    return names
+
+
+def imports_of(folder: Path, exclude: Path | None = None) -> dict[str, set[str]]:
+    return {str(path.relative_to(PACKAGE.parent)): imported_modules(path.read_text(), package_of(path))
+            for path in sorted(folder.rglob("*.py"))
+            if exclude is None or exclude not in path.parents}
+
+
+def is_within(name: str, packages) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def imports_from(packages, folder: Path, exclude: Path | None = None) -> dict[str, list[str]]:
+    """{file: its imports from ``packages``} for the files under ``folder`` that have any."""
+    found = {path: sorted(n for n in names if is_within(n, packages))
+             for path, names in imports_of(folder, exclude).items()}
+    return {path: names for path, names in found.items() if names}
+
+
+def test_only_the_runtime_imports_cupy():
+    assert imports_from(CUPY, PACKAGE, exclude=PACKAGE / "runtime") == {}
+
+
+def test_the_planner_imports_nothing_from_the_runtime():
+    assert imports_from(["splitkv.runtime"], PACKAGE / "planner") == {}
+
+
+def test_the_import_reader_sees_what_it_looks_for():
+    """The two tests above cannot pass by reading nothing: the runtime's CuPy imports are seen,
+    and every spelling of an import resolves to its absolute name."""
+    runtime = imports_of(PACKAGE / "runtime")
+    assert any(is_within(n, CUPY) for names in runtime.values() for n in names)
+    source = ("from .. import runtime\nfrom ..runtime.arrays import x\nimport cupy.cuda\n"
+              "def f():\n    from cupy_backends.cuda.libs import nvrtc\n"
+              "    importlib.import_module('cupy')\n")
+    names = imported_modules(source, "splitkv.planner")
+    assert {"splitkv.runtime", "splitkv.runtime.arrays", "cupy.cuda", "cupy_backends.cuda.libs",
+            "cupy"} <= names
+    assert is_within("splitkv.runtime", ["splitkv.runtime"]) and not is_within("cupyish", CUPY)

@@ -1,13 +1,21 @@
 """bfloat16 as raw uint16 bits, for NumPy and CuPy alike: neither has a native bfloat16 dtype
 (without ml_dtypes), so splitkv moves bfloat16 data as its 16-bit patterns.
 
-Pure NumPy: each function takes the array module ``xp`` of its input, NumPy unless given (a
-caller holding CuPy arrays passes ``splitkv.runtime.cupy_arrays.array_module(arr)``), so the
-host and the device round the same way."""
+Each function takes the array module ``xp`` of its input (``array_namespace``), NumPy unless
+given, so the host and the device round the same way. Nothing here imports CuPy."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
+
+
+def array_namespace(arr):
+    """NumPy, or CuPy for a CuPy array: the array's own package, which is already imported when
+    such an array exists, so host code never imports CuPy itself."""
+    package = type(arr).__module__.partition(".")[0]
+    return sys.modules[package] if package == "cupy" else np
 
 
 def bits_to_float32(bits, xp=np):

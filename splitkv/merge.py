@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .runtime.cupy_arrays import array_module
+from .bfloat16 import array_namespace
 
 
 def _check_pair(o, lse, name_o: str, name_lse: str):
@@ -35,7 +35,7 @@ def merge_states_n(o, lse):
     _check_pair(o, lse, "o", "lse")
     if o.shape[0] == 0:
         raise ValueError("o: expected at least one state along axis 0, got 0")
-    xp = array_module(o)
+    xp = array_namespace(o)
     acc = np.float64 if o.dtype == np.float64 else np.float32
     lse = lse.astype(acc, copy=False)
     m = lse.max(axis=0)
@@ -56,5 +56,5 @@ def merge_states(o_a, lse_a, o_b, lse_b):
     _check_pair(o_b, lse_b, "o_b", "lse_b")
     if tuple(o_a.shape) != tuple(o_b.shape):
         raise ValueError(f"o_b: expected shape {list(o_a.shape)} (the shape of o_a), got {list(o_b.shape)}")
-    xp = array_module(o_a)
+    xp = array_namespace(o_a)
     return merge_states_n(xp.stack([o_a, o_b]), xp.stack([lse_a, lse_b]))

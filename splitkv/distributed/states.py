@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from ..bfloat16 import bits_to_float32, float32_to_bits
 from ..merge import merge_states_n
-from ..runtime.cupy_arrays import array_module
+from ..bfloat16 import array_namespace
 
 
 def storage_bits(arr):
     """A 16-bit array seen as uint16 (bfloat16 given as ml_dtypes or as uint16 bits)."""
-    xp = array_module(arr)
+    xp = array_namespace(arr)
     return arr if arr.dtype == xp.uint16 else arr.view(xp.uint16)
 
 
@@ -29,7 +29,7 @@ def pack_state(o, lse, send, dtype: str) -> None:
     float64 in tests). ``o`` holds ``dtype``: "bfloat16" or "float16" (either may be given as
     uint16 bits), or "float" for an array that already holds floats."""
     head_dim = send.shape[-1] - 1
-    xp = array_module(o)
+    xp = array_namespace(o)
     if dtype == "bfloat16":
         send[..., :head_dim] = bits_to_float32(storage_bits(o), xp)
     elif dtype == "float16":
@@ -49,7 +49,7 @@ def merge_gathered(gathered):
 def store_output(o, out, dtype: str) -> None:
     """Write a merged float output into ``out``, which holds ``dtype`` ("bfloat16" or "float16",
     either as its own dtype or as uint16 bits)."""
-    xp = array_module(o)
+    xp = array_namespace(o)
     if dtype == "bfloat16":
         storage_bits(out)[...] = float32_to_bits(o.astype(xp.float32, copy=False), xp)
     else:

@@ -7,14 +7,6 @@ from __future__ import annotations
 import numpy as np
 
 
-def array_module(arr):
-    """numpy or cupy, whichever ``arr`` belongs to (without importing CuPy for NumPy input)."""
-    if type(arr).__module__.startswith("cupy"):
-        import cupy
-        return cupy
-    return np
-
-
 def to_device(host):
     """A CuPy copy of a host array, on the current stream."""
     import cupy

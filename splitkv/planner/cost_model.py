@@ -18,10 +18,9 @@ of the busiest SM, so a fitted coefficient near 1 means "at the roofline".
 
 The critical path is counted per SM, not per slot: the CTAs resident on one SM share its load
 pipes and tensor cores, so two CTAs of n tokens on one SM take about as long as one CTA of 2n
-tokens alone on it (H200 calibration: 1 request of 4096 tokens, 8 kv heads, as 128 CTAs of 256
-tokens 11.7 us vs 256 CTAs of 128 tokens 13.5 us; 32k tokens as 128 x 2048 44.0 us vs
-256 x 1024 45.1 us). Counting per slot credited a split that doubles the CTAs on half-idle SMs
-with halving the critical path. Unequal chunks add a tail: CTAs are dealt in grid order (the
+tokens alone on it (measured: benchmarks/NOTES.md, "Cost-model features: the measurements
+behind them"). Counting per slot credited a split that doubles the CTAs on half-idle SMs with
+halving the critical path. Unequal chunks add a tail: CTAs are dealt in grid order (the
 plan's launch order, by default the longest chunks first: ``execution.launch_order``), and
 list scheduling's makespan is up to mean load + largest item; ``tail_us`` carries what the
 largest chunk exceeds the mean by.
@@ -50,12 +49,11 @@ The feature columns, in order (``FEATURE_NAMES``):
   lone_cta_us     crit_us again when no SM runs two CTAs at once (work items <= num_sms) and
                   the largest chunk has at least ``LONE_CTA_MIN_TOKENS`` tokens. A CTA alone on
                   its SM keeps half the loads in flight that two do, so it streams below the
-                  SM's share of the bandwidth. H200, one run: 1 request x 32k tokens with 32
-                  kv heads as 128 CTAs of 8k tokens (one per SM) 131.8 us, as 256 CTAs of 4k
-                  (two per SM) 127.8 us; 8 x 32k, 8 kv heads: 257.1 vs 251.9 us; 8 x 8k: 70.1
-                  vs 69.0 us (3.1%, 2.1%, 1.6%). crit_us alone predicts those pairs equal. A
-                  short chunk's time is mostly its start-up, which a second CTA does not
-                  shorten. Cluster plans count too (all were measured as ticket plans).
+                  SM's share of the bandwidth: such a grid runs a few percent slower than the
+                  same work as two CTAs per SM, which crit_us alone predicts equal (NOTES.md,
+                  as above). A short chunk's time is mostly its start-up, which a second CTA
+                  does not shorten. Cluster plans count too (all were measured as ticket
+                  plans).
 """
 
 from __future__ import annotations

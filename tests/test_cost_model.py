@@ -4,13 +4,14 @@ import numpy as np
 import pytest
 
 from splitkv import DecodeProblem, plan_chunk_tokens, plan_fixed_splits, plan_from_chunk_counts
-from splitkv.planner.cost_model import (FEATURE_NAMES, CostModel, critical_path,
-                                        decomposition_stats, plan_features, waves)
+from splitkv.planner.cost_model import (FEATURE_NAMES, CostModel, critical_path, plan_features,
+                                        waves)
 from splitkv.planner.profiles import roofline_prior
 
 H200 = dict(num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0, clusters=True)
 # A "GPU" unlike the prior in every parameter the prior sets (and any feature added later).
 TRUTH = {name: 1.5 * value + 0.05 for name, value in roofline_prior(132, 4460.0).items()}
+CONST, KV_US = FEATURE_NAMES.index("const"), FEATURE_NAMES.index("kv_us")
 
 
 def feature(x, name):
@@ -32,14 +33,6 @@ def test_waves_and_critical_path_worked_example():
     # vectorised over candidates
     np.testing.assert_allclose(critical_path(np.array([8.0, 600.0]), np.array([1.0, 1.0]),
                                              np.array([8, 600]), 264), [1.0, 3.0])
-
-
-def test_decomposition_stats_exact():
-    stats = decomposition_stats([64, 101, 92, 32, 29], [2, 1, 1, 1])
-    # num_chunks, total_tokens, total_tiles, max_chunk_tokens, max_chunk_tiles, max_splits,
-    # split_chunks
-    np.testing.assert_array_equal(stats, [5, 318, 7, 101, 2, 2, 2])
-    np.testing.assert_array_equal(decomposition_stats([], []), np.zeros(7))
 
 
 def test_features_have_physical_units():
@@ -161,11 +154,11 @@ def test_fit_is_robust_to_a_few_bad_measurements(plans):
 def test_fit_keeps_parameters_physical():
     # a feature that never varies, or would fit negative, stays at zero
     x = np.zeros((40, len(FEATURE_NAMES)))
-    x[:, 0] = 1
-    x[:, 2] = np.linspace(1, 100, 40)
-    y = 2.0 + 1.1 * x[:, 2]
+    x[:, CONST] = 1
+    x[:, KV_US] = np.linspace(1, 100, 40)
+    y = 2.0 + 1.1 * x[:, KV_US]
     model = CostModel().fit(zip(x, y))
-    assert model.coef_[0] == pytest.approx(2.0) and model.coef_[2] == pytest.approx(1.1)
+    assert model.coef_[CONST] == pytest.approx(2.0) and model.coef_[KV_US] == pytest.approx(1.1)
     assert np.all(model.coef_ >= 0)
 
 

@@ -18,10 +18,9 @@ of the busiest SM, so a fitted coefficient near 1 means "at the roofline".
 
 The critical path is counted per SM, not per slot: the CTAs resident on one SM share its load
 pipes and tensor cores, so two CTAs of n tokens on one SM take about as long as one CTA of 2n
-tokens alone on it (H200 calibration: 1 request of 4096 tokens, 8 kv heads, as 128 CTAs of 256
-tokens 11.7 us vs 256 CTAs of 128 tokens 13.5 us; 32k tokens as 128 x 2048 44.0 us vs
-256 x 1024 45.1 us). Counting per slot credited a split that doubles the CTAs on half-idle SMs
-with halving the critical path. Unequal chunks add a tail: CTAs are dealt in grid order (the
+tokens alone on it (measured: benchmarks/NOTES.md, "Cost-model features: the measurements
+behind them"). Counting per slot credited a split that doubles the CTAs on half-idle SMs with
+halving the critical path. Unequal chunks add a tail: CTAs are dealt in grid order (the
 plan's launch order, by default the longest chunks first: ``execution.launch_order``), and
 list scheduling's makespan is up to mean load + largest item; ``tail_us`` carries what the
 largest chunk exceeds the mean by.
@@ -50,12 +49,11 @@ The feature columns, in order (``FEATURE_NAMES``):
   lone_cta_us     crit_us again when no SM runs two CTAs at once (work items <= num_sms) and
                   the largest chunk has at least ``LONE_CTA_MIN_TOKENS`` tokens. A CTA alone on
                   its SM keeps half the loads in flight that two do, so it streams below the
-                  SM's share of the bandwidth. H200, one run: 1 request x 32k tokens with 32
-                  kv heads as 128 CTAs of 8k tokens (one per SM) 131.8 us, as 256 CTAs of 4k
-                  (two per SM) 127.8 us; 8 x 32k, 8 kv heads: 257.1 vs 251.9 us; 8 x 8k: 70.1
-                  vs 69.0 us (3.1%, 2.1%, 1.6%). crit_us alone predicts those pairs equal. A
-                  short chunk's time is mostly its start-up, which a second CTA does not
-                  shorten. Cluster plans count too (all were measured as ticket plans).
+                  SM's share of the bandwidth: such a grid runs a few percent slower than the
+                  same work as two CTAs per SM, which crit_us alone predicts equal (NOTES.md,
+                  as above). A short chunk's time is mostly its start-up, which a second CTA
+                  does not shorten. Cluster plans count too (all were measured as ticket
+                  plans).
 """
 
 from __future__ import annotations
@@ -67,31 +65,29 @@ import numpy as np
 from scipy.optimize import nnls
 
 from ..execution import MERGE_CLUSTER, clustered
-from ..geometry import TILE_TOKENS, ctas_per_kv_head
+from ..geometry import ctas_per_kv_head
 from ..plan import Plan
 from ..validation import STRATEGIES
+from .stats import (ONE, S_COUNTS, S_LARGEST, S_MAX_CHUNK_TOKENS, S_MAX_SPLITS, S_NUM_CHUNKS,
+                    STAT_NAMES, TWO, decomposition_stats, rows_of)
 
 
 FEATURE_NAMES = ("const", "launches", "kv_us", "crit_us", "crit_tiles", "crit_tile_rows",
                  "waves", "partial_us", "fused_tail_us", "fused_merges", "merge_chain",
                  "tail_us", "cluster_merges", "lone_cta_us")
+_F = {name: i for i, name in enumerate(FEATURE_NAMES)}
+F_LAUNCHES = _F["launches"]
+F_FUSED_TAIL_US = _F["fused_tail_us"]
+F_FUSED_MERGES = _F["fused_merges"]
+F_MERGE_CHAIN = _F["merge_chain"]
+F_CLUSTER_MERGES = _F["cluster_merges"]
+# The features a clustered fused merge does not pay, for the one it pays instead
+# (F_CLUSTER_MERGES).
+F_TICKET = rows_of(FEATURE_NAMES, "partial_us", "fused_tail_us", "fused_merges")
 # Chunks from which a lone CTA's streaming rate, not its start-up, sets its time (lone_cta_us).
 LONE_CTA_MIN_TOKENS = 1024
-# The features a clustered fused merge does not pay (contiguous: partial_us, fused_tail_us,
-# fused_merges), and the one it pays instead.
-_TICKET = slice(FEATURE_NAMES.index("partial_us"), FEATURE_NAMES.index("fused_merges") + 1)
-_CLUSTER = FEATURE_NAMES.index("cluster_merges")
-assert FEATURE_NAMES[_TICKET] == ("partial_us", "fused_tail_us", "fused_merges")
 
 SINGLE, SPLIT_MERGE, FUSED = (STRATEGIES.index(s) for s in ("single", "split_merge", "fused"))
-
-
-# The numbers of a decomposition the features need, rows of a ``stats`` array in this order.
-# ``max_splits`` is the most chunks any request has; ``split_chunks`` counts the chunks of
-# requests cut into more than one. (The maxima are neighbours: the planner takes them in one
-# reduction.)
-STAT_NAMES = ("num_chunks", "total_tokens", "total_tiles", "max_chunk_tokens",
-              "max_chunk_tiles", "max_splits", "split_chunks")
 
 
 def waves(num_items, slots):
@@ -119,18 +115,6 @@ def critical_path(total, largest, num_items, slots):
     return np.maximum(largest, waves(num_items, slots) * (total / np.maximum(num_items, 1)))
 
 
-def decomposition_stats(chunk_tokens, chunks_per_request) -> np.ndarray:
-    """``STAT_NAMES`` of a built plan, exactly, from its per-chunk token counts and its chunks
-    per request."""
-    tok = np.asarray(chunk_tokens, dtype=np.int64)
-    cpr = np.asarray(chunks_per_request, dtype=np.int64)
-    if tok.size == 0:
-        return np.zeros(len(STAT_NAMES))
-    tiles = -(-tok // TILE_TOKENS)
-    return np.array([tok.size, tok.sum(), tiles.sum(), tok.max(), tiles.max(), cpr.max(),
-                     cpr[cpr > 1].sum()], dtype=np.float64)
-
-
 @functools.lru_cache(maxsize=256)
 def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm,
                       bandwidth_gbps) -> tuple[int, int, np.ndarray]:
@@ -146,12 +130,15 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
     slot_bw = bw / slots
     token_bytes = head_dim * 2 * 2                 # K and V, 2-byte elements, one kv head
     partial_bytes = (head_dim + 1) * 4             # fp32 o and lse, one query head
-    # const, launches, waves, fused_merges and merge_chain are counts: their unit is 1.
     sm_bw = bw / num_sms
-    units = np.array([1.0, 1.0, num_kv_heads * token_bytes / bw, token_bytes / sm_bw,
-                      head_dim / 128, rows * head_dim / 128, 1.0,
-                      2 * num_qo_heads * partial_bytes / bw, rows * partial_bytes / slot_bw, 1.0,
-                      1.0, token_bytes / slot_bw, 1.0, token_bytes / sm_bw])[:, None]
+    # The other features (const, launches, waves, fused_merges, merge_chain, cluster_merges)
+    # are counts: their unit is 1.
+    unit = {"kv_us": num_kv_heads * token_bytes / bw, "crit_us": token_bytes / sm_bw,
+            "crit_tiles": head_dim / 128, "crit_tile_rows": rows * head_dim / 128,
+            "partial_us": 2 * num_qo_heads * partial_bytes / bw,
+            "fused_tail_us": rows * partial_bytes / slot_bw, "tail_us": token_bytes / slot_bw,
+            "lone_cta_us": token_bytes / sm_bw}
+    units = np.array([unit.get(name, 1.0) for name in FEATURE_NAMES])[:, None]
     units.setflags(write=False)
     return items_per_chunk, slots, units
 
@@ -166,18 +153,31 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
 #                  strategy does not pay it (``strategy_scale``).
 # Each value is the same bits as the plain formulas (``waves``, ``critical_path``): the same
 # IEEE operations in the same order, and multiplying by 1 or 0 is exact.
-# (Rows that one call fills together are neighbours: crit_tokens and crit_tiles, waves and
-# sm_waves.)
+# Rows are addressed by name: the stats rows by ``stats``' S_ constants (they come first), the
+# others by the R_ constants below.
 FEATURE_ROWS = STAT_NAMES + ("one", "one_plus_split", "split", "split_x_max_splits",
                              "crit_tokens", "crit_tiles", "waves", "sm_waves", "tail_tokens",
                              "clustered", "lone_tokens")
-_ROW = {name: i for i, name in enumerate(FEATURE_ROWS)}
+_R = {name: i for i, name in enumerate(FEATURE_ROWS)}
+R_ONE = _R["one"]
+R_ONE_PLUS_SPLIT = _R["one_plus_split"]
+R_SPLIT = _R["split"]
+R_SPLIT_X_MAX_SPLITS = _R["split_x_max_splits"]
+R_CRIT_TOKENS = _R["crit_tokens"]
+R_SM_WAVES = _R["sm_waves"]
+R_TAIL_TOKENS = _R["tail_tokens"]
+R_CLUSTERED = _R["clustered"]
+R_LONE_TOKENS = _R["lone_tokens"]
+# Rows that one call reads or fills together, in step with ``stats``' S_COUNTS (chunks, tokens,
+# tiles) and S_LARGEST (the largest chunk's tokens, tiles): the critical path's tokens and
+# tiles, and the two wave counts.
+R_CRIT = rows_of(FEATURE_ROWS, "crit_tokens", "crit_tiles")
+R_WAVES = rows_of(FEATURE_ROWS, "waves", "sm_waves")
 # Row of each feature (FEATURE_NAMES order); launches is 1 + split only when merging.
-FEATURE_SOURCE = np.array([_ROW[name] for name in (
+FEATURE_SOURCE = np.array([_R[name] for name in (
     "one", "one", "total_tokens", "crit_tokens", "crit_tiles", "crit_tiles", "waves",
     "split_chunks", "split_x_max_splits", "split", "split_x_max_splits", "tail_tokens",
     "clustered", "lone_tokens")])
-MERGE_LAUNCHES_SOURCE = _ROW["one_plus_split"]
 
 
 def new_feature_rows(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -195,43 +195,46 @@ def row_features(rows, items_per_chunk, slots, num_sms, some_items=False,
     planner's rows), so the guard of the mean against 0 items can be skipped.
     ``cluster_batch_size``: the batch size when the GPU has clusters and some row may use
     them, else 0 (the 'clustered' row is then 0)."""
-    max_splits = rows[5]
-    rows[7] = 1.0
-    np.minimum(max_splits, _TWO, out=rows[8])      # max_splits >= 1: 1 + (max_splits > 1)
-    np.subtract(rows[8], _ONE, rows[9])
-    np.multiply(rows[9], max_splits, rows[10])
-    scaled = rows[:3] * _float_array(items_per_chunk)    # items, and their tokens and tiles
-    items, crit = scaled[0], scaled[1:]
-    waves_rows = rows[13:15]                       # waves(items, slots), waves(items, num_sms)
+    max_splits = rows[S_MAX_SPLITS]
+    rows[R_ONE] = 1.0
+    one_plus_split = rows[R_ONE_PLUS_SPLIT]
+    np.minimum(max_splits, TWO, out=one_plus_split)   # max_splits >= 1: 1 + (max_splits > 1)
+    np.subtract(one_plus_split, ONE, rows[R_SPLIT])
+    np.multiply(rows[R_SPLIT], max_splits, rows[R_SPLIT_X_MAX_SPLITS])
+    scaled = rows[S_COUNTS] * _float_array(items_per_chunk)
+    items, crit = scaled[0], scaled[1:]            # work items; their tokens and tiles
+    waves_rows = rows[R_WAVES]                     # waves(items, slots), waves(items, num_sms)
     np.divide(items, _wave_slots(slots, num_sms), waves_rows)
     np.ceil(waves_rows, waves_rows)
     if not some_items:
         np.maximum(items, 1.0, out=items)
     # critical_path of tokens and tiles per SM: max(largest, sm waves * (total / max(items, 1)))
-    crit /= items
-    np.subtract(rows[3], crit[0], rows[15])        # largest - mean chunk tokens
-    crit *= rows[14]
-    np.maximum(crit, rows[3:5], out=rows[11:13])
+    crit /= items                                  # the mean chunk's tokens and tiles
+    max_chunk_tokens = rows[S_MAX_CHUNK_TOKENS]
+    np.subtract(max_chunk_tokens, crit[0], rows[R_TAIL_TOKENS])   # largest - mean chunk
+    sm_waves = rows[R_SM_WAVES]
+    crit *= sm_waves
+    np.maximum(crit, rows[S_LARGEST], out=rows[R_CRIT])
     if cluster_batch_size:
-        clustered(rows[16], rows[0], rows[3], rows[5], cluster_batch_size, items_per_chunk)
+        clustered(rows[R_CLUSTERED], rows[S_NUM_CHUNKS], max_chunk_tokens, max_splits,
+                  cluster_batch_size, items_per_chunk)
     else:
-        rows[16] = 0.0
+        rows[R_CLUSTERED] = 0.0
     # lone_tokens: crit_tokens where one SM wave holds every item and the largest chunk is long
-    lone = rows[17]
-    np.greater_equal(rows[3], _LONE_CTA_MIN_TOKENS, out=lone)
-    lone *= np.equal(rows[14], _ONE)
-    lone *= rows[11]
+    lone = rows[R_LONE_TOKENS]
+    np.greater_equal(max_chunk_tokens, _LONE_CTA_MIN_TOKENS, out=lone)
+    lone *= np.equal(sm_waves, ONE)
+    lone *= rows[R_CRIT_TOKENS]
     return rows
 
 
-# 0-d arrays rather than Python numbers: NumPy converts a Python number on every call.
-_ONE, _TWO = np.array(1.0), np.array(2.0)
+# A 0-d array rather than a Python number (see ``stats.ONE``).
 _LONE_CTA_MIN_TOKENS = np.array(float(LONE_CTA_MIN_TOKENS))
 
 
 @functools.lru_cache(maxsize=64)
 def _float_array(value) -> np.ndarray:
-    """``value`` as a read-only 0-d float array (see ``_ONE``)."""
+    """``value`` as a read-only 0-d float array (see ``stats.ONE``)."""
     array = np.array(float(value))
     array.setflags(write=False)
     return array
@@ -252,10 +255,10 @@ def strategy_scale(units, strategy_code, n: int) -> np.ndarray:
     scale = np.repeat(units, n, axis=1)
     merges = np.equal(strategy_code, SPLIT_MERGE)
     fuses = np.equal(strategy_code, FUSED)
-    scale[10] *= merges
-    scale[8] *= fuses
-    scale[9] *= fuses
-    scale[12] *= fuses
+    scale[F_MERGE_CHAIN] *= merges
+    scale[F_FUSED_TAIL_US] *= fuses
+    scale[F_FUSED_MERGES] *= fuses
+    scale[F_CLUSTER_MERGES] *= fuses
     return scale
 
 
@@ -265,8 +268,8 @@ def feature_index(n: int, columns, strategy_code) -> np.ndarray:
     row FEATURE_SOURCE[f] of its column, launches the 1 + split row for 'split_merge'."""
     columns = np.asarray(columns)
     source = np.repeat(FEATURE_SOURCE[:, None], columns.size, axis=1)
-    source[1] = np.where(np.equal(strategy_code, SPLIT_MERGE), MERGE_LAUNCHES_SOURCE,
-                         source[1])
+    source[F_LAUNCHES] = np.where(np.equal(strategy_code, SPLIT_MERGE), R_ONE_PLUS_SPLIT,
+                                  source[F_LAUNCHES])
     return source * n + columns[None, :]
 
 
@@ -277,7 +280,7 @@ def gather_features(rows, index, scale, clusters=False) -> np.ndarray:
     x = rows.take(index)
     x *= scale
     if clusters:
-        x[_TICKET] *= 1.0 - x[_CLUSTER]
+        x[F_TICKET] *= 1.0 - x[F_CLUSTER_MERGES]
     return x
 
 
@@ -300,7 +303,7 @@ def features_from_stats(num_qo_heads, num_kv_heads, head_dim, strategy_code, sta
     cluster_batch_size = batch_size if clusters and clustered_as is None else 0
     row_features(rows, ipc, slots, num_sms, cluster_batch_size=cluster_batch_size)
     if clustered_as is not None:
-        rows[FEATURE_ROWS.index("clustered")] = clustered_as
+        rows[R_CLUSTERED] = clustered_as
     return gather_features(rows, index, strategy_scale(units, strategy_code, n),
                            clusters=clusters).T
 

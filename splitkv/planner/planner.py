@@ -12,8 +12,8 @@ Candidates (each a way to cut every request's KV into chunks):
 Every split candidate is tried with 'split_merge' and with 'fused'.
 
 Planning runs on every decode step, so it is cheap: the statistics the features need are
-computed for all candidates at once from the ``kv_lens`` array (a [candidates x requests]
-array, never a per-chunk one), and only the winner is built as a ``Plan``.
+computed for all candidates at once from the ``kv_lens`` array (``stats``: a [candidates x
+requests] array, never a per-chunk one), and only the winner is built as a ``Plan``.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from ..plan import (Plan, _chunk_arrays, _single_chunk_arrays, _uniform_chunk_ar
                     plan_chunk_tokens, plan_fixed_splits, plan_from_chunk_counts)
 from ..problem import DecodeProblem
 from ..execution import DEFAULT_LAUNCH_ORDER, check_launch_order, may_cluster
-from .cost_model import (STAT_NAMES, TILE_TOKENS, CostModel, feature_constants,
-                         feature_index, features_from_stats, gather_features,
-                         new_feature_rows, row_features, strategy_scale)
+from ..geometry import TILE_TOKENS
+from .cost_model import (CostModel, feature_constants, feature_index, features_from_stats,
+                         gather_features, new_feature_rows, row_features, strategy_scale)
+from .stats import STAT_NAMES, equal_candidate_stats, ones, ragged_candidate_stats
 
 NO_SPLIT, CHUNK_TOKENS, NUM_SPLITS = "no split", "chunk tokens", "num splits"
 TINY_CONTEXT = 2048        # up to this longest request, 16- and 32-token chunks are tried too
@@ -160,126 +161,6 @@ class Candidate:
 NO_SPLIT_CHUNK = float(2 ** 60)     # a chunk size no request reaches: one chunk each
 # dtype objects, not the scalar types: NumPy converts a type to a dtype on every call.
 _FLOAT64, _INT64 = np.dtype(np.float64), np.dtype(np.int64)
-# 0-d arrays, not Python floats, for the same reason.
-_ONE, _TWO, _TILE_TOKENS = np.array(1.0), np.array(2.0), np.array(float(TILE_TOKENS))
-
-
-def _row_stats(lens: np.ndarray, min_len: int, max_len: int, total: int, divisors: np.ndarray,
-               splits: slice, split_caps: np.ndarray, num_tiny: int) -> tuple[np.ndarray, ...]:
-    """``STAT_NAMES`` of every candidate row in closed form from the lengths, as the stats of
-    a ``new_feature_rows`` array (returned whole, for ``row_features``); and what the winning
-    row's plan is built from: the chunk counts k [rows, requests] and the tiles per request.
-
-    Request b gets k = ceil(max(len_b, 1) / chunk) chunks (``divisors`` [rows + 1, 1]: the
-    chunk size of each row, then the tile; 2**60 for no split, so one chunk each; 64 for a
-    split row ``splits``, whose k is then capped at its split count ``split_caps`` [splits, 1],
-    fewer for a request of fewer tiles); an empty request is one empty chunk. Chunks are
-    aligned to the 64-token tile, except in the last ``num_tiny`` rows (16 or 32 tokens,
-    aligned to themselves: every chunk is one partial tile).
-
-    ``lens`` (float) holds the requests' lengths, ``min_len``, ``max_len`` and ``total`` their
-    minimum, maximum and sum. The same numbers as ``decomposition_stats`` of the built plan,
-    exactly: all are integers far below 2**53, so any exact float formula gives the same bits.
-
-    This runs on every decode step, and at these sizes each NumPy call costs more than the
-    arithmetic (a reduction or a sort several times more than an element-wise call), so the
-    formulas are picked for few, cheap calls: one division and one ceiling give the chunk
-    counts and the tiles, one dot product sums the chunks, the tiles and min(k, 2), and one
-    reduction gives the maxima over the requests.
-    """
-    n = lens.size
-    rows = divisors.shape[0] - 1
-    lens1 = lens if min_len else np.maximum(lens, 1.0)
-    quotients = lens1 / divisors                         # [len / chunk per row; len / 64]
-    # One buffer for the [rows, requests] arrays (blocks of rows), so that those that take the
-    # same operation take one call: m - 1, k - 1 (then the largest chunk), m, k, the whole
-    # tiles of each request (one row), min(k, 2).
-    work = np.empty((5 * rows + 1, n))
-    m, k = work[2 * rows:3 * rows], work[3 * rows:4 * rows]
-    units = work[4 * rows]
-    np.ceil(quotients, work[3 * rows:4 * rows + 1])      # k, units
-    tiles = quotients[rows]                              # exact: 1/64 is a power of two
-    if not min_len:                                      # an empty request has no tile
-        tiles = lens * (1.0 / TILE_TOKENS)
-        np.ceil(tiles, units)
-    if split_caps.size:
-        capped = k[splits]
-        np.minimum(capped, split_caps, out=capped)
-    np.minimum(k, _TWO, out=work[4 * rows + 1:])
-    sums = work[3 * rows:].dot(_ones(n))                 # chunks, tiles, sum of min(k, 2)
-    feature_rows, st = new_feature_rows(rows)
-    st[0] = sums[:rows]
-    # chunks of split requests = all chunks - requests in one chunk
-    #                           = chunks + (requests + split requests) - 2 requests
-    split_chunks = st[6]
-    np.add(sums[:rows], sums[rows + 1:], split_chunks)
-    split_chunks -= 2.0 * n
-    st[1] = total
-    st[2] = sums[rows]
-    # A request's chunks have m - 1 or m tiles (m = ceil(units / k)), the last one m; it
-    # is short of its tiles by pad = units * 64 - len tokens. So the largest chunk has m
-    # tiles and min(64 m, len - 64 (k - 1)(m - 1)) tokens: 64 m unless the last chunk is
-    # the only one of m tiles (then the k - 1 others hold m - 1 tiles each). In tiles:
-    np.divide(units, k, m)
-    np.ceil(m, m)
-    np.subtract(work[2 * rows:4 * rows], _ONE, work[:2 * rows])      # m - 1, k - 1
-    largest = work[rows:2 * rows]
-    largest *= work[:rows]
-    np.subtract(tiles, largest, largest)
-    np.minimum(largest, m, out=largest)
-    # the maxima of the largest chunk, m and k
-    np.maximum.reduce(work[rows:4 * rows], axis=1, out=st[3:6].reshape(3 * rows))
-    np.multiply(st[3], _TILE_TOKENS, st[3])
-    if num_tiny:
-        # Every tiny chunk is one tile (a partial one); an empty request has no tile.
-        t = st[:, rows - num_tiny:]
-        t[2] = st[0, rows - num_tiny:] - (n - np.count_nonzero(lens))
-        t[3] = np.minimum(divisors[rows - num_tiny:rows, 0], max_len)
-        t[4] = 1.0
-    return feature_rows, k, units
-
-
-def _one_length_stats(length: int, copies: int, total: int, chunk: list, splits: slice,
-                      split_caps, num_tiny: int) -> tuple[np.ndarray, list]:
-    """``_row_stats`` when every request has the same length (``copies`` of them): each row is
-    a few integers, cheaper in plain Python than in NumPy calls. The same formulas, exact
-    (Python integers, and floats only where ``_row_stats`` has them)."""
-    length1 = max(length, 1)
-    units = -(-length // TILE_TOKENS)
-    tiles = length / TILE_TOKENS
-    caps = [None] * splits.start + [int(s) for s in split_caps.ravel()]
-    caps += [None] * (len(chunk) - len(caps))
-    st = [[] for _ in STAT_NAMES]
-    num_chunks, _, _, max_tokens, max_tiles, max_splits, split_chunks = st
-    for c, cap in zip(chunk, caps):
-        k = -(-length1 // int(c))
-        if cap is not None and k > cap:
-            k = cap
-        m = -(-units // k)
-        largest = tiles - (k - 1) * (m - 1)
-        num_chunks.append(k * copies)
-        max_tokens.append((largest if largest < m else m) * TILE_TOKENS)
-        max_tiles.append(m)
-        split_chunks.append(k * copies if k > 1 else 0)
-        max_splits.append(k)
-    st[1] = [total] * len(chunk)
-    st[2] = [units * copies] * len(chunk)
-    for j in range(len(chunk) - num_tiny, len(chunk)):
-        # Every tiny chunk is one tile (a partial one); an empty request has no tile.
-        st[2][j] = num_chunks[j] - (copies if length == 0 else 0)
-        st[3][j] = min(chunk[j], length)
-        st[4][j] = 1
-    feature_rows, stats = new_feature_rows(len(chunk))
-    stats[:] = st
-    return feature_rows, [[k] for k in max_splits]
-
-
-@functools.lru_cache(maxsize=64)
-def _ones(n: int) -> np.ndarray:
-    """[n] ones: a dot product with them sums rows (cheaper than a reduction)."""
-    ones = np.ones(n)
-    ones.setflags(write=False)
-    return ones
 
 
 @functools.lru_cache(maxsize=256)
@@ -294,10 +175,10 @@ def _split_rows(num_items: int, slots: int) -> tuple[tuple[int, ...], np.ndarray
 
 def _candidates(batch_size: int, max_len: int, total: int, items_per_chunk: int, slots: int,
                 num_splits, strategy):
-    """The rows to score, in ``_row_stats`` order: their values (1 for no split, chunk tokens,
-    split counts), the slice of rows that are split counts and their counts [splits, 1], the
-    chunk size of each row (``_row_stats``) and the number of tiny rows; and the arguments of
-    ``_pairs``.
+    """The rows to score, in ``stats.ragged_candidate_stats`` order: their values (1 for no
+    split, chunk tokens, split counts), the slice of rows that are split counts and their
+    counts [splits, 1], the chunk size of each row and the number of tiny rows; and the
+    arguments of ``_pairs``.
 
     Unforced: no split, the chunk sizes of at least a tile, the split counts, the tiny chunk
     sizes. Row 0 is no split unless splits are forced; rows outside the split slice are chunk
@@ -358,10 +239,10 @@ def _pair_features(num_rows: int, first_is_no_split: bool, strategy, *shape):
 
 @dataclass
 class _Scores:
-    """Every candidate of one problem, scored (``_candidates``' rows; ``_row_stats``' chunk
-    counts k [rows, requests] and tiles per request, or when all lengths are equal
-    ``_one_length_stats``' k [rows, 1] and None), and per pair its row index, strategy and
-    predicted us."""
+    """Every candidate of one problem, scored (``_candidates``' rows; the chunk counts k
+    [rows, requests] and tiles per request of ``stats.ragged_candidate_stats``, or when all
+    lengths are equal ``stats.equal_candidate_stats``' k [rows, 1] and None), and per pair
+    its row index, strategy and predicted us."""
 
     values: list
     splits: slice
@@ -414,16 +295,18 @@ def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=N
         total, lens_f = max_len * batch_size, None
     else:
         lens_f = lens.astype(_FLOAT64)
-        total = int(lens_f.dot(_ones(batch_size)))
+        total = int(lens_f.dot(ones(batch_size)))
     values, splits, caps, chunk, num_tiny, pair_key = \
         _candidates(batch_size, max_len, total, ipc, slots, num_splits, strategy)
+    rows, stats = new_feature_rows(len(chunk))
     if lens_f is None:
-        rows, k = _one_length_stats(max_len, batch_size, total, chunk, splits, caps, num_tiny)
+        k = equal_candidate_stats(stats, max_len, batch_size, total, chunk, splits, caps,
+                                  num_tiny)
         units = None
     else:
         divisors = np.array([*chunk, TILE_TOKENS], _FLOAT64)[:, None]
-        rows, k, units = _row_stats(lens_f, min_len, max_len, total, divisors, splits, caps,
-                                    num_tiny)
+        k, units = ragged_candidate_stats(stats, lens_f, min_len, max_len, total, divisors,
+                                          splits, caps, num_tiny)
     pair_rows, strategies, index, scale = _pair_features(*pair_key, *shape)
     # The same bits as features_from_stats(stats[:, pair_rows]) @ coef_. Even the memory
     # layout matters: the matrix-vector product's rounding depends on it, and candidates with

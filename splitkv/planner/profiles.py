@@ -69,15 +69,15 @@ def guess_bandwidth_gbps(device_name: str) -> float:
 def roofline_prior(num_sms: int, bandwidth_gbps: float) -> dict:
     """Parameters before any calibration, from the physics measured on an H200 (GPU.md).
 
-    launches 0.52 us: an empty kernel inside a CUDA graph. kv_us 0.24, crit_us 0.81 (per
-    slot; 1.62 now that the critical path is counted per SM, the same predictions for those
-    grids), const + waves 1.1 us: the least-squares fit of this model to the plain read kernel
-    (4, 32 and 128 MiB read by 528 or 132 CTAs: 2.73 ... 57.1 us, within 1.3%), which says a
-    lone CTA streams ~18 GB/s and a full grid ~4.3 TB/s. The rest are guesses of the right
-    size: a tile's non-memory work (0.02 us, +0.005 us per query head), partials at full
-    bandwidth, the fused tail at one CTA's bandwidth plus ~1 us for the ticket atomic and
-    fences, a tenth of the largest chunk's excess over the mean as a scheduling tail, and a
-    lone CTA streaming 3% slower than its SM's share (measured on the H200: 1.6-3.1%).
+    launches: an empty kernel inside a CUDA graph. kv_us, crit_us (0.81 per slot, doubled now
+    that the critical path is counted per SM: the same predictions for those grids) and const
+    + waves: the least-squares fit of this model to the plain read kernel over 4, 32 and 128
+    MiB with 528 or 132 CTAs (GPU.md; the fit: benchmarks/NOTES.md, "Cost-model features: the
+    measurements behind them"). The rest are guesses of the right size: a tile's non-memory
+    work (0.02 us, +0.005 us per query head), partials at full bandwidth, the fused tail at
+    one CTA's bandwidth plus ~1 us for the ticket atomic and fences, a tenth of the largest
+    chunk's excess over the mean as a scheduling tail, and a lone CTA streaming 3% slower
+    than its SM's share (about what was measured: NOTES.md).
     The parameters do not depend on the SM count or bandwidth: the features scale with them.
     """
     del num_sms, bandwidth_gbps

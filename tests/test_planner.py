@@ -406,3 +406,22 @@ if __name__ == "__main__":
     if sys.argv[1:2] != ["--regenerate"]:
         sys.exit("usage: PYTHONPATH=$PWD python3 tests/test_planner.py --regenerate [path]")
     write_golden_plans(*sys.argv[2:3])
+
+
+def test_max_chunks_keeps_the_choice_within_a_capacity():
+    """A graph-stable wrapper's capacity: the cheapest plan of at most max_chunks chunks, the
+    unconstrained choice where it fits, and a clear error where the request cannot fit."""
+    p = problem([32768])
+    free = choose_plan(p, PRIOR)
+    assert choose_plan(p, PRIOR, max_chunks=free.num_chunks).num_chunks == free.num_chunks
+    capped = choose_plan(p, PRIOR, max_chunks=4)
+    assert capped.num_chunks <= 4
+    ranked = rank_candidates(p, PRIOR, max_chunks=4)
+    assert ranked[0].predicted_us == capped.predicted_us
+    assert np.isinf(ranked[-1].predicted_us)
+    ragged = problem([5000, 17, 900, 3000])
+    assert choose_plan(ragged, PRIOR, max_chunks=4).num_chunks == 4         # no split fits
+    with pytest.raises(ValueError, match="max_chunks"):
+        choose_plan(ragged, PRIOR, max_chunks=3)                             # below the batch
+    with pytest.raises(ValueError, match="max_chunks"):
+        choose_plan(p, PRIOR, num_splits=16, strategy="fused", max_chunks=8)

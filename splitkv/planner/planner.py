@@ -31,7 +31,8 @@ from ..execution import DEFAULT_LAUNCH_ORDER, check_launch_order, may_cluster
 from ..geometry import TILE_TOKENS
 from .cost_model import (CostModel, feature_constants, feature_index, features_from_stats,
                          gather_features, new_feature_rows, row_features, strategy_scale)
-from .stats import STAT_NAMES, equal_candidate_stats, ones, ragged_candidate_stats
+from .stats import (S_NUM_CHUNKS, STAT_NAMES, equal_candidate_stats, ones,
+                    ragged_candidate_stats)
 
 NO_SPLIT, CHUNK_TOKENS, NUM_SPLITS = "no split", "chunk tokens", "num splits"
 TINY_CONTEXT = 2048        # up to this longest request, 16- and 32-token chunks are tried too
@@ -281,9 +282,12 @@ class _Scores:
                              launch_order=launch_order)
 
 
-def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=None) -> _Scores:
+def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=None,
+           max_chunks=None) -> _Scores:
     """Predict every candidate: closed-form statistics per row, features per row, times per
-    pair. Equal lengths (the common benchmark case) collapse to one request standing for all."""
+    pair. Equal lengths (the common benchmark case) collapse to one request standing for all.
+    Candidates of more than ``max_chunks`` chunks (a graph-stable wrapper's capacity) are
+    predicted at +inf: never chosen, last in a ranking."""
     lens = problem.kv_lens
     batch_size = lens.size
     max_len = int(lens[lens.argmax()])                   # argmax: cheaper than a reduction
@@ -308,6 +312,7 @@ def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=N
         k, units = ragged_candidate_stats(stats, lens_f, min_len, max_len, total, divisors,
                                           splits, caps, num_tiny)
     pair_rows, strategies, index, scale = _pair_features(*pair_key, *shape)
+    too_many = None if max_chunks is None else stats[S_NUM_CHUNKS][pair_rows] > max_chunks
     # The same bits as features_from_stats(stats[:, pair_rows]) @ coef_. Even the memory
     # layout matters: the matrix-vector product's rounding depends on it, and candidates with
     # equal features must tie exactly, as they did there ([features, pairs], C order).
@@ -315,7 +320,10 @@ def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=N
     x = gather_features(row_features(rows, ipc, slots, model.num_sms, some_items=True,
                                      cluster_batch_size=batch_size if clusters else 0),
                         index, scale, clusters=clusters)
-    return _Scores(values, splits, k, units, pair_rows, strategies, x.T @ model.coef_)
+    predicted = x.T @ model.coef_
+    if too_many is not None:
+        predicted[too_many] = np.inf
+    return _Scores(values, splits, k, units, pair_rows, strategies, predicted)
 
 
 def _as_cost_model(profile) -> CostModel:
@@ -340,15 +348,27 @@ def _check_request(problem, num_splits, strategy):
 
 
 def rank_candidates(problem: DecodeProblem, profile=None, num_splits: int | None = None,
-                    strategy: str | None = None) -> list[Candidate]:
+                    strategy: str | None = None, *,
+                    max_chunks: int | None = None) -> list[Candidate]:
     """Every candidate with its predicted time, cheapest first (ties keep enumeration order:
-    fewer splits first)."""
+    fewer splits first); candidates of more than ``max_chunks`` chunks last, at +inf."""
     num_splits, strategy = _check_request(problem, num_splits, strategy)
+    max_chunks = _check_max_chunks(problem, max_chunks)
     model = _as_cost_model(profile)
     if problem.batch_size == 0:
         return [_empty_candidate(problem, model, strategy)]
-    scores = _score(problem, model, num_splits, strategy)
+    scores = _score(problem, model, num_splits, strategy, max_chunks)
     return [scores.candidate(i) for i in np.argsort(scores.predicted, kind="stable")]
+
+
+def _check_max_chunks(problem: DecodeProblem, max_chunks):
+    if max_chunks is None:
+        return None
+    max_chunks = V.check_int("max_chunks", max_chunks, 1)
+    if max_chunks < problem.batch_size:
+        raise ValueError(f"max_chunks: {max_chunks} chunks cannot hold a batch of "
+                         f"{problem.batch_size} requests (one chunk each at the least)")
+    return max_chunks
 
 
 def _empty_candidate(problem, model, strategy) -> Candidate:
@@ -361,8 +381,8 @@ def _empty_candidate(problem, model, strategy) -> Candidate:
 
 
 def choose_plan(problem: DecodeProblem, profile=None, num_splits: int | None = None,
-                strategy: str | None = None, *,
-                launch_order: str = DEFAULT_LAUNCH_ORDER) -> Plan:
+                strategy: str | None = None, *, launch_order: str = DEFAULT_LAUNCH_ORDER,
+                max_chunks: int | None = None) -> Plan:
     """The cheapest plan the cost model knows for ``problem``, with ``predicted_us`` set.
 
     profile: a ``Profile``, a fitted ``CostModel``, or None for ``load_profile()``'s answer.
@@ -370,15 +390,22 @@ def choose_plan(problem: DecodeProblem, profile=None, num_splits: int | None = N
         than that many tiles); 1 means no split.
     strategy: force 'single', 'split_merge' or 'fused'.
     launch_order: the order the grid runs the chunks in (``execution.LAUNCH_ORDERS``).
+    max_chunks: choose among plans of at most this many chunks (a graph-stable wrapper's
+        capacity); at least the batch size, so the unsplit plan always fits.
     The plan's execution (``Plan.execution``) is how it runs on the model's GPU: a fused plan
     merges in clusters where the model's ``clusters`` says the GPU has them and the plan suits
     them. Deterministic: the same problem and profile give the same plan.
     """
     num_splits, strategy = _check_request(problem, num_splits, strategy)
     check_launch_order(launch_order)
+    max_chunks = _check_max_chunks(problem, max_chunks)
     model = _as_cost_model(profile)
     if problem.batch_size == 0:
         return _empty_candidate(problem, model, strategy).build(
             problem, clusters=model.clusters, launch_order=launch_order)
-    scores = _score(problem, model, num_splits, strategy)
+    scores = _score(problem, model, num_splits, strategy, max_chunks)
+    if max_chunks is not None and np.isinf(scores.predicted.min()):
+        raise ValueError(f"max_chunks: no plan of at most {max_chunks} chunks matches "
+                         f"num_splits={num_splits}, strategy={strategy!r} for "
+                         f"{problem.batch_size} requests")
     return scores.build(problem, int(scores.predicted.argmin()), model.clusters, launch_order)

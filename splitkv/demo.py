@@ -1,4 +1,5 @@
-"""``splitkv demo``: plan and run a few realistic decode batches, check them against the reference.
+"""The demo's cases and their check (``splitkv demo`` runs them and prints the table): plan and
+run a few realistic decode batches, check them against the reference.
 
 Each case is a decode step of a common model shape (page_size 16, head_dim 128, float16) with
 its pages scattered through a pool, as a serving engine leaves them. The batch is planned, run
@@ -9,13 +10,12 @@ reference. The sizes are small enough for the CPU fallback to finish in seconds.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from dataclasses import dataclass
 
 import numpy as np
 
 from .cpu_executor import execute_plan_cpu
+from .plan import Plan
 from .planner import choose_plan
 from .problem import DecodeProblem, PageTable
 from .reference import reference_decode
@@ -112,59 +112,31 @@ def errors(out, lse, ref_out, ref_lse) -> tuple[float, float]:
     return float(rel), lse_err
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
-    parser.add_argument("--cases", default=",".join(CASE_NAMES),
-                        help=f"comma-separated cases to run (default: all of {','.join(CASE_NAMES)})")
-    parser.add_argument("--cpu", action="store_true",
-                        help="use the CPU plan executor even when a GPU is usable")
+@dataclass(frozen=True)
+class CaseResult:
+    """One case run and checked: the plan it ran, its errors against the reference, and whether
+    they are within ``TOLERANCE``."""
+
+    case: Case
+    page_table: PageTable
+    plan: Plan
+    rel_err: float
+    lse_err: float
+    ok: bool
 
 
-def run(args: argparse.Namespace) -> int:
-    wanted = [name.strip() for name in args.cases.split(",") if name.strip()]
-    unknown = sorted(set(wanted) - set(CASE_NAMES))
-    if unknown or not wanted:
-        print(f"splitkv demo: unknown case(s) {', '.join(unknown) or '(none given)'}; "
-              f"expected some of {', '.join(CASE_NAMES)}", file=sys.stderr)
-        return 2
-    cases = [case for case in make_cases(args.seed) if case.name in wanted]
-    on_gpu, reason = (False, "--cpu was given") if args.cpu else detect_gpu()
-    backend = "gpu" if on_gpu else "cpu"
+def check_cases(cases: list[Case], seed: int, on_gpu: bool) -> list[CaseResult]:
+    """Run each case (on the GPU, or by the CPU plan executor) on random inputs drawn in turn
+    from one generator seeded with ``seed``, and compare it with the float64 reference."""
     run_case = run_gpu if on_gpu else run_cpu
-    out_tol, lse_tol = TOLERANCE[backend]
-    print("plans from " + ("BatchDecodeWrapper.plan(page_table)" if on_gpu
-                           else "splitkv.planner.choose_plan (the shipped H200 profile)"))
-
-    header = ("case", "B", "heads", "tokens", "strategy", "splits", "work items", "max rel err",
-              "lse err", "")
-    rows, failed = [], 0
-    rng = np.random.default_rng(args.seed)
+    out_tol, lse_tol = TOLERANCE["gpu" if on_gpu else "cpu"]
+    rng = np.random.default_rng(seed)
+    results = []
     for case in cases:
         q, k_cache, v_cache, page_table = make_inputs(case, rng)
         plan, out, lse = run_case(case, q, k_cache, v_cache, page_table)
         ref_out, ref_lse = reference_decode(q, k_cache, v_cache, page_table)
         rel, lse_err = errors(out, lse, ref_out, ref_lse)
-        ok = rel <= out_tol and lse_err <= lse_tol
-        failed += not ok
-        rows.append((case.name, str(page_table.batch_size),
-                     f"{case.num_qo_heads}/{case.num_kv_heads}", str(int(page_table.kv_lens.sum())),
-                     plan.strategy, str(plan.num_splits), str(plan.num_work_items), f"{rel:.2e}",
-                     f"{lse_err:.2e}", "ok" if ok else "FAIL"))
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for r in [header, *rows]:
-        print("  ".join(cell.ljust(w) if i in (0, 4) else cell.rjust(w)
-                        for i, (cell, w) in enumerate(zip(r, widths))).rstrip())
-    print(f"tolerance: rel err <= {out_tol:g}, lse err <= {lse_tol:g}; "
-          f"{len(rows) - failed} of {len(rows)} cases within it")
-    print(f"ran on the GPU: {reason}" if on_gpu else f"ran on the CPU fallback: {reason}")
-    return 1 if failed else 0
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="splitkv demo", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+        results.append(CaseResult(case, page_table, plan, rel, lse_err,
+                                  rel <= out_tol and lse_err <= lse_tol))
+    return results

@@ -6,10 +6,11 @@ import argparse
 import numpy as np
 import pytest
 
-from splitkv.calibration import cli as calibrate_cli
+from splitkv.calibration.calibrate import QUICK_TIMING
 from splitkv.calibration.fit import decisions, fit_profile, split_heldout
 from splitkv.calibration.sweep import (MAX_KV_BYTES, candidate_plans, measure, sweep_points,
                                        sweep_shapes)
+from splitkv.cli import calibrate as calibrate_cli
 from splitkv.planner import CostModel, profiles
 from splitkv.planner.profiles import prior_profile, read_profile
 
@@ -134,7 +135,7 @@ def test_calibrate_with_a_simulated_gpu(monkeypatch, tmp_path, capsys, fake_gpu)
     except ImportError:
         assert "matplotlib is not installed" in text
     assert out.with_suffix(".csv").read_text().startswith("shape,plan,")
-    assert fake_gpu.calls[0] == calibrate_cli.QUICK_TIMING
+    assert fake_gpu.calls[0] == QUICK_TIMING
     profile = read_profile(out)
     assert profile.source == "calibrated" and profile.sweep["name"] == "quick"
 

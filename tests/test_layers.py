@@ -66,6 +66,13 @@ def test_the_planner_imports_nothing_from_the_runtime():
     assert imports_from(["splitkv.runtime"], PACKAGE / "planner") == {}
 
 
+def test_only_entry_points_import_the_cli():
+    """The CLI is a layer over the library: outside ``splitkv/cli/`` only the ``__main__``
+    modules (``python -m splitkv``, ``python -m splitkv.bench``) import it."""
+    found = imports_from(["splitkv.cli"], PACKAGE, exclude=PACKAGE / "cli")
+    assert sorted(found) == ["splitkv/__main__.py", "splitkv/bench/__main__.py"]
+
+
 def test_the_import_reader_sees_what_it_looks_for():
     """The two tests above cannot pass by reading nothing: the runtime's CuPy imports are seen,
     and every spelling of an import resolves to its absolute name."""

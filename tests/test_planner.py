@@ -10,7 +10,6 @@ import pytest
 
 from splitkv import DecodeProblem, Plan
 from splitkv.planner import CostModel, choose_plan, rank_candidates
-from splitkv.planner import cli as plan_cli
 from splitkv.planner.cost_model import feature_constants
 from splitkv.planner.planner import (CHUNK_TOKENS, NO_SPLIT, NUM_SPLITS, TILE_TOKENS, TINY_CONTEXT,
                                      Candidate, chunk_token_candidates, wave_filling_chunk_tokens,
@@ -266,28 +265,6 @@ def test_planning_256_ragged_requests_is_cheap():
     median_us = float(np.median(samples)) * 1e6
     print(f"choose_plan, 256 ragged requests: median {median_us:.0f} us")
     assert median_us < 1000
-
-
-def test_plan_cli(capsys):
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    plan_cli.add_arguments(parser)
-    assert plan_cli.run(parser.parse_args(["--batch", "8", "--kv-len", "8192", "--heads", "32/8",
-                                           "--top", "3"])) == 0
-    out = capsys.readouterr().out
-    assert "plan:" in out and "predicted:" in out and "top 3 of" in out
-    assert plan_cli.run(parser.parse_args(["--lens", "100,2000,30000", "--strategy", "fused"])) == 0
-    out = capsys.readouterr().out
-    assert "fused" in out and "merge:     by the last CTA" in out    # ragged: the ticket
-    # the shipped H200 profile has clusters: one short request cut in 8 merges in a cluster
-    assert plan_cli.run(parser.parse_args(["--kv-len", "1024", "--num-splits", "8",
-                                           "--strategy", "fused"])) == 0
-    assert "clusters of 8" in capsys.readouterr().out
-    assert plan_cli.run(parser.parse_args(["--head-dim", "96"])) == 2
-    assert "head_dim" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--heads", "32:8"])
 
 
 # --- Golden decisions -------------------------------------------------------------------------

@@ -179,8 +179,9 @@ def test_prior_profile_fields():
 def test_planner_imports_without_cupy():
     import splitkv
 
-    code = ("import sys, splitkv.planner, splitkv.planner.cli, splitkv.calibration.sweep, "
-            "splitkv.calibration.fit, splitkv.calibration.cli; "
+    code = ("import sys, splitkv.planner, splitkv.calibration.sweep, splitkv.calibration.fit, "
+            "splitkv.calibration.calibrate, splitkv.cli.plan, splitkv.cli.calibrate, "
+            "splitkv.cli.demo, splitkv.cli.bench; "
             "assert 'cupy' not in sys.modules, 'cupy imported'")
     root = str(Path(splitkv.__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))

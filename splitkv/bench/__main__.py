@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from .cli import add_arguments, run
+from ..cli.bench import add_arguments, run
 
 parser = argparse.ArgumentParser(prog="python -m splitkv.bench", description=__doc__)
 add_arguments(parser)

@@ -1,38 +1,16 @@
-"""`splitkv bench`: time the standard cases, compare with the read floor and the peers, and
-write the results (JSON + a markdown table) with the date, the GPU and the command."""
+"""The benchmark harness behind `splitkv bench`: time the standard cases, compare them with the
+read floor and the peers, and assemble the results (a dict that is written as JSON, and its
+markdown table) with the date, the GPU and the command."""
 
 from __future__ import annotations
 
 import datetime as _dt
-import json
-import os
-import sys
 
 import numpy as np
 
 from ..runtime.timing import median_host_us
-from ..validation import STRATEGIES
 from .bandwidth import PROBE_SHAPES
-from .cases import LATENCY_TARGETS_US, ragged_b256_lengths, select
-
-
-def _command_line() -> str:
-    """How this run was started, with the profile override that decided its plans."""
-    profile = os.environ.get("SPLITKV_PROFILE")
-    return (f"SPLITKV_PROFILE={profile} " if profile else "") + "splitkv bench " + " ".join(sys.argv[1:])
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--min-total-mib", type=int, default=1024,
-                        help="KV bytes the layers hold together (sets the number of layers, 2..64)")
-    parser.add_argument("--num-splits", type=int, default=None, help="force a split count")
-    parser.add_argument("--strategy", default=None, choices=STRATEGIES)
-    parser.add_argument("--no-peer", action="store_true", help="skip the PyTorch SDPA peer")
-    parser.add_argument("--json", default=None, help="write results to this JSON file")
-    parser.add_argument("--markdown", default=None, help="write a markdown table to this file")
-    parser.add_argument("--seed", type=int, default=0)
+from .cases import LATENCY_TARGETS_US, ragged_b256_lengths
 
 
 def _rel_err_subset(wrapper, page_table, data, max_requests: int = 4) -> float:
@@ -70,14 +48,20 @@ def _wrapper_plan_cpu_us(wrapper, page_table, repeats: int = 200, **plan_args) -
                           idle_device=True)
 
 
-def run(args) -> int:
-    from ..runtime import device_info, gpu_available
+def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
+              num_splits: int | None = None, strategy: str | None = None, peer: bool = True,
+              seed: int = 0, command: str = "", log=None) -> dict:
+    """Time each of ``cases`` (``cases.Case``) on the current GPU, as the planner plans it (or
+    with ``num_splits``/``strategy`` forced), over layers that together hold at least
+    ``min_total_mib`` MiB of KV, with PyTorch SDPA on contiguous KV as a peer where ``peer`` and
+    torch is installed. ``log(line)`` is called with a line of progress as each step ends.
 
-    ok, why = gpu_available()
-    if not ok:
-        print(f"splitkv bench: needs a GPU ({why})", file=sys.stderr)
-        return 2
+    Returns the results as written to JSON: the device, date, ``command``, the read floor
+    (probed before and after the cases), first-call compile time, the planner's CPU time and a
+    row per case (us, GB/s, fraction of the floor, error, plan, peers).
+    """
     from ..problem import DecodeProblem
+    from ..runtime import device_info
     from ..runtime.cupy_arrays import free_cached_blocks
     from ..runtime.modules import compile_seconds_so_far
     from ..runtime.testing import scattered_page_table
@@ -86,54 +70,54 @@ def run(args) -> int:
     from .bandwidth import read_bandwidth_survey
     from .peers import sdpa_us, torch_available
 
-    cases = select(args.cases)
+    log = log or (lambda line: None)
     info = device_info()
     # The floor is probed before and after the cases (clocks and other tenants drift), and the
     # fastest read of either is the floor: a slower floor would flatter the cases.
     probe_start = read_bandwidth_survey()
     read_gbps = max(probe_start.values())
-    print(f"device: {info['name']} ({info['num_sms']} SMs); streaming read {read_gbps:,.0f} GB/s "
-          f"(best of {probe_start})", flush=True)
-    use_peer = not args.no_peer and torch_available()
+    log(f"device: {info['name']} ({info['num_sms']} SMs); streaming read {read_gbps:,.0f} GB/s "
+        f"(best of {probe_start})")
+    use_peer = peer and torch_available()
     rows = []
     compile_s = None
     plan_us_ragged = wrapper_plan_us_ragged = None
     for case in cases:
-        rng = np.random.default_rng(args.seed)
+        rng = np.random.default_rng(seed)
         pt, _ = scattered_page_table(case.kv_lens, case.page_size, rng, extra_pages=0)
         problem = DecodeProblem.from_page_table(pt, case.num_qo_heads, case.num_kv_heads,
-                                                case.head_dim, args.dtype)
+                                                case.head_dim, dtype)
         w = BatchDecodeWrapper(case.num_qo_heads, case.num_kv_heads, case.head_dim,
-                               case.page_size, args.dtype)
-        plan = w.plan(pt, num_splits=args.num_splits, strategy=args.strategy)
+                               case.page_size, dtype)
+        plan = w.plan(pt, num_splits=num_splits, strategy=strategy)
         if compile_s is None:
             compile_s = compile_seconds_so_far()
         if not case.equal_lengths:
             plan_us_ragged = _plan_cpu_us(problem, w.profile)
-            wrapper_plan_us_ragged = _wrapper_plan_cpu_us(w, pt, num_splits=args.num_splits,
-                                                          strategy=args.strategy)
-        data = make_layers(pt, case.num_qo_heads, case.num_kv_heads, case.head_dim, args.dtype,
-                           min_total_bytes=args.min_total_mib << 20, seed=args.seed)
+            wrapper_plan_us_ragged = _wrapper_plan_cpu_us(w, pt, num_splits=num_splits,
+                                                          strategy=strategy)
+        data = make_layers(pt, case.num_qo_heads, case.num_kv_heads, case.head_dim, dtype,
+                           min_total_bytes=min_total_mib << 20, seed=seed)
         us = time_wrapper_us(w, data)
         err = _rel_err_subset(w, pt, data)
         gbps = problem.kv_bytes / (us * 1e-6) / 1e9
-        peer = None
+        peer_us = None
         if use_peer and case.equal_lengths:
-            peer = sdpa_us(len(case.kv_lens), case.kv_lens[0], case.num_qo_heads,
-                           case.num_kv_heads, case.head_dim, min_total_bytes=args.min_total_mib << 20)
+            peer_us = sdpa_us(len(case.kv_lens), case.kv_lens[0], case.num_qo_heads,
+                              case.num_kv_heads, case.head_dim, min_total_bytes=min_total_mib << 20)
         row = {"case": case.name, "us": round(us, 2), "gbps": round(gbps, 1),
                "frac_read_bw": round(gbps / read_gbps, 4), "rel_err": float(f"{err:.3e}"),
                "strategy": plan.strategy, "num_splits": plan.num_splits,
                "work_items": plan.num_work_items, "layers": data.num_layers,
                "pdl": w.pdl_active, "cluster": w.cluster_size,
                "predicted_us": None if plan.predicted_us is None else round(plan.predicted_us, 2),
-               "peer_us": None if peer is None else round(peer, 2),
+               "peer_us": None if peer_us is None else round(peer_us, 2),
                "best_paged_peer_us": case.best_paged_peer_us, "kv_mib": problem.kv_bytes / 2**20}
         rows.append(row)
         # % of the floor probed before the cases; the table uses the final floor
-        print(f"{case.name:>12}: {us:8.2f} us {gbps:7.0f} GB/s {100 * gbps / read_gbps:5.1f}% "
-              f"{plan.strategy}/{plan.num_splits} err {err:.1e}"
-              + (f" | sdpa {peer:.2f} us" if peer else ""), flush=True)
+        log(f"{case.name:>12}: {us:8.2f} us {gbps:7.0f} GB/s {100 * gbps / read_gbps:5.1f}% "
+            f"{plan.strategy}/{plan.num_splits} err {err:.1e}"
+            + (f" | sdpa {peer_us:.2f} us" if peer_us else ""))
         del data
         free_cached_blocks()
 
@@ -142,35 +126,27 @@ def run(args) -> int:
         read_gbps = max(probe_end.values())
         for row in rows:
             row["frac_read_bw"] = round(row["gbps"] / read_gbps, 4)
-    print(f"streaming read after the cases: {max(probe_end.values()):,.0f} GB/s "
-          f"(best of {probe_end}); floor {read_gbps:,.0f} GB/s", flush=True)
+    log(f"streaming read after the cases: {max(probe_end.values()):,.0f} GB/s "
+        f"(best of {probe_end}); floor {read_gbps:,.0f} GB/s")
 
     # the issue's bar: a ragged batch of 256 requests, planned with the profile used above
-    plan_us_b256 = _plan_cpu_us(DecodeProblem(ragged_b256_lengths(), 32, 8, 128, 16, args.dtype),
+    plan_us_b256 = _plan_cpu_us(DecodeProblem(ragged_b256_lengths(), 32, 8, 128, 16, dtype),
                                 w.profile) if cases else None
-    result = {"device": info["name"], "date": _dt.date.today().isoformat(),
-              "command": _command_line(),
-              "dtype": args.dtype, "read_gbps": round(read_gbps, 1),
-              "read_probe_gbps": {"before": probe_start, "after": probe_end},
-              "first_call_compile_s": None if compile_s is None else round(compile_s, 3),
-              "plan_cpu_us_ragged_b32": None if plan_us_ragged is None else round(plan_us_ragged, 1),
-              "plan_cpu_us_ragged_b256": None if plan_us_b256 is None else round(plan_us_b256, 1),
-              "wrapper_plan_cpu_us_ragged_b32": (None if wrapper_plan_us_ragged is None
-                                                 else round(wrapper_plan_us_ragged, 1)),
-              "cases": rows}
-    table = markdown_table(result)
-    print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(f"# splitkv bench on {result['device']}, {result['date']}\n\n"
-                    f"Command: `{result['command']}`\n\n{table}\n")
-    return 0
+    return {"device": info["name"], "date": _dt.date.today().isoformat(),
+            "command": command,
+            "dtype": dtype, "read_gbps": round(read_gbps, 1),
+            "read_probe_gbps": {"before": probe_start, "after": probe_end},
+            "first_call_compile_s": None if compile_s is None else round(compile_s, 3),
+            "plan_cpu_us_ragged_b32": None if plan_us_ragged is None else round(plan_us_ragged, 1),
+            "plan_cpu_us_ragged_b256": None if plan_us_b256 is None else round(plan_us_b256, 1),
+            "wrapper_plan_cpu_us_ragged_b32": (None if wrapper_plan_us_ragged is None
+                                               else round(wrapper_plan_us_ragged, 1)),
+            "cases": rows}
 
 
 def markdown_table(result: dict) -> str:
+    """``run_cases``' result as a markdown table, a row per case with its verdicts against the
+    peers and the latency targets, under a line on the read floor and the planner's CPU time."""
     lines = [f"read floor: {result['read_gbps']:,.0f} GB/s (the fastest streaming read of "
              f"{len(PROBE_SHAPES)} launch shapes, probed before and after the cases); first-call compile "
              f"{result['first_call_compile_s']} s; planner (choose_plan) CPU time: ragged_b32 "

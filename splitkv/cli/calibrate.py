@@ -11,18 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
-
-import numpy as np
-
-from ..runtime import timing as runtime_timing
-
-QUICK_TIMING = {"trials": 3, "min_trial_ms": 10.0}
-
-# A few batches whose plans the summary shows (ANCHORS.md's standard cases).
-EXAMPLES = [("b1_n1k", [1024], 32, 8), ("b1_n32k", [32768], 32, 8),
-            ("b8_n8k", [8192] * 8, 32, 8), ("b128_n2k", [2048] * 128, 32, 8),
-            ("g8_b1_n32k", [32768], 64, 8)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,20 +51,6 @@ def _progress(i, n, point, us):
           f"   (prior {pred:9.2f})", flush=True)
 
 
-def example_lines(profile) -> list[str]:
-    from ..planner import choose_plan
-    from ..problem import DecodeProblem
-
-    out = []
-    for name, lens, hq, hk in EXAMPLES:
-        problem = DecodeProblem(np.array(lens), hq, hk, 128, 16)
-        plan = choose_plan(problem, profile)
-        s = plan.summary()
-        out.append(f"  {name:<12} {s['strategy']:<12} {s['num_splits']:>4} splits, "
-                   f"{s['num_work_items']:>5} work items, predicted {plan.predicted_us:8.2f} us")
-    return out
-
-
 def run(args) -> int:
     if args.device is not None:
         error = _select_device(args.device)
@@ -94,31 +68,17 @@ def run(args) -> int:
               "splitkv plans with its shipped profiles or a roofline prior.", file=sys.stderr)
         return 2
 
-    from ..planner.profiles import device_slug, prior_profile, user_profile_dir
-    from .fit import fit_profile
-    from .sweep import measure, sweep_points, write_measurements
+    from ..calibration.calibrate import calibrate, example_plans, save, sweep_for
 
     info = device_info()
-    prior = prior_profile(info["name"], info["num_sms"])
-    points = sweep_points(prior.cost_model(), args.quick, args.seed)
+    points = sweep_for(info, args.quick, args.seed)
     shapes = len({p.shape for p in points})
-    timing = dict(QUICK_TIMING) if args.quick else {}
-    if args.trials is not None:
-        timing["trials"] = args.trials
-    if args.min_trial_ms is not None:
-        timing["min_trial_ms"] = args.min_trial_ms
     print(f"calibrating {info['name']} ({info['num_sms']} SMs): {len(points)} plans of "
           f"{shapes} shapes ({'quick' if args.quick else 'full'} sweep)", flush=True)
-    measurements = measure(points, progress=_progress, seed=args.seed, **timing)
-    runtime_timing.release_cached_layers()
-
-    sweep = {"name": "quick" if args.quick else "full", "seed": args.seed,
-             "timing": timing or {"trials": runtime_timing.TRIALS,
-                                  "min_trial_ms": runtime_timing.MIN_TRIAL_MS}}
-    profile, report = fit_profile(measurements, info, seed=args.seed, sweep=sweep)
-    out = Path(args.out) if args.out else user_profile_dir() / f"{device_slug(info['name'])}.yaml"
-    profile.save(out)
-    csv_path = write_measurements(out.with_suffix(".csv"), measurements, profile.cost_model())
+    profile, report, measurements = calibrate(points, info, quick=args.quick, seed=args.seed,
+                                              trials=args.trials, min_trial_ms=args.min_trial_ms,
+                                              progress=_progress)
+    out, csv_path = save(profile, measurements, args.out)
 
     print()
     for line in report.lines():
@@ -131,11 +91,13 @@ def run(args) -> int:
     print("parameters: " + ", ".join(f"{k}={v:.3g}" for k, v in profile.coef.items()))
     print(f"best decode bandwidth measured: {profile.measured_bandwidth_gbps:,.0f} GB/s")
     print("plans it now chooses:")
-    for line in example_lines(profile):
-        print(line)
+    for name, plan in example_plans(profile):
+        s = plan.summary()
+        print(f"  {name:<12} {s['strategy']:<12} {s['num_splits']:>4} splits, "
+              f"{s['num_work_items']:>5} work items, predicted {plan.predicted_us:8.2f} us")
     print(f"profile written to {out} (measurements in {csv_path})")
     if args.plot:
-        from .plots import write_plots
+        from ..calibration.plots import write_plots
 
         for line in write_plots(out.parent, out.stem, measurements, profile, report):
             print(line)

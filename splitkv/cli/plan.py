@@ -53,9 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from ..planner import ProfileError, load_profile, rank_candidates
     from ..problem import DecodeProblem
-    from .planner import rank_candidates
-    from .profiles import ProfileError, load_profile
 
     lens = args.lens if args.lens is not None else [args.kv_len] * args.batch
     try:

@@ -1,6 +1,7 @@
-"""The ``splitkv`` command. Thin by design: each subcommand is a module with
-``add_arguments(parser)`` and ``run(args) -> int``, imported only when that subcommand runs, so
-``splitkv demo`` works on a machine without CuPy and one broken subcommand cannot break another.
+"""The ``splitkv`` command. Thin by design: each subcommand is a module of this package with
+``add_arguments(parser)`` and ``run(args) -> int`` that parses, calls the library and prints.
+A subcommand's module is imported only when that subcommand runs, so ``splitkv demo`` works on a
+machine without CuPy and one broken subcommand cannot break another.
 """
 
 from __future__ import annotations
@@ -9,14 +10,14 @@ import argparse
 import importlib
 import sys
 
-from ._version import __version__
+from .._version import __version__
 
 # name -> (module, one-line help)
 COMMANDS = {
-    "demo": ("splitkv.demo", "plan and run a few decode batches, check them against the reference"),
-    "plan": ("splitkv.planner.cli", "show the plan the planner chooses for a batch"),
-    "calibrate": ("splitkv.calibration.cli", "measure kernel latencies and fit the planner's cost model"),
-    "bench": ("splitkv.bench.cli", "time decode attention over a grid of batch shapes"),
+    "demo": ("splitkv.cli.demo", "plan and run a few decode batches, check them against the reference"),
+    "plan": ("splitkv.cli.plan", "show the plan the planner chooses for a batch"),
+    "calibrate": ("splitkv.cli.calibrate", "measure kernel latencies and fit the planner's cost model"),
+    "bench": ("splitkv.cli.bench", "time decode attention over a grid of batch shapes"),
 }
 
 
@@ -64,7 +65,3 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     return int(module.run(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

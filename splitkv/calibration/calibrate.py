@@ -1,0 +1,72 @@
+"""One calibration of a GPU, end to end: the sweep drawn under the device's roofline prior,
+timed through the runtime, the cost model fitted to it, and the profile written with its
+measurements. ``splitkv calibrate`` is this plus printing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..plan import Plan
+from ..planner import Profile, choose_plan
+from ..planner.profiles import device_slug, prior_profile, user_profile_dir
+from ..problem import DecodeProblem
+from ..runtime import timing as runtime_timing
+from .fit import FitReport, fit_profile
+from .sweep import Measurement, SweepPoint, measure, sweep_points, write_measurements
+
+QUICK_TIMING = {"trials": 3, "min_trial_ms": 10.0}
+
+# A few batches whose plans the summary shows (ANCHORS.md's standard cases).
+EXAMPLES = [("b1_n1k", [1024], 32, 8), ("b1_n32k", [32768], 32, 8),
+            ("b8_n8k", [8192] * 8, 32, 8), ("b128_n2k", [2048] * 128, 32, 8),
+            ("g8_b1_n32k", [32768], 64, 8)]
+
+
+def sweep_for(device: dict, quick: bool = False, seed: int = 0) -> list[SweepPoint]:
+    """The ``SweepPoint``s to time on ``device`` (``splitkv.runtime.device_info()``): the
+    candidates its roofline prior ranks."""
+    prior = prior_profile(device["name"], device["num_sms"])
+    return sweep_points(prior.cost_model(), quick, seed)
+
+
+def calibrate(points: list[SweepPoint], device: dict, *, quick: bool = False, seed: int = 0,
+              trials: int | None = None, min_trial_ms: float | None = None,
+              progress=None) -> tuple[Profile, FitReport, list[Measurement]]:
+    """Time ``points`` (from ``sweep_for``) and fit a profile for ``device``.
+
+    Trials default to ``QUICK_TIMING`` for a quick sweep and to the runtime's otherwise;
+    ``progress(i, n, point, us)`` is called after each point (``sweep.measure``). Returns
+    (profile, ``FitReport``, measurements).
+    """
+    timing = dict(QUICK_TIMING) if quick else {}
+    if trials is not None:
+        timing["trials"] = trials
+    if min_trial_ms is not None:
+        timing["min_trial_ms"] = min_trial_ms
+    measurements = measure(points, progress=progress, seed=seed, **timing)
+    runtime_timing.release_cached_layers()
+
+    sweep = {"name": "quick" if quick else "full", "seed": seed,
+             "timing": timing or {"trials": runtime_timing.TRIALS,
+                                  "min_trial_ms": runtime_timing.MIN_TRIAL_MS}}
+    profile, report = fit_profile(measurements, device, seed=seed, sweep=sweep)
+    return profile, report, measurements
+
+
+def save(profile: Profile, measurements: list[Measurement], path=None) -> tuple[Path, Path]:
+    """Write ``profile`` to ``path`` (default: the user cache, where ``load_profile`` finds it)
+    and the measurements, with the fitted model's predictions, to a CSV beside it. Returns
+    (profile path, CSV path)."""
+    path = Path(path) if path else user_profile_dir() / f"{device_slug(profile.device_name)}.yaml"
+    profile.save(path)
+    return path, write_measurements(path.with_suffix(".csv"), measurements, profile.cost_model())
+
+
+def example_plans(profile: Profile) -> list[tuple[str, Plan]]:
+    """(name, plan) for each of ``EXAMPLES``, as ``profile`` plans them (head_dim 128, page
+    size 16)."""
+    return [(name, choose_plan(DecodeProblem(np.array(lens), hq, hk, 128, 16), profile))
+            for name, lens, hq, hk in EXAMPLES]

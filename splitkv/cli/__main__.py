@@ -1,0 +1,7 @@
+"""python -m splitkv.cli: the same as `splitkv`."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

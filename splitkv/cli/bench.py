@@ -1,0 +1,61 @@
+"""`splitkv bench`: time the standard cases, compare with the read floor and the peers, and
+write the results (JSON + a markdown table) with the date, the GPU and the command.
+
+The harness is ``splitkv.bench.harness``; this parses, prints its progress and writes its result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from ..validation import STRATEGIES
+
+
+def _command_line() -> str:
+    """How this run was started, with the profile override that decided its plans."""
+    profile = os.environ.get("SPLITKV_PROFILE")
+    return (f"SPLITKV_PROFILE={profile} " if profile else "") + "splitkv bench " + " ".join(sys.argv[1:])
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--min-total-mib", type=int, default=1024,
+                        help="KV bytes the layers hold together (sets the number of layers, 2..64)")
+    parser.add_argument("--num-splits", type=int, default=None, help="force a split count")
+    parser.add_argument("--strategy", default=None, choices=STRATEGIES)
+    parser.add_argument("--no-peer", action="store_true", help="skip the PyTorch SDPA peer")
+    parser.add_argument("--json", default=None, help="write results to this JSON file")
+    parser.add_argument("--markdown", default=None, help="write a markdown table to this file")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _log(line: str) -> None:
+    print(line, flush=True)
+
+
+def run(args) -> int:
+    from ..runtime import gpu_available
+
+    ok, why = gpu_available()
+    if not ok:
+        print(f"splitkv bench: needs a GPU ({why})", file=sys.stderr)
+        return 2
+    from ..bench.cases import select
+    from ..bench.harness import markdown_table, run_cases
+
+    result = run_cases(select(args.cases), dtype=args.dtype, min_total_mib=args.min_total_mib,
+                       num_splits=args.num_splits, strategy=args.strategy, peer=not args.no_peer,
+                       seed=args.seed, command=_command_line(), log=_log)
+    table = markdown_table(result)
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(f"# splitkv bench on {result['device']}, {result['date']}\n\n"
+                    f"Command: `{result['command']}`\n\n{table}\n")
+    return 0

@@ -1,5 +1,5 @@
 """A/B: the same plans launched plainly and with programmatic dependent launch (PDL, the next
-kernel allowed to launch early or late: wrapper.PDL_TRIGGERS), interleaved
+kernel allowed to launch early or late: experiments.PDL_TRIGGERS), interleaved
 in one process, timed like the bench (a graph of one call per layer over >= 1 GiB of KV). Also
 checks that both give the same output bits.
 
@@ -15,6 +15,7 @@ from splitkv.bench.cases import STANDARD_CASES, Case, select
 from splitkv.planner import choose_plan, load_profile
 from splitkv.problem import DecodeProblem
 from splitkv.runtime import device_info
+from splitkv.runtime.experiments import DecodeExperiments
 from splitkv.runtime.testing import scattered_page_table
 from splitkv.runtime.timing import make_layers, time_wrapper_us
 from splitkv.runtime.wrapper import BatchDecodeWrapper
@@ -65,11 +66,14 @@ for case in cases(args.cases):
         outs = {}
         for _ in range(args.rounds):
             for mode in MODES:
+                experiments = DecodeExperiments()
+                if mode:
+                    trigger, _, spread = mode.partition("_")
+                    experiments = DecodeExperiments(
+                        pdl_trigger=trigger, pdl_spread=None if not spread else spread == "spread")
                 w = BatchDecodeWrapper(case.num_qo_heads, case.num_kv_heads, case.head_dim,
                                        case.page_size, "bfloat16", profile=profile,
-                                       pdl=mode if not mode else mode.split("_")[0])
-                if mode and "_" in mode:
-                    w.pdl_spread = mode.endswith("_spread")
+                                       pdl=bool(mode), experiments=experiments)
                 w.plan(pt, plan=plan)
                 us[mode].append(time_wrapper_us(w, data, trials=5, min_trial_ms=10.0))
                 outs[mode] = w.run(data.q, data.k_layers[0], data.v_layers[0]).get().view(np.uint16)

@@ -23,33 +23,36 @@ The patched kernels compute wrong answers on purpose; only their times mean anyt
 import argparse
 import contextlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from splitkv import BatchDecodeWrapper
 from splitkv.bench.cases import select
+from splitkv.geometry import THREADS_PER_CTA
 from splitkv.plan import plan_chunk_tokens
 from splitkv.problem import DecodeProblem
-from splitkv import geometry
+from splitkv import execution
 from splitkv.runtime import kernel_source
+from splitkv.runtime.launch import KernelLaunch
+from splitkv.runtime.modules import get_decode_kernels
 from splitkv.runtime.kernel_source import DecodeVariant
 from splitkv.runtime.testing import scattered_page_table
 from splitkv.runtime.timing import make_layers, time_wrapper_us
 
-_COPIES = ("cp_async16(k_smem_u32 + dst, k_cache + off, valid ? 16 : 0);\n"
-           "      cp_async16(v_smem_u32 + dst, v_cache + off, valid ? 16 : 0);")
-_NO_COPIES = ("cp_async16(k_smem_u32 + dst, k_cache + off, 0);\n"
-              "      cp_async16(v_smem_u32 + dst, v_cache + off, 0);")
-_MERGE = "  if (direct || !fused) return;"
+_COPIES = ("cp_async16(k_smem_u32 + dst, params.k_cache + off, valid ? 16 : 0);\n"
+           "      cp_async16(v_smem_u32 + dst, params.v_cache + off, valid ? 16 : 0);")
+_NO_COPIES = ("cp_async16(k_smem_u32 + dst, params.k_cache + off, 0);\n"
+              "      cp_async16(v_smem_u32 + dst, params.v_cache + off, 0);")
+_MERGE = "  if (params.ticket_merge)\n"
 _PAGES = "? table[pidx] : -1"
 _SMEM = "extern __shared__ __align__(128) unsigned char smem[];"
 PATCHES = {
     "base": [],
-    "no_merge": [(_MERGE, "  return;")],
+    "no_merge": [(_MERGE, "  if (false)\n")],
     "no_pages": [(_PAGES, "? pidx : -1")],
     "no_kv": [(_COPIES, _NO_COPIES)],
-    "bare": [(_COPIES, _NO_COPIES), (_MERGE, "  return;")],
+    "bare": [(_COPIES, _NO_COPIES), (_MERGE, "  if (false)\n")],
     "empty": [(_SMEM, _SMEM + "\n  if (blockDim.x > 0) return;")],
 }
 # The plans to dissect per case: (strategy, chunk tokens).
@@ -79,15 +82,15 @@ def cluster_rule(probe):
     if probe == "cluster":
         yield
         return
-    saved = (geometry.CLUSTER_SIZES, geometry.CLUSTER_MAX_CHUNK_TOKENS,
-             geometry.CLUSTER_MAX_WIDE_CTAS, kernel_source.CLUSTER_SIZES)
-    geometry.CLUSTER_SIZES = kernel_source.CLUSTER_SIZES = (2, 4, 8, 16)
-    geometry.CLUSTER_MAX_CHUNK_TOKENS = geometry.CLUSTER_MAX_WIDE_CTAS = 1 << 30
+    saved = (execution.CLUSTER_SIZES, execution.CLUSTER_MAX_CHUNK_TOKENS,
+             execution.CLUSTER_MAX_WIDE_CTAS, kernel_source.CLUSTER_SIZES)
+    execution.CLUSTER_SIZES = kernel_source.CLUSTER_SIZES = (2, 4, 8, 16)
+    execution.CLUSTER_MAX_CHUNK_TOKENS = execution.CLUSTER_MAX_WIDE_CTAS = 1 << 30
     try:
         yield
     finally:
-        (geometry.CLUSTER_SIZES, geometry.CLUSTER_MAX_CHUNK_TOKENS,
-         geometry.CLUSTER_MAX_WIDE_CTAS, kernel_source.CLUSTER_SIZES) = saved
+        (execution.CLUSTER_SIZES, execution.CLUSTER_MAX_CHUNK_TOKENS,
+         execution.CLUSTER_MAX_WIDE_CTAS, kernel_source.CLUSTER_SIZES) = saved
 
 
 def opt_in(kernel, spread: bool) -> None:
@@ -136,16 +139,18 @@ def main():
                                        prob.page_size, prob.dtype, use_clusters=clusters,
                                        pdl=False)   # the probes patch plain launches
                 v = w.variant
-                w.variant = ProbeVariant(v.dtype, v.head_dim, v.head_tiles, v.stages,
+                w.variant = ProbeVariant(v.dtype, v.head_dim, v.row_tiles, v.stages,
                                          v.max_registers, probe=probe if clusters is False else "base")
                 with cluster_rule(probe):
                     w.plan(pt, plan=plan)
+                kernel = get_decode_kernels(replace(w.variant, cluster=w.cluster_size)).partial
                 if w.cluster_size:      # the kernel object is shared: set both every time
-                    opt_in(w._kernels.partial, spread=probe == "cluster_spread")
-                if probe == "cluster_1sm":
-                    w._kernels.partial.max_dynamic_shared_size_bytes = ONE_PER_SM_BYTES
-                    grid, block, _ = w._partial_launch
-                    w._partial_launch = (grid, block, ONE_PER_SM_BYTES)
+                    opt_in(kernel, spread=probe == "cluster_spread")
+                if probe == "cluster_1sm":    # (probes may change what the wrapper never does)
+                    kernel.max_dynamic_shared_size_bytes = ONE_PER_SM_BYTES
+                    launch = w._launch.partial
+                    w._launch.partial = KernelLaunch(kernel, launch.grid, THREADS_PER_CTA,
+                                                     ONE_PER_SM_BYTES)
                 times[probe] = time_wrapper_us(w, data, trials=5, min_trial_ms=10.0)
                 sizes[probe] = w.cluster_size
             rows.append({"case": case.name, "strategy": plan.strategy, "chunk_tokens": chunk,

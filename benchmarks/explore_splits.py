@@ -13,6 +13,7 @@ from splitkv.bench.bandwidth import read_bandwidth_gbps
 from splitkv.bench.cases import select
 from splitkv.plan import plan_chunk_tokens
 from splitkv.problem import DecodeProblem
+from splitkv.runtime.experiments import DecodeExperiments
 from splitkv.runtime.testing import scattered_page_table
 from splitkv.runtime.timing import make_layers, time_plan_us
 
@@ -54,7 +55,7 @@ for case in select(args.cases):
                 continue
             seen.add(key)
             us = time_plan_us(plan, pt, data=data, trials=args.trials, min_trial_ms=args.min_trial_ms,
-                              stages=stages or None, max_registers=regs)
+                              experiments=DecodeExperiments(stages=stages or None, max_registers=regs))
             results.append({"case": case.name, "stages": config, "chunk_tokens": chunk,
                             "strategy": plan.strategy, "num_splits": plan.num_splits,
                             "num_chunks": plan.num_chunks, "us": us,

@@ -5,10 +5,8 @@ them to NVRTC)."""
 WARPS_PER_CTA = 4                   # NUM_WARPS (8 warps x 128-token tiles measured slower)
 TILE_TOKENS = 16 * WARPS_PER_CTA    # tokens per pipeline stage (TILE_N)
 THREADS_PER_CTA = 32 * WARPS_PER_CTA
-MAX_HEADS_PER_CTA = 64              # query heads one CTA computes (16 x the largest HEAD_TILES)
-RECORD_PAGES = 24                   # page ids carried in each chunk's record (decode.cu)
-RECORD_HEADER_INTS = 8              # a chunk record: two int4 of header, then the page ids
-RECORD_INTS = RECORD_HEADER_INTS + RECORD_PAGES
+MAX_HEADS_PER_CTA = 64              # query heads one CTA computes (16 x the largest ROW_TILES)
+RECORD_PAGES = 24                   # page ids carried in each chunk record (ChunkRecord)
 
 
 def ctas_per_kv_head(group_size: int) -> int:

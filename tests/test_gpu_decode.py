@@ -11,6 +11,7 @@ from splitkv.execution import grid_order
 from splitkv.plan import plan_chunk_tokens, plan_from_chunk_counts
 from splitkv.problem import DecodeProblem
 from splitkv.reference import to_float64
+from splitkv.runtime.experiments import DecodeExperiments
 from splitkv.runtime.testing import random_device_array, scattered_page_table
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
@@ -200,7 +201,7 @@ def test_first_pages_from_the_record_or_the_table(page, align):
         assert rel_err(o, ref_o) < TOL["bfloat16"], f"{plan}"
         # 3 tiles of 64 tokens span at most 24 pages of >= 8 tokens; 64-aligned chunks start
         # on a page boundary
-        assert w._pages_in_record == (align == 64 and page >= 8)
+        assert w.pages_in_record == (align == 64 and page >= 8)
 
 
 def test_extreme_logits_no_nan():
@@ -278,17 +279,71 @@ def test_pdl_chain_reads_the_previous_output(strategy, splits):
         return [b.get() for b in bufs[1:]]
 
     results = {}
-    for pdl in (False, True, "early"):
+    for mode in (False, "late", "early"):
         stream = cupy.cuda.Stream(non_blocking=True)
-        w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", pdl=pdl)
+        w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", pdl=bool(mode),
+                               experiments=DecodeExperiments(pdl_trigger=mode or "late"))
         w.plan(pt, num_splits=splits, strategy=strategy, stream=stream)
-        assert (w._pdl_partial is not None) == (pdl is not False)
+        assert w.pdl_active == bool(mode)
         assert w.cluster_size == (2 if (strategy, splits) == ("fused", 2) else 0)
-        results[pdl] = (chain(w, stream, graph=False), chain(w, stream, graph=True))
-    for mode in (True, "early"):
+        results[mode] = (chain(w, stream, graph=False), chain(w, stream, graph=True))
+    for mode in ("late", "early"):
         for plain, fast in zip(results[False], results[mode]):
             for a, b in zip(plain, fast):
                 np.testing.assert_array_equal(a, b)
+
+
+def test_experiment_knobs_and_spread_share_no_kernel_state():
+    """DecodeExperiments (pipeline depth, register cap, PDL trigger and spreading) change how the
+    kernel runs, not its answer; planning never changes an attribute of the kernel every
+    wrapper shares (the shared-memory opt-in covers the spread size from the load on)."""
+    from splitkv.runtime.modules import get_decode_kernels
+
+    rng = np.random.default_rng(17)
+    pt, q, k, v = make_case(rng, [900, 3000], 32, 8, 128, 16, "bfloat16")
+    ref_o, _ = reference_decode(q.get(), k.get(), v.get(), pt)
+    base = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16")
+    kernels = get_decode_kernels(base.variant)
+    opt_in = kernels.partial.max_dynamic_shared_size_bytes
+    assert opt_in >= kernels.one_per_sm_shared_bytes >= kernels.variant.shared_bytes
+    _, o_base, _ = run_checked(base, pt, q, k, v, "bfloat16", num_splits=4, strategy="fused")
+    for experiments in (DecodeExperiments(pdl_spread=True), DecodeExperiments(pdl_spread=False),
+                        DecodeExperiments(pdl_trigger="early", pdl_spread=True),
+                        DecodeExperiments(stages=2, max_registers=168)):
+        w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", experiments=experiments)
+        _, o, _ = run_checked(w, pt, q, k, v, "bfloat16", num_splits=4, strategy="fused")
+        assert rel_err(o, ref_o) < TOL["bfloat16"], f"{experiments}"
+        if experiments.stages is None:
+            np.testing.assert_array_equal(o, o_base)     # same kernel, other launches
+    assert kernels.partial.max_dynamic_shared_size_bytes == opt_in
+
+
+def test_run_from_a_thread_that_never_touched_cuda():
+    """The launches make the plan's driver context current where the calling thread has none
+    (the driver launches in the current context)."""
+    import threading
+
+    rng = np.random.default_rng(19)
+    pt, q, k, v = make_case(rng, [700, 40], 16, 4, 64, 16, "float16")
+    w = BatchDecodeWrapper(16, 4, 64, 16, "float16")
+    w.plan(pt, num_splits=3, strategy="split_merge")
+    expect = w.run(q, k, v)
+    cupy.cuda.runtime.deviceSynchronize()
+    out = cupy.empty_like(expect)
+    errors = []
+
+    def worker():
+        try:
+            w.run(q, k, v, out=out)
+        except Exception as exc:      # reported below, in the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    cupy.cuda.runtime.deviceSynchronize()
+    np.testing.assert_array_equal(out.get(), expect.get())
 
 
 def test_torch_tensors_zero_copy():

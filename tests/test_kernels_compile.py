@@ -1,5 +1,8 @@
 """Every kernel variant compiles through NVRTC for sm_80 and sm_90, with no GPU needed; the
-register and spill report of each is printed, and the main variants must not spill."""
+register and spill report of each is printed, and the main variants must not spill. The kernels'
+argument structs are laid out as runtime/kernel_abi.py writes them (every compile checks sizes
+and kinds; the offsets are read from a probe kernel's PTX), and the launch structs as cuda.h
+has them."""
 
 from __future__ import annotations
 
@@ -11,7 +14,9 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
                             reason="CuPy with NVRTC not installed (pip install -e '.[nvrtc]')")
 
 from splitkv.bench.bandwidth import PROBE_SHAPES, read_kernel_source  # noqa: E402
-from splitkv.runtime.kernel_source import DecodeVariant, all_variants, compile_cubin  # noqa: E402
+from splitkv.runtime import kernel_abi  # noqa: E402
+from splitkv.runtime.kernel_source import (DecodeVariant, all_variants, compile_cubin,  # noqa: E402
+                                           read_source)
 
 # The cluster-merge variants build for sm_90 only; a sample covers every cluster size, dtype,
 # head dim and row-tile count.
@@ -67,3 +72,78 @@ def test_read_probe_compiles(loads):
     """The bench's streaming-read probe (the floor the kernel is judged against) builds."""
     cubin, _ = compile_cubin(read_kernel_source(loads), "sm_90", f"stream_read_{loads}.cu")
     assert cubin[:4] == b"\x7fELF"
+
+
+def _ptx(source: str, name: str) -> str:
+    prog = nvrtc.createProgram(source, name, [], [])
+    try:
+        nvrtc.compileProgram(prog, ["--std=c++17", "-default-device", "-arch=compute_90"])
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    return (ptx.decode() if isinstance(ptx, bytes) else ptx).rstrip("\x00")
+
+
+def _params_source(defines: dict) -> str:
+    return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + read_source("decode_params.cuh")
+
+
+@pytest.mark.nvrtc
+def test_every_field_of_the_kernel_structs_sits_where_the_mirror_writes_it():
+    """kernel_abi.offset_probe stores each field's offset; NVVM folds them to constants, so the
+    PTX says where decode_params.cuh puts every field."""
+    ptx = _ptx(_params_source(DecodeVariant("bfloat16", 128, 1).defines) + kernel_abi.offset_probe(),
+               "abi_offsets.cu")
+    values = dict(re.findall(r"mov\.u64\s+(%rd\d+), (\d+);", ptx))
+    stored = {}
+    for slot, reg in re.findall(r"st\.volatile\.global\.u64\s+\[%rd\d+(?:\+(\d+))?\], (%rd\d+);", ptx):
+        stored[int(slot or 0) // 8] = int(values[reg])
+    fields = kernel_abi.fields()
+    assert [stored[i] for i in range(len(fields))] == [f[2] for f in fields]
+    assert {"DecodeParams", "ChunkRecord"} == {f[0] for f in fields}
+
+
+@pytest.mark.nvrtc
+def test_a_mirror_that_differs_does_not_compile(monkeypatch):
+    """The layout checks every variant's source carries fail on a field of the wrong size or
+    kind, or one the kernel does not have."""
+    base = _params_source(DecodeVariant("float16", 64, 1).defines)
+    _ptx(base + kernel_abi.layout_checks(), "checks.cu")          # the real mirror compiles
+    real = kernel_abi.fields()
+    wrong = [
+        [(s, m, o, 4 if m == "page_stride" else n, k) for s, m, o, n, k in real],   # size
+        [(s, m, o, n, 4 if m == "page_size" else k) for s, m, o, n, k in real],     # kind
+        real + [("DecodeParams", "no_such_field", 0, 4, 3)],                          # name
+    ]
+    for fields in wrong:
+        monkeypatch.setattr(kernel_abi, "fields", lambda fields=fields: fields)
+        with pytest.raises(Exception):
+            _ptx(base + kernel_abi.layout_checks(), "checks.cu")
+
+
+def test_launch_structs_match_cuda_h():
+    """runtime/launch.py's ctypes mirrors of CUlaunchAttribute (its value union with the PDL
+    flag and clusterDim {x, y, z}) and CUlaunchConfig (cuda.h, 64-bit): the driver reads them
+    by offset, so a wrong layout would launch garbage."""
+    import ctypes
+
+    from splitkv.runtime import launch
+
+    assert ctypes.sizeof(launch._LaunchAttribute) == 72          # id, 4 pad bytes, 64-byte union
+    assert launch._LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(launch._LaunchAttributeValue) == 64
+    assert launch._LaunchAttributeValue.programmatic_stream_serialization_allowed.offset == 0
+    assert launch._LaunchAttributeValue.cluster_dim.offset == 0
+    assert launch._LaunchAttributeValue.cluster_dim.size == 12   # three unsigned ints
+    assert [getattr(launch._LaunchConfig, f).offset for f in
+            ("grid", "block", "shared_bytes", "stream", "attrs", "num_attrs")] == [0, 12, 24, 32, 40, 48]
+    assert ctypes.sizeof(launch._LaunchConfig) == 56
+    # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert (launch._CLUSTER_DIMENSION, launch._PROGRAMMATIC_STREAM_SERIALIZATION) == (4, 6)
+
+
+def test_decode_params_fill_by_name():
+    """The host fills DecodeParams by field name; every name the kernel reads is there."""
+    params = kernel_abi.DecodeParams(q=1 << 40, page_stride=-3, sm_scale_log2=0.5, lse=0)
+    assert (params.q, params.page_stride, params.sm_scale_log2, params.lse) == (1 << 40, -3, 0.5, None)
+    assert kernel_abi.CHUNK_RECORD.itemsize == kernel_abi.SIZES["ChunkRecord"] == 128

@@ -211,14 +211,13 @@ def test_chunk_records_carry_each_chunks_first_pages():
     assert np.any(unaligned.chunk_start % 16) and not pages_fit_record(unaligned, 16, stages=3)
 
 
-
 def test_chunk_records_in_launch_order_name_their_plan_chunk():
     """Record r holds chunk order[r] whole (request, tokens, page-table start, the request's
     chunk range, its first pages) and that chunk's plan index, where its partials go."""
     from splitkv.execution import launch_order
-    from splitkv.geometry import RECORD_HEADER_INTS
     from splitkv.plan import plan_chunk_tokens
     from splitkv.problem import DecodeProblem, PageTable
+    from splitkv.runtime.kernel_abi import CHUNK_RECORD
     from splitkv.runtime.wrapper import chunk_records, first_pages
 
     lens = [300, 0, 2000, 64]
@@ -232,16 +231,20 @@ def test_chunk_records_in_launch_order_name_their_plan_chunk():
     order = launch_order(plan.chunk_request, plan.chunk_end - plan.chunk_start, lens)
     assert not np.array_equal(order, np.arange(plan.num_chunks))        # it does reorder
     records = chunk_records(plan, table, order, 4)
+    assert records.dtype == CHUNK_RECORD and records.shape == (plan.num_chunks,)
     natural = chunk_records(plan, table, np.arange(plan.num_chunks), 4)
     np.testing.assert_array_equal(records, natural[order])               # rows move whole
-    np.testing.assert_array_equal(records[:, 6], order)
+    np.testing.assert_array_equal(records["plan_index"], order)
     for r, c in enumerate(order):
         b = plan.chunk_request[c]
-        assert list(records[r, :6]) == [b, plan.chunk_start[c], plan.chunk_end[c],
-                                        table.kv_indptr[b], plan.merge_indptr[b],
-                                        plan.merge_indptr[b + 1]]
+        rec = records[r]
+        assert (rec["request"], rec["token_begin"], rec["token_end"], rec["page_table_begin"],
+                rec["chunk_begin"], rec["chunk_end"]) == (
+            b, plan.chunk_start[c], plan.chunk_end[c], table.kv_indptr[b], plan.merge_indptr[b],
+            plan.merge_indptr[b + 1])
     np.testing.assert_array_equal(
-        records[:, RECORD_HEADER_INTS:RECORD_HEADER_INTS + 4],
+        records["first_pages"][:, :4],
         first_pages(table, plan.chunk_request[order], plan.chunk_start[order], 4))
-    assert not records[:, RECORD_HEADER_INTS + 4:].any()                  # only what was asked
-    assert not chunk_records(plan, table, order, 0)[:, RECORD_HEADER_INTS:].any()
+    assert not records["first_pages"][:, 4:].any()                         # only what was asked
+    assert not chunk_records(plan, table, order, 0)["first_pages"].any()
+    assert not records["unused"].any()

@@ -227,54 +227,27 @@ def test_hand_built_plan_refuses_device_arrays(problem, fake):
         Plan(problem, "single", [0, 1, 2], fake(np.array([0, 0, 0])), [40, 0, 9], [0, 1, 2, 3])
 
 
-def test_wrapper_pdl_argument_is_checked():
-    from splitkv.runtime.wrapper import PDL_TRIGGERS, BatchDecodeWrapper
+def test_wrapper_options_are_checked():
+    from splitkv.runtime.experiments import PDL_TRIGGERS, DecodeExperiments
+    from splitkv.runtime.wrapper import BatchDecodeWrapper
 
-    with pytest.raises(ValueError, match="pdl"):
-        BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", pdl="sometimes")
-    for value in (None, True, False, *PDL_TRIGGERS):
-        assert BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", pdl=value).pdl == value
-
-
-def test_pdl_kernel_arguments_are_plain_numbers():
-    """PdlLaunch writes each argument into a ctypes slot: NumPy scalars become ints or floats
-    (a float32 scale stays a float), and the slots' kinds match the kernels' signatures."""
-    from splitkv.runtime.wrapper import MERGE_PARAMS, PARTIAL_PARAMS, _plain
-
-    args = _plain((np.int32(7), np.float32(0.5), np.uint64(2**40), 3))
-    assert args == (7, 0.5, 2**40, 3)
-    assert [type(a) for a in args] == [int, float, int, int]
-    assert kernel_parameter_kinds("decode_partial") == PARTIAL_PARAMS
-    assert kernel_parameter_kinds("merge_partials") == MERGE_PARAMS
-
-
-def kernel_parameter_kinds(name: str) -> tuple:
-    """The parameter kinds of a kernel in decode.cu, read from its signature."""
-    import re
-
-    from splitkv.runtime.kernel_source import read_source
-
-    params = re.search(name + r"\(([^)]*)\)\s*\{", read_source("decode.cu")).group(1)
-    kinds = []
-    for param in params.split(","):
-        declaration = param.rsplit(None, 1)[0]      # drop the parameter's name
-        kinds.append("pointer" if "*" in declaration else "int64" if "long long" in declaration
-                     else "float32" if declaration.strip() == "float" else "int32")
-    return tuple(kinds)
-
-
-def test_pdl_launch_structs_match_cuda_h():
-    """runtime/launch.py's ctypes mirrors of CUlaunchAttribute and CUlaunchConfig (cuda.h,
-    64-bit): the driver reads them by offset, so a wrong layout would launch garbage."""
-    import ctypes
-
-    from splitkv.runtime.launch import _LaunchAttribute, _LaunchConfig
-
-    assert ctypes.sizeof(_LaunchAttribute) == 72            # id, 4 pad bytes, 64-byte union
-    assert _LaunchAttribute.value.offset == 8
-    assert [getattr(_LaunchConfig, f).offset for f in
-            ("grid", "block", "shared_bytes", "stream", "attrs", "num_attrs")] == [0, 12, 24, 32, 40, 48]
-    assert ctypes.sizeof(_LaunchConfig) == 56
-    from splitkv.runtime.launch import _PROGRAMMATIC_STREAM_SERIALIZATION
-
-    assert _PROGRAMMATIC_STREAM_SERIALIZATION == 6     # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    for option in ("pdl", "use_clusters"):
+        for bad in ("sometimes", "early", 1):
+            with pytest.raises(TypeError, match=option):
+                BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", **{option: bad})
+        for value in (None, True, False):
+            w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", **{option: value})
+            assert getattr(w, option) is value
+    with pytest.raises(TypeError, match="experiments"):
+        BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", experiments={"stages": 2})
+    for trigger in PDL_TRIGGERS:
+        assert DecodeExperiments(pdl_trigger=trigger).pdl_trigger == trigger
+    for bad, error, name in (({"pdl_trigger": "sometimes"}, ValueError, "pdl_trigger"),
+                             ({"stages": 1}, ValueError, "stages"),
+                             ({"max_registers": -1}, ValueError, "max_registers"),
+                             ({"pdl_spread": "yes"}, TypeError, "pdl_spread")):
+        with pytest.raises(error, match=name):
+            DecodeExperiments(**bad)
+    w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16",
+                           experiments=DecodeExperiments(stages=2, max_registers=168))
+    assert (w.variant.stages, w.variant.max_registers) == (2, 168)

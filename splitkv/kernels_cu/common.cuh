@@ -62,19 +62,25 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32& r0, u32& r1, u32& r2, u32
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
 }
 
-// c (16x8, fp32) += a (16x16, row-major) * b (16x8, column-major), tensor cores.
-__device__ __forceinline__ void mma_16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
+// c (16x8, fp32) += a (16x16, row-major) * b (16x8, column-major), tensor cores. This lane's
+// accumulators of c: two of row g (lane / 4) in `row_g`, two of row g + 8 in `row_g8`.
+__device__ __forceinline__ void mma_16816(float* row_g, float* row_g8, const u32 a[4], u32 b0,
+                                          u32 b1) {
 #if SPLITKV_BF16
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
                "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "+f"(row_g[0]), "+f"(row_g[1]), "+f"(row_g8[0]), "+f"(row_g8[1])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #else
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
                "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "+f"(row_g[0]), "+f"(row_g[1]), "+f"(row_g8[0]), "+f"(row_g8[1])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
+}
+// The same with c as one fragment: c[0], c[1] of row g, c[2], c[3] of row g + 8.
+__device__ __forceinline__ void mma_16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
+  mma_16816(c, c + 2, a, b0, b1);
 }
 
 // Loads that go to L2, never to a possibly stale L1 line: used for data other CTAs wrote

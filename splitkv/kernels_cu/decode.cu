@@ -1,33 +1,36 @@
-// Split-KV decode attention over a paged KV cache: the partial kernel, the fused variant, and
-// the merge kernel.
+// Split-KV decode attention over a paged KV cache: the partial kernel (with its fused and
+// cluster merges) and the merge kernel. Both take one DecodeParams (decode_params.cuh).
 //
-// decode_partial: one CTA per work item (chunk, kv head, head tile), flat grid, heads fastest. It
-// streams the chunk's tokens of K and V for that kv head through shared memory (cp.async, STAGES
-// tiles of 64 tokens in flight, page-table lookups per token) and computes attention for all
-// query heads of the GQA group at once on tensor cores: S = Q K^T and O += P V with mma.m16n8k16,
-// query heads packed into the 16 MMA rows (HEAD_TILES row tiles of 16), so every K/V byte is read
-// once per group. It writes either the final output (request not split) or an fp32 partial state
-// (partial_o, partial_lse). With `fused`, the last CTA of a (request, kv head, head tile) to
-// finish then merges all partials of that output itself.
+// decode_partial: one CTA per work item (chunk, kv head, one of the kv head's ctas_per_kv_head
+// CTAs), flat grid, heads fastest. It streams the chunk's tokens of K and V for that kv head
+// through shared memory (cp.async, STAGES tiles of 64 tokens in flight, page-table lookups per
+// token) and computes attention for up to ROWS query heads of the GQA group at once on tensor
+// cores: S = Q K^T and O += P V with mma.m16n8k16, query heads packed into the 16 MMA rows
+// (ROW_TILES row tiles of 16), so every K/V byte is read once per group. It ends in one of four
+// epilogues: a request in one chunk writes its output (write_output); a split request writes an
+// fp32 partial state to the workspace (write_partial), and with `ticket_merge` the last CTA of a
+// (request, kv head, CTA) to finish then merges all partials of that output itself
+// (ticket_merge).
 //
 // With CLUSTER = S > 1 (sm_90+; every request cut into exactly S chunks), the S CTAs of one
-// (request, kv head, head tile) form a thread-block cluster: each leaves its partial state in
-// its own shared memory, and after a cluster barrier they merge them by reading each other's
-// shared memory. No workspace, no fence, no atomic ticket: the fused merge's round trips to L2
-// are what short batch-1 calls spend most of their time on.
+// (request, kv head, CTA) form a thread-block cluster: each leaves its partial state in its own
+// shared memory, and after a cluster barrier they merge them by reading each other's shared
+// memory (cluster_merge). No workspace, no fence, no atomic ticket: the fused merge's round trips
+// to L2 are what short batch-1 calls spend most of their time on.
 //
 // merge_partials: one thread per (request, qo head, 4 dims) of a split request; merges its
 // partials.
 //
-// Compile-time parameters: SPLITKV_BF16, HEAD_DIM, HEAD_TILES (1, 2, 4), STAGES, NUM_WARPS,
+// Compile-time parameters: SPLITKV_BF16, HEAD_DIM, ROW_TILES (1, 2, 4), STAGES, NUM_WARPS,
 // MAX_REGISTERS, CLUSTER, RECORD_PAGES.
+#include "decode_params.cuh"
 #include "softmax_state.cuh"
 
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
 #endif
-#ifndef HEAD_TILES
-#error "HEAD_TILES must be defined"
+#ifndef ROW_TILES
+#error "ROW_TILES must be defined"
 #endif
 #ifndef STAGES
 #error "STAGES must be defined"
@@ -38,20 +41,25 @@
 #endif
 #define TILE_N (16 * NUM_WARPS)                // tokens per pipeline stage
 #define NUM_THREADS (NUM_WARPS * 32)
-#define WARPS_N (NUM_WARPS / HEAD_TILES)       // warps sharing one row tile split the tokens
+#define WARPS_N (NUM_WARPS / ROW_TILES)        // warps sharing one row tile split the tokens
 #define TOK_PER_WARP (TILE_N / WARPS_N)
 #define SUBTILES (TOK_PER_WARP / 16)
-#define GROUP_THREADS (32 * HEAD_TILES)        // the warps that read the same tokens
-#define ROWS (16 * HEAD_TILES)                 // query heads per CTA
+#define GROUP_THREADS (32 * ROW_TILES)         // the warps that read the same tokens
+#define ROWS (16 * ROW_TILES)                  // query heads per CTA
 #define DCHUNKS (HEAD_DIM / 8)                 // 16-byte chunks per row
 #define KSTEPS (HEAD_DIM / 16)
 #define DTILES (HEAD_DIM / 8)
 #define PIPELINE_BYTES (STAGES * TILE_N * HEAD_DIM * 2 * 2)   // K and V tiles of every stage
-#ifndef RECORD_PAGES
-#error "RECORD_PAGES must be defined"
-#endif
-#define RECORD_INT4 (2 + RECORD_PAGES / 4)     // a chunk record: header, then the page ids
-static_assert(RECORD_PAGES % 4 == 0 && RECORD_PAGES / 4 <= NUM_THREADS, "record copy");
+static_assert(RECORD_PAGES / 4 <= NUM_THREADS, "record copy: one 16-byte copy per thread");
+
+// Partials merged per pass of merge_workspace: each pass issues all its loads before using any,
+// so merging up to this many partials costs one round trip to L2, not one per partial.
+#define MERGE_BATCH 16
+
+// A lane's share of one row's O accumulator fragments (dims i * 8 + 2t, +1 for every d-tile i),
+// and four dims of a row, the unit every epilogue and merge works in.
+using RowState = SoftmaxState<2 * DTILES>;
+using SlotState = SoftmaxState<4>;
 
 // Shared-memory tile rows are HEAD_DIM halves; chunk c of row r lives at chunk c ^ (r & 7), so
 // the 8 rows one ldmatrix reads fall in 8 different bank groups.
@@ -71,6 +79,7 @@ __device__ __forceinline__ u32 tile_offset_bytes(int row, int chunk) {
 #endif
 
 // CLUSTER > 1: the CTAs of one output are a cluster of that size (see above); 0 or 1: no cluster.
+// The size is the kernel's own (compile time), so the driver refuses any other launch of it.
 #ifndef CLUSTER
 #define CLUSTER 0
 #endif
@@ -83,24 +92,177 @@ __device__ __forceinline__ u32 tile_offset_bytes(int row, int chunk) {
 #define PARTIAL_CLUSTER
 #endif
 
+// Writes the output (and lse) of a merged state: four dims at `dim` of output row `row`
+// (request x num_qo_heads + qo head).
+__device__ __forceinline__ void write_output_slot(const DecodeParams& p, i64 row, int dim,
+                                                  const SlotState& state) {
+  const float4 o = state.output();
+  store4(p.out + row * HEAD_DIM + dim, o.x, o.y, o.z, o.w);
+  if (p.lse != nullptr && dim == 0) p.lse[row] = state.lse2() * SPLITKV_LN2;
+}
+
+// The workspace's partials lo..hi-1 of qo head `head`, four dims at `dim`, merged in that order
+// (ld.cg: other CTAs of this launch may have written them).
+__device__ __forceinline__ SlotState merge_workspace(const DecodeParams& p, int lo, int hi,
+                                                     int head, int dim) {
+  SlotState merged = SlotState::empty();
+  for (int c0 = lo; c0 < hi; c0 += MERGE_BATCH) {
+    float lse2[MERGE_BATCH];
+    float4 o[MERGE_BATCH];
+#pragma unroll
+    for (int j = 0; j < MERGE_BATCH; ++j) {
+      const i64 row = (i64)(c0 + j) * p.num_qo_heads + head;
+      const bool valid = c0 + j < hi;
+      lse2[j] = valid ? ld_cg(p.partial_lse + row) : SPLITKV_NEG_INF;
+      o[j] = valid ? ld_cg4(p.partial_o + row * HEAD_DIM + dim) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    SlotState batch[MERGE_BATCH];
+#pragma unroll
+    for (int j = 0; j < MERGE_BATCH; ++j) batch[j] = SlotState::normalised(o[j], lse2[j]);
+    merged.merge(batch);
+  }
+  return merged;
+}
+
+// After the main loop every warp leaves its unnormalised state of its 16 rows in the pipeline
+// buffers: o [NUM_WARPS][16][HEAD_DIM], m and d [NUM_WARPS][16].
+struct WarpStates {
+  float* o;
+  float* m;
+  float* d;
+
+  // The CTA's state of four dims of `row`: the WARPS_N warps of its row tile saw different
+  // tokens; combined in warp order.
+  __device__ __forceinline__ SlotState combined(int row, int dim) const {
+    const int mt = row >> 4, lr = row & 15;
+    SlotState parts[WARPS_N];
+#pragma unroll
+    for (int wn = 0; wn < WARPS_N; ++wn) {
+      const int w = mt * WARPS_N + wn;
+      const float4 v = *reinterpret_cast<const float4*>(o + (w * 16 + lr) * HEAD_DIM + dim);
+      parts[wn] = {{v.x, v.y, v.z, v.w}, m[w * 16 + lr], d[w * 16 + lr]};
+    }
+    return SlotState::merged(parts);
+  }
+};
+
+// Epilogues: `row` is a CTA row (qo head head0 + row), the slots are (row, 4 dims).
+
+// A request in one chunk: the CTA's state is the output.
+__device__ __forceinline__ void write_output(const DecodeParams& p, const WarpStates& warps,
+                                             int req, int head0, int rows_valid) {
+  for (int idx = threadIdx.x; idx < ROWS * (HEAD_DIM / 4); idx += NUM_THREADS) {
+    const int row = idx / (HEAD_DIM / 4), dim = (idx % (HEAD_DIM / 4)) * 4;
+    if (row >= rows_valid) continue;
+    const int head = head0 + row;
+    write_output_slot(p, (i64)req * p.num_qo_heads + head, dim, warps.combined(row, dim));
+  }
+}
+
+// A chunk of a split request: its normalised partial goes to the workspace rows of its plan
+// index.
+__device__ __forceinline__ void write_partial(const DecodeParams& p, const WarpStates& warps,
+                                              int plan_index, int head0, int rows_valid) {
+  for (int idx = threadIdx.x; idx < ROWS * (HEAD_DIM / 4); idx += NUM_THREADS) {
+    const int row = idx / (HEAD_DIM / 4), dim = (idx % (HEAD_DIM / 4)) * 4;
+    if (row >= rows_valid) continue;
+    const SlotState state = warps.combined(row, dim);
+    const i64 prow = (i64)plan_index * p.num_qo_heads + (head0 + row);
+    *reinterpret_cast<float4*>(p.partial_o + prow * HEAD_DIM + dim) = state.output();
+    if (dim == 0) p.partial_lse[prow] = state.lse2();
+  }
+}
+
+// After write_partial, with `ticket_merge`. Release: every thread fences its own partial stores,
+// then the barrier makes all those fences happen-before thread 0's atomic. The CTA whose ticket
+// is n_chunks - 1 saw every other CTA's increment, hence (by their fences) every other CTA's
+// partials, and merges them all. atomicInc with limit n_chunks - 1 wraps the counter back to 0 on
+// that last arrival, so the next launch and every CUDA-graph replay start from zero without a
+// memset.
+__device__ __forceinline__ void ticket_merge(const DecodeParams& p, int req, int kv_head,
+                                             int head_cta, int head0, int rows_valid,
+                                             int merge_lo, int merge_hi) {
+  const int n_chunks = merge_hi - merge_lo;
+  __threadfence();
+  __syncthreads();
+  bool last_arrival = false;
+  if (threadIdx.x == 0) {
+    const unsigned slot = ((unsigned)req * p.num_kv_heads + kv_head) * p.ctas_per_kv_head + head_cta;
+    const unsigned ticket = atomicInc(p.counters + slot, (unsigned)(n_chunks - 1));
+    last_arrival = ticket == (unsigned)(n_chunks - 1);
+  }
+  if (!__syncthreads_or(last_arrival)) return;   // thread 0's answer, for the whole CTA
+  __threadfence();  // acquire: the partial reads below (ld.cg, from L2) come after the ticket
+  for (int idx = threadIdx.x; idx < rows_valid * (HEAD_DIM / 4); idx += NUM_THREADS) {
+    const int row = idx / (HEAD_DIM / 4), dim = (idx % (HEAD_DIM / 4)) * 4;
+    const int head = head0 + row;
+    write_output_slot(p, (i64)req * p.num_qo_heads + head, dim,
+                      merge_workspace(p, merge_lo, merge_hi, head, dim));
+  }
+}
+
+#if CLUSTER > 1
+// Every CTA of the cluster leaves its normalised partial in its own shared memory (cl_o
+// [ROWS][HEAD_DIM], cl_lse [ROWS]); after the barrier each merges a share of the output slots
+// from all of them, in rank order.
+__device__ __forceinline__ void cluster_merge(const DecodeParams& p, const WarpStates& warps,
+                                              float* cl_o, float* cl_lse, int rank, int req,
+                                              int head0, int rows_valid) {
+  for (int idx = threadIdx.x; idx < ROWS * (HEAD_DIM / 4); idx += NUM_THREADS) {
+    const int row = idx / (HEAD_DIM / 4), dim = (idx % (HEAD_DIM / 4)) * 4;
+    if (row >= rows_valid) continue;
+    const SlotState state = warps.combined(row, dim);
+    *reinterpret_cast<float4*>(cl_o + row * HEAD_DIM + dim) = state.output();
+    if (dim == 0) cl_lse[row] = state.lse2();
+  }
+  cluster_sync();
+  const u32 cl_o_u32 = smem_u32(cl_o), cl_lse_u32 = smem_u32(cl_lse);
+  for (int idx = rank + CLUSTER * threadIdx.x; idx < rows_valid * (HEAD_DIM / 4);
+       idx += CLUSTER * NUM_THREADS) {
+    const int row = idx / (HEAD_DIM / 4), dim = (idx % (HEAD_DIM / 4)) * 4;
+    float lse2[CLUSTER];
+    float4 o[CLUSTER];
+#pragma unroll
+    for (int j = 0; j < CLUSTER; ++j) {
+      lse2[j] = ld_cluster(cluster_map(cl_lse_u32 + row * 4, j));
+      o[j] = ld_cluster4(cluster_map(cl_o_u32 + (row * HEAD_DIM + dim) * 4, j));
+    }
+    SlotState parts[CLUSTER];
+#pragma unroll
+    for (int j = 0; j < CLUSTER; ++j) parts[j] = SlotState::normalised(o[j], lse2[j]);
+    SlotState merged = SlotState::empty();
+    merged.merge(parts);
+    write_output_slot(p, (i64)req * p.num_qo_heads + head0 + row, dim, merged);
+  }
+  cluster_sync();  // no CTA exits while another may still read its shared memory
+}
+#endif
+
+// Page ids read with plain loads (a generic pointer: shared or global memory), or, from the page
+// table in the main loop, through the read-only cache (what `const __restrict__` kernel arguments
+// got without asking; struct members cannot be restrict).
+struct PageIds {
+  const int* ids;
+  __device__ __forceinline__ int operator[](int i) const { return ids[i]; }
+};
+struct ReadOnlyPageIds {
+  const int* ids;
+  __device__ __forceinline__ int operator[](int i) const { return __ldg(ids + i); }
+};
+
 extern "C" __global__ void PARTIAL_BOUNDS PARTIAL_CLUSTER
-decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
-               const u16* __restrict__ v_cache, long long page_stride, long long token_stride,
-               const int* __restrict__ kv_indices, const int4* __restrict__ chunk_info,
-               u16* __restrict__ out, float* __restrict__ lse_out, float* __restrict__ partial_o,
-               float* __restrict__ partial_lse, unsigned* __restrict__ counters,
-               int num_qo_heads, int num_kv_heads, int head_tiles, int page_size, float scale_log2,
-               int fused, int pages_in_record, int pdl_early) {
+decode_partial(const __grid_constant__ DecodeParams params) {
   // The K/V tiles start at the very beginning of shared memory, 128-byte aligned: no static
   // __shared__ variable may precede them. (A 4-byte flag once shifted them by 16 bytes, and
   // every 512-byte cp.async of a warp then touched twice the L2 sectors and three times the
   // shared-memory wavefronts it needs: the kernel was L2-bound at ~83% of the read bandwidth.)
   extern __shared__ __align__(128) unsigned char smem[];
+  const int page_size = params.page_size;
 
-  // One flat grid, kv heads (and head tiles) fastest: the CTAs that read the same tokens of
+  // One flat grid, kv heads (and their CTAs) fastest: the CTAs that read the same tokens of
   // different heads run side by side, so together they sweep whole token rows of a page.
   // In a cluster grid, the CLUSTER chunks of one request (and head item) are neighbours instead.
-  const int heads_per_chunk = num_kv_heads * head_tiles;
+  const int heads_per_chunk = params.num_kv_heads * params.ctas_per_kv_head;
 #if CLUSTER > 1
   const int rank = blockIdx.x % CLUSTER;                 // %cluster_ctarank of a 1-D cluster
   const int item = blockIdx.x / CLUSTER;                 // (request, head item)
@@ -110,35 +272,29 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   const int record_index = blockIdx.x / heads_per_chunk;
   const int head_item = blockIdx.x % heads_per_chunk;
 #endif
-  const int kvh = head_item / head_tiles;
-  const int htile = head_item % head_tiles;
-  const int group = num_qo_heads / num_kv_heads;
-  const int head0 = kvh * group + htile * ROWS;
-  const int rows_valid = min(ROWS, group - htile * ROWS);
-  // The chunk record, RECORD_INT4 int4: [0] = (request, first token, end token, first
-  // page-table entry of the request), [1] = (first chunk of the request, end chunk, this
-  // chunk's index in the plan, -): records are in the wrapper's launch order (by default the
-  // longest chunks first; plan order for clusters), so the partial rows come from that index;
-  // [2..] = the page ids of the chunk's first RECORD_PAGES pages. With `pages_in_record` (chunks start on a page
+  const int kvh = head_item / params.ctas_per_kv_head;
+  const int head_cta = head_item % params.ctas_per_kv_head;
+  const int group = params.num_qo_heads / params.num_kv_heads;
+  const int head0 = kvh * group + head_cta * ROWS;
+  const int rows_valid = min(ROWS, group - head_cta * ROWS);
+  // The chunk record (decode_params.cuh). With `pages_in_record` (chunks start on a page
   // boundary, and the first STAGES tiles fit in those pages) the page ids go to shared memory
   // alongside the header loads: the first K/V copies wait for one round trip, not two.
-  const int4* record = chunk_info + RECORD_INT4 * record_index;
+  const ChunkRecord* record = params.records + record_index;
   int* record_pages = reinterpret_cast<int*>(smem + PIPELINE_BYTES);
-  if (pages_in_record) {
+  if (params.pages_in_record) {
     if (threadIdx.x < RECORD_PAGES / 4)
-      cp_async16(smem_u32(record_pages) + threadIdx.x * 16, record + 2 + threadIdx.x, 16);
+      cp_async16(smem_u32(record_pages) + threadIdx.x * 16,
+                 reinterpret_cast<const int4*>(record->first_pages) + threadIdx.x, 16);
     cp_async_commit();
   }
-  const int4 info = record[0];
-  const int4 info2 = record[1];
+  const ChunkHeader chunk = load_header(record);
   // With PDL, the next kernel in the stream may launch once every CTA of this grid has allowed
-  // it: here (`pdl_early`) or when its streaming is done (below). Either way it waits for this
-  // grid's end before reading anything this grid writes.
-  if (pdl_early) allow_dependent_launch();
-  const int req = info.x, tok_begin = info.y, tok_end = info.z;
-  const int* pages = kv_indices + info.w;
-  const int merge_lo = info2.x, merge_hi = info2.y;
-  const int n_chunks = merge_hi - merge_lo;
+  // it: here (`pdl_early_trigger`) or when its streaming is done (below). Either way it waits for
+  // this grid's end before reading anything this grid writes.
+  if (params.pdl_early_trigger) allow_dependent_launch();
+  const int req = chunk.request, tok_begin = chunk.token_begin, tok_end = chunk.token_end;
+  const int* pages = params.kv_indices + chunk.page_table_begin;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
@@ -151,7 +307,7 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   const int num_tiles = (tok_end - tok_begin + TILE_N - 1) / TILE_N;
   const i64 head_offset = (i64)kvh * HEAD_DIM;
 
-  // Each token group (the HEAD_TILES warps that share warp_n) copies only the rows it reads
+  // Each token group (the ROW_TILES warps that share warp_n) copies only the rows it reads
   // itself and waits only on its own barrier: the groups are independent pipelines, so one
   // group's late copy does not stall the others (as a CTA-wide barrier per tile did).
   // Page-table entries are fetched one tile ahead of the copies that need them, so the
@@ -162,7 +318,7 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   const int my_row0 = warp_n * TOK_PER_WARP + group_tid / DCHUNKS;  // rows my_row0 + i * ROW_STEP
   constexpr int ROW_STEP = GROUP_THREADS / DCHUNKS;
   auto group_sync = [&]() {
-    if (HEAD_TILES == 1) {
+    if (ROW_TILES == 1) {
       __syncwarp();
     } else {
       named_barrier_sync<GROUP_THREADS>(1 + warp_n);
@@ -170,28 +326,32 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   };
   int pg[LOADS], slot[LOADS];
   const bool step_within_page = page_size >= ROW_STEP;
-  // from_record: the entries come from the record's copy in shared memory, where page index 0
-  // is the chunk's first page (a page boundary). The main loop passes a literal false.
-  auto fetch_pages = [&](int tile, bool from_record) {
+  // The page ids come from `table`: the record's copy in shared memory (page index 0 is the
+  // chunk's first page, a page boundary: base = tok_begin) or the page table (base = 0).
+  // The two ways through the pages (step within a page, or divide) and the masked last tile
+  // below are separate code paths chosen once per tile: the compiler takes DecodeParams' fields
+  // for values that may differ between threads and would not split them off itself.
+  auto fetch_pages = [&](int tile, auto table, int base) {
     const int tok0 = tok_begin + tile * TILE_N + my_row0;
-    const int* table = from_record ? record_pages : pages;
-    const int base = from_record ? tok_begin : 0;
     int pidx = (tok0 - base) / page_size, off = tok0 - base - pidx * page_size;  // one division per tile
+    auto walk = [&](bool step) {
 #pragma unroll
-    for (int i = 0; i < LOADS; ++i) {
-      const int tok = tok0 + i * ROW_STEP;
-      if (i > 0) {
-        if (step_within_page) {
-          off += ROW_STEP;
-          if (off >= page_size) { off -= page_size; ++pidx; }
-        } else {
-          pidx = (tok - base) / page_size;
-          off = tok - base - pidx * page_size;
+      for (int i = 0; i < LOADS; ++i) {
+        const int tok = tok0 + i * ROW_STEP;
+        if (i > 0) {
+          if (step) {
+            off += ROW_STEP;
+            if (off >= page_size) { off -= page_size; ++pidx; }
+          } else {
+            pidx = (tok - base) / page_size;
+            off = tok - base - pidx * page_size;
+          }
         }
+        pg[i] = (tile < num_tiles && tok < tok_end) ? table[pidx] : -1;
+        slot[i] = off;
       }
-      pg[i] = (tile < num_tiles && tok < tok_end) ? table[pidx] : -1;
-      slot[i] = off;
-    }
+    };
+    if (step_within_page) walk(true); else walk(false);
   };
   // Issue the copies of a tile into `stage` from the fetched entries; tokens past the chunk
   // are zero-filled without reading.
@@ -201,20 +361,18 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
     for (int i = 0; i < LOADS; ++i) {
       const int row = my_row0 + i * ROW_STEP;
       const bool valid = pg[i] >= 0;
-      const i64 off = valid ? (i64)pg[i] * page_stride + (i64)slot[i] * token_stride + head_offset + my_chunk * 8 : 0;
+      const i64 off = valid ? (i64)pg[i] * params.page_stride + (i64)slot[i] * params.token_stride + head_offset + my_chunk * 8 : 0;
       const u32 dst = stage_bytes + tile_offset_bytes(row, my_chunk);
-      cp_async16(k_smem_u32 + dst, k_cache + off, valid ? 16 : 0);
-      cp_async16(v_smem_u32 + dst, v_cache + off, valid ? 16 : 0);
+      cp_async16(k_smem_u32 + dst, params.k_cache + off, valid ? 16 : 0);
+      cp_async16(v_smem_u32 + dst, params.v_cache + off, valid ? 16 : 0);
     }
   };
 
-  float o[DTILES][4];
-#pragma unroll
-  for (int i = 0; i < DTILES; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  // Rows g and g+8; d holds this lane's share of each denominator until the end.
-  SoftmaxState state[2] = {SoftmaxState::empty(), SoftmaxState::empty()};
+  // Rows g and g+8 of this warp's row tile; d holds this lane's share of each denominator until
+  // the end.
+  RowState state[2] = {RowState::empty(), RowState::empty()};
 
-  if (pages_in_record) {   // the record's page ids are in shared memory
+  if (params.pages_in_record) {   // the record's page ids are in shared memory
     cp_async_wait<0>();
     __syncthreads();
   }
@@ -229,7 +387,7 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
   u32 qf[KSTEPS][4];
   {
     const int r0 = warp_m * 16 + g, r1 = r0 + 8;
-    const u16* q_rows = q + ((i64)req * num_qo_heads + head0) * HEAD_DIM;
+    const u16* q_rows = params.q + ((i64)req * params.num_qo_heads + head0) * HEAD_DIM;
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks) {
       const int c0 = ks * 16 + 2 * t, c1 = c0 + 8;
@@ -240,13 +398,16 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
     }
   }
 
+  // The first tiles' page ids: from the record (in shared memory) if it has them.
+  const PageIds first_table = {params.pages_in_record ? record_pages : pages};
+  const int first_base = params.pages_in_record ? tok_begin : 0;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    fetch_pages(s, pages_in_record);
+    fetch_pages(s, first_table, first_base);
     if (s < num_tiles) issue_tile(s);
     cp_async_commit();
   }
-  fetch_pages(STAGES - 1, pages_in_record);
+  fetch_pages(STAGES - 1, first_table, first_base);
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<STAGES - 2>();
@@ -255,7 +416,7 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
       const int next = tile + STAGES - 1;
       if (next < num_tiles) issue_tile(next % STAGES);
       cp_async_commit();
-      fetch_pages(next + 1, false);
+      fetch_pages(next + 1, ReadOnlyPageIds{pages}, 0);
     }
     const int stage = tile % STAGES;
     const u32 ks_base = k_smem_u32 + (u32)(stage * TILE_N * HEAD_DIM * 2);
@@ -291,20 +452,23 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
     // Online softmax over the tile, in base 2; masked tokens get -inf.
     float tile_max[2] = {SPLITKV_NEG_INF, SPLITKV_NEG_INF};
     const bool partial_tile = tile_tok0 + TILE_N > tok_end;   // only the last tile is masked
+    auto scale_scores = [&](bool masked) {
 #pragma unroll
-    for (int st = 0; st < SUBTILES; ++st)
+      for (int st = 0; st < SUBTILES; ++st)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+        for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float v = s[st][nt][e] * scale_log2;
-          if (partial_tile) {
-            const int tok = tile_tok0 + warp_n * TOK_PER_WARP + st * 16 + nt * 8 + 2 * t + (e & 1);
-            v = tok < tok_end ? v : SPLITKV_NEG_INF;
+          for (int e = 0; e < 4; ++e) {
+            float v = s[st][nt][e] * params.sm_scale_log2;
+            if (masked) {
+              const int tok = tile_tok0 + warp_n * TOK_PER_WARP + st * 16 + nt * 8 + 2 * t + (e & 1);
+              v = tok < tok_end ? v : SPLITKV_NEG_INF;
+            }
+            s[st][nt][e] = v;
+            tile_max[e >> 1] = fmaxf(tile_max[e >> 1], v);
           }
-          s[st][nt][e] = v;
-          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], v);
-        }
+    };
+    if (partial_tile) scale_scores(true); else scale_scores(false);
     float alpha[2], m_use[2];
     bool max_moved = false;
 #pragma unroll
@@ -318,26 +482,23 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
     }
     // Rescaling O is needed only when some row's max moved; after the first tiles it rarely does.
     if (__any_sync(0xffffffffu, max_moved)) {
-#pragma unroll
-      for (int i = 0; i < DTILES; ++i) {
-        o[i][0] *= alpha[0]; o[i][1] *= alpha[0];
-        o[i][2] *= alpha[1]; o[i][3] *= alpha[1];
-      }
+      state[0].scale_o(alpha[0]);
+      state[1].scale_o(alpha[1]);
     }
 
     // O += P V. The S accumulators of two 8-token n-tiles are exactly the A fragment of P.
 #pragma unroll
     for (int st = 0; st < SUBTILES; ++st) {
-      float p[2][4];
+      float probs[2][4];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          p[nt][e] = fast_exp2(s[st][nt][e] - m_use[e >> 1]);
-          state[e >> 1].d += p[nt][e];
+          probs[nt][e] = fast_exp2(s[st][nt][e] - m_use[e >> 1]);
+          state[e >> 1].d += probs[nt][e];
         }
-      const u32 a[4] = {pack2(p[0][0], p[0][1]), pack2(p[0][2], p[0][3]),
-                        pack2(p[1][0], p[1][1]), pack2(p[1][2], p[1][3])};
+      const u32 a[4] = {pack2(probs[0][0], probs[0][1]), pack2(probs[0][2], probs[0][3]),
+                        pack2(probs[1][0], probs[1][1]), pack2(probs[1][2], probs[1][3])};
       const int n0 = warp_n * TOK_PER_WARP + st * 16;
 #pragma unroll
       for (int dp = 0; dp < DTILES / 2; ++dp) {
@@ -345,137 +506,63 @@ decode_partial(const u16* __restrict__ q, const u16* __restrict__ k_cache,
         const int c = dp * 2 + (lane >> 4);
         u32 b0, b1, b2, b3;
         ldmatrix_x4_trans(b0, b1, b2, b3, vs_base + tile_offset_bytes(r, c));
-        mma_16816(o[2 * dp], a, b0, b1);
-        mma_16816(o[2 * dp + 1], a, b2, b3);
+        mma_16816(state[0].o + 4 * dp, state[1].o + 4 * dp, a, b0, b1);           // d-tile 2 dp
+        mma_16816(state[0].o + 4 * dp + 2, state[1].o + 4 * dp + 2, a, b2, b3);   // 2 dp + 1
       }
     }
   }
-  if (!pdl_early) allow_dependent_launch();   // this CTA's streaming is done
+  if (!params.pdl_early_trigger) allow_dependent_launch();   // this CTA's streaming is done
   cp_async_wait<0>();
   __syncthreads();  // the pipeline buffers are reused below
 
-  // Combine the warps that share a row tile (they saw different tokens) through shared memory.
-  float* so = reinterpret_cast<float*>(smem);                 // [NUM_WARPS][16][HEAD_DIM]
-  float* sm = so + NUM_WARPS * 16 * HEAD_DIM;                 // [NUM_WARPS][16]
-  float* sd = sm + NUM_WARPS * 16;                            // [NUM_WARPS][16]
-  float* cl_o = sd + NUM_WARPS * 16;                          // [ROWS][HEAD_DIM], cluster only
-  float* cl_lse = cl_o + ROWS * HEAD_DIM;                     // [ROWS], cluster only
+  // Each warp's state of its 16 rows to shared memory, for the epilogue to combine the warps
+  // that share a row tile (they saw different tokens).
+  float* so = reinterpret_cast<float*>(smem);
+  const WarpStates warps = {so, so + NUM_WARPS * 16 * HEAD_DIM, so + NUM_WARPS * 16 * (HEAD_DIM + 1)};
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < 2; ++r) {   // the four lanes of a row saw different tokens
     state[r].d += __shfl_xor_sync(0xffffffffu, state[r].d, 1);
     state[r].d += __shfl_xor_sync(0xffffffffu, state[r].d, 2);
   }
   {
-    float* wo = so + warp * 16 * HEAD_DIM;
+    float* wo = warps.o + warp * 16 * HEAD_DIM;
 #pragma unroll
     for (int i = 0; i < DTILES; ++i) {
       const int col = i * 8 + 2 * t;
-      *reinterpret_cast<float2*>(wo + g * HEAD_DIM + col) = make_float2(o[i][0], o[i][1]);
-      *reinterpret_cast<float2*>(wo + (g + 8) * HEAD_DIM + col) = make_float2(o[i][2], o[i][3]);
+      *reinterpret_cast<float2*>(wo + g * HEAD_DIM + col) = make_float2(state[0].o[2 * i], state[0].o[2 * i + 1]);
+      *reinterpret_cast<float2*>(wo + (g + 8) * HEAD_DIM + col) = make_float2(state[1].o[2 * i], state[1].o[2 * i + 1]);
     }
     if (t == 0) {
-      sm[warp * 16 + g] = state[0].m; sm[warp * 16 + g + 8] = state[1].m;
-      sd[warp * 16 + g] = state[0].d; sd[warp * 16 + g + 8] = state[1].d;
+      warps.m[warp * 16 + g] = state[0].m; warps.m[warp * 16 + g + 8] = state[1].m;
+      warps.d[warp * 16 + g] = state[0].d; warps.d[warp * 16 + g + 8] = state[1].d;
     }
   }
   __syncthreads();
 
-  const bool direct = n_chunks == 1;
-  for (int idx = tid; idx < ROWS * (HEAD_DIM / 4); idx += NUM_THREADS) {
-    const int row = idx / (HEAD_DIM / 4), dim = (idx % (HEAD_DIM / 4)) * 4;
-    if (row >= rows_valid) continue;
-    const int mt = row >> 4, lr = row & 15;
-    float m = SPLITKV_NEG_INF;
-#pragma unroll
-    for (int wn = 0; wn < WARPS_N; ++wn) m = fmaxf(m, sm[(mt * WARPS_N + wn) * 16 + lr]);
-    float d = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma unroll
-    for (int wn = 0; wn < WARPS_N; ++wn) {
-      const int w = mt * WARPS_N + wn;
-      const float scale = state_weight(sm[w * 16 + lr], m);
-      d += sd[w * 16 + lr] * scale;
-      const float4 v = *reinterpret_cast<const float4*>(so + (w * 16 + lr) * HEAD_DIM + dim);
-      a0 += v.x * scale; a1 += v.y * scale; a2 += v.z * scale; a3 += v.w * scale;
-    }
-    const float inv = d > 0.f ? 1.f / d : 0.f;
-    const float lse2 = SoftmaxState{m, d}.lse2();
-    const int head = head0 + row;
-    if (CLUSTER > 1) {
-      *reinterpret_cast<float4*>(cl_o + row * HEAD_DIM + dim) = make_float4(a0 * inv, a1 * inv, a2 * inv, a3 * inv);
-      if (dim == 0) cl_lse[row] = lse2;
-    } else if (direct) {
-      store4(out + ((i64)req * num_qo_heads + head) * HEAD_DIM + dim, a0 * inv, a1 * inv, a2 * inv, a3 * inv);
-      if (lse_out != nullptr && dim == 0) lse_out[(i64)req * num_qo_heads + head] = lse2 * SPLITKV_LN2;
-    } else {
-      const i64 prow = (i64)info2.z * num_qo_heads + head;
-      *reinterpret_cast<float4*>(partial_o + prow * HEAD_DIM + dim) = make_float4(a0 * inv, a1 * inv, a2 * inv, a3 * inv);
-      if (dim == 0) partial_lse[prow] = lse2;
-    }
-  }
 #if CLUSTER > 1
-  // Every CTA of the cluster has its partial in its shared memory; each merges a share of the
-  // output slots (row, 4 dims) from all of them, in rank order.
-  cluster_sync();
-  const u32 cl_o_u32 = smem_u32(cl_o), cl_lse_u32 = smem_u32(cl_lse);
-  for (int idx = rank + CLUSTER * tid; idx < rows_valid * (HEAD_DIM / 4); idx += CLUSTER * NUM_THREADS) {
-    const int row = idx / (HEAD_DIM / 4), dim = (idx % (HEAD_DIM / 4)) * 4;
-    float lse2[CLUSTER];
-    float4 po[CLUSTER];
-#pragma unroll
-    for (int j = 0; j < CLUSTER; ++j) {
-      lse2[j] = ld_cluster(cluster_map(cl_lse_u32 + row * 4, j));
-      po[j] = ld_cluster4(cluster_map(cl_o_u32 + (row * HEAD_DIM + dim) * 4, j));
-    }
-    MergeAccumulator merged;
-    merged.add(lse2, po);
-    const i64 out_row = (i64)req * num_qo_heads + head0 + row;
-    const float lse_all = merged.finish(out + out_row * HEAD_DIM + dim);
-    if (lse_out != nullptr && dim == 0) lse_out[out_row] = lse_all * SPLITKV_LN2;
+  float* cl_o = warps.d + NUM_WARPS * 16;                     // [ROWS][HEAD_DIM]
+  cluster_merge(params, warps, cl_o, cl_o + ROWS * HEAD_DIM, rank, req, head0, rows_valid);
+#else
+  if (chunk.chunk_end - chunk.chunk_begin == 1) {
+    write_output(params, warps, req, head0, rows_valid);
+    return;
   }
-  cluster_sync();  // no CTA exits while another may still read its shared memory
-  return;
+  write_partial(params, warps, chunk.plan_index, head0, rows_valid);
+  if (params.ticket_merge)
+    ticket_merge(params, req, kvh, head_cta, head0, rows_valid, chunk.chunk_begin, chunk.chunk_end);
 #endif
-  if (direct || !fused) return;
-
-  // Fused merge. Release: every thread fences its own partial stores, then the barrier makes
-  // all those fences happen-before thread 0's atomic. The CTA whose ticket is n_chunks - 1 saw
-  // every other CTA's increment, hence (by their fences) every other CTA's partials. atomicInc
-  // with limit n_chunks - 1 wraps the counter back to 0 on that last arrival, so the next launch
-  // and every CUDA-graph replay start from zero without a memset.
-  __threadfence();
-  __syncthreads();
-  bool last_arrival = false;
-  if (tid == 0) {
-    const unsigned slot = ((unsigned)req * num_kv_heads + kvh) * head_tiles + htile;
-    const unsigned ticket = atomicInc(counters + slot, (unsigned)(n_chunks - 1));
-    last_arrival = ticket == (unsigned)(n_chunks - 1);
-  }
-  if (!__syncthreads_or(last_arrival)) return;   // thread 0's answer, for the whole CTA
-  __threadfence();  // acquire: the partial reads below (ld.cg, from L2) come after the ticket
-  for (int idx = tid; idx < rows_valid * (HEAD_DIM / 4); idx += NUM_THREADS) {
-    const int row = idx / (HEAD_DIM / 4), dim = (idx % (HEAD_DIM / 4)) * 4;
-    const int head = head0 + row;
-    const i64 out_row = (i64)req * num_qo_heads + head;
-    const float lse2 = merge_slot<HEAD_DIM>(partial_o, partial_lse, merge_lo, merge_hi, head,
-                                            num_qo_heads, dim, out + out_row * HEAD_DIM);
-    if (lse_out != nullptr && dim == 0) lse_out[out_row] = lse2 * SPLITKV_LN2;
-  }
 }
 
 // One thread per (request, qo head, 4 dims) of the batch; rows of unsplit requests are skipped.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS)
-merge_partials(const float* __restrict__ partial_o, const float* __restrict__ partial_lse,
-               const int* __restrict__ merge_indptr, u16* __restrict__ out,
-               float* __restrict__ lse_out, int batch_size, int num_qo_heads) {
+merge_partials(const __grid_constant__ DecodeParams params) {
   allow_dependent_launch();
   wait_for_prior_grid();   // the partials are the previous kernel's output
   const int slot = blockIdx.x * NUM_THREADS + threadIdx.x;
   const int row = slot / (HEAD_DIM / 4), dim = (slot % (HEAD_DIM / 4)) * 4;
-  if (row >= batch_size * num_qo_heads) return;
-  const int req = row / num_qo_heads, head = row % num_qo_heads;
-  const int lo = merge_indptr[req], hi = merge_indptr[req + 1];
+  if (row >= params.batch_size * params.num_qo_heads) return;
+  const int req = row / params.num_qo_heads, head = row % params.num_qo_heads;
+  const int lo = __ldg(params.merge_indptr + req), hi = __ldg(params.merge_indptr + req + 1);
   if (hi - lo <= 1) return;  // the partial kernel wrote this row directly
-  const float lse2 = merge_slot<HEAD_DIM>(partial_o, partial_lse, lo, hi, head, num_qo_heads, dim,
-                                          out + (i64)row * HEAD_DIM);
-  if (lse_out != nullptr && dim == 0) lse_out[row] = lse2 * SPLITKV_LN2;
+  write_output_slot(params, row, dim, merge_workspace(params, lo, hi, head, dim));
 }

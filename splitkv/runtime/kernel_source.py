@@ -11,6 +11,7 @@ from importlib import resources
 
 from ..execution import CLUSTER_SIZES
 from ..geometry import MAX_HEADS_PER_CTA, RECORD_PAGES, TILE_TOKENS, WARPS_PER_CTA
+from .kernel_abi import layout_checks
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
@@ -40,7 +41,7 @@ class DecodeVariant:
 
     dtype: str          # "float16" | "bfloat16"
     head_dim: int       # 64 | 128 | 256
-    head_tiles: int     # 1, 2 or 4 row tiles of 16 query heads per CTA
+    row_tiles: int      # 1, 2 or 4 row tiles of 16 query heads per CTA (ROW_TILES)
     stages: int = 0     # pipeline depth in tiles; 0 = the default for head_dim
     max_registers: int = 0    # per-thread register cap (experiments); 0 = the compiler's choice
     cluster: int = 0    # S > 1: the S chunks of each request run as one thread-block cluster
@@ -55,7 +56,7 @@ class DecodeVariant:
 
     @property
     def rows(self) -> int:
-        return 16 * self.head_tiles
+        return 16 * self.row_tiles
 
     @property
     def shared_bytes(self) -> int:
@@ -68,7 +69,7 @@ class DecodeVariant:
     @property
     def defines(self) -> dict[str, int]:
         return {"SPLITKV_BF16": int(self.dtype == "bfloat16"), "HEAD_DIM": self.head_dim,
-                "HEAD_TILES": self.head_tiles, "STAGES": self.stages, "NUM_WARPS": WARPS_PER_CTA,
+                "ROW_TILES": self.row_tiles, "STAGES": self.stages, "NUM_WARPS": WARPS_PER_CTA,
                 "MAX_REGISTERS": self.max_registers, "CLUSTER": self.cluster,
                 "RECORD_PAGES": RECORD_PAGES}
 
@@ -79,20 +80,22 @@ class DecodeVariant:
         return f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}_s{self.stages}{regs}{cluster}"
 
     def source(self) -> str:
+        """decode.cu with this variant's defines, and the checks that its argument structs are
+        laid out as runtime/kernel_abi.py writes them."""
         header = "".join(f"#define {k} {v}\n" for k, v in self.defines.items())
-        return header + read_source("decode.cu")
+        return header + read_source("decode.cu") + layout_checks()
 
     @staticmethod
     def for_problem(dtype: str, head_dim: int, group_size: int, stages: int = 0,
                     max_registers: int = 0, cluster: int = 0) -> "DecodeVariant":
         rows = min(group_size, MAX_HEADS_PER_CTA)
-        head_tiles = 1 if rows <= 16 else 2 if rows <= 32 else 4
-        return DecodeVariant(dtype, head_dim, head_tiles, stages, max_registers, cluster)
+        row_tiles = 1 if rows <= 16 else 2 if rows <= 32 else 4
+        return DecodeVariant(dtype, head_dim, row_tiles, stages, max_registers, cluster)
 
 
 def all_variants() -> list[DecodeVariant]:
-    return [DecodeVariant(dt, d, ht) for dt in ("float16", "bfloat16") for d in (64, 128, 256)
-            for ht in (1, 2, 4)]
+    return [DecodeVariant(dt, d, rt) for dt in ("float16", "bfloat16") for d in (64, 128, 256)
+            for rt in (1, 2, 4)]
 
 
 def compile_cubin(source: str, arch: str, name: str = "kernel.cu", verbose: bool = False):

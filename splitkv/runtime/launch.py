@@ -1,15 +1,22 @@
-"""Kernel launches with programmatic dependent launch (PDL, sm_90+), through the driver's
-``cuLaunchKernelEx``: CuPy's ``RawKernel`` call cannot pass launch attributes.
+"""Every kernel launch goes through the driver's ``cuLaunchKernelEx`` (ctypes), the one call that
+takes launch attributes: CuPy's ``RawKernel`` call passes none.
 
-With the attribute, a kernel may start while the kernel before it in the stream is still
-running: its CTAs become resident and do the work that reads nothing the earlier kernel
-writes (here: the chunk records), then wait in ``griddepcontrol.wait`` (``common.cuh``) until
-that kernel has completed. What it saves is the launch gap between two kernels and the first
-dependent round trip. Inside a CUDA graph capture the attribute becomes a programmatic edge.
+Programmatic dependent launch (PDL, sm_90+): with the attribute, a kernel may start while the
+kernel before it in the stream is still running: its CTAs become resident and do the work that
+reads nothing the earlier kernel writes (here: the chunk records), then wait in
+``griddepcontrol.wait`` (``common.cuh``) until that kernel has completed. What it saves is the
+launch gap between two kernels and the first dependent round trip. Inside a CUDA graph capture
+the attribute becomes a programmatic edge.
 
-The argument buffers are built once per plan (``PdlLaunch``); a run only writes the tensor
-pointers into them and calls the driver, under a lock (two threads may run one wrapper), so it
-adds no NumPy or CuPy work per launch. The caller makes the plan's device current.
+Thread-block clusters: a cluster variant of the kernel declares its cluster size at compile time
+(``__cluster_dims__``), so its launch sets no cluster attribute (the driver refuses both at
+once) and cannot run in any other cluster size.
+
+Both kernels take one argument, a ``DecodeParams`` (``kernel_abi``): a launch passes its address
+and the driver copies its bytes into the kernel's parameter space. A plan builds its launches and
+its ``DecodeParams`` once (``DecodeLaunch``); a run writes the tensors' pointers into the struct
+and calls the driver, under a lock (two threads may run one wrapper, and ctypes releases the GIL),
+in the plan's device context.
 """
 
 from __future__ import annotations
@@ -18,16 +25,24 @@ import ctypes
 import sys
 import threading
 
-# cuda.h: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+from .kernel_abi import DecodeParams
+
+# cuda.h: CUlaunchAttributeID
+_CLUSTER_DIMENSION = 4                        # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6        # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _LaunchAttributeValue(ctypes.Union):
+    """CUlaunchAttributeValue: a 64-byte union; the members used or documented here."""
+
+    _fields_ = [("programmatic_stream_serialization_allowed", ctypes.c_int),
+                ("cluster_dim", ctypes.c_uint * 3), ("pad", ctypes.c_char * 64)]
 
 
 class _LaunchAttribute(ctypes.Structure):
-    """CUlaunchAttribute: an id, padding to 8 bytes, then a 64-byte value union (its first int
-    is ``programmaticStreamSerializationAllowed``)."""
+    """CUlaunchAttribute: an id, padding to 8 bytes, then the value union."""
 
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
-                ("value", ctypes.c_int), ("value_pad", ctypes.c_char * 60)]
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
 
 
 class _LaunchConfig(ctypes.Structure):
@@ -52,6 +67,10 @@ def _driver():
                                          ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
         lib.cuGetErrorName.restype = ctypes.c_int
         lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        for fn in (lib.cuCtxGetCurrent, lib.cuCtxSetCurrent):
+            fn.restype = ctypes.c_int
+        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
         _DRIVER = lib
     return _DRIVER
 
@@ -63,45 +82,86 @@ def _error_name(code: int) -> str:
     return f"CUresult {code}"
 
 
-# Kernel parameter kinds, as the kernels declare them.
-POINTER, INT64, INT32, FLOAT32 = "pointer", "int64", "int32", "float32"
-_CTYPES = {POINTER: ctypes.c_uint64, INT64: ctypes.c_int64, INT32: ctypes.c_int32,
-           FLOAT32: ctypes.c_float}
+def _check(code: int, call: str) -> None:
+    if code != 0:
+        raise RuntimeError(f"{call} failed: {_error_name(code)}")
 
 
-class PdlLaunch:
-    """One kernel launch configuration with the PDL attribute and reusable argument slots.
+def current_context() -> int:
+    """The calling thread's current CUDA context (0 if none)."""
+    ctx = ctypes.c_void_p()
+    _check(_driver().cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    return ctx.value or 0
 
-    kernel: a ``cupy.RawKernel`` (loaded on the current device); kinds: the kind of each
-    kernel parameter, in order (``POINTER``, ``INT64``, ``INT32``, ``FLOAT32``).
-    """
 
-    def __init__(self, kernel, grid, block, shared_bytes: int, kinds):
-        self._kernel = kernel                  # keeps the module, hence the function, loaded
+class KernelLaunch:
+    """One kernel's launch configuration: grid, block, dynamic shared memory and, with ``pdl``,
+    the programmatic-stream-serialization attribute. ``kernel``: a ``cupy.RawKernel`` loaded
+    in the current context; kept, so its module stays loaded."""
+
+    def __init__(self, kernel, grid: int, block: int, shared_bytes: int, *, pdl: bool = False):
+        self._kernel = kernel
         self._function = ctypes.c_void_p(kernel.kernel.ptr)
-        self._lock = threading.Lock()          # the slots are shared by every call
-        self._slots = [_CTYPES[kind]() for kind in kinds]
-        self._params = (ctypes.c_void_p * len(self._slots))(
-            *[ctypes.addressof(slot) for slot in self._slots])
-        self._attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
         self._config = _LaunchConfig()
-        for dims, field in ((grid, self._config.grid), (block, self._config.block)):
-            dims = tuple(dims) + (1,) * (3 - len(dims))
-            for i, d in enumerate(dims):
-                field[i] = int(d)
+        self._config.grid[:] = (int(grid), 1, 1)
+        self._config.block[:] = (int(block), 1, 1)
         self._config.shared_bytes = int(shared_bytes)
-        self._config.attrs = ctypes.pointer(self._attr)
-        self._config.num_attrs = 1
+        self.pdl = bool(pdl)
+        if pdl:
+            self._attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+            self._attr.value.programmatic_stream_serialization_allowed = 1
+            self._config.attrs = ctypes.pointer(self._attr)
+            self._config.num_attrs = 1
+
+    @property
+    def grid(self) -> int:
+        return self._config.grid[0]
+
+    @property
+    def shared_bytes(self) -> int:
+        return self._config.shared_bytes
 
     def __call__(self, args, stream_ptr: int) -> None:
-        """Launch with ``args`` (one Python number per parameter) on the stream ``stream_ptr``."""
-        if len(args) != len(self._slots):
-            raise ValueError(f"args: expected {len(self._slots)} kernel arguments, got {len(args)}")
-        with self._lock:       # ctypes releases the GIL during the call
-            for slot, value in zip(self._slots, args):
-                slot.value = value
-            self._config.stream = stream_ptr or None
-            code = _driver().cuLaunchKernelEx(ctypes.byref(self._config), self._function,
-                                              self._params, None)
-        if code != 0:
-            raise RuntimeError(f"cuLaunchKernelEx failed: {_error_name(code)}")
+        """Launch with ``args`` (a ``ctypes.c_void_p`` array: one pointer per kernel parameter)
+        on the stream ``stream_ptr``. The caller holds the lock that guards ``args``."""
+        self._config.stream = stream_ptr or None
+        _check(_driver().cuLaunchKernelEx(ctypes.byref(self._config), self._function, args, None),
+               "cuLaunchKernelEx")
+
+
+class DecodeLaunch:
+    """The launches of one plan: the partial kernel, then the merge kernel when the plan has a
+    merge kernel, both with the plan's ``DecodeParams`` (``params``, filled but for the
+    tensors). ``context``: the driver context the kernels were loaded in (``current_context()``
+    at plan time)."""
+
+    def __init__(self, params: DecodeParams, partial: KernelLaunch,
+                 merge: KernelLaunch | None, context: int):
+        self.params = params
+        self.partial, self.merge = partial, merge
+        self._args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        self._context = context
+        self._lock = threading.Lock()
+
+    @property
+    def pdl(self) -> bool:
+        return self.partial.pdl
+
+    def __call__(self, q: int, k_cache: int, v_cache: int, page_stride: int, token_stride: int,
+                 out: int, lse: int, stream_ptr: int) -> None:
+        """Launch on ``stream_ptr`` with these tensors (device pointers; strides in elements;
+        ``lse`` 0 when not wanted)."""
+        p = self.params
+        with self._lock:
+            p.q, p.k_cache, p.v_cache, p.out, p.lse = q, k_cache, v_cache, out, lse
+            p.page_stride, p.token_stride = page_stride, token_stride
+            previous = current_context()
+            if previous != self._context:    # the driver launches in the current context
+                _check(_driver().cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
+            try:
+                self.partial(self._args, stream_ptr)
+                if self.merge is not None:
+                    self.merge(self._args, stream_ptr)
+            finally:
+                if previous != self._context:
+                    _driver().cuCtxSetCurrent(previous or None)

@@ -1,4 +1,5 @@
-"""Compiled kernels, cached per (device, variant) in this process."""
+"""Compiled kernels, cached per (device, variant) in this process and shared by every wrapper:
+nothing about them changes after they are loaded."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from dataclasses import dataclass
 from .kernel_source import NVRTC_OPTIONS, DecodeVariant
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecodeKernels:
     variant: DecodeVariant
     partial: object      # cupy.RawKernel decode_partial
     merge: object        # cupy.RawKernel merge_partials
+    one_per_sm_shared_bytes: int   # dynamic shared memory that places one partial CTA per SM
     compile_seconds: float
 
 
@@ -21,6 +23,8 @@ _CACHE: dict[tuple[int, DecodeVariant], DecodeKernels] = {}
 
 def get_decode_kernels(variant: DecodeVariant) -> DecodeKernels:
     import cupy
+
+    from .features import one_per_sm_shared_bytes
 
     device = cupy.cuda.runtime.getDevice()
     key = (device, variant)
@@ -31,8 +35,11 @@ def get_decode_kernels(variant: DecodeVariant) -> DecodeKernels:
     module = cupy.RawModule(code=variant.source(), options=NVRTC_OPTIONS, name_expressions=None)
     partial = module.get_function("decode_partial")
     merge = module.get_function("merge_partials")
-    partial.max_dynamic_shared_size_bytes = variant.shared_bytes
-    kernels = DecodeKernels(variant, partial, merge, time.perf_counter() - t0)
+    # The opt-in covers both sizes a launch may ask for, set once here: a launch never changes
+    # an attribute of the kernel every wrapper shares.
+    spread = one_per_sm_shared_bytes(variant.shared_bytes)
+    partial.max_dynamic_shared_size_bytes = max(variant.shared_bytes, spread)
+    kernels = DecodeKernels(variant, partial, merge, spread, time.perf_counter() - t0)
     _CACHE[key] = kernels
     return kernels
 

@@ -22,8 +22,7 @@ from ..problem import PageTable
 TRIALS = 7
 MIN_TRIAL_MS = 30.0
 # Replays before the trials: after an idle gap (a kernel compiling, the previous case's set-up)
-# the GPU's clocks are down and take a moment to rise; one H200 run timed a benchmark's first
-# case at 9.8 us against 6.75 us warm, every trial of it.
+# the GPU's clocks are down and take a moment to rise (benchmarks/NOTES.md).
 WARMUP_MS = 50.0
 
 
@@ -156,8 +155,9 @@ def release_cached_layers() -> None:
 
 def time_plan_us(plan: Plan, page_table: PageTable, *, min_total_bytes: int = 1 << 30,
                  trials: int = TRIALS, min_trial_ms: float = MIN_TRIAL_MS, data: LayeredKV | None = None,
-                 stages: int | None = None, max_registers: int | None = None) -> float:
-    """Median microseconds per call of ``plan`` on random data.
+                 experiments=None) -> float:
+    """Median microseconds per call of ``plan`` on random data, run by a wrapper with
+    ``experiments`` (a ``DecodeExperiments``; None: the shipped kernel).
 
     Without ``data``, the random KV layers (about ``min_total_bytes``) are built for the page
     table and kept for the next call with the same table and shapes, so timing several plans
@@ -176,6 +176,6 @@ def time_plan_us(plan: Plan, page_table: PageTable, *, min_total_bytes: int = 1 
                                                          min_total_bytes=min_total_bytes))
         data = _LAST_LAYERS[key][1]      # the entry holds the table too, so its id stays unique
     w = BatchDecodeWrapper(p.num_qo_heads, p.num_kv_heads, p.head_dim, p.page_size, p.dtype,
-                           stages=stages, max_registers=max_registers)
+                           experiments=experiments)
     w.plan(page_table, plan=plan)
     return time_wrapper_us(w, data, trials=trials, min_trial_ms=min_trial_ms)

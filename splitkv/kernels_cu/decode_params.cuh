@@ -1,0 +1,70 @@
+// The decode kernels' arguments, in one place: a DecodeParams (both kernels take it, in parameter
+// space) and the ChunkRecord each CTA of the partial kernel reads. The host fills one DecodeParams
+// per plan and writes the tensors' pointers into it per run. runtime/kernel_abi.py mirrors both
+// structs field by field, and every compile of decode.cu checks the mirror's offsets and sizes
+// (the runtime appends its static_asserts), so the two cannot drift apart.
+#pragma once
+#include "common.cuh"
+
+#ifndef RECORD_PAGES
+#error "RECORD_PAGES must be defined"
+#endif
+static_assert(RECORD_PAGES % 4 == 0, "the record's page ids are copied 16 bytes at a time");
+
+// What a CTA must know of its chunk before it can fetch anything: read with two 16-byte loads
+// (load_header).
+struct __align__(16) ChunkHeader {
+  int request;           // index in the batch
+  int token_begin;       // the chunk is tokens token_begin..token_end-1 of its request
+  int token_end;
+  int page_table_begin;  // the request's first entry of kv_indices (kv_indptr[request])
+  int chunk_begin;       // the request's chunks in the plan, chunk_begin..chunk_end-1: where its
+  int chunk_end;         //   partials are; a single chunk writes the output itself
+  int plan_index;        // this chunk's index in the plan: the partial rows it writes
+  int unused;
+};
+
+// One chunk of the plan. Records are in grid order (the plan's launch order), so a CTA's record
+// is found from its block index and its partial rows from plan_index.
+struct __align__(16) ChunkRecord {
+  ChunkHeader header;
+  int first_pages[RECORD_PAGES];  // page ids of the chunk's first pages, from the page holding
+                                  // token_begin (written when DecodeParams::pages_in_record)
+};
+
+__device__ __forceinline__ ChunkHeader load_header(const ChunkRecord* __restrict__ record) {
+  const int4* src = reinterpret_cast<const int4*>(&record->header);
+  const int4 a = src[0], b = src[1];
+  return {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+}
+
+// Shapes: q, out [batch_size, num_qo_heads, HEAD_DIM]; k_cache, v_cache pages of page_size
+// tokens of num_kv_heads x HEAD_DIM (rows 16-byte aligned; the strides below, in elements);
+// lse [batch_size, num_qo_heads]; the workspace's partial_o [num_chunks, num_qo_heads, HEAD_DIM]
+// and partial_lse [num_chunks, num_qo_heads]; counters [batch_size, num_kv_heads,
+// ctas_per_kv_head].
+struct DecodeParams {
+  const u16* q;
+  const u16* k_cache;
+  const u16* v_cache;
+  i64 page_stride;                 // from one page of k_cache / v_cache to the next
+  i64 token_stride;                // from one token of a page to the next
+  const int* kv_indices;           // the page table: request b's pages from page_table_begin
+  const ChunkRecord* records;      // [num_chunks], in grid order
+  const int* merge_indptr;         // [batch_size + 1]: request b's chunks (the merge kernel)
+  u16* out;
+  float* lse;                      // natural log; null: not written
+  float* partial_o;                // normalised partial outputs (split requests only)
+  float* partial_lse;              // their log-sum-exp, base 2
+  unsigned* counters;              // the ticket merge's arrival counts: 0 between launches
+  int batch_size;
+  int num_qo_heads;
+  int num_kv_heads;
+  int ctas_per_kv_head;            // CTAs sharing one (chunk, kv head), ROWS query heads each
+  int page_size;
+  float sm_scale_log2;             // sm_scale * log2(e): scores are kept in base 2
+  int ticket_merge;                // 1: the last CTA of a split output to finish merges it
+  int pages_in_record;             // 1: the first STAGES tiles' page ids are in the records
+  int pdl_early_trigger;           // 1: let the next kernel launch at the start, not at the end
+                                   //    of streaming (with programmatic dependent launch)
+};

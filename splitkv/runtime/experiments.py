@@ -1,0 +1,44 @@
+"""Tuning knobs for experiments: what the benchmarks A/B against the shipped kernel. Users leave
+them alone; the cost-model profile was calibrated with the defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import validation as V
+from .features import check_option
+
+# Where a PDL partial kernel lets the next kernel launch: 'early', as soon as its CTAs read
+# their records; 'late', once every CTA finished streaming its chunk.
+PDL_TRIGGERS = ("early", "late")
+
+
+@dataclass(frozen=True)
+class DecodeExperiments:
+    """Knobs ``BatchDecodeWrapper(..., experiments=...)`` passes to the kernel and its launch.
+
+    stages: pipeline depth of the partial kernel in 64-token tiles (at least 2); None: the
+        default for the head dim (``kernel_source.DEFAULT_STAGES``).
+    max_registers: per-thread register cap of the partial kernel; None or 0: the compiler's
+        choice.
+    pdl_trigger: where a PDL partial kernel lets the next kernel launch (``PDL_TRIGGERS``):
+        'late' (the default; neither wins everywhere, benchmarks/NOTES.md) or 'early'. Only
+        with programmatic dependent launch (the wrapper's ``pdl``).
+    pdl_spread: force whether a PDL launch pads its shared memory so that one CTA lands per SM
+        (True / False); None: ``features.spreads_one_per_sm`` decides.
+    """
+
+    stages: int | None = None
+    max_registers: int | None = None
+    pdl_trigger: str = "late"
+    pdl_spread: bool | None = None
+
+    def __post_init__(self):
+        if self.stages is not None:
+            V.check_int("stages", self.stages, 2)
+        if self.max_registers is not None:
+            V.check_int("max_registers", self.max_registers, 0)
+        if self.pdl_trigger not in PDL_TRIGGERS:
+            raise ValueError(f"pdl_trigger: expected one of {PDL_TRIGGERS}, "
+                             f"got {self.pdl_trigger!r}")
+        check_option("pdl_spread", self.pdl_spread)

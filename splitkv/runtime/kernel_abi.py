@@ -1,0 +1,110 @@
+"""The decode kernels' arguments as the host writes them: Python mirrors of ``DecodeParams`` and
+``ChunkRecord`` (``kernels_cu/decode_params.cuh``), field by field.
+
+``DecodeParams`` is a ctypes structure: one per plan, its address is the one kernel argument of
+both kernels (``launch.KernelLaunch``). ``CHUNK_RECORD`` is a NumPy structured dtype: the plan's
+records are an array of it (``records.chunk_records``). ``layout_checks()`` turns both mirrors into
+C++ ``static_assert``s on every field's offset, size and kind, which ``DecodeVariant.source()``
+appends to decode.cu: a kernel whose structs differ from these mirrors does not compile. Needs
+neither CuPy nor a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from ..geometry import RECORD_PAGES
+
+_POINTER = ctypes.c_void_p      # device pointers, written as Python ints
+
+
+class DecodeParams(ctypes.Structure):
+    """``DecodeParams`` of decode_params.cuh (the comments there say what each field holds)."""
+
+    _fields_ = [
+        ("q", _POINTER),
+        ("k_cache", _POINTER),
+        ("v_cache", _POINTER),
+        ("page_stride", ctypes.c_int64),
+        ("token_stride", ctypes.c_int64),
+        ("kv_indices", _POINTER),
+        ("records", _POINTER),
+        ("merge_indptr", _POINTER),
+        ("out", _POINTER),
+        ("lse", _POINTER),
+        ("partial_o", _POINTER),
+        ("partial_lse", _POINTER),
+        ("counters", _POINTER),
+        ("batch_size", ctypes.c_int32),
+        ("num_qo_heads", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32),
+        ("ctas_per_kv_head", ctypes.c_int32),
+        ("page_size", ctypes.c_int32),
+        ("sm_scale_log2", ctypes.c_float),
+        ("ticket_merge", ctypes.c_int32),
+        ("pages_in_record", ctypes.c_int32),
+        ("pdl_early_trigger", ctypes.c_int32),
+    ]
+
+
+# ChunkRecord: its ChunkHeader (eight int32), then the page ids of the chunk's first pages.
+CHUNK_HEADER_FIELDS = ("request", "token_begin", "token_end", "page_table_begin", "chunk_begin",
+                       "chunk_end", "plan_index", "unused")
+CHUNK_RECORD = np.dtype([*((name, np.int32) for name in CHUNK_HEADER_FIELDS),
+                         ("first_pages", np.int32, (RECORD_PAGES,))])
+
+# How a field's C++ type is told apart in the checks: ABI_KIND<T>::value.
+_KINDS = {_POINTER: 1, ctypes.c_int64: 2, ctypes.c_int32: 3, ctypes.c_float: 4}
+_KIND_TRAIT = """\
+template <typename T> struct ABI_KIND { static constexpr int value = 0; };
+template <typename T> struct ABI_KIND<T*> { static constexpr int value = 1; };
+template <> struct ABI_KIND<long long> { static constexpr int value = 2; };
+template <> struct ABI_KIND<int> { static constexpr int value = 3; };
+template <> struct ABI_KIND<float> { static constexpr int value = 4; };
+template <typename T, decltype(sizeof(0)) N> struct ABI_KIND<T[N]> {
+  static constexpr int value = ABI_KIND<T>::value;
+};
+"""
+
+
+def fields() -> list[tuple[str, str, int, int, int]]:
+    """Every field of both mirrors: (struct, C++ member designator, byte offset, byte size,
+    ABI kind), in memory order."""
+    out = [("DecodeParams", name, getattr(DecodeParams, name).offset,
+            getattr(DecodeParams, name).size, _KINDS[ctype])
+           for name, ctype in DecodeParams._fields_]
+    for name in CHUNK_RECORD.names:
+        dtype, offset = CHUNK_RECORD.fields[name][:2]
+        member = f"header.{name}" if name in CHUNK_HEADER_FIELDS else name
+        out.append(("ChunkRecord", member, offset, dtype.itemsize, _KINDS[ctypes.c_int32]))
+    return out
+
+
+SIZES = {"DecodeParams": ctypes.sizeof(DecodeParams), "ChunkRecord": CHUNK_RECORD.itemsize}
+
+
+def layout_checks() -> str:
+    """C++ static_asserts, for a source that includes decode_params.cuh: both structs have the
+    mirrors' sizes, and every field the mirrors' name, size and kind. (NVRTC has no offsetof;
+    ``offset_probe`` lets a test read the offsets from PTX.)"""
+    where = "differs from runtime/kernel_abi.py"
+    lines = ["// Layout checks from runtime/kernel_abi.py", _KIND_TRAIT]
+    lines += [f'static_assert(sizeof({struct}) == {size}, "sizeof({struct}) {where}");'
+              for struct, size in SIZES.items()]
+    for struct, member, _, nbytes, kind in fields():
+        access = f"((({struct}*)0)->{member})"
+        lines.append(f"static_assert(sizeof{access} == {nbytes} && "
+                     f"ABI_KIND<decltype{access}>::value == {kind}, "
+                     f'"{struct}.{member} {where}");')
+    return "\n".join(lines) + "\n"
+
+
+def offset_probe() -> str:
+    """A kernel that stores each field's offset (in ``fields()`` order) to out[i]: the compiler
+    folds them to constants, so its PTX holds the kernel structs' real layout."""
+    stores = "".join(f"  out[{i}] = (unsigned long long)&((({struct}*)0)->{member});\n"
+                     for i, (struct, member, *_) in enumerate(fields()))
+    return ('extern "C" __global__ void abi_offsets(volatile unsigned long long* out) {\n'
+            + stores + "}\n")

@@ -244,13 +244,13 @@ class BatchDecodeWrapper:
             la = as_device_array("lse", lse)
             V.check_device_output("lse", la, (batch, self.num_qo_heads), "float32")
             lse_ptr = la.ptr
-        if s.ptr != self._plan_stream_ptr:
-            # Order this stream after plan()'s upload. Inside a graph capture a cross-stream
-            # wait would pull outside work into the graph, so wait on the host instead.
-            if s.is_capturing():
-                self._upload.ready.synchronize()
-            else:
-                s.wait_event(self._upload.ready)
+        if s.ptr != self._plan_stream_ptr and not s.is_capturing():
+            # Order this stream after plan()'s upload. Not inside a graph capture: a wait on an
+            # event recorded outside it would pull outside work into the graph, and a host wait
+            # is what the default (global) capture mode forbids. A captured run reads the
+            # records when the graph replays, so the replay is what must follow plan()'s
+            # upload, as any work queued after it on the plan's stream does.
+            s.wait_event(self._upload.ready)
         if batch:
             self._launch(qa.ptr, ka.ptr, va.ptr, ka.strides[0], ka.strides[1], oa.ptr, lse_ptr,
                          s.ptr)

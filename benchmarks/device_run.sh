@@ -5,6 +5,8 @@
 #   bash benchmarks/device_run.sh dissect              # what a short call spends its time on
 #   bash benchmarks/device_run.sh pdl                  # A/B: plain launches against PDL
 #   bash benchmarks/device_run.sh dist                 # 2+ GPUs: context-parallel tests and benchmark
+#   bash benchmarks/device_run.sh baseline             # the bench of an older tree in .baseline/
+#     (git archive REV | tar -x -C .baseline; carry .baseline): A/B against `bench` in one run
 # Later phases plan with the profile `calibrate` just wrote, else with the shipped one.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -16,7 +18,7 @@ PROFILE=splitkv/planner/profiles/nvidia-h200.yaml
 for phase in "$@"; do
   case $phase in
     tests)
-      python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_decode.py tests/test_bench_probe.py 2>&1 | tee "$RES/gpu_tests.log" | tail -3
+      python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/ 2>&1 | tee "$RES/gpu_tests.log" | tail -12
       compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
         tests/test_gpu_decode.py -k "zero_length or bad_inputs or every_split or mqa or cluster or first_pages or launch_order or pdl" 2>&1 \
         | tee "$RES/memcheck.log" | tail -4 ;;
@@ -30,6 +32,12 @@ for phase in "$@"; do
       # a fresh CuPy kernel cache, so the first-call compile time is a cold one
       CUPY_CACHE_DIR=$(mktemp -d) SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench --json "$RES/h200.json" --markdown "$RES/h200.md" 2>&1 \
         | grep -v Warning | tee "$RES/bench.log" | tail -22 ;;
+    baseline)
+      (cd .baseline && CUPY_CACHE_DIR=$(mktemp -d) PYTHONPATH=$PWD SPLITKV_PROFILE=$PWD/$PROFILE \
+        python3 -m splitkv.bench --no-peer --json "$RES/h200-baseline.json" 2>&1 | grep -v Warning \
+        | tee "$RES/baseline.log" | tail -16) ;;
+    tests_only)
+      python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/ 2>&1 | tee "$RES/gpu_tests.log" | tail -12 ;;
     dissect)
       python3 benchmarks/dissect_latency.py --probes base,no_merge,bare,empty,cluster \
         --json "$RES/h200-dissect.json" 2>&1 | grep -v Warning | tee "$RES/dissect.log" | tail -25 ;;

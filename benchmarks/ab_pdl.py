@@ -13,7 +13,7 @@ import numpy as np
 
 from splitkv.bench.cases import STANDARD_CASES, Case, select
 from splitkv.planner import choose_plan, load_profile
-from splitkv.problem import DecodeProblem
+from splitkv.core.problem import DecodeProblem
 from splitkv.runtime import device_info
 from splitkv.runtime.experiments import DecodeExperiments
 from splitkv.runtime.testing import scattered_page_table

@@ -29,10 +29,10 @@ import numpy as np
 
 from splitkv import BatchDecodeWrapper
 from splitkv.bench.cases import select
-from splitkv.geometry import THREADS_PER_CTA
-from splitkv.plan import plan_chunk_tokens
-from splitkv.problem import DecodeProblem
-from splitkv import execution
+from splitkv.core.geometry import THREADS_PER_CTA
+from splitkv.core.plan import plan_chunk_tokens
+from splitkv.core.problem import DecodeProblem
+from splitkv.core import execution
 from splitkv.runtime import kernel_source
 from splitkv.runtime.launch import KernelLaunch
 from splitkv.runtime.modules import get_decode_kernels

@@ -17,10 +17,10 @@ import sys
 import numpy as np
 
 from splitkv.calibration.sweep import ragged_lengths
-from splitkv.plan import plan_chunk_tokens
+from splitkv.core.plan import plan_chunk_tokens
 from splitkv.planner import choose_plan
 from splitkv.planner.profiles import load_profile
-from splitkv.problem import DecodeProblem
+from splitkv.core.problem import DecodeProblem
 from splitkv.runtime import device_info
 from splitkv.runtime.testing import scattered_page_table
 from splitkv.runtime.timing import make_layers, time_plan_us

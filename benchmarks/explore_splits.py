@@ -11,8 +11,8 @@ import numpy as np
 
 from splitkv.bench.bandwidth import read_bandwidth_gbps
 from splitkv.bench.cases import select
-from splitkv.plan import plan_chunk_tokens
-from splitkv.problem import DecodeProblem
+from splitkv.core.plan import plan_chunk_tokens
+from splitkv.core.problem import DecodeProblem
 from splitkv.runtime.experiments import DecodeExperiments
 from splitkv.runtime.testing import scattered_page_table
 from splitkv.runtime.timing import make_layers, time_plan_us

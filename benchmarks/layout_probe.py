@@ -1,6 +1,6 @@
 import numpy as np
-from splitkv.problem import DecodeProblem
-from splitkv.plan import plan_fixed_splits
+from splitkv.core.problem import DecodeProblem
+from splitkv.core.plan import plan_fixed_splits
 from splitkv.runtime.testing import scattered_page_table
 from splitkv.runtime.timing import make_layers, time_plan_us
 from splitkv.bench.bandwidth import read_bandwidth_gbps

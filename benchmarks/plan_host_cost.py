@@ -13,7 +13,7 @@ import numpy as np
 
 from splitkv.bench.cases import RAGGED_B32, ragged_b256_lengths
 from splitkv.planner import choose_plan
-from splitkv.problem import DecodeProblem
+from splitkv.core.problem import DecodeProblem
 from splitkv.runtime.testing import scattered_page_table
 from splitkv.runtime.timing import median_host_us
 from splitkv.runtime.wrapper import BatchDecodeWrapper

@@ -37,7 +37,7 @@ def main() -> int:
     from splitkv import BatchDecodeWrapper, reference_decode
     from splitkv.distributed import (ContextParallelDecode, compact_page_table, init_process_group,
                                      shard_page_table)
-    from splitkv.reference import to_float64
+    from splitkv.core.reference import to_float64
     from splitkv.runtime.testing import random_device_array, scattered_page_table
 
     group = init_process_group()

@@ -6,11 +6,11 @@ Host-side pieces (problem description, plans, the float64 reference, the CPU pla
 """
 
 from ._version import __version__
-from .cpu_executor import execute_plan_cpu
-from .merge import merge_states, merge_states_n
-from .plan import Plan, plan_chunk_tokens, plan_fixed_splits, plan_from_chunk_counts
-from .problem import DecodeProblem, PageTable
-from .reference import reference_decode
+from .core.cpu_executor import execute_plan_cpu
+from .core.merge import merge_states, merge_states_n
+from .core.plan import Plan, plan_chunk_tokens, plan_fixed_splits, plan_from_chunk_counts
+from .core.problem import DecodeProblem, PageTable
+from .core.reference import reference_decode
 
 __all__ = [
     "BatchDecodeWrapper", "DecodeProblem", "PageTable", "Plan", "execute_plan_cpu",

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cpu_executor import execute_plan_cpu
-from .plan import Plan
+from .core.cpu_executor import execute_plan_cpu
+from .core.plan import Plan
 from .planner import choose_plan
-from .problem import DecodeProblem, PageTable
-from .reference import reference_decode
+from .core.problem import DecodeProblem, PageTable
+from .core.reference import reference_decode
 from .testing import scattered_page_table
 
 PAGE_SIZE = 16

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .problem import PageTable
+from .core.problem import PageTable
 
 
 def scattered_block_table(kv_lens, page_size: int, rng: np.random.Generator,

@@ -73,7 +73,7 @@ def compute_digests() -> dict[str, dict]:
     import cupy
 
     from splitkv import DecodeProblem
-    from splitkv.plan import plan_chunk_tokens
+    from splitkv.core.plan import plan_chunk_tokens
     from splitkv.runtime.wrapper import BatchDecodeWrapper
 
     inputs = {shape: _inputs(shape) for shape in SHAPES}

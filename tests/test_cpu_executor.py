@@ -5,8 +5,8 @@ import pytest
 
 from splitkv import (DecodeProblem, PageTable, Plan, execute_plan_cpu, plan_chunk_tokens, plan_fixed_splits,
                      plan_from_chunk_counts, reference_decode)
-from splitkv.cpu_executor import compute_partials, merge_partials
-from splitkv.reference import attend
+from splitkv.core.cpu_executor import compute_partials, merge_partials
+from splitkv.core.reference import attend
 
 TOL = dict(rtol=1e-12, atol=1e-12)
 

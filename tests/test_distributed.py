@@ -24,10 +24,10 @@ from splitkv import (DecodeProblem, PageTable, execute_plan_cpu, merge_states_n,
 from splitkv.distributed import compact_page_table, head_shard, shard_page_table, shard_token_ranges
 from splitkv.distributed.launch import child_env, split_argv
 from splitkv.distributed.rendezvous import RankInfo, publish_unique_id, unique_id_path, wait_unique_id
-from splitkv.bfloat16 import bits_to_float32 as bf16_bits_to_float32
-from splitkv.bfloat16 import float32_to_bits as float32_to_bf16_bits
+from splitkv.core.bfloat16 import bits_to_float32 as bf16_bits_to_float32
+from splitkv.core.bfloat16 import float32_to_bits as float32_to_bf16_bits
 from splitkv.distributed.states import merge_gathered, pack_state, store_output
-from splitkv.reference import to_float64
+from splitkv.core.reference import to_float64
 from splitkv.runtime.testing import float_to_bits
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,12 +1,12 @@
-"""How a plan runs (``splitkv.execution``): the merge mode and launch order the planner decides
+"""How a plan runs (``splitkv.core.execution``): the merge mode and launch order the planner decides
 and the Plan carries."""
 
 import numpy as np
 import pytest
 
-from splitkv.execution import Execution, decide
-from splitkv.plan import Plan, plan_fixed_splits, plan_from_chunk_counts
-from splitkv.problem import DecodeProblem
+from splitkv.core.execution import Execution, decide
+from splitkv.core.plan import Plan, plan_fixed_splits, plan_from_chunk_counts
+from splitkv.core.problem import DecodeProblem
 
 
 def problem(lens, hq=32, hk=8, d=128):
@@ -61,7 +61,7 @@ def test_execution_checks_its_fields():
 
 
 def test_fused_cluster_size_needs_fused_equal_counts_short_chunks_and_small_grids():
-    from splitkv.execution import CLUSTER_MAX_CHUNK_TOKENS, CLUSTER_MAX_WIDE_CTAS, fused_cluster_size
+    from splitkv.core.execution import CLUSTER_MAX_CHUNK_TOKENS, CLUSTER_MAX_WIDE_CTAS, fused_cluster_size
 
     assert fused_cluster_size("fused", [8, 8, 8], 128, 48) == 8
     assert fused_cluster_size("fused", [8], 128, CLUSTER_MAX_WIDE_CTAS + 8) == 0   # big grid
@@ -77,7 +77,7 @@ def test_fused_cluster_size_needs_fused_equal_counts_short_chunks_and_small_grid
 
 
 def test_launch_orders_run_the_long_work_first_and_keep_ties_in_plan_order():
-    from splitkv.execution import launch_order
+    from splitkv.core.execution import launch_order
 
     req = [0, 0, 1, 2, 2, 2]
     tokens = [512, 100, 300, 512, 512, 40]

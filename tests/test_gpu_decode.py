@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from splitkv import reference_decode
-from splitkv.execution import grid_order
-from splitkv.plan import plan_chunk_tokens, plan_from_chunk_counts
-from splitkv.problem import DecodeProblem
-from splitkv.reference import to_float64
+from splitkv.core.execution import grid_order
+from splitkv.core.plan import plan_chunk_tokens, plan_from_chunk_counts
+from splitkv.core.problem import DecodeProblem
+from splitkv.core.reference import to_float64
 from splitkv.runtime.experiments import DecodeExperiments
 from splitkv.runtime.testing import random_device_array, scattered_page_table
 from splitkv.runtime.wrapper import BatchDecodeWrapper
@@ -150,8 +150,8 @@ def test_cluster_merge_matches_reference_and_ticket_merge(hq, hk, d, dtype):
     """Fused plans with 2, 4 or 8 short chunks per request merge inside thread-block clusters
     on sm_90+ (where execution.fused_cluster_size allows): the same answer as the atomic-ticket
     merge, to the bit."""
-    from splitkv.execution import CLUSTER_MAX_WIDE_CTAS
-    from splitkv.geometry import ctas_per_kv_head
+    from splitkv.core.execution import CLUSTER_MAX_WIDE_CTAS
+    from splitkv.core.geometry import ctas_per_kv_head
     from splitkv.runtime import device_info
 
     if int(device_info()["cc"]) < 90:

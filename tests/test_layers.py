@@ -66,6 +66,15 @@ def test_the_planner_imports_nothing_from_the_runtime():
     assert imports_from(["splitkv.runtime"], PACKAGE / "planner") == {}
 
 
+def test_the_core_imports_only_the_core():
+    """Imports flow one way: the planner, the runtime and the tools build on ``splitkv.core``,
+    which needs nothing else of splitkv."""
+    others = [f"splitkv.{p.stem if p.is_file() else p.name}" for p in PACKAGE.iterdir()
+              if p.name not in ("core", "__pycache__", "__init__.py") and not p.name.startswith(".")]
+    assert imports_from(others, PACKAGE / "core") == {}
+    assert imports_from(["splitkv.runtime"], PACKAGE / "core") == {}
+
+
 def test_only_entry_points_import_the_cli():
     """The CLI is a layer over the library: outside ``splitkv/cli/`` only the ``__main__``
     modules (``python -m splitkv``, ``python -m splitkv.bench``) import it."""

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from splitkv import merge_states, merge_states_n
-from splitkv.reference import attend
+from splitkv.core.reference import attend
 
 TOL = dict(rtol=1e-12, atol=1e-12)
 

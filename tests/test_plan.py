@@ -185,9 +185,9 @@ def test_cluster_variant_names_and_shared_memory():
 
 
 def test_chunk_records_carry_each_chunks_first_pages():
-    from splitkv.geometry import RECORD_PAGES
-    from splitkv.plan import plan_from_chunk_counts
-    from splitkv.problem import DecodeProblem, PageTable
+    from splitkv.core.geometry import RECORD_PAGES
+    from splitkv.core.plan import plan_from_chunk_counts
+    from splitkv.core.problem import DecodeProblem, PageTable
     from splitkv.runtime.wrapper import first_pages, pages_fit_record
 
     lens = [100, 0, 2000]
@@ -214,9 +214,9 @@ def test_chunk_records_carry_each_chunks_first_pages():
 def test_chunk_records_in_launch_order_name_their_plan_chunk():
     """Record r holds chunk order[r] whole (request, tokens, page-table start, the request's
     chunk range, its first pages) and that chunk's plan index, where its partials go."""
-    from splitkv.execution import launch_order
-    from splitkv.plan import plan_chunk_tokens
-    from splitkv.problem import DecodeProblem, PageTable
+    from splitkv.core.execution import launch_order
+    from splitkv.core.plan import plan_chunk_tokens
+    from splitkv.core.problem import DecodeProblem, PageTable
     from splitkv.runtime.kernel_abi import CHUNK_RECORD
     from splitkv.runtime.wrapper import chunk_records, first_pages
 

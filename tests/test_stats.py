@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from splitkv import DecodeProblem, plan_chunk_tokens, plan_fixed_splits, plan_from_chunk_counts
-from splitkv.geometry import TILE_TOKENS
+from splitkv.core.geometry import TILE_TOKENS
 from splitkv.planner.stats import (STAT_NAMES, decomposition_stats, equal_candidate_stats,
                                    ragged_candidate_stats, rows_of)
 

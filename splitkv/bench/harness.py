@@ -15,8 +15,8 @@ from .cases import LATENCY_TARGETS_US, ragged_b256_lengths
 
 def _rel_err_subset(wrapper, page_table, data, max_requests: int = 4) -> float:
     """Relative L2 error of the first few requests of layer 0 against the float64 reference."""
-    from ..problem import PageTable
-    from ..reference import reference_decode, to_float64
+    from ..core.problem import PageTable
+    from ..core.reference import reference_decode, to_float64
     from ..runtime.cupy_arrays import to_device
 
     out = wrapper.run(data.q, data.k_layers[0], data.v_layers[0])
@@ -60,7 +60,7 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
     (probed before and after the cases), first-call compile time, the planner's CPU time and a
     row per case (us, GB/s, fraction of the floor, error, plan, peers).
     """
-    from ..problem import DecodeProblem
+    from ..core.problem import DecodeProblem
     from ..runtime import device_info
     from ..runtime.cupy_arrays import free_cached_blocks
     from ..runtime.modules import compile_seconds_so_far

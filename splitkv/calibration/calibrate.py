@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..plan import Plan
+from ..core.plan import Plan
 from ..planner import Profile, choose_plan
 from ..planner.profiles import device_slug, prior_profile, user_profile_dir
-from ..problem import DecodeProblem
+from ..core.problem import DecodeProblem
 from ..runtime import timing as runtime_timing
 from .fit import FitReport, fit_profile
 from .sweep import Measurement, SweepPoint, measure, sweep_points, write_measurements

@@ -50,7 +50,7 @@ def write_plots(folder, stem: str, measurements, profile, report) -> list[str]:
     lines.append(f"wrote {path}")
 
     from ..planner import choose_plan
-    from ..problem import DecodeProblem
+    from ..core.problem import DecodeProblem
 
     splits = np.zeros((len(MAP_BATCHES), len(MAP_LENGTHS)))
     fig, ax = plt.subplots(figsize=(8, 6))

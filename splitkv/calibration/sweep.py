@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..plan import Plan
-from ..problem import DecodeProblem
+from ..core.plan import Plan
+from ..core.problem import DecodeProblem
 from ..planner.cost_model import CostModel
 from ..planner.planner import NO_SPLIT, Candidate, rank_candidates
 

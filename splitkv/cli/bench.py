@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from ..validation import STRATEGIES
+from ..core.validation import STRATEGIES
 
 
 def _command_line() -> str:

@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 
-from .. import validation as V
+from ..core import validation as V
 
 
 def _heads(text: str) -> tuple[int, int]:
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from ..planner import ProfileError, load_profile, rank_candidates
-    from ..problem import DecodeProblem
+    from ..core.problem import DecodeProblem
 
     lens = args.lens if args.lens is not None else [args.kv_len] * args.batch
     try:

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import validation as V
-from ..plan import Plan
-from ..problem import PageTable
+from ..core import validation as V
+from ..core.plan import Plan
+from ..core.problem import PageTable
 from ..runtime.arrays import as_cupy_stream, as_device_array, cupy_storage_dtype
 from ..runtime.cupy_arrays import allocating_from, check_cupy_array, empty, new_memory_pool
 from .states import merge_gathered, pack_state, store_output

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import validation as V
-from ..problem import PageTable
+from ..core import validation as V
+from ..core.problem import PageTable
 
 
 def shard_page_ranges(page_table: PageTable, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:

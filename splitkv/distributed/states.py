@@ -13,9 +13,9 @@ the GPU runs is tested on the CPU. bfloat16 is handled as raw uint16 bits.
 
 from __future__ import annotations
 
-from ..bfloat16 import bits_to_float32, float32_to_bits
-from ..merge import merge_states_n
-from ..bfloat16 import array_namespace
+from ..core.bfloat16 import bits_to_float32, float32_to_bits
+from ..core.merge import merge_states_n
+from ..core.bfloat16 import array_namespace
 
 
 def storage_bits(arr):

@@ -64,10 +64,10 @@ import functools
 import numpy as np
 from scipy.optimize import nnls
 
-from ..execution import MERGE_CLUSTER, clustered
-from ..geometry import ctas_per_kv_head
-from ..plan import Plan
-from ..validation import STRATEGIES
+from ..core.execution import MERGE_CLUSTER, clustered
+from ..core.geometry import ctas_per_kv_head
+from ..core.plan import Plan
+from ..core.validation import STRATEGIES
 from .stats import (ONE, S_COUNTS, S_LARGEST, S_MAX_CHUNK_TOKENS, S_MAX_SPLITS, S_NUM_CHUNKS,
                     STAT_NAMES, TWO, decomposition_stats, rows_of)
 

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import validation as V
-from ..plan import (Plan, _chunk_arrays, _single_chunk_arrays, _uniform_chunk_arrays,
+from ..core import validation as V
+from ..core.plan import (Plan, _chunk_arrays, _single_chunk_arrays, _uniform_chunk_arrays,
                     plan_chunk_tokens, plan_fixed_splits, plan_from_chunk_counts)
-from ..problem import DecodeProblem
-from ..execution import DEFAULT_LAUNCH_ORDER, check_launch_order, may_cluster
-from ..geometry import TILE_TOKENS
+from ..core.problem import DecodeProblem
+from ..core.execution import DEFAULT_LAUNCH_ORDER, check_launch_order, may_cluster
+from ..core.geometry import TILE_TOKENS
 from .cost_model import (CostModel, feature_constants, feature_index, features_from_stats,
                          gather_features, new_feature_rows, row_features, strategy_scale)
 from .stats import (S_NUM_CHUNKS, STAT_NAMES, equal_candidate_stats, ones,

@@ -20,7 +20,7 @@ import functools
 
 import numpy as np
 
-from ..geometry import TILE_TOKENS
+from ..core.geometry import TILE_TOKENS
 
 
 # The numbers of a decomposition the features need, rows of a ``stats`` array in this order.

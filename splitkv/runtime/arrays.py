@@ -9,7 +9,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .. import validation as V
+from ..core import validation as V
 
 _TYPESTR = {"<f2": "float16", "<f4": "float32", "<u2": "uint16", "<i4": "int32", "<u4": "uint32",
             "<V2": "bfloat16"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import validation as V
+from ..core import validation as V
 from .features import check_option
 
 # Where a PDL partial kernel lets the next kernel launch: 'early', as soon as its CTAs read

@@ -15,7 +15,7 @@ import ctypes
 
 import numpy as np
 
-from ..geometry import RECORD_PAGES
+from ..core.geometry import RECORD_PAGES
 
 _POINTER = ctypes.c_void_p      # device pointers, written as Python ints
 

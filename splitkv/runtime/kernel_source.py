@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 
-from ..execution import CLUSTER_SIZES
-from ..geometry import MAX_HEADS_PER_CTA, RECORD_PAGES, TILE_TOKENS, WARPS_PER_CTA
+from ..core.execution import CLUSTER_SIZES
+from ..core.geometry import MAX_HEADS_PER_CTA, RECORD_PAGES, TILE_TOKENS, WARPS_PER_CTA
 from .kernel_abi import layout_checks
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)

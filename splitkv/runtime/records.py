@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..geometry import RECORD_PAGES, TILE_TOKENS
-from ..plan import Plan
-from ..problem import PageTable
+from ..core.geometry import RECORD_PAGES, TILE_TOKENS
+from ..core.plan import Plan
+from ..core.problem import PageTable
 from .kernel_abi import CHUNK_RECORD
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..bfloat16 import float32_to_bits
+from ..core.bfloat16 import float32_to_bits
 from ..testing import scattered_page_table
 
 __all__ = ["float_to_bits", "random_device_array", "random_device_array_fast",

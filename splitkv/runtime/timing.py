@@ -15,8 +15,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..plan import Plan
-from ..problem import PageTable
+from ..core.plan import Plan
+from ..core.problem import PageTable
 
 
 TRIALS = 7

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..plan import Plan
+from ..core.plan import Plan
 
 
 class Workspace:

@@ -25,11 +25,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from .. import validation as V
-from ..execution import check_launch_order, grid_order
-from ..geometry import THREADS_PER_CTA, ctas_per_kv_head
-from ..plan import Plan
-from ..problem import DecodeProblem, PageTable
+from ..core import validation as V
+from ..core.execution import check_launch_order, grid_order
+from ..core.geometry import THREADS_PER_CTA, ctas_per_kv_head
+from ..core.plan import Plan
+from ..core.problem import DecodeProblem, PageTable
 from .arrays import as_cupy_stream, as_device_array, cupy_storage_dtype
 from .experiments import DecodeExperiments
 from .features import check_option, one_per_sm_shared_bytes, sm90_option, spreads_one_per_sm

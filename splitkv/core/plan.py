@@ -17,7 +17,7 @@ Strategies:
                an atomic ticket, or inside a thread-block cluster on sm_90+).
 
 How the plan runs on the GPU (its merge mode and the grid's launch order) is its
-``execution``, decided by ``splitkv.execution.decide``: plans built here assume a GPU without
+``execution``, decided by ``splitkv.core.execution.decide``: plans built here assume a GPU without
 clusters and the default launch order; the planner, and ``with_execution``, decide for a
 given device.
 """

@@ -1,10 +1,9 @@
 """Streaming-read bandwidth of the GPU, measured in the same run as the decode cases.
 
 The floor that "% of read bandwidth" is judged against must be the best rate a plain read
-reaches, or it flatters the kernel. One launch shape is not enough: on one H200 run a
-single-shape probe (a grid of 8 x 512-thread CTAs per SM, one 16-byte load in flight per
-thread) read 4,275 GB/s while the decode kernel itself sustained 4,333 GB/s. So the probe
-tries a few shapes, including ones that keep four loads in flight per thread, and keeps the
+reaches, or it flatters the kernel. One launch shape is not enough: a single-shape probe once
+read slower than the decode kernel itself sustained (benchmarks/NOTES.md). So the probe tries
+a few shapes, including ones that keep four loads in flight per thread, and keeps the
 fastest. (A shape's "CTAs per SM" is the grid's size over the SM count; an SM holds at most
 2,048 threads, so 8 x 512 runs as two waves of 4.)
 """

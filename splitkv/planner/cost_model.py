@@ -122,9 +122,9 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
     machine. Each feature is a statistic times its unit (bytes -> microseconds, tiles ->
     tile-equivalents); they are the same on every decode step, so they are computed once."""
     group = num_qo_heads // num_kv_heads
-    head_tiles = ctas_per_kv_head(group)
-    rows = -(-group // head_tiles)                 # query heads per CTA
-    items_per_chunk = num_kv_heads * head_tiles
+    ctas = ctas_per_kv_head(group)
+    rows = -(-group // ctas)                       # query heads per CTA
+    items_per_chunk = num_kv_heads * ctas
     slots = num_sms * ctas_per_sm
     bw = bandwidth_gbps * 1e3                      # bytes per microsecond
     slot_bw = bw / slots

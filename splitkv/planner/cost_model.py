@@ -69,18 +69,14 @@ from ..core.geometry import ctas_per_kv_head
 from ..core.plan import Plan
 from ..core.validation import STRATEGIES
 from .stats import (ONE, S_COUNTS, S_LARGEST, S_MAX_CHUNK_TOKENS, S_MAX_SPLITS, S_NUM_CHUNKS,
-                    STAT_NAMES, TWO, decomposition_stats, rows_of)
+                    STAT_NAMES, TWO, decomposition_stats, indices, rows_of)
 
 
 FEATURE_NAMES = ("const", "launches", "kv_us", "crit_us", "crit_tiles", "crit_tile_rows",
                  "waves", "partial_us", "fused_tail_us", "fused_merges", "merge_chain",
                  "tail_us", "cluster_merges", "lone_cta_us")
-_F = {name: i for i, name in enumerate(FEATURE_NAMES)}
-F_LAUNCHES = _F["launches"]
-F_FUSED_TAIL_US = _F["fused_tail_us"]
-F_FUSED_MERGES = _F["fused_merges"]
-F_MERGE_CHAIN = _F["merge_chain"]
-F_CLUSTER_MERGES = _F["cluster_merges"]
+F_LAUNCHES, F_FUSED_TAIL_US, F_FUSED_MERGES, F_MERGE_CHAIN, F_CLUSTER_MERGES = indices(
+    FEATURE_NAMES, "launches", "fused_tail_us", "fused_merges", "merge_chain", "cluster_merges")
 # The features a clustered fused merge does not pay, for the one it pays instead
 # (F_CLUSTER_MERGES).
 F_TICKET = rows_of(FEATURE_NAMES, "partial_us", "fused_tail_us", "fused_merges")
@@ -158,26 +154,20 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
 FEATURE_ROWS = STAT_NAMES + ("one", "one_plus_split", "split", "split_x_max_splits",
                              "crit_tokens", "crit_tiles", "waves", "sm_waves", "tail_tokens",
                              "clustered", "lone_tokens")
-_R = {name: i for i, name in enumerate(FEATURE_ROWS)}
-R_ONE = _R["one"]
-R_ONE_PLUS_SPLIT = _R["one_plus_split"]
-R_SPLIT = _R["split"]
-R_SPLIT_X_MAX_SPLITS = _R["split_x_max_splits"]
-R_CRIT_TOKENS = _R["crit_tokens"]
-R_SM_WAVES = _R["sm_waves"]
-R_TAIL_TOKENS = _R["tail_tokens"]
-R_CLUSTERED = _R["clustered"]
-R_LONE_TOKENS = _R["lone_tokens"]
+(R_ONE, R_ONE_PLUS_SPLIT, R_SPLIT, R_SPLIT_X_MAX_SPLITS, R_CRIT_TOKENS, R_SM_WAVES,
+ R_TAIL_TOKENS, R_CLUSTERED, R_LONE_TOKENS) = indices(
+    FEATURE_ROWS, "one", "one_plus_split", "split", "split_x_max_splits", "crit_tokens",
+    "sm_waves", "tail_tokens", "clustered", "lone_tokens")
 # Rows that one call reads or fills together, in step with ``stats``' S_COUNTS (chunks, tokens,
 # tiles) and S_LARGEST (the largest chunk's tokens, tiles): the critical path's tokens and
 # tiles, and the two wave counts.
 R_CRIT = rows_of(FEATURE_ROWS, "crit_tokens", "crit_tiles")
 R_WAVES = rows_of(FEATURE_ROWS, "waves", "sm_waves")
 # Row of each feature (FEATURE_NAMES order); launches is 1 + split only when merging.
-FEATURE_SOURCE = np.array([_R[name] for name in (
-    "one", "one", "total_tokens", "crit_tokens", "crit_tiles", "crit_tiles", "waves",
-    "split_chunks", "split_x_max_splits", "split", "split_x_max_splits", "tail_tokens",
-    "clustered", "lone_tokens")])
+FEATURE_SOURCE = np.array(indices(
+    FEATURE_ROWS, "one", "one", "total_tokens", "crit_tokens", "crit_tiles", "crit_tiles",
+    "waves", "split_chunks", "split_x_max_splits", "split", "split_x_max_splits", "tail_tokens",
+    "clustered", "lone_tokens"))
 
 
 def new_feature_rows(n: int) -> tuple[np.ndarray, np.ndarray]:

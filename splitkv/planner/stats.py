@@ -39,14 +39,14 @@ def rows_of(names, *wanted) -> slice:
     return slice(start, start + len(wanted))
 
 
-_S = {name: i for i, name in enumerate(STAT_NAMES)}
-S_NUM_CHUNKS = _S["num_chunks"]
-S_TOTAL_TOKENS = _S["total_tokens"]
-S_TOTAL_TILES = _S["total_tiles"]
-S_MAX_CHUNK_TOKENS = _S["max_chunk_tokens"]
-S_MAX_CHUNK_TILES = _S["max_chunk_tiles"]
-S_MAX_SPLITS = _S["max_splits"]
-S_SPLIT_CHUNKS = _S["split_chunks"]
+def indices(names, *wanted) -> tuple[int, ...]:
+    """The rows ``wanted`` of a table in ``names`` order, as plain ints (as cheap to index with
+    as a literal on the planner's hot path)."""
+    return tuple(names.index(name) for name in wanted)
+
+
+(S_NUM_CHUNKS, S_TOTAL_TOKENS, S_TOTAL_TILES, S_MAX_CHUNK_TOKENS, S_MAX_CHUNK_TILES,
+ S_MAX_SPLITS, S_SPLIT_CHUNKS) = indices(STAT_NAMES, *STAT_NAMES)
 # Rows that one NumPy call reads or fills together: the maxima over the requests
 # (``ragged_candidate_stats`` takes them in one reduction); the counts and the largest chunk's
 # tokens and tiles, which ``cost_model.row_features`` turns into work items and critical paths.

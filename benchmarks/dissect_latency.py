@@ -44,7 +44,7 @@ _COPIES = ("cp_async16(k_smem_u32 + dst, params.k_cache + off, valid ? 16 : 0);\
            "      cp_async16(v_smem_u32 + dst, params.v_cache + off, valid ? 16 : 0);")
 _NO_COPIES = ("cp_async16(k_smem_u32 + dst, params.k_cache + off, 0);\n"
               "      cp_async16(v_smem_u32 + dst, params.v_cache + off, 0);")
-_MERGE = "  if (params.ticket_merge)\n"
+_MERGE = "  if (chunk.flags & RECORD_TICKET_MERGE)\n"
 _PAGES = "? table[pidx] : -1"
 _SMEM = "extern __shared__ __align__(128) unsigned char smem[];"
 PATCHES = {

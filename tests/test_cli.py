@@ -105,9 +105,11 @@ def test_bench_markdown_table():
            "strategy": "fused", "num_splits": 4, "best_paged_peer_us": 8.6, "peer_us": 7.5}
     result = {"read_gbps": 4500.0, "first_call_compile_s": 1.5, "plan_cpu_us_ragged_b32": 20.0,
               "plan_cpu_us_ragged_b256": 90.0, "wrapper_plan_cpu_us_ragged_b32": 300.0,
-              "cases": [row, dict(row, case="ragged_b32", us=150.0, peer_us=None)]}
+              "cases": [row, dict(row, case="ragged_b32", us=150.0, peer_us=None,
+                                  graph_stable_us=153.0, graph_stable_plan="fused/7")]}
     lines = markdown_table(result).splitlines()
     assert lines[0].startswith("read floor: 4,500 GB/s (the fastest streaming read of ")
-    assert lines[4] == ("| b1_n1k | 5.00 | 1700 | 40.0 | 1.2e-03 | fused/4 | 8.6 | 7.5 | "
+    assert lines[4] == ("| b1_n1k | 5.00 | 1700 | 40.0 | 1.2e-03 | fused/4 | 8.6 | 7.5 | n/a | "
                         "<=peer, miss 4.5us, <=1.05 sdpa |")
-    assert lines[5] == "| ragged_b32 | 150.00 | 1700 | 40.0 | 1.2e-03 | fused/4 | 8.6 | None | >peer |"
+    assert lines[5] == ("| ragged_b32 | 150.00 | 1700 | 40.0 | 1.2e-03 | fused/4 | 8.6 | None | "
+                        "153.00 (fused/7, 1.020) | >peer |")

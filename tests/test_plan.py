@@ -217,7 +217,7 @@ def test_chunk_records_in_launch_order_name_their_plan_chunk():
     from splitkv.core.execution import launch_order
     from splitkv.core.plan import plan_chunk_tokens
     from splitkv.core.problem import DecodeProblem, PageTable
-    from splitkv.runtime.kernel_abi import CHUNK_RECORD
+    from splitkv.runtime.kernel_abi import CHUNK_RECORD, RECORD_HAS_PAGES, RECORD_TICKET_MERGE
     from splitkv.runtime.wrapper import chunk_records, first_pages
 
     lens = [300, 0, 2000, 64]
@@ -246,5 +246,18 @@ def test_chunk_records_in_launch_order_name_their_plan_chunk():
         records["first_pages"][:, :4],
         first_pages(table, plan.chunk_request[order], plan.chunk_start[order], 4))
     assert not records["first_pages"][:, 4:].any()                         # only what was asked
-    assert not chunk_records(plan, table, order, 0)["first_pages"].any()
-    assert not records["unused"].any()
+    no_pages = chunk_records(plan, table, order, 0)
+    assert not no_pages["first_pages"].any()
+    # flags: the plan merges by ticket (built without clusters); page ids only where written
+    assert (records["flags"] == RECORD_TICKET_MERGE | RECORD_HAS_PAGES).all()
+    assert (no_pages["flags"] == RECORD_TICKET_MERGE).all()
+    split_merge = chunk_records(plan_chunk_tokens(plan.problem, 512, "split_merge", align=64),
+                                table, order, 0)
+    assert not split_merge["flags"].any()
+
+
+def test_idle_records_are_request_minus_one():
+    from splitkv.runtime.records import idle_records
+
+    idle = idle_records(3)
+    assert (idle["request"] == -1).all() and not idle["flags"].any() and idle.size == 3

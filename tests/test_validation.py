@@ -251,3 +251,27 @@ def test_wrapper_options_are_checked():
     w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16",
                            experiments=DecodeExperiments(stages=2, max_registers=168))
     assert (w.variant.stages, w.variant.max_registers) == (2, 168)
+
+
+def test_graph_stable_capacity_is_checked():
+    """use_cuda_graph needs its capacity; a capacity without it, or one that cannot hold a batch,
+    is refused, each naming the argument (no GPU needed)."""
+    from splitkv.runtime.wrapper import BatchDecodeWrapper
+
+    with pytest.raises(ValueError, match="max_num_pages"):
+        BatchDecodeWrapper(8, 2, 128, 16, use_cuda_graph=True, max_batch_size=4)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        BatchDecodeWrapper(8, 2, 128, 16, use_cuda_graph=True, max_num_pages=100)
+    with pytest.raises(ValueError, match="use_cuda_graph"):
+        BatchDecodeWrapper(8, 2, 128, 16, max_batch_size=4)
+    with pytest.raises(ValueError, match="max_chunks"):
+        BatchDecodeWrapper(8, 2, 128, 16, use_cuda_graph=True, max_batch_size=4,
+                           max_num_pages=100, max_chunks=3)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        BatchDecodeWrapper(8, 2, 128, 16, use_cuda_graph=True, max_batch_size=0,
+                           max_num_pages=100)
+    with pytest.raises(TypeError, match="use_cuda_graph"):
+        BatchDecodeWrapper(8, 2, 128, 16, use_cuda_graph="yes")
+    w = BatchDecodeWrapper(8, 2, 128, 16, use_cuda_graph=True, max_batch_size=4,
+                           max_num_pages=100, max_chunks=32)
+    assert w.max_chunks == 32 and BatchDecodeWrapper(8, 2, 128, 16).max_chunks is None

@@ -50,11 +50,13 @@ def _wrapper_plan_cpu_us(wrapper, page_table, repeats: int = 200, **plan_args) -
 
 def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
               num_splits: int | None = None, strategy: str | None = None, peer: bool = True,
-              seed: int = 0, command: str = "", log=None) -> dict:
+              seed: int = 0, command: str = "", log=None, graph_stable: bool = True) -> dict:
     """Time each of ``cases`` (``cases.Case``) on the current GPU, as the planner plans it (or
     with ``num_splits``/``strategy`` forced), over layers that together hold at least
     ``min_total_mib`` MiB of KV, with PyTorch SDPA on contiguous KV as a peer where ``peer`` and
     torch is installed. ``log(line)`` is called with a line of progress as each step ends.
+    ``graph_stable``: also time each case through a graph-stable wrapper (``use_cuda_graph``,
+    capacity: the case's batch and pages, the default max_chunks), the same way.
 
     Returns the results as written to JSON: the device, date, ``command``, the read floor
     (probed before and after the cases), first-call compile time, the planner's CPU time and a
@@ -99,6 +101,14 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
         data = make_layers(pt, case.num_qo_heads, case.num_kv_heads, case.head_dim, dtype,
                            min_total_bytes=min_total_mib << 20, seed=seed)
         us = time_wrapper_us(w, data)
+        graph_us = graph_plan = None
+        if graph_stable:
+            stable = BatchDecodeWrapper(case.num_qo_heads, case.num_kv_heads, case.head_dim,
+                                        case.page_size, dtype, use_cuda_graph=True,
+                                        max_batch_size=len(case.kv_lens),
+                                        max_num_pages=pt.kv_indices.size)
+            graph_plan = stable.plan(pt, num_splits=num_splits, strategy=strategy)
+            graph_us = time_wrapper_us(stable, data)
         err = _rel_err_subset(w, pt, data)
         gbps = problem.kv_bytes / (us * 1e-6) / 1e9
         peer_us = None
@@ -112,12 +122,17 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
                "pdl": w.pdl_active, "cluster": w.cluster_size,
                "predicted_us": None if plan.predicted_us is None else round(plan.predicted_us, 2),
                "peer_us": None if peer_us is None else round(peer_us, 2),
-               "best_paged_peer_us": case.best_paged_peer_us, "kv_mib": problem.kv_bytes / 2**20}
+               "best_paged_peer_us": case.best_paged_peer_us, "kv_mib": problem.kv_bytes / 2**20,
+               "graph_stable_us": None if graph_us is None else round(graph_us, 2),
+               "graph_stable_plan": (None if graph_plan is None else
+                                     f"{graph_plan.strategy}/{graph_plan.num_splits}")}
         rows.append(row)
         # % of the floor probed before the cases; the table uses the final floor
         log(f"{case.name:>12}: {us:8.2f} us {gbps:7.0f} GB/s {100 * gbps / read_gbps:5.1f}% "
             f"{plan.strategy}/{plan.num_splits} err {err:.1e}"
-            + (f" | sdpa {peer_us:.2f} us" if peer_us else ""))
+            + (f" | sdpa {peer_us:.2f} us" if peer_us else "")
+            + (f" | graph-stable {graph_us:.2f} us {graph_plan.strategy}/{graph_plan.num_splits}"
+               if graph_us else ""))
         del data
         free_cached_blocks()
 
@@ -132,6 +147,17 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
     # the issue's bar: a ragged batch of 256 requests, planned with the profile used above
     plan_us_b256 = _plan_cpu_us(DecodeProblem(ragged_b256_lengths(), 32, 8, 128, 16, dtype),
                                 w.profile) if cases else None
+    # and the whole plan() of it, by an ordinary and a graph-stable wrapper (a decode loop's
+    # host work per step)
+    wrapper_plan_us_b256 = {}
+    if cases:
+        lens = ragged_b256_lengths()
+        table, _ = scattered_page_table(lens, 16, np.random.default_rng(seed), extra_pages=0)
+        for name, options in (("plain", {}), ("graph_stable", dict(
+                use_cuda_graph=True, max_batch_size=lens.size,
+                max_num_pages=table.kv_indices.size))):
+            wrapper_plan_us_b256[name] = round(_wrapper_plan_cpu_us(
+                BatchDecodeWrapper(32, 8, 128, 16, dtype, **options), table), 1)
     return {"device": info["name"], "date": _dt.date.today().isoformat(),
             "command": command,
             "dtype": dtype, "read_gbps": round(read_gbps, 1),
@@ -141,6 +167,7 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
             "plan_cpu_us_ragged_b256": None if plan_us_b256 is None else round(plan_us_b256, 1),
             "wrapper_plan_cpu_us_ragged_b32": (None if wrapper_plan_us_ragged is None
                                                else round(wrapper_plan_us_ragged, 1)),
+            "wrapper_plan_cpu_us_ragged_b256": wrapper_plan_us_b256,
             "cases": rows}
 
 
@@ -152,9 +179,11 @@ def markdown_table(result: dict) -> str:
              f"{result['first_call_compile_s']} s; planner (choose_plan) CPU time: ragged_b32 "
              f"{result['plan_cpu_us_ragged_b32']} us, 256 ragged requests "
              f"{result.get('plan_cpu_us_ragged_b256')} us; the whole wrapper.plan() for ragged_b32 "
-             f"{result.get('wrapper_plan_cpu_us_ragged_b32')} us", "",
-             "| case | us | GB/s | % read bw | rel err | plan | best paged peer us | SDPA (contig.) us | target |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"{result.get('wrapper_plan_cpu_us_ragged_b32')} us, for 256 ragged requests "
+             f"{result.get('wrapper_plan_cpu_us_ragged_b256')} us", "",
+             "| case | us | GB/s | % read bw | rel err | plan | best paged peer us | SDPA (contig.) us "
+             "| graph-stable us (plan, x) | target |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["cases"]:
         target = LATENCY_TARGETS_US.get(r["case"])
         verdict = []
@@ -164,7 +193,10 @@ def markdown_table(result: dict) -> str:
             verdict.append(f"{'ok' if r['us'] <= target else 'miss'} {target}us")
         if r["peer_us"] is not None:
             verdict.append("<=1.05 sdpa" if r["us"] <= 1.05 * r["peer_us"] else ">1.05 sdpa")
+        graph = r.get("graph_stable_us")
+        graph = (f"{graph:.2f} ({r['graph_stable_plan']}, {graph / r['us']:.3f})"
+                 if graph is not None else "n/a")
         lines.append(f"| {r['case']} | {r['us']:.2f} | {r['gbps']:.0f} | {100 * r['frac_read_bw']:.1f} | "
                      f"{r['rel_err']:.1e} | {r['strategy']}/{r['num_splits']} | "
-                     f"{r['best_paged_peer_us']} | {r['peer_us']} | {', '.join(verdict)} |")
+                     f"{r['best_paged_peer_us']} | {r['peer_us']} | {graph} | {', '.join(verdict)} |")
     return "\n".join(lines)

@@ -30,6 +30,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", default=None, help="write results to this JSON file")
     parser.add_argument("--markdown", default=None, help="write a markdown table to this file")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-graph-stable", action="store_true",
+                        help="skip timing each case through a graph-stable wrapper too")
 
 
 def _log(line: str) -> None:
@@ -48,7 +50,8 @@ def run(args) -> int:
 
     result = run_cases(select(args.cases), dtype=args.dtype, min_total_mib=args.min_total_mib,
                        num_splits=args.num_splits, strategy=args.strategy, peer=not args.no_peer,
-                       seed=args.seed, command=_command_line(), log=_log)
+                       seed=args.seed, command=_command_line(), log=_log,
+                       graph_stable=not args.no_graph_stable)
     table = markdown_table(result)
     print(table)
     if args.json:

@@ -8,7 +8,7 @@
 // cores: S = Q K^T and O += P V with mma.m16n8k16, query heads packed into the 16 MMA rows
 // (ROW_TILES row tiles of 16), so every K/V byte is read once per group. It ends in one of four
 // epilogues: a request in one chunk writes its output (write_output); a split request writes an
-// fp32 partial state to the workspace (write_partial), and with `ticket_merge` the last CTA of a
+// fp32 partial state to the workspace (write_partial), and with RECORD_TICKET_MERGE the last CTA of a
 // (request, kv head, CTA) to finish then merges all partials of that output itself
 // (ticket_merge).
 //
@@ -173,7 +173,7 @@ __device__ __forceinline__ void write_partial(const DecodeParams& p, const WarpS
   }
 }
 
-// After write_partial, with `ticket_merge`. Release: every thread fences its own partial stores,
+// After write_partial, with RECORD_TICKET_MERGE. Release: every thread fences its own partial stores,
 // then the barrier makes all those fences happen-before thread 0's atomic. The CTA whose ticket
 // is n_chunks - 1 saw every other CTA's increment, hence (by their fences) every other CTA's
 // partials, and merges them all. atomicInc with limit n_chunks - 1 wraps the counter back to 0 on
@@ -289,6 +289,11 @@ decode_partial(const __grid_constant__ DecodeParams params) {
     cp_async_commit();
   }
   const ChunkHeader chunk = load_header(record);
+  if (chunk.request < 0) {   // an idle slot of a graph-stable grid
+    if (params.pages_in_record) cp_async_wait<0>();
+    return;
+  }
+  const bool record_pages_used = params.pages_in_record && (chunk.flags & RECORD_HAS_PAGES);
   // With PDL, the next kernel in the stream may launch once every CTA of this grid has allowed
   // it: here (`pdl_early_trigger`) or when its streaming is done (below). Either way it waits for
   // this grid's end before reading anything this grid writes.
@@ -399,8 +404,8 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   }
 
   // The first tiles' page ids: from the record (in shared memory) if it has them.
-  const PageIds first_table = {params.pages_in_record ? record_pages : pages};
-  const int first_base = params.pages_in_record ? tok_begin : 0;
+  const PageIds first_table = {record_pages_used ? record_pages : pages};
+  const int first_base = record_pages_used ? tok_begin : 0;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     fetch_pages(s, first_table, first_base);
@@ -548,7 +553,7 @@ decode_partial(const __grid_constant__ DecodeParams params) {
     return;
   }
   write_partial(params, warps, chunk.plan_index, head0, rows_valid);
-  if (params.ticket_merge)
+  if (chunk.flags & RECORD_TICKET_MERGE)
     ticket_merge(params, req, kvh, head_cta, head0, rows_valid, chunk.chunk_begin, chunk.chunk_end);
 #endif
 }

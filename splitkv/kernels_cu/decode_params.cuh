@@ -21,15 +21,21 @@ struct __align__(16) ChunkHeader {
   int chunk_begin;       // the request's chunks in the plan, chunk_begin..chunk_end-1: where its
   int chunk_end;         //   partials are; a single chunk writes the output itself
   int plan_index;        // this chunk's index in the plan: the partial rows it writes
-  int unused;
+  int flags;             // RECORD_* below
 };
+
+// ChunkHeader::flags. They travel with the records, not in DecodeParams, so that a graph-stable
+// wrapper's one captured launch runs whichever plan its records hold.
+#define RECORD_TICKET_MERGE 1   // the last CTA of a split output to finish merges it
+#define RECORD_HAS_PAGES 2      // first_pages holds the chunk's first pages
+// A record of request -1 is an idle slot of a graph-stable grid: its CTAs exit at once.
 
 // One chunk of the plan. Records are in grid order (the plan's launch order), so a CTA's record
 // is found from its block index and its partial rows from plan_index.
 struct __align__(16) ChunkRecord {
   ChunkHeader header;
   int first_pages[RECORD_PAGES];  // page ids of the chunk's first pages, from the page holding
-                                  // token_begin (written when DecodeParams::pages_in_record)
+                                  // token_begin (with RECORD_HAS_PAGES)
 };
 
 __device__ __forceinline__ ChunkHeader load_header(const ChunkRecord* __restrict__ record) {
@@ -63,8 +69,8 @@ struct DecodeParams {
   int ctas_per_kv_head;            // CTAs sharing one (chunk, kv head), ROWS query heads each
   int page_size;
   float sm_scale_log2;             // sm_scale * log2(e): scores are kept in base 2
-  int ticket_merge;                // 1: the last CTA of a split output to finish merges it
-  int pages_in_record;             // 1: the first STAGES tiles' page ids are in the records
+  int pages_in_record;             // 1: copy each record's first_pages to shared memory with
+                                   //    its header; a record with RECORD_HAS_PAGES uses them
   int pdl_early_trigger;           // 1: let the next kernel launch at the start, not at the end
                                    //    of streaming (with programmatic dependent launch)
 };

@@ -128,6 +128,29 @@ def as_cupy_stream(stream):
         return stream
     handle = getattr(stream, "cuda_stream", stream)     # torch.cuda.Stream, or a raw handle
     if isinstance(handle, (int, np.integer)):
-        return cupy.cuda.ExternalStream(int(handle))
+        return _external_stream(int(handle))
     raise TypeError(f"stream: expected a CuPy stream, an object with .cuda_stream, or an int "
                     f"handle, got {type(stream).__name__}")
+
+
+_EXTERNAL_STREAMS: dict[tuple[int, int], object] = {}
+
+
+def _external_stream(handle: int):
+    """A CuPy view of a raw stream handle, one per (handle, device), kept: a decode loop passes
+    the same stream every step. (CuPy 14 deprecates ExternalStream in favour of the stream
+    protocol, which a bare handle does not speak, so its warning is silenced here.)"""
+    import warnings
+
+    import cupy
+
+    key = (handle, cupy.cuda.runtime.getDevice())
+    stream = _EXTERNAL_STREAMS.get(key)
+    if stream is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stream = cupy.cuda.ExternalStream(handle)
+        if len(_EXTERNAL_STREAMS) >= 64:
+            _EXTERNAL_STREAMS.clear()
+        _EXTERNAL_STREAMS[key] = stream
+    return stream

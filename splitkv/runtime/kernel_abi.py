@@ -43,7 +43,6 @@ class DecodeParams(ctypes.Structure):
         ("ctas_per_kv_head", ctypes.c_int32),
         ("page_size", ctypes.c_int32),
         ("sm_scale_log2", ctypes.c_float),
-        ("ticket_merge", ctypes.c_int32),
         ("pages_in_record", ctypes.c_int32),
         ("pdl_early_trigger", ctypes.c_int32),
     ]
@@ -51,9 +50,14 @@ class DecodeParams(ctypes.Structure):
 
 # ChunkRecord: its ChunkHeader (eight int32), then the page ids of the chunk's first pages.
 CHUNK_HEADER_FIELDS = ("request", "token_begin", "token_end", "page_table_begin", "chunk_begin",
-                       "chunk_end", "plan_index", "unused")
+                       "chunk_end", "plan_index", "flags")
 CHUNK_RECORD = np.dtype([*((name, np.int32) for name in CHUNK_HEADER_FIELDS),
                          ("first_pages", np.int32, (RECORD_PAGES,))])
+
+# ChunkHeader.flags bits (decode_params.cuh's RECORD_*), and the request of an idle record.
+RECORD_FLAGS = {"RECORD_TICKET_MERGE": 1, "RECORD_HAS_PAGES": 2}
+RECORD_TICKET_MERGE, RECORD_HAS_PAGES = RECORD_FLAGS.values()
+IDLE_REQUEST = -1
 
 # How a field's C++ type is told apart in the checks: ABI_KIND<T>::value.
 _KINDS = {_POINTER: 1, ctypes.c_int64: 2, ctypes.c_int32: 3, ctypes.c_float: 4}
@@ -93,6 +97,8 @@ def layout_checks() -> str:
     lines = ["// Layout checks from runtime/kernel_abi.py", _KIND_TRAIT]
     lines += [f'static_assert(sizeof({struct}) == {size}, "sizeof({struct}) {where}");'
               for struct, size in SIZES.items()]
+    lines += [f'static_assert({name} == {value}, "{name} {where}");'
+              for name, value in RECORD_FLAGS.items()]
     for struct, member, _, nbytes, kind in fields():
         access = f"((({struct}*)0)->{member})"
         lines.append(f"static_assert(sizeof{access} == {nbytes} && "

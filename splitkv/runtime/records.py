@@ -9,7 +9,7 @@ import numpy as np
 from ..core.geometry import RECORD_PAGES, TILE_TOKENS
 from ..core.plan import Plan
 from ..core.problem import PageTable
-from .kernel_abi import CHUNK_RECORD
+from .kernel_abi import CHUNK_RECORD, IDLE_REQUEST, RECORD_HAS_PAGES, RECORD_TICKET_MERGE
 
 
 def first_pages(page_table: PageTable, chunk_request, chunk_start,
@@ -42,8 +42,9 @@ def chunk_records(plan: Plan, page_table: PageTable, order, record_pages: int) -
     """[num_chunks] ``CHUNK_RECORD``: the kernel's chunk records, one per CTA row of the grid, in
     ``order`` (plan indices in launch order). Record r describes chunk c = order[r]: its request,
     first and end token, the request's first page-table entry, the request's chunk range (where
-    its partials are), c itself (the partial rows it writes) and, when ``record_pages`` > 0, the
-    page ids of its first ``record_pages`` pages (the rest are 0)."""
+    its partials are), c itself (the partial rows it writes), its flags (the ticket merge, and
+    whether it carries page ids) and, when ``record_pages`` > 0, the page ids of its first
+    ``record_pages`` pages (the rest are 0)."""
     order = np.asarray(order, dtype=np.intp)
     req = plan.chunk_request[order]
     start = plan.chunk_start[order]
@@ -55,8 +56,18 @@ def chunk_records(plan: Plan, page_table: PageTable, order, record_pages: int) -
     records["chunk_begin"] = plan.merge_indptr[req]
     records["chunk_end"] = plan.merge_indptr[req + 1]
     records["plan_index"] = order
+    records["flags"] = ((RECORD_TICKET_MERGE if plan.merge == "ticket" else 0)
+                        | (RECORD_HAS_PAGES if record_pages else 0))
     if record_pages:
         records["first_pages"][:, :record_pages] = first_pages(page_table, req, start, record_pages)
+    return records
+
+
+def idle_records(count: int) -> np.ndarray:
+    """[count] ``CHUNK_RECORD`` of idle slots (request -1): a graph-stable grid's CTAs past the
+    plan's chunks read one and exit."""
+    records = np.zeros(count, dtype=CHUNK_RECORD)
+    records["request"] = IDLE_REQUEST
     return records
 
 
@@ -94,3 +105,48 @@ class PlanUpload:
             offset += size
         self._device[:total].set(host, stream=stream)
         return pointers
+
+
+class GraphPlanUpload:
+    """A graph-stable wrapper's plan buffers: fixed device addresses, sized once for the
+    capacity (records, page-table entries, merge_indptr), so a captured launch reads whatever
+    plan was uploaded last. Each plan is written to one of two pinned host buffers in turn and
+    copied with one async copy on the plan's stream; before a host buffer is rewritten, the copy
+    out of it two plans ago must have finished (a host wait on that small copy only)."""
+
+    def __init__(self, max_chunks: int, max_num_pages: int, max_batch_size: int):
+        import cupy
+
+        self.capacity = {"records": max_chunks * CHUNK_RECORD.itemsize // 4,
+                         "kv_indices": max_num_pages, "merge_indptr": max_batch_size + 1}
+        self._sizes = [-(-max(1, n) // 4) * 4 for n in self.capacity.values()]
+        total = int(sum(self._sizes))
+        self._device = cupy.empty(total, dtype=np.int32)
+        self._hosts = [cupy.cuda.alloc_pinned_memory(total * 4) for _ in range(2)]
+        # the event after each host buffer's copy, and whether it was ever recorded
+        self._copied = [cupy.cuda.Event(disable_timing=True) for _ in range(2)]
+        self._used = [False, False]
+        self._next = 0
+        self.pointers, offset = {}, 0
+        for name, size in zip(self.capacity, self._sizes):
+            self.pointers[name] = self._device.data.ptr + offset * 4
+            offset += size
+        self.ready = None
+
+    def upload(self, records: np.ndarray, kv_indices: np.ndarray, merge_indptr: np.ndarray,
+               stream) -> None:
+        """Write the parts (each within its capacity: the caller checks) and copy them on
+        ``stream``; ``ready`` is then the event after the copy."""
+        i = self._next
+        self._next ^= 1
+        if self._used[i]:
+            self._copied[i].synchronize()
+        host = np.frombuffer(self._hosts[i], dtype=np.int32, count=self._device.size)
+        offset = 0
+        for arr, size in zip((records.view(np.int32), kv_indices, merge_indptr), self._sizes):
+            host[offset:offset + arr.size] = arr
+            offset += size
+        self._device.set(host, stream=stream)
+        self._copied[i].record(stream)
+        self._used[i] = True
+        self.ready = self._copied[i]

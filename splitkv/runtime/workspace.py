@@ -20,12 +20,17 @@ class Workspace:
 
     def ensure(self, plan: Plan, ctas_per_kv_head: int, stream) -> None:
         """Grow to fit ``plan``; any fill is enqueued on ``stream`` (the kernels' stream)."""
-        import cupy
-
         # a cluster merge keeps its partials in shared memory: no workspace
         in_memory = plan.merge in ("merge_kernel", "ticket")
         rows = plan.num_chunks * plan.problem.num_qo_heads if in_memory else 1
         counters = max(1, plan.problem.batch_size * plan.problem.num_kv_heads * ctas_per_kv_head)
+        self.ensure_size(rows, counters, stream)
+
+    def ensure_size(self, rows: int, counters: int, stream) -> None:
+        """Grow to ``rows`` partial rows and ``counters`` ticket counters (a graph-stable
+        wrapper asks once, for its capacity, so the addresses never change after)."""
+        import cupy
+
         if rows > self._rows:
             self.partial_o = cupy.empty(rows * self.head_dim, dtype=np.float32)
             self.partial_lse = cupy.empty(rows, dtype=np.float32)

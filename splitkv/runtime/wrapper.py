@@ -11,7 +11,10 @@ it, sizes the workspace and builds the launches. ``run()`` checks shapes and lau
 kernels on the caller's stream: no host synchronisation and, when ``out`` (and ``lse``) are
 given, no allocation, so it can be captured in a CUDA graph and replayed; one plan serves every
 layer. A captured graph holds the plan's grid and buffers: capture again after the next
-``plan()``.
+``plan()`` -- unless the wrapper is graph-stable (``use_cuda_graph=True``): then ``run()``
+launches a fixed grid sized for a capacity, reading the current plan from buffers whose
+addresses never change, and ``plan()`` rewrites those buffers, so one graph captured once
+replays every later plan.
 
 The plan says how it runs (``Plan.execution``: merge mode, cluster size, launch order); the
 wrapper executes that. Its parts: ``records`` (chunk records and the upload), ``workspace``,
@@ -27,7 +30,7 @@ import numpy as np
 
 from ..core import validation as V
 from ..core.execution import check_launch_order, grid_order
-from ..core.geometry import THREADS_PER_CTA, ctas_per_kv_head
+from ..core.geometry import RECORD_PAGES, THREADS_PER_CTA, ctas_per_kv_head
 from ..core.plan import Plan
 from ..core.problem import DecodeProblem, PageTable
 from .arrays import as_cupy_stream, as_device_array, cupy_storage_dtype
@@ -37,8 +40,8 @@ from .kernel_abi import DecodeParams
 from .kernel_source import DecodeVariant
 from .launch import DecodeLaunch, KernelLaunch, current_context
 from .modules import get_decode_kernels
-from .records import (PlanUpload, chunk_records, first_pages, pages_fit_record,  # noqa: F401
-                      record_pages_needed)
+from .records import (GraphPlanUpload, PlanUpload, chunk_records, first_pages,  # noqa: F401
+                      idle_records, pages_fit_record, record_pages_needed)
 from .workspace import Workspace
 
 LOG2E = 1.4426950408889634
@@ -67,12 +70,26 @@ class BatchDecodeWrapper:
         run on another stream waits for plan()'s upload with an event, which serialises it with
         the kernel before it and forgoes the overlap.
     experiments: tuning knobs for A/B runs (``DecodeExperiments``); None: the shipped kernel.
+    use_cuda_graph: graph-stable (as FlashInfer's ``use_cuda_graph``): ``run()`` launches one
+        fixed grid for the capacity below, whatever the plan, and ``plan()`` rewrites the plan
+        buffers in place, so a CUDA graph captured once replays correctly after every later
+        ``plan()``. Call ``plan()`` on the stream the graph replays on (its upload must come
+        after the previous replay and before the next). The planner then chooses among plans
+        that fit the capacity and merge without clusters; q, out and lse have
+        ``max_batch_size`` rows (rows past the plan's batch are not written).
+    max_batch_size, max_num_pages: the capacity of a graph-stable wrapper: requests per plan,
+        and page-table entries (``kv_indices``) per plan. Required with ``use_cuda_graph``.
+    max_chunks: chunks per plan (the fixed grid is max_chunks x num_kv_heads CTAs, and CTAs
+        past the plan's chunks exit at once); default: at least max_batch_size, and two waves
+        of the GPU.
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype="bfloat16", profile=None, use_clusters: bool | None = None,
                  launch_order: str = "longest_chunks", pdl: bool | None = None,
-                 experiments: DecodeExperiments | None = None):
+                 experiments: DecodeExperiments | None = None, *, use_cuda_graph: bool = False,
+                 max_batch_size: int | None = None, max_num_pages: int | None = None,
+                 max_chunks: int | None = None):
         self.num_qo_heads, self.num_kv_heads = V.check_heads(num_qo_heads, num_kv_heads)
         self.head_dim = V.check_head_dim(head_dim)
         self.page_size = V.check_int("page_size", page_size, 1)
@@ -94,6 +111,47 @@ class BatchDecodeWrapper:
         self._launch: DecodeLaunch | None = None
         self._upload = PlanUpload()
         self._workspace = Workspace(self.head_dim)
+        self.use_cuda_graph = check_option("use_cuda_graph", use_cuda_graph) or False
+        self._capacity = self._check_capacity(max_batch_size, max_num_pages, max_chunks)
+        self._graph_upload: GraphPlanUpload | None = None
+        self._graph_pool_pages: int | None = None    # pages of the K/V pool a run was given
+
+    def _check_capacity(self, max_batch_size, max_num_pages, max_chunks):
+        """(max_batch_size, max_num_pages, max_chunks or None) of a graph-stable wrapper."""
+        given = {"max_batch_size": max_batch_size, "max_num_pages": max_num_pages,
+                 "max_chunks": max_chunks}
+        if not self.use_cuda_graph:
+            extra = [name for name, value in given.items() if value is not None]
+            if extra:
+                raise ValueError(f"{extra[0]}: a capacity is for a graph-stable wrapper; pass "
+                                 "use_cuda_graph=True")
+            return None
+        for name in ("max_batch_size", "max_num_pages"):
+            if given[name] is None:
+                raise ValueError(f"{name}: a graph-stable wrapper (use_cuda_graph=True) needs "
+                                 "its capacity: max_batch_size and max_num_pages")
+        batch = V.check_int("max_batch_size", max_batch_size, 1)
+        pages = V.check_int("max_num_pages", max_num_pages, 1)
+        if max_chunks is not None:
+            max_chunks = V.check_int("max_chunks", max_chunks, 1)
+            if max_chunks < batch:
+                raise ValueError(f"max_chunks: {max_chunks} cannot hold a batch of "
+                                 f"max_batch_size={batch} (one chunk per request at the least)")
+        return batch, pages, max_chunks
+
+    @property
+    def max_chunks(self) -> int | None:
+        """A graph-stable wrapper's chunks per plan (its fixed grid); None otherwise."""
+        if self._capacity is None:
+            return None
+        batch, _, chunks = self._capacity
+        if chunks is None:
+            from . import device_info
+
+            waves = 2 * device_info()["num_sms"] * 2       # two waves of two CTAs per SM
+            chunks = max(batch, -(-waves // (self.num_kv_heads * self.ctas_per_kv_head)))
+            self._capacity = (*self._capacity[:2], chunks)
+        return chunks
 
     # ------------------------------------------------------------------ plan
     @property
@@ -143,7 +201,9 @@ class BatchDecodeWrapper:
         if page_table.page_size != self.page_size:
             raise ValueError(f"page_table: page_size {page_table.page_size} differs from the "
                              f"wrapper's page_size {self.page_size}")
-        clusters = sm90_option("use_clusters", self.use_clusters, "thread-block clusters")
+        # a graph-stable grid is one fixed launch: no cluster variant
+        clusters = (not self.use_cuda_graph
+                    and sm90_option("use_clusters", self.use_clusters, "thread-block clusters"))
         if plan is not None:
             V.check_instance("plan", plan, Plan)
             V.check_plan_for_table(plan, page_table, num_qo_heads=self.num_qo_heads,
@@ -159,13 +219,15 @@ class BatchDecodeWrapper:
             if not clusters:                     # predict the ticket merge that will run
                 model = model.with_clusters(False)
             chosen = choose_plan(problem, model, num_splits, strategy,
-                                 launch_order=self.launch_order)
+                                 launch_order=self.launch_order, max_chunks=self.max_chunks)
         sm_scale_log2 = float(np.float32(V.check_sm_scale(sm_scale, self.head_dim) * LOG2E))
         max_page = int(page_table.kv_indices.max()) if page_table.kv_indices.size else -1
         if max_page >= 2**31:
             raise ValueError("page_table: page indices must be < 2**31")
 
         s = as_cupy_stream(stream)
+        if self.use_cuda_graph:
+            return self._plan_graph(chosen, page_table, s, sm_scale_log2, max_page)
         kernels = get_decode_kernels(replace(self.variant, cluster=chosen.cluster_size))
         stages = kernels.variant.stages
         in_record = pages_fit_record(chosen, self.page_size, stages)
@@ -174,41 +236,97 @@ class BatchDecodeWrapper:
         meta = self._upload.upload(records, page_table, chosen, s)
         self._workspace.ensure(chosen, self.ctas_per_kv_head, s)
         self._upload.ready.record(s)          # run() on another stream waits for the uploads
-        self._launch = self._bind(chosen, kernels, meta, in_record, sm_scale_log2)
+        self._launch = self._bind(kernels, meta, chosen.num_chunks, chosen.problem.batch_size,
+                                  chosen.cluster_size, chosen.merge == "merge_kernel", in_record,
+                                  sm_scale_log2)
         self._device_id = cupy.cuda.runtime.getDevice()
         self._plan_stream_ptr = s.ptr
         self._plan, self._max_page = chosen, max_page
         return chosen
 
-    def _bind(self, plan: Plan, kernels, meta: dict, pages_in_record: bool,
-              sm_scale_log2: float) -> DecodeLaunch:
-        """The plan's launches and its DecodeParams, all but the tensors."""
+    def _plan_graph(self, chosen: Plan, page_table: PageTable, s, sm_scale_log2: float,
+                    max_page: int) -> Plan:
+        """plan() of a graph-stable wrapper: the records padded to the capacity with idle ones,
+        uploaded into the fixed buffers; the launches are built once, for the capacity."""
+        import cupy
+
+        max_batch, max_pages, max_chunks = self._capacity[0], self._capacity[1], self.max_chunks
+        batch = chosen.problem.batch_size
+        if batch > max_batch:
+            raise ValueError(f"page_table: {batch} requests exceed the wrapper's "
+                             f"max_batch_size={max_batch}")
+        if page_table.kv_indices.size > max_pages:
+            raise ValueError(f"page_table: {page_table.kv_indices.size} page-table entries "
+                             f"exceed the wrapper's max_num_pages={max_pages}")
+        if chosen.num_chunks > max_chunks:
+            raise ValueError(f"plan: {chosen.num_chunks} chunks exceed the wrapper's "
+                             f"max_chunks={max_chunks}")
+        if self._graph_pool_pages is not None and max_page >= self._graph_pool_pages:
+            raise ValueError(f"page_table: page index {max_page} is past the K/V pool of "
+                             f"{self._graph_pool_pages} pages that run() was given")
+        kernels = get_decode_kernels(self.variant)
+        stages = kernels.variant.stages
+        may_carry_pages = record_pages_needed(self.page_size, stages) <= RECORD_PAGES
+        in_record = pages_fit_record(chosen, self.page_size, stages)
+        records = np.concatenate([
+            chunk_records(chosen, page_table, grid_order(chosen),
+                          record_pages_needed(self.page_size, stages) if in_record else 0),
+            idle_records(max_chunks - chosen.num_chunks)])
+        # the merge kernel always runs: rows past the batch, and every row of a plan that has
+        # no merge kernel, have no chunks to merge
+        merge_indptr = np.zeros(max_batch + 1, dtype=np.int32)
+        if chosen.merge == "merge_kernel":
+            merge_indptr[:batch + 1] = chosen.merge_indptr
+            merge_indptr[batch + 1:] = chosen.merge_indptr[-1]
+        if self._graph_upload is None:
+            self._device_id = cupy.cuda.runtime.getDevice()
+            self._graph_upload = GraphPlanUpload(max_chunks, max_pages, max_batch)
+            self._workspace.ensure_size(max_chunks * self.num_qo_heads,
+                                        max_batch * self.num_kv_heads * self.ctas_per_kv_head, s)
+            self._launch = self._bind(kernels, self._graph_upload.pointers, max_chunks, max_batch,
+                                      0, True, may_carry_pages, sm_scale_log2)
+        elif sm_scale_log2 != self._launch.params.sm_scale_log2:
+            raise ValueError("sm_scale: a graph-stable wrapper keeps the sm_scale of its first "
+                             "plan (a captured launch holds it)")
+        self._graph_upload.upload(records, page_table.kv_indices, merge_indptr, s)
+        self._plan_stream_ptr = s.ptr
+        self._plan, self._max_page = chosen, max_page
+        return chosen
+
+    def _ready_event(self):
+        """The event after the current plan's upload."""
+        return self._graph_upload.ready if self.use_cuda_graph else self._upload.ready
+
+    def _bind(self, kernels, meta: dict, num_chunks: int, batch_size: int, cluster_size: int,
+              merge: bool, pages_in_record: bool, sm_scale_log2: float) -> DecodeLaunch:
+        """The launches of a grid of ``num_chunks`` chunks and their DecodeParams, all but the
+        tensors; ``merge``: with the merge kernel, over ``batch_size`` requests."""
         pdl = sm90_option("pdl", self.pdl, "programmatic dependent launch")
         ws = self._workspace
         params = DecodeParams(
             kv_indices=meta["kv_indices"], records=meta["records"],
             merge_indptr=meta["merge_indptr"], partial_o=ws.partial_o.data.ptr,
             partial_lse=ws.partial_lse.data.ptr, counters=ws.counters.data.ptr,
-            batch_size=plan.problem.batch_size, num_qo_heads=self.num_qo_heads,
+            batch_size=batch_size, num_qo_heads=self.num_qo_heads,
             num_kv_heads=self.num_kv_heads, ctas_per_kv_head=self.ctas_per_kv_head,
             page_size=self.page_size, sm_scale_log2=sm_scale_log2,
-            ticket_merge=int(plan.merge == "ticket"), pages_in_record=int(pages_in_record),
+            pages_in_record=int(pages_in_record),
             pdl_early_trigger=int(pdl and self.experiments.pdl_trigger == "early"))
-        grid = plan.num_chunks * self.num_kv_heads * self.ctas_per_kv_head
+        grid = num_chunks * self.num_kv_heads * self.ctas_per_kv_head
         shared = kernels.variant.shared_bytes
         spread = self.experiments.pdl_spread
         if spread is None:
-            spread = spreads_one_per_sm(grid, plan.cluster_size)
+            spread = spreads_one_per_sm(grid, cluster_size)
         if pdl and spread:
             shared = kernels.one_per_sm_shared_bytes
         partial = KernelLaunch(kernels.partial, grid, THREADS_PER_CTA, shared, pdl=pdl)
-        merge = None
-        if plan.merge == "merge_kernel":
+        merge_launch = None
+        if merge:
             # one thread per (request, qo head, 4 dims)
-            slots = plan.problem.batch_size * self.num_qo_heads * (self.head_dim // 4)
-            merge = KernelLaunch(kernels.merge, -(-slots // THREADS_PER_CTA), THREADS_PER_CTA, 0,
-                                 pdl=pdl)
-        return DecodeLaunch(params, partial, merge, current_context())
+            slots = batch_size * self.num_qo_heads * (self.head_dim // 4)
+            merge_launch = KernelLaunch(kernels.merge, -(-slots // THREADS_PER_CTA),
+                                        THREADS_PER_CTA, 0, pdl=pdl)
+        return DecodeLaunch(params, partial, merge_launch, current_context())
 
     # ------------------------------------------------------------------- run
     def run(self, q, k_cache, v_cache, *, out=None, lse=None, return_lse: bool = False,
@@ -220,7 +338,7 @@ class BatchDecodeWrapper:
         plan = self._plan
         if plan is None:
             raise RuntimeError("run: call plan() first")
-        batch = plan.problem.batch_size
+        batch = self._capacity[0] if self.use_cuda_graph else plan.problem.batch_size
         qa = as_device_array("q", q)
         ka = as_device_array("k_cache", k_cache)
         va = as_device_array("v_cache", v_cache)
@@ -228,6 +346,10 @@ class BatchDecodeWrapper:
                                      num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                      page_size=self.page_size, dtype=self.dtype,
                                      max_page=self._max_page, device=self._device_id)
+        if self.use_cuda_graph:     # later plans must stay within this pool
+            pool = int(ka.shape[0])
+            self._graph_pool_pages = pool if self._graph_pool_pages is None else min(
+                pool, self._graph_pool_pages)
         want_lse = return_lse or lse is not None
         s = as_cupy_stream(stream)
         if out is None:
@@ -250,7 +372,7 @@ class BatchDecodeWrapper:
             # is what the default (global) capture mode forbids. A captured run reads the
             # records when the graph replays, so the replay is what must follow plan()'s
             # upload, as any work queued after it on the plan's stream does.
-            s.wait_event(self._upload.ready)
+            s.wait_event(self._ready_event())
         if batch:
             self._launch(qa.ptr, ka.ptr, va.ptr, ka.strides[0], ka.strides[1], oa.ptr, lse_ptr,
                          s.ptr)

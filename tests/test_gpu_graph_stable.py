@@ -1,0 +1,116 @@
+"""A graph-stable wrapper (``use_cuda_graph=True``): one CUDA graph, captured once, replays a
+decode loop of 1,000+ steps in which every request grows by a token per step, requests join and
+leave (the batch moves between 1 and the capacity), and the plan's strategy and split count
+change; every step gives the bits of an eager run of the same plan by an ordinary wrapper."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from splitkv import PageTable
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+pytestmark = pytest.mark.gpu
+
+HQ, HK, D, PAGE, DTYPE = 32, 8, 128, 16, "bfloat16"
+MAX_BATCH, POOL_PAGES = 8, 4096
+
+
+class DecodeLoop:
+    """Requests with random page lists (pages may repeat across requests: the math does not
+    care) whose lengths grow by one per step; some leave and new ones join."""
+
+    def __init__(self, rng, steps: int):
+        self.rng, self.steps = rng, steps
+        self.requests = [self._new() for _ in range(3)]
+
+    def _new(self):
+        length = int(self.rng.choice([1, 40, 700, 3000, 9000]) + self.rng.integers(0, 30))
+        pages = self.rng.integers(0, POOL_PAGES, -(-(length + self.steps) // PAGE))
+        return [length, pages]
+
+    def step(self) -> PageTable:
+        for r in self.requests:
+            r[0] += 1
+        if self.rng.random() < 0.05 and len(self.requests) > 1:
+            self.requests.pop(int(self.rng.integers(len(self.requests))))
+        if self.rng.random() < 0.06 and len(self.requests) < MAX_BATCH:
+            self.requests.insert(int(self.rng.integers(len(self.requests) + 1)), self._new())
+        lens = np.array([r[0] for r in self.requests])
+        width = max(len(r[1]) for r in self.requests)
+        table = np.zeros((len(lens), width), dtype=np.int64)
+        for b, (_, pages) in enumerate(self.requests):
+            table[b, :len(pages)] = pages
+        return PageTable.from_block_table(table, lens, PAGE, num_pages=POOL_PAGES)
+
+
+# Every 50 steps the plan is forced another way, so the captured grid sees every strategy.
+FORCED = [dict(), dict(strategy="single"), dict(num_splits=5, strategy="split_merge"),
+          dict(num_splits=3, strategy="fused"), dict(strategy="fused"),
+          dict(num_splits=12, strategy="split_merge")]
+
+
+def test_one_graph_replays_a_thousand_changing_plans_bit_identically():
+    from splitkv import BatchDecodeWrapper
+    from splitkv.runtime.testing import random_device_array
+
+    rng = np.random.default_rng(2024)
+    k = random_device_array((POOL_PAGES, PAGE, HK, D), DTYPE, rng)
+    v = random_device_array((POOL_PAGES, PAGE, HK, D), DTYPE, rng)
+    q = random_device_array((MAX_BATCH, HQ, D), DTYPE, rng)
+    out = cupy.zeros((MAX_BATCH, HQ, D), dtype=q.dtype)
+    lse = cupy.zeros((MAX_BATCH, HQ), dtype=cupy.float32)
+    stable = BatchDecodeWrapper(HQ, HK, D, PAGE, DTYPE, use_cuda_graph=True,
+                                max_batch_size=MAX_BATCH, max_num_pages=MAX_BATCH * 1400)
+    eager = BatchDecodeWrapper(HQ, HK, D, PAGE, DTYPE, use_clusters=False)
+    loop = DecodeLoop(rng, steps=1100)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    graph, seen = None, set()
+    for step in range(1100):
+        table = loop.step()
+        plan = stable.plan(table, stream=stream, **FORCED[(step // 50) % len(FORCED)])
+        assert plan.merge != "cluster" and plan.num_chunks <= stable.max_chunks
+        seen.add((plan.strategy, plan.num_splits))
+        with stream:                                 # new queries, in the captured buffer
+            q[...] = random_device_array(q.shape, DTYPE, rng)
+        if graph is None:
+            stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeGlobal)
+            stable.run(q, k, v, out=out, lse=lse, stream=stream)
+            graph = stream.end_capture()
+        graph.launch(stream)
+        batch = table.batch_size
+        want_o = cupy.full((batch, HQ, D), 0xFFFF, dtype=cupy.uint16)
+        want_lse = cupy.full((batch, HQ), np.nan, dtype=cupy.float32)
+        eager.plan(table, plan=plan, stream=stream)
+        eager.run(q[:batch], k, v, out=want_o, lse=want_lse, stream=stream)
+        stream.synchronize()
+        assert eager.current_plan.merge == plan.merge
+        np.testing.assert_array_equal(out[:batch].view(cupy.uint16).get(), want_o.get(),
+                                      err_msg=f"step {step}: {plan}")
+        np.testing.assert_array_equal(lse[:batch].get(), want_lse.get(), err_msg=f"step {step}")
+    strategies = {s for s, _ in seen}
+    assert strategies == {"single", "split_merge", "fused"} and len(seen) >= 8, seen
+
+
+def test_capacity_is_enforced_before_any_upload():
+    from splitkv import BatchDecodeWrapper
+
+    rng = np.random.default_rng(1)
+    w = BatchDecodeWrapper(HQ, HK, D, PAGE, DTYPE, use_cuda_graph=True, max_batch_size=2,
+                           max_num_pages=64, max_chunks=8)
+    small = PageTable.from_block_table(rng.integers(0, 32, (2, 4)), [60, 50], PAGE)
+    assert w.plan(small).num_chunks <= 8
+    with pytest.raises(ValueError, match="max_batch_size"):
+        w.plan(PageTable.from_block_table(rng.integers(0, 64, (3, 1)), [5, 5, 5], PAGE))
+    with pytest.raises(ValueError, match="max_num_pages"):
+        w.plan(PageTable.from_block_table(rng.integers(0, 64, (2, 40)), [640, 640], PAGE))
+    with pytest.raises(ValueError, match="max_chunks"):
+        w.plan(small, num_splits=8, strategy="fused")
+    k = cupy.zeros((64, PAGE, HK, D), dtype=cupy.uint16)
+    q = cupy.zeros((2, HQ, D), dtype=cupy.uint16)
+    with pytest.raises(ValueError, match="q"):
+        w.run(q[:1], k, k)                                   # q has max_batch_size rows
+    w.run(q, k[:32], k[:32])                                 # a pool of 32 pages from now on
+    with pytest.raises(ValueError, match="past the K/V pool"):
+        w.plan(PageTable.from_block_table([[40], [1]], [5, 5], PAGE))

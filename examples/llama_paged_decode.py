@@ -23,7 +23,8 @@ example does what a serving engine does around the attention kernel:
 The step is split in a host part (the block table, ``plan()``) and a device part (everything
 after ``plan()``), which reads only fixed-size tensors: ``--graphs`` captures the device part
 once per batch bucket in a ``torch.cuda.graph`` and replays it at every step (needs splitkv's
-graph-stable mode, ``BatchDecodeWrapper(use_cuda_graph=True, max_batch_size=B)``).
+graph-stable mode, ``BatchDecodeWrapper(use_cuda_graph=True, max_batch_size=B,
+max_num_pages=P)``).
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ class SplitKVAttention:
     upload on the current stream) serves every layer's ``run()``.
 
     With ``graphs``, one graph-stable wrapper per batch bucket (``use_cuda_graph=True,
-    max_batch_size=bucket``): its ``plan()`` rewrites the wrapper's persistent device buffers
+    max_batch_size=bucket, max_num_pages=pool``): its ``plan()`` rewrites the wrapper's persistent device buffers
     and its ``run()`` launches a fixed grid, so a graph captured once replays at every step.
     ``out`` is one buffer for every layer (each layer's o_proj reads it before the next layer's
     run writes it), allocated once so a graph keeps its address.
@@ -240,7 +241,9 @@ class SplitKVAttention:
 
         key = batch if self.graphs else 0
         if key not in self.wrappers:
-            options = {"use_cuda_graph": True, "max_batch_size": batch} if self.graphs else {}
+            # capacity: the bucket's rows, and page-table entries for every page of the pool
+            options = ({"use_cuda_graph": True, "max_batch_size": batch,
+                        "max_num_pages": self.num_pages} if self.graphs else {})
             try:
                 self.wrappers[key] = BatchDecodeWrapper(*self.shape, dtype=self.dtype, **options)
             except TypeError as exc:

@@ -80,8 +80,8 @@ class BatchDecodeWrapper:
     max_batch_size, max_num_pages: the capacity of a graph-stable wrapper: requests per plan,
         and page-table entries (``kv_indices``) per plan. Required with ``use_cuda_graph``.
     max_chunks: chunks per plan (the fixed grid is max_chunks x num_kv_heads CTAs, and CTAs
-        past the plan's chunks exit at once); default: at least max_batch_size, and two waves
-        of the GPU.
+        past the plan's chunks exit at once); default: at least max_batch_size, and one wave
+        of the GPU (two CTAs per SM).
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -148,10 +148,23 @@ class BatchDecodeWrapper:
         if chunks is None:
             from . import device_info
 
-            waves = 2 * device_info()["num_sms"] * 2       # two waves of two CTAs per SM
-            chunks = max(batch, -(-waves // (self.num_kv_heads * self.ctas_per_kv_head)))
+            wave = 2 * device_info()["num_sms"]            # one wave of two CTAs per SM
+            chunks = max(batch, wave // (self.num_kv_heads * self.ctas_per_kv_head))
             self._capacity = (*self._capacity[:2], chunks)
         return chunks
+
+    def _graph_spreads(self) -> bool:
+        """Whether a graph-stable grid places one CTA per SM under PDL (see
+        ``features.spreads_one_per_sm``): decided once, for the capacity, since the captured
+        launch holds it. Yes when even a full batch unsplit leaves SMs idle, so that plans
+        split to fill them (and those split requests' CTAs, whatever else the grid holds,
+        must not land two to an SM); no for larger batches, whose plans fill the SMs twice."""
+        from . import device_info
+
+        if self.experiments.pdl_spread is not None:
+            return self.experiments.pdl_spread
+        items = self._capacity[0] * self.num_kv_heads * self.ctas_per_kv_head
+        return items <= device_info()["num_sms"]
 
     # ------------------------------------------------------------------ plan
     @property
@@ -284,7 +297,8 @@ class BatchDecodeWrapper:
             self._workspace.ensure_size(max_chunks * self.num_qo_heads,
                                         max_batch * self.num_kv_heads * self.ctas_per_kv_head, s)
             self._launch = self._bind(kernels, self._graph_upload.pointers, max_chunks, max_batch,
-                                      0, True, may_carry_pages, sm_scale_log2)
+                                      0, True, may_carry_pages, sm_scale_log2,
+                                      spread=self._graph_spreads())
         elif sm_scale_log2 != self._launch.params.sm_scale_log2:
             raise ValueError("sm_scale: a graph-stable wrapper keeps the sm_scale of its first "
                              "plan (a captured launch holds it)")
@@ -298,9 +312,11 @@ class BatchDecodeWrapper:
         return self._graph_upload.ready if self.use_cuda_graph else self._upload.ready
 
     def _bind(self, kernels, meta: dict, num_chunks: int, batch_size: int, cluster_size: int,
-              merge: bool, pages_in_record: bool, sm_scale_log2: float) -> DecodeLaunch:
+              merge: bool, pages_in_record: bool, sm_scale_log2: float,
+              spread: bool | None = None) -> DecodeLaunch:
         """The launches of a grid of ``num_chunks`` chunks and their DecodeParams, all but the
-        tensors; ``merge``: with the merge kernel, over ``batch_size`` requests."""
+        tensors; ``merge``: with the merge kernel, over ``batch_size`` requests; ``spread``:
+        one CTA per SM under PDL (None: the experiments' choice, else the grid's rule)."""
         pdl = sm90_option("pdl", self.pdl, "programmatic dependent launch")
         ws = self._workspace
         params = DecodeParams(
@@ -314,7 +330,8 @@ class BatchDecodeWrapper:
             pdl_early_trigger=int(pdl and self.experiments.pdl_trigger == "early"))
         grid = num_chunks * self.num_kv_heads * self.ctas_per_kv_head
         shared = kernels.variant.shared_bytes
-        spread = self.experiments.pdl_spread
+        if spread is None:
+            spread = self.experiments.pdl_spread
         if spread is None:
             spread = spreads_one_per_sm(grid, cluster_size)
         if pdl and spread:

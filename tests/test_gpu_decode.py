@@ -389,3 +389,25 @@ def test_bad_inputs_rejected_before_launch():
         w.run(q.get(), k, v)
     with pytest.raises(ValueError, match="page_size"):
         BatchDecodeWrapper(8, 2, 64, 32, "float16").plan(pt)
+
+
+def test_plan_takes_flashinfer_and_vllm_arrays():
+    """plan() with FlashInfer's arrays or vLLM's block table gives the PageTable's bits."""
+    rng = np.random.default_rng(31)
+    pt, q, k, v = make_case(rng, [700, 33, 1500], 16, 4, 128, 16, "bfloat16")
+    w = BatchDecodeWrapper(16, 4, 128, 16, "bfloat16")
+    _, base, base_lse = run_checked(w, pt, q, k, v, "bfloat16", num_splits=4)
+    width = int(np.diff(pt.kv_indptr).max())
+    block_table = np.zeros((pt.batch_size, width), dtype=np.int64)
+    for b in range(pt.batch_size):
+        pages = pt.kv_indices[pt.kv_indptr[b]:pt.kv_indptr[b + 1]]
+        block_table[b, :pages.size] = pages
+    for layout in (dict(kv_indptr=pt.kv_indptr, kv_indices=pt.kv_indices,
+                        kv_last_page_len=pt.kv_last_page_len),
+                   dict(block_table=block_table, seq_lens=pt.kv_lens)):
+        w.plan(num_splits=4, **layout)
+        out = poisoned(q.shape, "bfloat16")
+        lse = cupy.full(q.shape[:2], np.nan, dtype=cupy.float32)
+        w.run(q, k, v, out=out, lse=lse)
+        np.testing.assert_array_equal(host(out, "bfloat16"), base)
+        np.testing.assert_array_equal(lse.get(), base_lse)

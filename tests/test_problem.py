@@ -128,3 +128,25 @@ def test_problem_from_a_page_table_shares_its_checked_lengths_and_checks_its_sha
         DecodeProblem.from_page_table(table, 32, 8, 100)
     with pytest.raises(TypeError, match="page_table"):
         DecodeProblem.from_page_table(np.array([20, 5]), 32, 8, 128)
+
+
+def test_from_layout_takes_exactly_one_layout():
+    """What plan() accepts: a PageTable, FlashInfer's three arrays or vLLM's two, never a mix."""
+    table = PageTable.from_block_table([[3, 1], [2, 0]], [20, 7], 16)
+    same = [PageTable.from_layout(table, 16),
+            PageTable.from_layout(None, 16, kv_indptr=[0, 2, 3], kv_indices=[3, 1, 2],
+                                  kv_last_page_len=[4, 7]),
+            PageTable.from_layout(None, 16, block_table=[[3, 1], [2, 0]], seq_lens=[20, 7])]
+    for t in same:
+        np.testing.assert_array_equal(t.kv_indices, table.kv_indices)
+        np.testing.assert_array_equal(t.kv_lens, table.kv_lens)
+    with pytest.raises(TypeError, match="exactly one"):
+        PageTable.from_layout(table, 16, seq_lens=[20, 7])
+    with pytest.raises(TypeError, match="exactly one"):
+        PageTable.from_layout(None, 16)
+    with pytest.raises(TypeError, match="seq_lens"):
+        PageTable.from_layout(None, 16, block_table=[[3, 1]])
+    with pytest.raises(TypeError, match="kv_last_page_len"):
+        PageTable.from_layout(None, 16, kv_indptr=[0, 1], kv_indices=[0])
+    with pytest.raises(TypeError, match="page_table"):
+        PageTable.from_layout("table", 16)

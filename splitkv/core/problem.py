@@ -83,6 +83,38 @@ class PageTable:
         return cls.from_flashinfer(indptr, indices, last, page_size, num_pages)
 
     @classmethod
+    def from_layout(cls, page_table: "PageTable | None", page_size: int, *, kv_indptr=None,
+                    kv_indices=None, kv_last_page_len=None, block_table=None,
+                    seq_lens=None) -> "PageTable":
+        """The page table of exactly one of: a ``PageTable``; FlashInfer's ``kv_indptr``,
+        ``kv_indices``, ``kv_last_page_len``; vLLM's ``block_table`` and ``seq_lens`` (host
+        arrays: NumPy, lists, or CPU tensors). What a ``plan()`` takes."""
+        flashinfer = (kv_indptr, kv_indices, kv_last_page_len)
+        vllm = (block_table, seq_lens)
+        given = [name for name, parts in (("page_table", (page_table,)),
+                                          ("kv_indptr/kv_indices/kv_last_page_len", flashinfer),
+                                          ("block_table/seq_lens", vllm))
+                 if any(p is not None for p in parts)]
+        if len(given) != 1:
+            raise TypeError("page_table: give exactly one of a PageTable, FlashInfer's kv_indptr/"
+                            "kv_indices/kv_last_page_len, or vLLM's block_table/seq_lens; got "
+                            + (" and ".join(given) or "none"))
+        if page_table is not None:
+            V.check_instance("page_table", page_table, cls)
+            return page_table
+        if given[0] == "block_table/seq_lens":
+            missing = [n for n, v in zip(("block_table", "seq_lens"), vllm) if v is None]
+            if missing:
+                raise TypeError(f"{missing[0]}: vLLM's layout needs block_table and seq_lens")
+            return cls.from_block_table(block_table, seq_lens, page_size)
+        missing = [n for n, v in zip(("kv_indptr", "kv_indices", "kv_last_page_len"), flashinfer)
+                   if v is None]
+        if missing:
+            raise TypeError(f"{missing[0]}: FlashInfer's layout needs kv_indptr, kv_indices and "
+                            "kv_last_page_len")
+        return cls.from_flashinfer(kv_indptr, kv_indices, kv_last_page_len, page_size)
+
+    @classmethod
     def contiguous(cls, seq_lens, max_len: int) -> "PageTable":
         """A contiguous cache ``[batch, max_len, kv_heads, head_dim]`` seen as one page per request
         of ``page_size = max_len``: pass that array itself as the KV cache."""

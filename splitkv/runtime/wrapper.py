@@ -199,18 +199,26 @@ class BatchDecodeWrapper:
                                          num_sms=info["num_sms"])
         return self._profile
 
-    def plan(self, page_table: PageTable, *, num_splits: int | None = None,
-             strategy: str | None = None, plan: Plan | None = None,
-             sm_scale: float | None = None, stream=None) -> Plan:
+    def plan(self, page_table: PageTable | None = None, *, kv_indptr=None, kv_indices=None,
+             kv_last_page_len=None, block_table=None, seq_lens=None,
+             num_splits: int | None = None, strategy: str | None = None,
+             plan: Plan | None = None, sm_scale: float | None = None, stream=None) -> Plan:
         """Choose and upload the decomposition for this batch. Host work plus one upload.
 
+        The batch's pages: a ``PageTable``, or FlashInfer's ``kv_indptr`` [batch + 1],
+        ``kv_indices`` [pages], ``kv_last_page_len`` [batch], or vLLM's ``block_table``
+        [batch, max pages] and ``seq_lens`` [batch] (host integer arrays).
         num_splits / strategy force the planner's hand; ``plan`` bypasses it, and runs with the
         execution (merge mode, launch order) this wrapper's options give it on this device
-        (``Plan.with_execution``). Returns the plan as it runs.
+        (``Plan.with_execution``). ``stream``: where the upload goes (CuPy or torch stream, or
+        a handle; default CuPy's current stream): the stream you run (or replay) on. Returns the
+        plan as it runs.
         """
         import cupy
 
-        V.check_instance("page_table", page_table, PageTable)
+        page_table = PageTable.from_layout(
+            page_table, self.page_size, kv_indptr=kv_indptr, kv_indices=kv_indices,
+            kv_last_page_len=kv_last_page_len, block_table=block_table, seq_lens=seq_lens)
         if page_table.page_size != self.page_size:
             raise ValueError(f"page_table: page_size {page_table.page_size} differs from the "
                              f"wrapper's page_size {self.page_size}")

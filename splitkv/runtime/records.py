@@ -38,17 +38,23 @@ def pages_fit_record(plan: Plan, page_size: int, stages: int) -> bool:
             and not np.any(plan.chunk_start % page_size))
 
 
-def chunk_records(plan: Plan, page_table: PageTable, order, record_pages: int) -> np.ndarray:
+def chunk_records(plan: Plan, page_table: PageTable, order, record_pages: int,
+                  out: np.ndarray | None = None) -> np.ndarray:
     """[num_chunks] ``CHUNK_RECORD``: the kernel's chunk records, one per CTA row of the grid, in
     ``order`` (plan indices in launch order). Record r describes chunk c = order[r]: its request,
     first and end token, the request's first page-table entry, the request's chunk range (where
     its partials are), c itself (the partial rows it writes), its flags (the ticket merge, and
     whether it carries page ids) and, when ``record_pages`` > 0, the page ids of its first
-    ``record_pages`` pages (the rest are 0)."""
+    ``record_pages`` pages (the rest are 0). ``out``: write into these ``num_chunks`` records
+    (e.g. a pinned upload buffer) instead of a new array."""
     order = np.asarray(order, dtype=np.intp)
     req = plan.chunk_request[order]
     start = plan.chunk_start[order]
-    records = np.zeros(plan.num_chunks, dtype=CHUNK_RECORD)
+    if out is None:
+        records = np.zeros(plan.num_chunks, dtype=CHUNK_RECORD)
+    else:
+        records = out
+        records["first_pages"] = 0
     records["request"] = req
     records["token_begin"] = start
     records["token_end"] = plan.chunk_end[order]
@@ -127,23 +133,40 @@ class GraphPlanUpload:
         self._copied = [cupy.cuda.Event(disable_timing=True) for _ in range(2)]
         self._used = [False, False]
         self._next = 0
+        self._int_views = [np.frombuffer(h, dtype=np.int32, count=total) for h in self._hosts]
+        self._records = [v[:self._sizes[0]].view(CHUNK_RECORD)[:max_chunks]
+                         for v in self._int_views]
+        self._idle = idle_records(max_chunks)
+        for records in self._records:
+            records[:] = self._idle
+        self._filled = [0, 0]               # records of each buffer's last plan (the rest idle)
         self.pointers, offset = {}, 0
         for name, size in zip(self.capacity, self._sizes):
             self.pointers[name] = self._device.data.ptr + offset * 4
             offset += size
         self.ready = None
 
-    def upload(self, records: np.ndarray, kv_indices: np.ndarray, merge_indptr: np.ndarray,
-               stream) -> None:
-        """Write the parts (each within its capacity: the caller checks) and copy them on
-        ``stream``; ``ready`` is then the event after the copy."""
+    def next_records(self, num_chunks: int) -> np.ndarray:
+        """The next upload's first ``num_chunks`` records, in its pinned host buffer, for
+        ``chunk_records(..., out=)`` to fill (the rest of the capacity is made idle); waits for
+        the copy out of that buffer two plans ago."""
         i = self._next
-        self._next ^= 1
         if self._used[i]:
             self._copied[i].synchronize()
-        host = np.frombuffer(self._hosts[i], dtype=np.int32, count=self._device.size)
-        offset = 0
-        for arr, size in zip((records.view(np.int32), kv_indices, merge_indptr), self._sizes):
+        records = self._records[i]
+        records[num_chunks:self._filled[i]] = self._idle[num_chunks:self._filled[i]]
+        self._filled[i] = num_chunks
+        return records[:num_chunks]
+
+    def upload(self, kv_indices: np.ndarray, merge_indptr: np.ndarray, stream) -> None:
+        """Write the page table and merge_indptr next to the records ``next_records`` gave
+        (each within its capacity: the caller checks) and copy all on ``stream``; ``ready`` is
+        then the event after the copy."""
+        i = self._next
+        self._next ^= 1
+        host = self._int_views[i]
+        offset = self._sizes[0]
+        for arr, size in zip((kv_indices, merge_indptr), self._sizes[1:]):
             host[offset:offset + arr.size] = arr
             offset += size
         self._device.set(host, stream=stream)

@@ -41,7 +41,7 @@ from .kernel_source import DecodeVariant
 from .launch import DecodeLaunch, KernelLaunch, current_context
 from .modules import get_decode_kernels
 from .records import (GraphPlanUpload, PlanUpload, chunk_records, first_pages,  # noqa: F401
-                      idle_records, pages_fit_record, record_pages_needed)
+                      pages_fit_record, record_pages_needed)
 from .workspace import Workspace
 
 LOG2E = 1.4426950408889634
@@ -267,8 +267,9 @@ class BatchDecodeWrapper:
 
     def _plan_graph(self, chosen: Plan, page_table: PageTable, s, sm_scale_log2: float,
                     max_page: int) -> Plan:
-        """plan() of a graph-stable wrapper: the records padded to the capacity with idle ones,
-        uploaded into the fixed buffers; the launches are built once, for the capacity."""
+        """plan() of a graph-stable wrapper: the records written straight into a pinned buffer
+        whose rest of the capacity holds idle records, uploaded into the fixed buffers; the
+        launches are built once, for the capacity."""
         import cupy
 
         max_batch, max_pages, max_chunks = self._capacity[0], self._capacity[1], self.max_chunks
@@ -289,10 +290,6 @@ class BatchDecodeWrapper:
         stages = kernels.variant.stages
         may_carry_pages = record_pages_needed(self.page_size, stages) <= RECORD_PAGES
         in_record = pages_fit_record(chosen, self.page_size, stages)
-        records = np.concatenate([
-            chunk_records(chosen, page_table, grid_order(chosen),
-                          record_pages_needed(self.page_size, stages) if in_record else 0),
-            idle_records(max_chunks - chosen.num_chunks)])
         # the merge kernel always runs: rows past the batch, and every row of a plan that has
         # no merge kernel, have no chunks to merge
         merge_indptr = np.zeros(max_batch + 1, dtype=np.int32)
@@ -310,7 +307,10 @@ class BatchDecodeWrapper:
         elif sm_scale_log2 != self._launch.params.sm_scale_log2:
             raise ValueError("sm_scale: a graph-stable wrapper keeps the sm_scale of its first "
                              "plan (a captured launch holds it)")
-        self._graph_upload.upload(records, page_table.kv_indices, merge_indptr, s)
+        chunk_records(chosen, page_table, grid_order(chosen),
+                      record_pages_needed(self.page_size, stages) if in_record else 0,
+                      out=self._graph_upload.next_records(chosen.num_chunks))
+        self._graph_upload.upload(page_table.kv_indices, merge_indptr, s)
         self._plan_stream_ptr = s.ptr
         self._plan, self._max_page = chosen, max_page
         return chosen

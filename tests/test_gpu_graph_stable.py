@@ -61,8 +61,10 @@ def test_one_graph_replays_a_thousand_changing_plans_bit_identically():
     q = random_device_array((MAX_BATCH, HQ, D), DTYPE, rng)
     out = cupy.zeros((MAX_BATCH, HQ, D), dtype=q.dtype)
     lse = cupy.zeros((MAX_BATCH, HQ), dtype=cupy.float32)
+    # a capacity of 100 chunks, so that 8 requests may be forced into 6 chunks each
     stable = BatchDecodeWrapper(HQ, HK, D, PAGE, DTYPE, use_cuda_graph=True,
-                                max_batch_size=MAX_BATCH, max_num_pages=MAX_BATCH * 1400)
+                                max_batch_size=MAX_BATCH, max_num_pages=MAX_BATCH * 1400,
+                                max_chunks=100)
     eager = BatchDecodeWrapper(HQ, HK, D, PAGE, DTYPE, use_clusters=False)
     loop = DecodeLoop(rng, steps=1100)
     stream = cupy.cuda.Stream(non_blocking=True)

@@ -80,8 +80,8 @@ class BatchDecodeWrapper:
     max_batch_size, max_num_pages: the capacity of a graph-stable wrapper: requests per plan,
         and page-table entries (``kv_indices``) per plan. Required with ``use_cuda_graph``.
     max_chunks: chunks per plan (the fixed grid is max_chunks x num_kv_heads CTAs, and CTAs
-        past the plan's chunks exit at once); default: at least max_batch_size, and one wave
-        of the GPU (two CTAs per SM).
+        past the plan's chunks exit at once); default: at least max_batch_size, and 2 x SMs
+        CTAs for a small batch's grid (one CTA per SM, see ``_graph_spreads``), 4 x SMs else.
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -148,8 +148,9 @@ class BatchDecodeWrapper:
         if chunks is None:
             from . import device_info
 
-            wave = 2 * device_info()["num_sms"]            # one wave of two CTAs per SM
-            chunks = max(batch, wave // (self.num_kv_heads * self.ctas_per_kv_head))
+            # a spread grid: one wave of one CTA per SM, twice; else two waves of two
+            waves = 2 * device_info()["num_sms"] * (1 if self._graph_spreads() else 2)
+            chunks = max(batch, waves // (self.num_kv_heads * self.ctas_per_kv_head))
             self._capacity = (*self._capacity[:2], chunks)
         return chunks
 

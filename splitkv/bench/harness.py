@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import datetime as _dt
 
+import sys
+
 import numpy as np
 
 from ..runtime.timing import median_host_us
@@ -29,7 +31,15 @@ def _rel_err_subset(wrapper, page_table, data, max_requests: int = 4) -> float:
     ref, _ = reference_decode(data.q[:n].get(), data.k_layers[0][idx].get(),
                               data.v_layers[0][idx].get(), sub)
     got = to_float64(out[:n])
-    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+    err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+    if not np.isfinite(err):           # say which side is not finite, and whether it repeats
+        again = to_float64(wrapper.run(data.q, data.k_layers[0], data.v_layers[0])[:n])
+        rows = lambda a: np.flatnonzero(~np.isfinite(a).all(axis=(1, 2))).tolist()
+        print(f"rel err check: non-finite rows of the output {rows(got)}, of the reference "
+              f"{rows(ref)}; a second run's output rows {rows(again)}, "
+              f"{'the same' if np.array_equal(got, again, equal_nan=True) else 'different'} "
+              "bits", file=sys.stderr, flush=True)
+    return err
 
 
 def _plan_cpu_us(problem, profile, repeats: int = 200) -> float:

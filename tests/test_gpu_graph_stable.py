@@ -109,6 +109,14 @@ def test_capacity_is_enforced_before_any_upload():
         w.plan(PageTable.from_block_table(rng.integers(0, 32, (2, 80)), [1280, 1280], PAGE))
     with pytest.raises(ValueError, match="max_chunks"):
         w.plan(small, num_splits=8, strategy="fused")
+    with pytest.raises(RuntimeError, match="captured"):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        stream.begin_capture()
+        try:
+            w.plan(small, stream=stream)
+        finally:
+            stream.end_capture()
+    assert w.current_plan.problem.batch_size == 2           # the refused plans changed nothing
     k = cupy.zeros((64, PAGE, HK, D), dtype=cupy.uint16)
     q = cupy.zeros((2, HQ, D), dtype=cupy.uint16)
     with pytest.raises(ValueError, match="q"):
@@ -116,3 +124,30 @@ def test_capacity_is_enforced_before_any_upload():
     w.run(q, k[:32], k[:32])                                 # a pool of 32 pages from now on
     with pytest.raises(ValueError, match="past the K/V pool"):
         w.plan(PageTable.from_block_table([[40], [1]], [5, 5], PAGE))
+
+
+def test_runs_on_another_stream_are_ordered_with_the_next_plan():
+    """plan() on one stream, many eager runs on another, the next plan() at once: every run
+    reads the plan it was given (the next upload waits for them), as an ordinary wrapper's."""
+    from splitkv import BatchDecodeWrapper
+    from splitkv.runtime.testing import random_device_array
+
+    rng = np.random.default_rng(3)
+    k = random_device_array((POOL_PAGES, PAGE, HK, D), DTYPE, rng)
+    v = random_device_array((POOL_PAGES, PAGE, HK, D), DTYPE, rng)
+    q = random_device_array((MAX_BATCH, HQ, D), DTYPE, rng)
+    stable = BatchDecodeWrapper(HQ, HK, D, PAGE, DTYPE, use_cuda_graph=True,
+                                max_batch_size=MAX_BATCH, max_num_pages=MAX_BATCH * 1400)
+    eager = BatchDecodeWrapper(HQ, HK, D, PAGE, DTYPE, use_clusters=False)
+    plan_stream, run_stream = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    loop = DecodeLoop(rng, steps=40)
+    for _ in range(40):
+        table = loop.step()
+        plan = stable.plan(table, stream=plan_stream)
+        outs = [stable.run(q, k, v, stream=run_stream) for _ in range(8)]
+        eager.plan(table, plan=plan, stream=run_stream)
+        want = eager.run(q[:table.batch_size], k, v, stream=run_stream)
+        run_stream.synchronize()
+        for out in outs:
+            np.testing.assert_array_equal(out[:table.batch_size].view(cupy.uint16).get(),
+                                          want.view(cupy.uint16).get())

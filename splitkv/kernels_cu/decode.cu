@@ -291,6 +291,9 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   const ChunkHeader chunk = load_header(record);
   if (chunk.request < 0) {   // an idle slot of a graph-stable grid
     if (params.pages_in_record) cp_async_wait<0>();
+    // Ends only after the kernel before it: a grid of idle CTAs alone (an empty batch) must
+    // not break the chain by which each PDL kernel's end implies its predecessors'.
+    wait_for_prior_grid();
     return;
   }
   const bool record_pages_used = params.pages_in_record && (chunk.flags & RECORD_HAS_PAGES);

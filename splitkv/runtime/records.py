@@ -115,16 +115,17 @@ class PlanUpload:
 
 class GraphPlanUpload:
     """A graph-stable wrapper's plan buffers: fixed device addresses, sized once for the
-    capacity (records, page-table entries, merge_indptr), so a captured launch reads whatever
-    plan was uploaded last. Each plan is written to one of two pinned host buffers in turn and
+    capacity (records, merge_indptr, page-table entries), so a captured launch reads whatever
+    plan was uploaded last; each plan copies the records, merge_indptr and its own entries. Each plan is written to one of two pinned host buffers in turn and
     copied with one async copy on the plan's stream; before a host buffer is rewritten, the copy
     out of it two plans ago must have finished (a host wait on that small copy only)."""
 
     def __init__(self, max_chunks: int, max_num_pages: int, max_batch_size: int):
         import cupy
 
+        # the page table last: a plan copies only as much of it as it has entries
         self.capacity = {"records": max_chunks * CHUNK_RECORD.itemsize // 4,
-                         "kv_indices": max_num_pages, "merge_indptr": max_batch_size + 1}
+                         "merge_indptr": max_batch_size + 1, "kv_indices": max_num_pages}
         self._sizes = [-(-max(1, n) // 4) * 4 for n in self.capacity.values()]
         total = int(sum(self._sizes))
         self._device = cupy.empty(total, dtype=np.int32)
@@ -165,11 +166,13 @@ class GraphPlanUpload:
         i = self._next
         self._next ^= 1
         host = self._int_views[i]
-        offset = self._sizes[0]
-        for arr, size in zip((kv_indices, merge_indptr), self._sizes[1:]):
-            host[offset:offset + arr.size] = arr
-            offset += size
-        self._device.set(host, stream=stream)
+        indptr_at = self._sizes[0]
+        pages_at = indptr_at + self._sizes[1]
+        host[indptr_at:indptr_at + merge_indptr.size] = merge_indptr
+        host[pages_at:pages_at + kv_indices.size] = kv_indices
+        # the rest of the page table is never read (a chunk reads its own request's entries)
+        used = pages_at + kv_indices.size
+        self._device[:used].set(host[:used], stream=stream)
         self._copied[i].record(stream)
         self._used[i] = True
         self.ready = self._copied[i]

@@ -79,9 +79,10 @@ class BatchDecodeWrapper:
         ``max_batch_size`` rows (rows past the plan's batch are not written).
     max_batch_size, max_num_pages: the capacity of a graph-stable wrapper: requests per plan,
         and page-table entries (``kv_indices``) per plan. Required with ``use_cuda_graph``.
-    max_chunks: chunks per plan (the fixed grid is max_chunks x num_kv_heads CTAs, and CTAs
-        past the plan's chunks exit at once); default: at least max_batch_size, and 2 x SMs
-        CTAs for a small batch's grid (one CTA per SM, see ``_graph_spreads``), 4 x SMs else.
+    max_chunks: chunks per plan (the fixed grid is max_chunks x num_kv_heads x
+        ctas_per_kv_head CTAs, and CTAs past the plan's chunks exit at once); default: at least
+        max_batch_size, and 2 x SMs CTAs for a small batch's grid (one CTA per SM, see
+        ``_graph_spreads``), 4 x SMs else.
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -115,6 +116,10 @@ class BatchDecodeWrapper:
         self._capacity = self._check_capacity(max_batch_size, max_num_pages, max_chunks)
         self._graph_upload: GraphPlanUpload | None = None
         self._graph_pool_pages: int | None = None    # pages of the K/V pool a run was given
+        # the last run on another stream than its plan's, which the next upload must follow
+        self._foreign_runs = None
+        self._foreign_pending = False
+        self._pages_in_record = False
 
     def _check_capacity(self, max_batch_size, max_num_pages, max_chunks):
         """(max_batch_size, max_num_pages, max_chunks or None) of a graph-stable wrapper."""
@@ -185,6 +190,8 @@ class BatchDecodeWrapper:
     @property
     def pages_in_record(self) -> bool:
         """Whether the current plan's first tiles take their page ids from the chunk records."""
+        if self.use_cuda_graph:
+            return self._plan is not None and self._pages_in_record
         return self._launch is not None and bool(self._launch.params.pages_in_record)
 
     @property
@@ -223,6 +230,9 @@ class BatchDecodeWrapper:
         if page_table.page_size != self.page_size:
             raise ValueError(f"page_table: page_size {page_table.page_size} differs from the "
                              f"wrapper's page_size {self.page_size}")
+        s = as_cupy_stream(stream)
+        if self.use_cuda_graph:
+            self._check_fits(page_table, s)
         # a graph-stable grid is one fixed launch: no cluster variant
         clusters = (not self.use_cuda_graph
                     and sm90_option("use_clusters", self.use_clusters, "thread-block clusters"))
@@ -247,7 +257,9 @@ class BatchDecodeWrapper:
         if max_page >= 2**31:
             raise ValueError("page_table: page indices must be < 2**31")
 
-        s = as_cupy_stream(stream)
+        if self._foreign_pending:      # a run on another stream may still read the buffers
+            s.wait_event(self._foreign_runs)
+            self._foreign_pending = False
         if self.use_cuda_graph:
             return self._plan_graph(chosen, page_table, s, sm_scale_log2, max_page)
         kernels = get_decode_kernels(replace(self.variant, cluster=chosen.cluster_size))
@@ -275,18 +287,9 @@ class BatchDecodeWrapper:
 
         max_batch, max_pages, max_chunks = self._capacity[0], self._capacity[1], self.max_chunks
         batch = chosen.problem.batch_size
-        if batch > max_batch:
-            raise ValueError(f"page_table: {batch} requests exceed the wrapper's "
-                             f"max_batch_size={max_batch}")
-        if page_table.kv_indices.size > max_pages:
-            raise ValueError(f"page_table: {page_table.kv_indices.size} page-table entries "
-                             f"exceed the wrapper's max_num_pages={max_pages}")
         if chosen.num_chunks > max_chunks:
             raise ValueError(f"plan: {chosen.num_chunks} chunks exceed the wrapper's "
                              f"max_chunks={max_chunks}")
-        if self._graph_pool_pages is not None and max_page >= self._graph_pool_pages:
-            raise ValueError(f"page_table: page index {max_page} is past the K/V pool of "
-                             f"{self._graph_pool_pages} pages that run() was given")
         kernels = get_decode_kernels(self.variant)
         stages = kernels.variant.stages
         may_carry_pages = record_pages_needed(self.page_size, stages) <= RECORD_PAGES
@@ -298,13 +301,14 @@ class BatchDecodeWrapper:
             merge_indptr[:batch + 1] = chosen.merge_indptr
             merge_indptr[batch + 1:] = chosen.merge_indptr[-1]
         if self._graph_upload is None:
-            self._device_id = cupy.cuda.runtime.getDevice()
-            self._graph_upload = GraphPlanUpload(max_chunks, max_pages, max_batch)
+            upload = GraphPlanUpload(max_chunks, max_pages, max_batch)
             self._workspace.ensure_size(max_chunks * self.num_qo_heads,
                                         max_batch * self.num_kv_heads * self.ctas_per_kv_head, s)
-            self._launch = self._bind(kernels, self._graph_upload.pointers, max_chunks, max_batch,
+            self._launch = self._bind(kernels, upload.pointers, max_chunks, max_batch,
                                       0, True, may_carry_pages, sm_scale_log2,
                                       spread=self._graph_spreads())
+            self._device_id = cupy.cuda.runtime.getDevice()
+            self._graph_upload = upload         # only once the launches are built
         elif sm_scale_log2 != self._launch.params.sm_scale_log2:
             raise ValueError("sm_scale: a graph-stable wrapper keeps the sm_scale of its first "
                              "plan (a captured launch holds it)")
@@ -312,9 +316,29 @@ class BatchDecodeWrapper:
                       record_pages_needed(self.page_size, stages) if in_record else 0,
                       out=self._graph_upload.next_records(chosen.num_chunks))
         self._graph_upload.upload(page_table.kv_indices, merge_indptr, s)
+        self._pages_in_record = in_record
         self._plan_stream_ptr = s.ptr
         self._plan, self._max_page = chosen, max_page
         return chosen
+
+    def _check_fits(self, page_table: PageTable, stream) -> None:
+        """A graph-stable wrapper's checks of a page table against its capacity, before any
+        planning or upload."""
+        max_batch, max_pages = self._capacity[0], self._capacity[1]
+        if stream.is_capturing():
+            raise RuntimeError("plan: a graph-stable wrapper's plan() must not be captured (its "
+                               "upload would replay one plan forever); call it before each "
+                               "replay, outside the capture")
+        if page_table.batch_size > max_batch:
+            raise ValueError(f"page_table: {page_table.batch_size} requests exceed the "
+                             f"wrapper's max_batch_size={max_batch}")
+        if page_table.kv_indices.size > max_pages:
+            raise ValueError(f"page_table: {page_table.kv_indices.size} page-table entries "
+                             f"exceed the wrapper's max_num_pages={max_pages}")
+        max_page = int(page_table.kv_indices.max()) if page_table.kv_indices.size else -1
+        if self._graph_pool_pages is not None and max_page >= self._graph_pool_pages:
+            raise ValueError(f"page_table: page index {max_page} is past the K/V pool of "
+                             f"{self._graph_pool_pages} pages that run() was given")
 
     def _ready_event(self):
         """The event after the current plan's upload."""
@@ -372,10 +396,6 @@ class BatchDecodeWrapper:
                                      num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                      page_size=self.page_size, dtype=self.dtype,
                                      max_page=self._max_page, device=self._device_id)
-        if self.use_cuda_graph:     # later plans must stay within this pool
-            pool = int(ka.shape[0])
-            self._graph_pool_pages = pool if self._graph_pool_pages is None else min(
-                pool, self._graph_pool_pages)
         want_lse = return_lse or lse is not None
         s = as_cupy_stream(stream)
         if out is None:
@@ -392,14 +412,25 @@ class BatchDecodeWrapper:
             la = as_device_array("lse", lse)
             V.check_device_output("lse", la, (batch, self.num_qo_heads), "float32")
             lse_ptr = la.ptr
-        if s.ptr != self._plan_stream_ptr and not s.is_capturing():
+        foreign = s.ptr != self._plan_stream_ptr and not s.is_capturing()
+        if foreign:
             # Order this stream after plan()'s upload. Not inside a graph capture: a wait on an
             # event recorded outside it would pull outside work into the graph, and a host wait
             # is what the default (global) capture mode forbids. A captured run reads the
             # records when the graph replays, so the replay is what must follow plan()'s
             # upload, as any work queued after it on the plan's stream does.
             s.wait_event(self._ready_event())
+        if self.use_cuda_graph:     # later plans must stay within this pool
+            pool = int(ka.shape[0])
+            self._graph_pool_pages = pool if self._graph_pool_pages is None else min(
+                pool, self._graph_pool_pages)
         if batch:
             self._launch(qa.ptr, ka.ptr, va.ptr, ka.strides[0], ka.strides[1], oa.ptr, lse_ptr,
                          s.ptr)
+        if foreign:
+            # the next plan()'s upload rewrites the buffers this run reads: it waits for this
+            if self._foreign_runs is None:
+                self._foreign_runs = cupy.cuda.Event(disable_timing=True)
+            self._foreign_runs.record(s)
+            self._foreign_pending = True
         return (out, lse) if want_lse else out

@@ -289,6 +289,13 @@ decode_partial(const __grid_constant__ DecodeParams params) {
     cp_async_commit();
   }
   const ChunkHeader chunk = load_header(record);
+  if (chunk.request < 0) {   // an idle slot of a graph-stable grid
+    if (params.pages_in_record) cp_async_wait<0>();
+    // Ends only after the kernel before it: a grid of idle CTAs alone (an empty batch) must
+    // not break the chain by which each PDL kernel's end implies its predecessors'.
+    wait_for_prior_grid();
+    return;
+  }
   const bool record_pages_used = params.pages_in_record && (chunk.flags & RECORD_HAS_PAGES);
   // With PDL, the next kernel in the stream may launch once every CTA of this grid has allowed
   // it: here (`pdl_early_trigger`) or when its streaming is done (below). Either way it waits for
@@ -383,11 +390,6 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   // the K/V cache and the workspace may be written by the kernel just before (or read by it:
   // the previous merge reads the partials this kernel overwrites), so they wait for its end.
   wait_for_prior_grid();
-  // An idle slot of a graph-stable grid ends here: after its record copy and after the kernel
-  // before it (a grid of idle CTAs alone, an empty batch, must not break the chain by which a
-  // PDL kernel's end implies its predecessors'). Tested here, not at the header load, so that
-  // no CTA stalls on its header before the wait.
-  if (chunk.request < 0) return;
   // Q as MMA A-fragments, one row tile per warp; rows past the group are zero. (Loaded with
   // ld_after_wait_u32: with PDL, q may be the previous kernel's output.)
   u32 qf[KSTEPS][4];

@@ -1,5 +1,7 @@
 """merge_states / merge_states_n: exact combination of attention over disjoint KV segments."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -138,3 +140,91 @@ def test_shape_errors_name_the_argument(rng):
         merge_states_n(o, lse[:, :1])
     with pytest.raises(ValueError, match="o: expected at least one state"):
         merge_states_n(np.zeros((0, 3, 64)), np.zeros((0, 3)))
+
+
+# --- inputs: every bad one a TypeError / ValueError naming it, before any work ---------------
+
+class FakeCupyArray:
+    """Looks like a CuPy array to the checks (its type comes from the cupy package)."""
+    __module__ = "cupy._core.core"
+
+    def __init__(self, arr):
+        self.shape, self.dtype, self.ndim = arr.shape, arr.dtype, arr.ndim
+
+
+def good_states(rng):
+    return rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 3))
+
+
+@pytest.mark.parametrize("bad", [None, 1, True, 1.5, 2 + 1j, "0.5", [0.5, 1.0], (1.0,), {"a": 1}],
+                         ids=lambda v: type(v).__name__)
+@pytest.mark.parametrize("position", [0, 1, 2, 3])
+def test_merge_states_refuses_non_arrays(rng, bad, position):
+    o, lse = good_states(rng)
+    args = [o[0], lse[0], o[1], lse[1]]
+    args[position] = bad
+    name = ("o_a", "lse_a", "o_b", "lse_b")[position]
+    with pytest.raises(TypeError, match=f"^{name}: expected a NumPy or CuPy array"):
+        merge_states(*args)
+
+
+def test_lists_are_refused_not_an_attribute_error(rng):
+    o, lse = good_states(rng)
+    with pytest.raises(TypeError, match="^o: expected a NumPy or CuPy array, got list"):
+        merge_states_n(o.tolist(), lse)
+    with pytest.raises(TypeError, match="^lse: expected a NumPy or CuPy array, got list"):
+        merge_states_n(o, lse.tolist())
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int8, np.uint16, np.bool_, np.complex128, np.str_,
+                                   object])
+@pytest.mark.parametrize("name", ["o", "lse"])
+def test_merge_states_n_refuses_non_float_dtypes(rng, dtype, name):
+    o, lse = good_states(rng)
+    args = {"o": o, "lse": lse}
+    args[name] = args[name].astype(dtype)
+    with pytest.raises(TypeError, match=f"^{name}: dtype .* is not supported; expected one of"):
+        merge_states_n(**args)
+
+
+def test_lse_must_be_float32_or_float64(rng):
+    o, lse = good_states(rng)
+    with pytest.raises(TypeError, match=r"^lse: dtype 'float16' is not supported"):
+        merge_states_n(o, lse.astype(np.float16))
+
+
+@pytest.mark.parametrize("position, dtype, message", [
+    (2, np.float32, "o_b: expected dtype float64 (the dtype of o_a), got float32"),
+    (0, np.float16, "o_b: expected dtype float16 (the dtype of o_a), got float64"),
+    (3, np.float32, "lse_b: expected dtype float64 (the dtype of lse_a), got float32"),
+])
+def test_merge_states_refuses_mixed_dtypes(rng, position, dtype, message):
+    o, lse = good_states(rng)
+    args = [o[0], lse[0], o[1], lse[1]]
+    args[position] = args[position].astype(dtype)
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        merge_states(*args)
+
+
+def test_a_mix_of_numpy_and_cupy_arrays_is_refused(rng):
+    o, lse = good_states(rng)
+    with pytest.raises(TypeError, match="^o_b: expected a NumPy array like o_a, got a CuPy array"):
+        merge_states(o[0], lse[0], FakeCupyArray(o[1]), FakeCupyArray(lse[1]))
+    with pytest.raises(TypeError, match="^lse: expected a CuPy array like o, got a NumPy array"):
+        merge_states_n(FakeCupyArray(o), lse)
+
+
+def test_rank_errors(rng):
+    with pytest.raises(ValueError, match="^o_a: expected at least 1 dimension"):
+        merge_states(np.float64(1.0), np.zeros(()), np.zeros(1), np.zeros(()))
+    with pytest.raises(ValueError, match=r"^o: expected \[num_states, ..., head_dim\]"):
+        merge_states_n(np.zeros(8), np.zeros(()))
+
+
+def test_numpy_scalars_are_accepted_as_lse(rng):
+    """One row of a state: lse[i] is a NumPy scalar, not a 0-d array."""
+    (a, b), whole = segment_states(rng, [6, 9], heads=2)
+    o, lse = merge_states(a[0][1], a[1][1], b[0][1], b[1][1])
+    assert o.shape == (64,) and lse.shape == ()
+    np.testing.assert_allclose(o, whole[0][1], **TOL)
+    np.testing.assert_allclose(lse, whole[1][1], **TOL)

@@ -55,6 +55,12 @@ def merge_partials(plan: Plan, partial_o: np.ndarray, partial_lse: np.ndarray):
 def execute_plan_cpu(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_scale=None):
     """Run ``plan`` on the host. q: [batch, num_qo_heads, head_dim]; k_cache, v_cache:
     [num_pages, page_size, num_kv_heads, head_dim] (NHD), any float dtype (computed in float64).
-    Returns (out [batch, num_qo_heads, head_dim], lse [batch, num_qo_heads]), float64."""
+    Returns (out [batch, num_qo_heads, head_dim], lse [batch, num_qo_heads]), float64.
+
+    Non-finite inputs give what ``reference_decode`` gives, for every strategy and split: a
+    chunk with a non-finite score (NaN or Inf in q or K) has a NaN LSE, and ``merge_states_n``
+    turns a NaN LSE into a NaN output and LSE for that (request, query head); a request with no
+    tokens gets zeros and -inf; NaN or Inf in V reaches the output components it is summed into.
+    Other requests and heads are unaffected."""
     partial_o, partial_lse = compute_partials(plan, q, k_cache, v_cache, page_table, sm_scale)
     return merge_partials(plan, partial_o, partial_lse)

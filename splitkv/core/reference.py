@@ -20,14 +20,26 @@ def to_float64(arr) -> np.ndarray:
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float):
-    """One request, one kv head group. q: [G, D]; k, v: [N, D]. Returns (o [G, D], lse [G])."""
+    """One request, one kv head group. q: [G, D]; k, v: [N, D]. Returns (o [G, D], lse [G]).
+
+    No keys (N = 0): zeros and -inf. A query row with a non-finite score (NaN, +inf or -inf:
+    NaN or Inf in q or K, or a product past the float64 range) gets NaN for its whole output
+    and its LSE. A NaN or Inf in V reaches the output components it is summed into (IEEE).
+    """
     if k.shape[0] == 0:
         return np.zeros_like(q), np.full(q.shape[0], -np.inf)
-    s = (q @ k.T) * sm_scale
-    m = s.max(axis=1, keepdims=True)
-    p = np.exp(s - m)
-    d = p.sum(axis=1, keepdims=True)
-    return (p @ v) / d, (m + np.log(d))[:, 0]
+    with np.errstate(over="ignore", invalid="ignore"):    # non-finite results are defined above
+        s = (q @ k.T) * sm_scale
+        bad = ~np.isfinite(s).all(axis=1)
+        if bad.any():    # computed on zero scores (no inf - inf), then set to NaN
+            s[bad] = 0
+        m = s.max(axis=1, keepdims=True)
+        p = np.exp(s - m)
+        d = p.sum(axis=1, keepdims=True)
+        o, lse = (p @ v) / d, (m + np.log(d))[:, 0]
+    if bad.any():
+        o[bad], lse[bad] = np.nan, np.nan
+    return o, lse
 
 
 def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float | None = None):
@@ -37,7 +49,10 @@ def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float
     head_dim] (NHD); any float dtype, NumPy or CuPy (uint16 = raw bfloat16 bits). Any head_dim.
     Returns (out [batch, num_qo_heads, head_dim] float64,
     lse [batch, num_qo_heads] float64, natural log of sum(exp(sm_scale * q.k))).
-    A request with no tokens gets zeros and lse -inf.
+    A request with no tokens gets zeros and lse -inf (whatever its q holds). A (request, query
+    head) with a non-finite score (NaN or Inf in its q or in its kv head's K, or an overflow)
+    gets NaN for its whole output and its LSE, never zeros and -inf; other heads and requests
+    are unaffected. NaN or Inf in V makes the output components it reaches NaN or +-Inf.
     """
     V.check_instance("page_table", page_table, PageTable)
     hq, hk, d = V.check_attention_arrays(q, k_cache, v_cache, page_table.batch_size,

@@ -13,9 +13,9 @@ from .core.problem import DecodeProblem, PageTable
 from .core.reference import reference_decode
 
 __all__ = [
-    "BatchDecodeWrapper", "DecodeProblem", "PageTable", "Plan", "execute_plan_cpu",
-    "merge_states", "merge_states_n", "plan_chunk_tokens", "plan_fixed_splits",
-    "plan_from_chunk_counts", "reference_decode", "__version__",
+    "BatchDecodeWrapper", "DecodeProblem", "GPUUnavailableError", "PageTable", "Plan",
+    "execute_plan_cpu", "merge_states", "merge_states_n", "plan_chunk_tokens",
+    "plan_fixed_splits", "plan_from_chunk_counts", "reference_decode", "__version__",
 ]
 
 
@@ -23,4 +23,7 @@ def __getattr__(name):
     if name == "BatchDecodeWrapper":
         from .runtime.wrapper import BatchDecodeWrapper
         return BatchDecodeWrapper
+    if name == "GPUUnavailableError":
+        from .runtime import GPUUnavailableError
+        return GPUUnavailableError
     raise AttributeError(f"module 'splitkv' has no attribute {name!r}")

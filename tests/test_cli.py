@@ -18,10 +18,16 @@ from splitkv.cli import plan as plan_cli
 ROOT = str(Path(splitkv.__file__).resolve().parents[1])
 
 
+def child_env(**extra) -> dict:
+    """The environment of a child interpreter that imports this checkout's splitkv."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+                **extra)
+
+
 def run_module(*args):
     """``python -m <args>`` from a fresh interpreter that imports this checkout's splitkv."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env)
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
+                          env=child_env())
 
 
 def test_every_command_loads():
@@ -68,7 +74,7 @@ def test_demo_on_the_cpu(capsys):
 
 def test_demo_refuses_unknown_cases(capsys):
     assert cli.main(["demo", "--cases", "mha,nope"]) == 2
-    assert "unknown case(s) nope" in capsys.readouterr().err
+    assert "argument --cases: unknown case(s) 'nope'" in capsys.readouterr().err
 
 
 def test_plan_command(capsys):
@@ -85,11 +91,8 @@ def test_plan_command(capsys):
     assert plan_cli.run(parser.parse_args(["--kv-len", "1024", "--num-splits", "8",
                                            "--strategy", "fused"])) == 0
     assert "clusters of 8" in capsys.readouterr().out
-    assert plan_cli.run(parser.parse_args(["--head-dim", "96"])) == 2
-    assert "head_dim" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parser.parse_args(["--heads", "32:8"])
-
 
 
 def test_bench_without_a_gpu_exits_2(monkeypatch, capsys):
@@ -113,3 +116,150 @@ def test_bench_markdown_table():
                         "<=peer, miss 4.5us, <=1.05 sdpa |")
     assert lines[5] == ("| ragged_b32 | 150.00 | 1700 | 40.0 | 1.2e-03 | fused/4 | 8.6 | None | "
                         "153.00 (fused/7, 1.020) | >peer |")
+
+
+# ------------------------------------------------- bad arguments: one line, exit 2, no work
+BAD_ARGUMENTS = [
+    # (argv, what the one line on stderr says)
+    (["plan", "--batch", "-1"], "argument --batch: expected an integer from 1 to 1,048,576, got -1"),
+    (["plan", "--batch", "0"], "argument --batch: expected an integer from 1"),
+    (["plan", "--batch", "1048577"], "argument --batch: expected an integer from 1 to 1,048,576"),
+    (["plan", "--lens", ""], "argument --lens: expected comma-separated token counts like "
+                             "100,2000,30000; entry 0 of '' is empty"),
+    (["plan", "--lens", "10,,20"], "entry 1 of '10,,20' is empty"),
+    (["plan", "--lens", "10,x"], "entry 1 of '10,x' is 'x'"),
+    (["plan", "--lens", "-5"], "argument --lens: entry 0: expected a token count from 0"),
+    (["plan", "--lens", "5,2147483648"], "entry 1: expected a token count from 0 to 2,147,483,647"),
+    (["plan", "--kv-len", "-1"], "argument --kv-len: expected an integer from 0 to 2,147,483,647"),
+    (["plan", "--num-sms", "0"], "argument --num-sms: expected an integer from 1"),
+    (["plan", "--num-sms", "-5"], "argument --num-sms: expected an integer from 1"),
+    (["plan", "--top", "-1"], "argument --top: expected an integer from 1"),
+    (["plan", "--top", "0"], "argument --top: expected an integer from 1"),
+    (["plan", "--num-splits", "0"], "argument --num-splits: expected an integer from 1"),
+    (["plan", "--num-splits", "2.5"], "argument --num-splits: expected an integer from 1 to "
+                                      "2,147,483,647, got '2.5'"),
+    (["plan", "--heads", "32:8"], "argument --heads: expected QO/KV heads like 32/8, got '32:8'"),
+    (["plan", "--heads", "32/0"], "argument --heads: expected kv heads from 1"),
+    (["plan", "--heads", "32/5"], "argument --heads: num_qo_heads: 32 is not a multiple of "
+                                  "num_kv_heads=5"),
+    (["plan", "--head-dim", "96"], "argument --head-dim: head_dim: 96 is not supported"),
+    (["plan", "--page-size", "0"], "argument --page-size: expected an integer from 1"),
+    (["plan", "--profile", "/no/such/profile.yaml"],
+     "argument --profile: expected an existing file, got '/no/such/profile.yaml' (no such file)"),
+    (["plan", "--profile", "/"], "argument --profile: expected an existing file, got '/' "
+                                 "(is a directory)"),
+    (["plan", "--device-name", " "], "argument --device-name: expected a name, got ' '"),
+    (["plan", "--strategy", "nope"], "argument --strategy: invalid choice: 'nope'"),
+    (["plan", "--batch"], "argument --batch: expected one argument"),
+    (["plan", "--bogus", "a\nb"], "unrecognized arguments: --bogus a\\nb"),
+    (["demo", "--seed", "-3"], "argument --seed: expected an integer >= 0, got -3"),
+    (["demo", "--cases", ","], "argument --cases: unknown case(s) (none given)"),
+    (["bench", "--min-total-mib", "0"], "argument --min-total-mib: expected an integer from 1"),
+    (["bench", "--num-splits", "-1"], "argument --num-splits: expected an integer from 1"),
+    (["bench", "--seed", "-1"], "argument --seed: expected an integer >= 0"),
+    (["bench", "--cases", "b1_n1k,nope"], "argument --cases: unknown case(s) ['nope']"),
+    (["bench", "--json", "/"], "argument --json: expected a file path to write, got '/'"),
+    (["bench", "--markdown", "/dev/null/x.md"], "argument --markdown: cannot write "
+                                                "'/dev/null/x.md': '/dev/null' is not a folder"),
+    (["calibrate", "--device", "-1"], "argument --device: expected an integer from 0"),
+    (["calibrate", "--trials", "0"], "argument --trials: expected an integer from 1"),
+    (["calibrate", "--min-trial-ms", "nan"], "argument --min-trial-ms: expected a finite number "
+                                             "> 0, got 'nan'"),
+    (["calibrate", "--min-trial-ms", "-1"], "argument --min-trial-ms: expected a finite number"),
+    (["calibrate", "--seed", "-1"], "argument --seed: expected an integer >= 0"),
+    (["calibrate", "--out", "my-gpu.csv"], "argument --out: 'my-gpu.csv': the measurements are "
+                                           "written beside the profile as my-gpu.csv"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
+def test_a_bad_argument_is_one_line_and_exit_2(argv, message, capsys):
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and message in err, err
+    assert err.startswith((f"splitkv {argv[0]}: error: argument ", "splitkv: error: "))
+
+
+def test_bench_refuses_a_split_single_strategy_before_looking_for_a_gpu(capsys):
+    assert cli.main(["bench", "--strategy", "single", "--num-splits", "3"]) == 2
+    assert capsys.readouterr().err == ("splitkv bench: --strategy single cannot split a request; "
+                                       "--num-splits 3 needs split_merge or fused\n")
+
+
+def test_bench_makes_the_folders_of_its_outputs():
+    from splitkv.cli.args import output_file
+
+    assert output_file("/tmp/no/such/folder/yet/result.json") == "/tmp/no/such/folder/yet/result.json"
+
+
+def test_plan_says_what_a_forced_split_count_became(capsys):
+    # a request of 8192 tokens has 128 tiles of 64 tokens: 100000 splits cut it into 128
+    assert cli.main(["plan", "--kv-len", "8192", "--num-splits", "100000"]) == 0
+    out = capsys.readouterr().out
+    assert "num_splits=128," in out
+    assert ("splits:    100000 asked, 128 used: a request is cut into at most one chunk per "
+            "64-token tile") in out
+    listed = out.split("candidates:\n")[1]
+    assert "num splits 128 " in listed and "100000" not in listed
+    assert cli.main(["plan", "--lens", "100,2000,30000", "--num-splits", "8"]) == 0
+    assert "splits:    8 asked, 2..8 (by request) used" in capsys.readouterr().out
+    assert cli.main(["plan", "--kv-len", "8192", "--num-splits", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "splits:" not in out and "num splits 8 " in out
+
+
+def test_plan_refuses_a_split_count_that_makes_millions_of_chunks(capsys):
+    argv = ["plan", "--batch", "64", "--kv-len", "2147483647", "--num-splits", "2147483647"]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == (
+        "splitkv plan: --num-splits 2147483647: the plan would have 2,147,483,648 chunks; the "
+        "command line plans at most 4,194,304\n")
+
+
+def test_plan_edges_that_are_valid(capsys):
+    for argv in (["--kv-len", "0"], ["--lens", "0,1,2147483647"], ["--top", "2147483647"],
+                 ["--num-sms", "2147483647", "--device-name", "some GPU"]):
+        assert cli.main(["plan", *argv]) == 0, argv
+        assert "predicted:" in capsys.readouterr().out
+
+
+def test_help_and_version_return_0(capsys):
+    assert cli.main(["plan", "--help"]) == 0
+    assert "--num-splits" in capsys.readouterr().out
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"splitkv {splitkv.__version__}"
+
+
+def test_an_interrupt_is_one_line_and_exit_130(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plan_cli, "run", interrupted)
+    assert cli.main(["plan"]) == 130
+    assert capsys.readouterr().err == "splitkv: interrupted\n"
+
+
+@pytest.mark.parametrize("argv, status", [
+    (["plan"], {1}), (["demo", "--cpu", "--cases", "b16-ragged"], {1}),
+    (["plan", "--help"], {0, 1}),   # argparse ignores a failed write of the help, not the flush
+])
+def test_a_closed_pipe_ends_the_command_quietly(argv, status):
+    """``splitkv plan | head -0``: the reader is gone before the first write. Exit status 1, as
+    Python's docs have it (signal module, "Note on SIGPIPE"), and nothing on stderr."""
+    for unbuffered in ("1", ""):        # each print writes, or one write at the end
+        proc = subprocess.Popen([sys.executable, "-m", "splitkv", *argv], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=child_env(PYTHONUNBUFFERED=unbuffered))
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        proc.stderr.close()
+        assert proc.wait(timeout=60) in status and err == "", err
+
+
+def test_a_pipe_closed_after_a_line_ends_the_command_quietly(tmp_path):
+    """``splitkv plan | head -1`` in a shell: the rest of the output goes nowhere, no traceback."""
+    done = subprocess.run(f"'{sys.executable}' -m splitkv plan --top 100 2>err.txt | head -1",
+                          shell=True, capture_output=True, text=True, cwd=tmp_path,
+                          env=child_env(PYTHONUNBUFFERED="1"))
+    assert done.stdout.startswith("problem:   DecodeProblem(") and done.stdout.count("\n") == 1
+    assert (tmp_path / "err.txt").read_text() == ""

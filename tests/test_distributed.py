@@ -350,20 +350,32 @@ def test_child_env_isolates_devices():
 
 # ----------------------------------------------------------------------- GPU
 def two_gpus_with_nccl() -> tuple[bool, str]:
-    try:
-        import cupy
-        from cupy.cuda import nccl
-    except ImportError as exc:
-        return False, f"CuPy is not installed ({exc})"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:   # no driver
-        return False, f"CUDA is not usable: {exc}"
+    """(True, "") where the GPU tests can run, else (False, the skip reason)."""
+    from splitkv.runtime import gpu_available
+
+    ok, reason = gpu_available()
+    if not ok:   # no CuPy, no driver or no device: one reason, as conftest gives the gpu tests
+        return False, f"no usable GPU: {reason}"
+    import cupy
+
+    count = cupy.cuda.runtime.getDeviceCount()
     if count < 2:
         return False, f"needs 2 GPUs, found {count}"
+    try:
+        from cupy.cuda import nccl
+    except ImportError as exc:
+        return False, f"CuPy's NCCL bindings cannot be imported ({exc})"
     if not nccl.available:
         return False, "CuPy's NCCL bindings are unusable (pip install 'nvidia-nccl-cu13>=2.27.7,<3')"
     return True, ""
+
+
+def test_without_a_gpu_the_gpu_tests_skip_saying_there_is_none(monkeypatch):
+    import splitkv.runtime
+
+    why = "CuPy found no usable CUDA device (no GPU or no driver)"
+    monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: (False, why))
+    assert two_gpus_with_nccl() == (False, f"no usable GPU: {why}")
 
 
 def gpu_launch(*argv, timeout=300):

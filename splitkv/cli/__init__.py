@@ -1,16 +1,20 @@
 """The ``splitkv`` command. Thin by design: each subcommand is a module of this package with
 ``add_arguments(parser)`` and ``run(args) -> int`` that parses, calls the library and prints.
 A subcommand's module is imported only when that subcommand runs, so ``splitkv demo`` works on a
-machine without CuPy and one broken subcommand cannot break another.
+machine without CuPy and one broken subcommand cannot break another. A bad argument is one line
+on stderr and exit status 2 (``args.Parser``); output cut short by a closed pipe
+(``splitkv plan | head -3``) ends the command quietly.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from .._version import __version__
+from .args import Parser
 
 # name -> (module, one-line help)
 COMMANDS = {
@@ -23,7 +27,7 @@ COMMANDS = {
 
 def build_parser(command: str | None = None, module=None) -> argparse.ArgumentParser:
     """The full parser; only ``command``'s subparser gets its module's arguments."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="splitkv", description="Decode attention over a paged KV cache, split adaptively.")
     parser.add_argument("--version", action="version", version=f"splitkv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -52,7 +56,38 @@ def load_command(name: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """Run ``splitkv <argv>``; the exit status (argparse's too: 0 after --help, 2 for a bad
+    argument)."""
+    try:
+        try:
+            status = _dispatch(sys.argv[1:] if argv is None else list(argv))
+        except SystemExit as exc:
+            if exc.code is not None and not isinstance(exc.code, int):
+                raise
+            status = exc.code or 0
+        sys.stdout.flush()      # a closed pipe raises here rather than at exit
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return 1                # as Python's docs do (signal module, "Note on SIGPIPE")
+    except KeyboardInterrupt:
+        print("splitkv: interrupted", file=sys.stderr)
+        return 130
+    return status
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null, so that flushing what is left of it at exit, after the reader
+    went away, raises no second BrokenPipeError."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):   # not a file (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def _dispatch(argv: list[str]) -> int:
     command = next((arg for arg in argv if not arg.startswith("-")), None)
     module = None
     if command in COMMANDS:

@@ -6,11 +6,13 @@ The harness is ``splitkv.bench.harness``; this parses, prints its progress and w
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 
 from ..core.validation import STRATEGIES
+from . import args as A
 
 
 def _command_line() -> str:
@@ -19,17 +21,32 @@ def _command_line() -> str:
     return (f"SPLITKV_PROFILE={profile} " if profile else "") + "splitkv bench " + " ".join(sys.argv[1:])
 
 
+def _cases(text: str) -> str:
+    """Case names, checked against the standard cases when parsed (not after the GPU starts)."""
+    from ..bench.cases import select
+
+    try:
+        select(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--cases: ")) from None
+    return text
+
+
 def add_arguments(parser) -> None:
-    parser.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    parser.add_argument("--cases", type=_cases, default=None,
+                        help="comma-separated case names (default: all)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--min-total-mib", type=int, default=1024,
+    parser.add_argument("--min-total-mib", type=A.positive_int, default=1024,
                         help="KV bytes the layers hold together (sets the number of layers, 2..64)")
-    parser.add_argument("--num-splits", type=int, default=None, help="force a split count")
+    parser.add_argument("--num-splits", type=A.positive_int, default=None,
+                        help="force a split count")
     parser.add_argument("--strategy", default=None, choices=STRATEGIES)
     parser.add_argument("--no-peer", action="store_true", help="skip the PyTorch SDPA peer")
-    parser.add_argument("--json", default=None, help="write results to this JSON file")
-    parser.add_argument("--markdown", default=None, help="write a markdown table to this file")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=A.output_file, default=None,
+                        help="write results to this JSON file")
+    parser.add_argument("--markdown", type=A.output_file, default=None,
+                        help="write a markdown table to this file")
+    parser.add_argument("--seed", type=A.non_negative_int, default=0)
     parser.add_argument("--no-graph-stable", action="store_true",
                         help="skip timing each case through a graph-stable wrapper too")
 
@@ -39,12 +56,14 @@ def _log(line: str) -> None:
 
 
 def run(args) -> int:
+    if args.strategy == "single" and (args.num_splits or 1) > 1:
+        return A.refuse("bench", f"--strategy single cannot split a request; --num-splits "
+                                 f"{args.num_splits} needs split_merge or fused")
     from ..runtime import gpu_available
 
     ok, why = gpu_available()
     if not ok:
-        print(f"splitkv bench: needs a GPU ({why})", file=sys.stderr)
-        return 2
+        return A.refuse("bench", f"needs a GPU ({why})")
     from ..bench.cases import select
     from ..bench.harness import markdown_table, run_cases
 
@@ -54,6 +73,9 @@ def run(args) -> int:
                        graph_stable=not args.no_graph_stable)
     table = markdown_table(result)
     print(table)
+    for path in (args.json, args.markdown):
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -11,6 +11,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
+
+from . import args as A
+
+
+def _profile_out(text: str) -> str:
+    """--out: a file to write, whose measurements CSV beside it (same name, .csv) is another."""
+    path = A.output_file(text)
+    if Path(path).suffix == ".csv":
+        raise argparse.ArgumentTypeError(
+            f"{path!r}: the measurements are written beside the profile as "
+            f"{Path(path).with_suffix('.csv').name}; give the profile another suffix (.yaml)")
+    return path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,14 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", action="store_true",
                         help="also write PNGs next to the profile: predicted vs measured, and "
                              "the decision map (needs matplotlib)")
-    parser.add_argument("--out", metavar="PATH",
+    parser.add_argument("--out", type=_profile_out, metavar="PATH",
                         help="profile to write (default: the user cache, where splitkv looks)")
-    parser.add_argument("--device", type=int, default=None, metavar="N",
+    parser.add_argument("--device", type=A.int_range(0, A.INT32_MAX), default=None, metavar="N",
                         help="the CUDA device to calibrate (default: the current one)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the ragged lengths and pages")
-    parser.add_argument("--trials", type=int, default=None,
+    parser.add_argument("--seed", type=A.non_negative_int, default=0,
+                        help="seeds the ragged lengths and pages")
+    parser.add_argument("--trials", type=A.positive_int, default=None,
                         help="timing trials per plan (default 7, or 3 with --quick)")
-    parser.add_argument("--min-trial-ms", type=float, default=None,
+    parser.add_argument("--min-trial-ms", type=A.positive_float, default=None,
                         help="milliseconds per trial (default 30, or 10 with --quick)")
 
 
@@ -55,18 +69,15 @@ def run(args) -> int:
     if args.device is not None:
         error = _select_device(args.device)
         if error:
-            print(f"splitkv calibrate: {error}", file=sys.stderr)
-            return 2
+            return A.refuse("calibrate", error)
     try:
         from ..runtime import device_info, gpu_available
     except ImportError as exc:
-        print(f"splitkv calibrate: the GPU runtime cannot be imported ({exc})", file=sys.stderr)
-        return 2
+        return A.refuse("calibrate", f"the GPU runtime cannot be imported ({exc})")
     ok, why = gpu_available()
     if not ok:
-        print(f"splitkv calibrate: needs a CUDA GPU to measure on ({why}). Without one, "
-              "splitkv plans with its shipped profiles or a roofline prior.", file=sys.stderr)
-        return 2
+        return A.refuse("calibrate", f"needs a CUDA GPU to measure on ({why}). Without one, "
+                                     "splitkv plans with its shipped profiles or a roofline prior.")
 
     from ..calibration.calibrate import calibrate, example_plans, save, sweep_for
 

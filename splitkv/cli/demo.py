@@ -6,27 +6,33 @@ The cases and the check are ``splitkv.demo``'s; this prints them as a table.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from ..demo import CASE_NAMES, TOLERANCE, check_cases, detect_gpu, make_cases
+from . import args as A
+
+
+def _cases(text: str) -> list[str]:
+    """Some of ``CASE_NAMES``, comma-separated."""
+    wanted = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(wanted) - set(CASE_NAMES))
+    if unknown or not wanted:
+        shown = ", ".join(map(A.quote, unknown[:5])) + (" ..." if len(unknown) > 5 else "")
+        raise argparse.ArgumentTypeError(
+            f"unknown case(s) {shown or '(none given)'}; expected some of {', '.join(CASE_NAMES)}")
+    return wanted
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
-    parser.add_argument("--cases", default=",".join(CASE_NAMES),
+    parser.add_argument("--seed", type=A.non_negative_int, default=0,
+                        help="seed of the random inputs (default 0)")
+    parser.add_argument("--cases", type=_cases, default=list(CASE_NAMES),
                         help=f"comma-separated cases to run (default: all of {','.join(CASE_NAMES)})")
     parser.add_argument("--cpu", action="store_true",
                         help="use the CPU plan executor even when a GPU is usable")
 
 
 def run(args: argparse.Namespace) -> int:
-    wanted = [name.strip() for name in args.cases.split(",") if name.strip()]
-    unknown = sorted(set(wanted) - set(CASE_NAMES))
-    if unknown or not wanted:
-        print(f"splitkv demo: unknown case(s) {', '.join(unknown) or '(none given)'}; "
-              f"expected some of {', '.join(CASE_NAMES)}", file=sys.stderr)
-        return 2
-    cases = [case for case in make_cases(args.seed) if case.name in wanted]
+    cases = [case for case in make_cases(args.seed) if case.name in args.cases]
     on_gpu, reason = (False, "--cpu was given") if args.cpu else detect_gpu()
     out_tol, lse_tol = TOLERANCE["gpu" if on_gpu else "cpu"]
     print("plans from " + ("BatchDecodeWrapper.plan(page_table)" if on_gpu

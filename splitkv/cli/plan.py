@@ -11,67 +11,85 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from dataclasses import replace
 
 import numpy as np
 
 from ..core import validation as V
-
-
-def _heads(text: str) -> tuple[int, int]:
-    try:
-        hq, hk = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected QO/KV heads like 32/8, got {text!r}") from None
-    return hq, hk
-
-
-def _lens(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated token counts like 100,2000,30000, got {text!r}") from None
+from ..core.geometry import TILE_TOKENS
+from . import args as A
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch", type=int, default=1, help="requests (default 1)")
-    parser.add_argument("--kv-len", type=int, default=8192,
+    parser.add_argument("--batch", type=A.batch_size, default=1,
+                        help=f"requests (default 1, at most {A.MAX_BATCH:,})")
+    parser.add_argument("--kv-len", type=A.tokens, default=8192,
                         help="tokens of KV per request (default 8192)")
-    parser.add_argument("--lens", type=_lens, metavar="N,N,...",
+    parser.add_argument("--lens", type=A.lengths, metavar="N,N,...",
                         help="one length per request (a ragged batch); overrides --batch/--kv-len")
-    parser.add_argument("--heads", type=_heads, default=(32, 8), metavar="QO/KV",
+    parser.add_argument("--heads", type=A.heads, default=(32, 8), metavar="QO/KV",
                         help="query heads / kv heads (default 32/8)")
-    parser.add_argument("--head-dim", type=int, default=128, help="default 128")
-    parser.add_argument("--page-size", type=int, default=16, help="default 16")
-    parser.add_argument("--profile", metavar="PATH", help="a profile YAML (default: looked up)")
-    parser.add_argument("--device-name", metavar="NAME",
+    parser.add_argument("--head-dim", type=A.head_dim, default=128,
+                        help=f"one of {', '.join(map(str, V.SUPPORTED_HEAD_DIMS))} (default 128)")
+    parser.add_argument("--page-size", type=A.positive_int, default=16, help="default 16")
+    parser.add_argument("--profile", type=A.existing_file, metavar="PATH",
+                        help="a profile YAML (default: looked up)")
+    parser.add_argument("--device-name", type=A.name, metavar="NAME",
                         help="plan for this GPU (e.g. 'NVIDIA H100 80GB HBM3'); default the H200")
-    parser.add_argument("--num-sms", type=int, metavar="N", help="its SM count")
-    parser.add_argument("--num-splits", type=int, metavar="N", help="force this split count")
+    parser.add_argument("--num-sms", type=A.positive_int, metavar="N", help="its SM count")
+    parser.add_argument("--num-splits", type=A.positive_int, metavar="N",
+                        help="force this split count (a request shorter than N tiles of "
+                             f"{TILE_TOKENS} tokens gets one chunk per tile)")
     parser.add_argument("--strategy", choices=V.STRATEGIES, help="force this strategy")
-    parser.add_argument("--top", type=int, default=5, help="candidates to list (default 5)")
+    parser.add_argument("--top", type=A.positive_int, default=5,
+                        help="candidates to list (default 5)")
+
+
+MAX_CHUNKS = 2**22   # chunks a forced split count may make from the command line (host arrays)
+
+
+def _forced_chunks(lens: np.ndarray, num_splits: int) -> int:
+    """Chunks ``--num-splits`` makes: plan_from_chunk_counts' rule, at most one per tile."""
+    return int(np.minimum(num_splits, np.maximum(1, -(-lens // TILE_TOKENS))).sum())
+
+
+def _splits_used(plan, asked: int) -> str | None:
+    """What a forced split count became, where the planner cut some request into fewer chunks
+    (a chunk holds at least one tile); None where every request got ``asked``."""
+    counts = plan.chunks_per_request
+    if not counts.size or counts.min() == asked:
+        return None
+    low, high = int(counts.min()), int(counts.max())
+    used = f"{high}" if low == high else f"{low}..{high} (by request)"
+    return (f"{asked} asked, {used} used: a request is cut into at most one chunk per "
+            f"{TILE_TOKENS}-token tile")
 
 
 def run(args) -> int:
     from ..planner import ProfileError, load_profile, rank_candidates
+    from ..planner.planner import NUM_SPLITS
     from ..core.problem import DecodeProblem
 
-    lens = args.lens if args.lens is not None else [args.kv_len] * args.batch
+    lens = np.asarray(args.lens if args.lens is not None else [args.kv_len] * args.batch,
+                      dtype=np.int64)
+    chunks = _forced_chunks(lens, args.num_splits) if args.num_splits else 0
+    if chunks > MAX_CHUNKS:
+        return A.refuse("plan", f"--num-splits {args.num_splits}: the plan would have "
+                                f"{chunks:,} chunks; the command line plans at most {MAX_CHUNKS:,}")
     try:
-        problem = DecodeProblem(np.asarray(lens, dtype=np.int64), args.heads[0], args.heads[1],
-                                args.head_dim, args.page_size)
+        problem = DecodeProblem(lens, args.heads[0], args.heads[1], args.head_dim,
+                                args.page_size)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             profile = load_profile(args.profile, device_name=args.device_name,
                                    num_sms=args.num_sms)
         ranked = rank_candidates(problem, profile, args.num_splits, args.strategy)
+        plan = ranked[0].build(problem, clusters=profile.cost_model().clusters)
     except (TypeError, ValueError, ProfileError) as exc:
-        print(f"splitkv plan: {exc}", file=sys.stderr)
-        return 2
+        return A.refuse("plan", exc)
     for w in caught:
-        print(f"note: {w.message}", file=sys.stderr)
+        print(f"note: {A.one_line(w.message)}", file=sys.stderr)
 
-    plan = ranked[0].build(problem, clusters=profile.cost_model().clusters)
     print(f"problem:   {problem!r}")
     print(f"profile:   {profile.device_name}, {profile.num_sms} SMs "
           f"({profile.source or 'unknown'}; {profile.origin})")
@@ -81,7 +99,12 @@ def run(args) -> int:
     print(f"predicted: {plan.predicted_us:.2f} us for {kv_mib:,.1f} MiB of K and V "
           f"({rate:,.0f} GB/s)")
     print(f"merge:     {plan.execution.describe()}")
+    splits = _splits_used(plan, args.num_splits) if args.num_splits else None
+    if splits:
+        print(f"splits:    {splits}")
     print(f"top {min(args.top, len(ranked))} of {len(ranked)} candidates:")
     for c in ranked[: args.top]:
+        if splits and c.kind == NUM_SPLITS:   # say what it cuts into, as the plan line does
+            c = replace(c, value=plan.num_splits)
         print(f"  {c}")
     return 0

@@ -6,12 +6,38 @@ from __future__ import annotations
 from functools import lru_cache
 
 
+class GPUUnavailableError(RuntimeError):
+    """No usable CUDA GPU here (no CuPy, no driver, no device): raised by the GPU entry points
+    (``BatchDecodeWrapper.plan()`` and ``run()``) before any other work. ``reason`` is
+    ``gpu_available()``'s."""
+
+    def __init__(self, what: str, reason: str):
+        super().__init__(f"{what} needs a usable CUDA GPU: {reason}")
+        self.reason = reason
+
+
+_gpu_found = False     # once a GPU is found usable, it stays found: the check costs nothing after
+
+
+def require_gpu(what: str) -> None:
+    """Raise ``GPUUnavailableError`` naming ``what`` unless ``gpu_available()``."""
+    global _gpu_found
+    if _gpu_found:
+        return
+    ok, reason = gpu_available()
+    if not ok:
+        raise GPUUnavailableError(what, reason)
+    _gpu_found = True
+
+
 def gpu_available() -> tuple[bool, str]:
     """(True, device name) when CuPy is installed and sees a CUDA device, else (False, why)."""
     try:
         import cupy
     except ImportError:
         return False, "CuPy is not installed (pip install 'splitkv[cuda12]' or 'splitkv[cuda13]')"
+    except Exception as exc:  # installed but broken (e.g. a CUDA library it needs is missing)
+        return False, f"CuPy cannot be imported: {type(exc).__name__}: {exc}"
     try:
         if not cupy.cuda.is_available():
             return False, "CuPy found no usable CUDA device (no GPU or no driver)"
@@ -41,4 +67,4 @@ def device_info(device_id: int | None = None) -> dict:
     return _device_info(cupy.cuda.runtime.getDevice() if device_id is None else device_id)
 
 
-__all__ = ["gpu_available", "device_info"]
+__all__ = ["GPUUnavailableError", "device_info", "gpu_available", "require_gpu"]

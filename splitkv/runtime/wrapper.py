@@ -33,6 +33,7 @@ from ..core.execution import check_launch_order, grid_order
 from ..core.geometry import RECORD_PAGES, THREADS_PER_CTA, ctas_per_kv_head
 from ..core.plan import Plan
 from ..core.problem import DecodeProblem, PageTable
+from . import require_gpu
 from .arrays import as_cupy_stream, as_device_array, cupy_storage_dtype
 from .experiments import DecodeExperiments
 from .features import check_option, one_per_sm_shared_bytes, sm90_option, spreads_one_per_sm
@@ -222,6 +223,7 @@ class BatchDecodeWrapper:
         a handle; default CuPy's current stream): the stream you run (or replay) on. Returns the
         plan as it runs.
         """
+        require_gpu("BatchDecodeWrapper.plan()")
         import cupy
 
         page_table = PageTable.from_layout(
@@ -383,6 +385,7 @@ class BatchDecodeWrapper:
             stream=None):
         """Launch the planned kernels. Returns ``out`` or ``(out, lse)`` if ``return_lse`` or
         ``lse`` is given. Raises before any launch if an input does not match the plan."""
+        require_gpu("BatchDecodeWrapper.run()")
         import cupy
 
         plan = self._plan

@@ -1,0 +1,78 @@
+"""Without a usable GPU the GPU entry points say so: ``BatchDecodeWrapper.plan()`` and
+``run()`` raise ``GPUUnavailableError`` (a RuntimeError) with ``gpu_available()``'s reason
+before any other work, not a ModuleNotFoundError (no CuPy) or a CUDARuntimeError (CuPy, no
+driver). Constructing a wrapper does no GPU work and works anywhere."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import splitkv
+import splitkv.runtime
+from splitkv import PageTable
+from splitkv.runtime import GPUUnavailableError, gpu_available
+
+ROOT = str(Path(splitkv.__file__).resolve().parents[1])
+HERE_OK, HERE_WHY = gpu_available()
+
+
+def test_the_error_is_exported_and_a_runtime_error():
+    assert splitkv.GPUUnavailableError is GPUUnavailableError
+    assert "GPUUnavailableError" in splitkv.__all__ and "GPUUnavailableError" in splitkv.runtime.__all__
+    assert issubclass(GPUUnavailableError, RuntimeError)
+
+
+@pytest.mark.skipif(HERE_OK, reason="a GPU is usable here")
+def test_plan_and_run_without_a_gpu_raise_a_clear_error(monkeypatch):
+    monkeypatch.setattr(splitkv.runtime, "_gpu_found", False)
+    wrapper = splitkv.BatchDecodeWrapper(32, 8, 128, 16)          # no GPU work: works
+    table = PageTable.from_block_table(np.array([[0, 1]]), np.array([20]), 16)
+    for call, what in ((lambda: wrapper.plan(table), "plan()"),
+                       (lambda: wrapper.plan(), "plan()"),         # before checking arguments
+                       (lambda: wrapper.run(None, None, None), "run()")):
+        with pytest.raises(GPUUnavailableError) as raised:
+            call()
+        assert str(raised.value) == f"BatchDecodeWrapper.{what} needs a usable CUDA GPU: {HERE_WHY}"
+        assert raised.value.reason == HERE_WHY
+
+
+def test_without_cupy_plan_and_run_raise_a_clear_error():
+    """A fresh interpreter in which ``import cupy`` fails, as where CuPy is not installed."""
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["cupy"] = None                       # import cupy: ModuleNotFoundError
+        import numpy as np
+        from splitkv import BatchDecodeWrapper, GPUUnavailableError, PageTable
+        wrapper = BatchDecodeWrapper(32, 8, 128, 16, use_cuda_graph=True, max_batch_size=4,
+                                     max_num_pages=8)
+        table = PageTable.from_block_table(np.array([[0, 1]]), np.array([20]), 16)
+        for call in (lambda: wrapper.plan(table), lambda: wrapper.run(None, None, None)):
+            try:
+                call()
+            except GPUUnavailableError as exc:
+                print(exc)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    why = "CuPy is not installed (pip install 'splitkv[cuda12]' or 'splitkv[cuda13]')"
+    assert done.stdout.splitlines() == [f"BatchDecodeWrapper.plan() needs a usable CUDA GPU: {why}",
+                                        f"BatchDecodeWrapper.run() needs a usable CUDA GPU: {why}"]
+
+
+def test_require_gpu_checks_until_a_gpu_is_found(monkeypatch):
+    calls = []
+    monkeypatch.setattr(splitkv.runtime, "_gpu_found", False)
+    monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: calls.append(1) or (False, "none"))
+    for _ in range(2):
+        with pytest.raises(GPUUnavailableError, match="^x needs a usable CUDA GPU: none$"):
+            splitkv.runtime.require_gpu("x")
+    monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: calls.append(1) or (True, "GPU"))
+    splitkv.runtime.require_gpu("x")
+    splitkv.runtime.require_gpu("x")                 # found once: not asked again
+    assert len(calls) == 3

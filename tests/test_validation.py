@@ -188,7 +188,7 @@ def call_both(inputs, **changes):
     (lambda x: dict(k_cache=x["k_cache"][..., :32]), ValueError, "k_cache"),   # head_dim 32
     (lambda x: dict(k_cache=x["k_cache"][0]), ValueError, "k_cache"),          # rank 3
     (lambda x: dict(k_cache=x["k_cache"].astype(np.complex128)), TypeError, "k_cache"),
-    (lambda x: dict(v_cache=x["v_cache"][:3]), ValueError, "v_cache"),
+    (lambda x: dict(v_cache=x["v_cache"][:2]), ValueError, "v_cache"),        # misses page 2
     (lambda x: dict(v_cache=x["v_cache"].astype(np.float32)), TypeError, "v_cache"),
     (lambda x: dict(k_cache=x["k_cache"][:2], v_cache=x["v_cache"][:2]), ValueError, "kv_indices"),
     (lambda x: dict(page_table="pages"), TypeError, "page_table"),

@@ -43,6 +43,20 @@ def assert_tiles(plan):
         assert (start[lo + 1:hi] == end[lo:hi - 1]).all()
 
 
+# ---- arrays NumPy cannot read as integers -----------------------------------------------------
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: DecodeProblem([[1, 2], [3]], 8, 8, 128, 16), "kv_lens"),
+    (lambda: PageTable.from_flashinfer([[0], [1, 2]], [0], [1], 16), "kv_indptr"),
+    (lambda: PageTable.from_block_table([[0, 1], [2]], [5, 5], 16), "block_table"),
+    (lambda: plan_from_chunk_counts(problem([5, 5]), [[1], [1, 2]], "fused"), "chunks_per_request"),
+])
+def test_ragged_nesting_is_a_type_error_naming_the_argument(make, name):
+    # once NumPy's own ValueError ("setting an array element with a sequence"), naming nothing
+    with pytest.raises(TypeError, match=f"{name}: expected a .-d integer array"):
+        make()
+
+
 # ---- tokens per request ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("lens", [[2**31], [5, 2**31 + 7], [2**62, 2**62], [2**63 - 1]])

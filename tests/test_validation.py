@@ -89,8 +89,9 @@ def test_device_block_tables_are_refused(fake):
     ([[0, 1]], [[5]], ValueError, "seq_lens"),
     ([0, 1], [5], ValueError, "block_table"),               # rank
     ([[0.0, 1.0]], [5], TypeError, "block_table"),
-    ([[0, 7]], [20], ValueError, "kv_indices"),             # page 7 of a pool of 4
-    ([[-1, 0]], [20], ValueError, "kv_indices"),            # padding inside the length
+    # bad entries are named block_table's (they were blamed on kv_indices)
+    ([[0, 7]], [20], ValueError, "block_table: page index 7"),     # page 7 of a pool of 4
+    ([[-1, 0]], [20], ValueError, "block_table: page indices"),    # padding inside the length
 ])
 def test_bad_block_tables(table, lens, error, name):
     with pytest.raises(error, match=name):

@@ -259,8 +259,8 @@ def _chunk_arrays(lens: np.ndarray, counts: np.ndarray, align: int,
 
 def plan_fixed_splits(problem: DecodeProblem, num_splits: int, strategy: str | None = None,
                       align: int = 1) -> Plan:
-    """Every request cut into ``num_splits`` chunks (fewer if it is too short); at most
-    ``MAX_CHUNKS`` chunks in all."""
+    """Every request cut into ``num_splits`` chunks (fewer if it is too short); ``num_splits``
+    and the plan's chunks in all at most ``MAX_CHUNKS``."""
     V.check_instance("problem", problem, DecodeProblem)
     num_splits = V.check_int("num_splits", num_splits, 1, V.MAX_CHUNKS, "MAX_CHUNKS")
     if strategy is None:

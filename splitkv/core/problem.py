@@ -78,8 +78,9 @@ class PageTable:
         rows = np.repeat(np.arange(lens.size), pages)
         cols = np.arange(indptr[-1]) - np.repeat(indptr[:-1], pages)
         indices = table[rows, cols].astype(np.int64)
+        V.check_page_indices(indices, num_pages, "block_table")     # the entries read
         last = np.where(pages > 0, lens - (pages - 1) * page_size, 0)
-        return cls.from_flashinfer(indptr, indices, last, page_size, num_pages)
+        return cls.from_flashinfer(indptr, indices, last, page_size)
 
     @classmethod
     def from_layout(cls, page_table: "PageTable | None", page_size: int, *, kv_indptr=None,

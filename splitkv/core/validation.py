@@ -157,8 +157,7 @@ def check_page_table(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_last_page
     if kv_indices.size > MAX_TOTAL_PAGES:
         raise ValueError(f"kv_indices: {kv_indices.size} pages; at most MAX_TOTAL_PAGES="
                          f"{MAX_TOTAL_PAGES} are supported (the kernel's page-table offsets are int)")
-    if kv_indices.size and kv_indices.min() < 0:
-        raise ValueError(f"kv_indices: page indices must be >= 0, got {kv_indices.min()}")
+    check_page_indices(kv_indices)
     pages = np.diff(kv_indptr)
     has_pages = pages > 0
     bad_last = has_pages & ((kv_last_page_len < 1) | (kv_last_page_len > page_size))
@@ -181,11 +180,17 @@ def check_page_table(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_last_page
     return lens
 
 
-def check_page_indices(kv_indices: np.ndarray, num_pages) -> None:
-    """Every page index must address a page of a pool (KV cache) of ``num_pages`` pages."""
+def check_page_indices(kv_indices: np.ndarray, num_pages=None, name: str = "kv_indices") -> None:
+    """Page indices are >= 0 and, where the pool size is known, address a page of a pool (KV
+    cache) of ``num_pages`` pages; ``name``: the argument they came from (``block_table`` for
+    vLLM's layout)."""
+    if kv_indices.size and kv_indices.min() < 0:
+        raise ValueError(f"{name}: page indices must be >= 0, got {kv_indices.min()}")
+    if num_pages is None:
+        return
     num_pages = check_int("num_pages", num_pages, 0)
     if kv_indices.size and kv_indices.max() >= num_pages:
-        raise ValueError(f"kv_indices: page index {kv_indices.max()} is out of range for a pool "
+        raise ValueError(f"{name}: page index {kv_indices.max()} is out of range for a pool "
                          f"of {num_pages} pages")
 
 

@@ -89,8 +89,9 @@ def test_device_block_tables_are_refused(fake):
     ([[0, 1]], [[5]], ValueError, "seq_lens"),
     ([0, 1], [5], ValueError, "block_table"),               # rank
     ([[0.0, 1.0]], [5], TypeError, "block_table"),
-    ([[0, 7]], [20], ValueError, "kv_indices"),             # page 7 of a pool of 4
-    ([[-1, 0]], [20], ValueError, "kv_indices"),            # padding inside the length
+    # bad entries are named block_table's (they were blamed on kv_indices)
+    ([[0, 7]], [20], ValueError, "block_table: page index 7"),     # page 7 of a pool of 4
+    ([[-1, 0]], [20], ValueError, "block_table: page indices"),    # padding inside the length
 ])
 def test_bad_block_tables(table, lens, error, name):
     with pytest.raises(error, match=name):
@@ -188,7 +189,7 @@ def call_both(inputs, **changes):
     (lambda x: dict(k_cache=x["k_cache"][..., :32]), ValueError, "k_cache"),   # head_dim 32
     (lambda x: dict(k_cache=x["k_cache"][0]), ValueError, "k_cache"),          # rank 3
     (lambda x: dict(k_cache=x["k_cache"].astype(np.complex128)), TypeError, "k_cache"),
-    (lambda x: dict(v_cache=x["v_cache"][:3]), ValueError, "v_cache"),
+    (lambda x: dict(v_cache=x["v_cache"][:2]), ValueError, "v_cache"),        # misses page 2
     (lambda x: dict(v_cache=x["v_cache"].astype(np.float32)), TypeError, "v_cache"),
     (lambda x: dict(k_cache=x["k_cache"][:2], v_cache=x["v_cache"][:2]), ValueError, "kv_indices"),
     (lambda x: dict(page_table="pages"), TypeError, "page_table"),

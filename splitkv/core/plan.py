@@ -169,19 +169,29 @@ def plan_from_chunk_counts(problem: DecodeProblem, chunks_per_request, strategy:
 
     Boundaries are rounded to multiples of ``align`` tokens (a tile or a page) where the length
     allows, so no chunk straddles a tile needlessly; a chunk never ends up empty unless its
-    request is. Counts below 1 become 1, and counts above ``ceil(n / align)`` (more chunks than
-    a request of n tokens has tiles) become that.
+    request is. Every count must be at least 1 (a ValueError otherwise); a count above
+    ``max(1, ceil(n / align))`` (more chunks than a request of n tokens has tiles; one for an
+    empty request) is reduced to that. The plan may hold at most ``MAX_CHUNKS`` chunks, counted
+    after that reduction and before any array is made.
     """
     V.check_instance("problem", problem, DecodeProblem)
     V.check_strategy(strategy)
+    counts = V.check_chunk_counts(chunks_per_request, problem.batch_size)
+    return _plan_from_counts(problem, counts, strategy, align, "chunks_per_request")
+
+
+def _plan_from_counts(problem: DecodeProblem, counts: np.ndarray, strategy: str, align,
+                      name: str) -> Plan:
+    """``plan_from_chunk_counts`` for counts already checked (int64, each >= 1); a plan of too
+    many chunks is blamed on ``name``."""
     lens = problem.kv_lens
-    counts = V.check_chunk_counts(chunks_per_request, lens.size)
-    align = V.check_int("align", align, 1)
+    align = V.check_int("align", align, 1, V.MAX_KV_LEN, "MAX_KV_LEN: no request is longer")
     # A request of n tokens cannot have more than ceil(n / align) non-empty chunks.
     max_chunks = np.maximum(1, -(-lens // align))
-    counts = np.minimum(np.maximum(counts, 1), max_chunks)
+    counts = np.minimum(counts, max_chunks)
     if strategy == "single" and np.any(counts > 1):
         raise ValueError("strategy: 'single' cannot split a request; use 'split_merge' or 'fused'")
+    V.check_num_chunks(name, int(counts.sum()))
     return Plan._trusted(problem, strategy, *_chunk_arrays(lens, counts, align))
 
 
@@ -249,21 +259,26 @@ def _chunk_arrays(lens: np.ndarray, counts: np.ndarray, align: int,
 
 def plan_fixed_splits(problem: DecodeProblem, num_splits: int, strategy: str | None = None,
                       align: int = 1) -> Plan:
-    """Every request cut into ``num_splits`` chunks (fewer if it is too short)."""
+    """Every request cut into ``num_splits`` chunks (fewer if it is too short); ``num_splits``
+    and the plan's chunks in all at most ``MAX_CHUNKS``."""
     V.check_instance("problem", problem, DecodeProblem)
-    num_splits = V.check_int("num_splits", num_splits, 1)
+    num_splits = V.check_int("num_splits", num_splits, 1, V.MAX_CHUNKS, "MAX_CHUNKS")
     if strategy is None:
         strategy = "single" if num_splits == 1 else "split_merge"
-    counts = np.full(problem.batch_size, num_splits)
-    return plan_from_chunk_counts(problem, counts, strategy, align)
+    V.check_strategy(strategy)
+    counts = np.full(problem.batch_size, num_splits, _INT64)
+    return _plan_from_counts(problem, counts, strategy, align, "num_splits")
 
 
 def plan_chunk_tokens(problem: DecodeProblem, chunk_tokens: int, strategy: str,
                       align: int = 1) -> Plan:
-    """Balanced for ragged batches: one chunk size for all, so long requests get more chunks."""
+    """Balanced for ragged batches: one chunk size for all, so long requests get more chunks;
+    at most ``MAX_CHUNKS`` chunks in all."""
     V.check_instance("problem", problem, DecodeProblem)
-    chunk_tokens = V.check_int("chunk_tokens", chunk_tokens, 1)
+    chunk_tokens = V.check_int("chunk_tokens", chunk_tokens, 1, V.MAX_KV_LEN,
+                               "MAX_KV_LEN: no request is longer")
+    V.check_strategy(strategy)
     counts = np.maximum(1, -(-problem.kv_lens // chunk_tokens))
     if strategy == "single":
         counts = np.ones_like(counts)
-    return plan_from_chunk_counts(problem, counts, strategy, align)
+    return _plan_from_counts(problem, counts, strategy, align, "chunk_tokens")

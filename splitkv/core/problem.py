@@ -35,14 +35,13 @@ class PageTable:
 
     def __post_init__(self):
         # Checked here so a directly built table is as safe as one from the constructors below;
-        # copied so that freezing the table never freezes the caller's arrays.
-        page_size = V.check_int("page_size", self.page_size, 1)
-        indptr = V.host_int_array("kv_indptr", self.kv_indptr, 1).copy()
-        indices = V.host_int_array("kv_indices", self.kv_indices, 1).copy()
-        last = V.host_int_array("kv_last_page_len", self.kv_last_page_len, 1).copy()
-        V.check_page_table(indptr, indices, last, page_size)
-        pages = np.diff(indptr)
-        lens = np.where(pages > 0, (pages - 1) * page_size + last, 0).astype(np.int64)
+        # copied, once checked, so that freezing the table never freezes the caller's arrays.
+        page_size = V.check_page_size(self.page_size)
+        indptr = V.host_int_array("kv_indptr", self.kv_indptr, 1)
+        indices = V.host_int_array("kv_indices", self.kv_indices, 1)
+        last = V.host_int_array("kv_last_page_len", self.kv_last_page_len, 1)
+        lens = V.check_page_table(indptr, indices, last, page_size)
+        indptr, indices, last = indptr.copy(), indices.copy(), last.copy()
         for name, value in (("page_size", page_size), ("kv_indptr", indptr), ("kv_indices", indices),
                             ("kv_last_page_len", last), ("kv_lens", lens)):
             if isinstance(value, np.ndarray):
@@ -67,7 +66,7 @@ class PageTable:
                          num_pages: int | None = None) -> "PageTable":
         """vLLM layout: ``block_table[b, i]`` is the i-th page of request b; only the first
         ``ceil(seq_lens[b] / page_size)`` entries of a row are read (the rest may hold padding)."""
-        page_size = V.check_int("page_size", page_size, 1)
+        page_size = V.check_page_size(page_size)
         table = V.host_int_array("block_table", block_table, 2)
         lens = V.host_int_array("seq_lens", seq_lens, 1)
         if lens.size != table.shape[0]:
@@ -79,8 +78,9 @@ class PageTable:
         rows = np.repeat(np.arange(lens.size), pages)
         cols = np.arange(indptr[-1]) - np.repeat(indptr[:-1], pages)
         indices = table[rows, cols].astype(np.int64)
+        V.check_page_indices(indices, num_pages, "block_table")     # the entries read
         last = np.where(pages > 0, lens - (pages - 1) * page_size, 0)
-        return cls.from_flashinfer(indptr, indices, last, page_size, num_pages)
+        return cls.from_flashinfer(indptr, indices, last, page_size)
 
     @classmethod
     def from_layout(cls, page_table: "PageTable | None", page_size: int, *, kv_indptr=None,
@@ -118,7 +118,7 @@ class PageTable:
     def contiguous(cls, seq_lens, max_len: int) -> "PageTable":
         """A contiguous cache ``[batch, max_len, kv_heads, head_dim]`` seen as one page per request
         of ``page_size = max_len``: pass that array itself as the KV cache."""
-        max_len = V.check_int("max_len", max_len, 1)
+        max_len = V.check_int("max_len", max_len, 1, V.MAX_KV_LEN, "MAX_KV_LEN")
         lens = V.host_int_array("seq_lens", seq_lens, 1)
         V.check_seq_lens(lens, max_len, max_len)
         table = np.arange(lens.size, dtype=np.int64)[:, None]
@@ -145,8 +145,7 @@ class DecodeProblem:
 
     def __post_init__(self):
         lens = V.host_int_array("kv_lens", self.kv_lens, 1)
-        if lens.size and lens.min() < 0:
-            raise ValueError(f"kv_lens: lengths must be >= 0, got {lens.min()}")
+        V.check_kv_lens("kv_lens", lens)
         lens = lens.copy()
         lens.setflags(write=False)
         object.__setattr__(self, "kv_lens", lens)
@@ -157,7 +156,7 @@ class DecodeProblem:
         object.__setattr__(self, "num_qo_heads", hq)
         object.__setattr__(self, "num_kv_heads", hk)
         object.__setattr__(self, "head_dim", V.check_head_dim(self.head_dim))
-        object.__setattr__(self, "page_size", V.check_int("page_size", self.page_size, 1))
+        object.__setattr__(self, "page_size", V.check_page_size(self.page_size))
         object.__setattr__(self, "dtype", V.check_dtype("dtype", self.dtype))
 
     @classmethod

@@ -7,11 +7,30 @@ Nothing is broadcast, truncated or cast.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = ("float16", "bfloat16")
 STRATEGIES = ("single", "split_merge", "fused")
+
+# ---- limits ------------------------------------------------------------------------------------
+# What a plan's int32 arrays and the kernels' int sizes can hold (their offsets into K, V and the
+# partials are 64-bit). Each is checked where the value enters, before an array is made from it.
+# With these, every total (tokens, pages, chunks) is far from int64's range: a batch holds at
+# most 2**24 x (2**31 - 1) < 2**55 tokens.
+MAX_KV_LEN = 2**31 - 1          # tokens of one request: chunk_start/chunk_end are int32
+MAX_PAGE_SIZE = MAX_KV_LEN      # tokens of one page: the kernel's page_size is an int (and
+                                # PageTable.contiguous makes one page of a whole request)
+MAX_HEADS = 2**16 - 1           # num_qo_heads, num_kv_heads: far above any model (and far
+                                # inside the kernels' int head indices)
+MAX_CHUNKS = 2**24              # chunks of one plan: building one that large takes ~320 MiB of
+                                # host memory and 0.6 s, so a bigger split fails, before it
+                                # allocates, instead of taking gigabytes (the planner's own
+                                # candidates stay within a few thousand chunks)
+MAX_BATCH_SIZE = MAX_CHUNKS     # requests of one batch: a plan has a chunk per request
+MAX_TOTAL_PAGES = 2**31 - 1     # entries of kv_indices: the kernel's page-table offsets are int
 
 
 def dtype_name(dtype) -> str:
@@ -35,18 +54,28 @@ def check_dtype(name: str, dtype) -> str:
     return canon
 
 
-def check_int(name: str, value, minimum: int | None = None) -> int:
+def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None,
+              why: str = "") -> int:
+    """An integer (not a bool) in minimum..maximum; ``why`` says where the maximum comes from."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
     value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}: expected an integer >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name}: expected an integer <= {maximum}{f' ({why})' if why else ''}, "
+                         f"got {value}")
     return value
 
 
+def check_page_size(page_size) -> int:
+    return check_int("page_size", page_size, 1, MAX_PAGE_SIZE, "MAX_PAGE_SIZE: the kernel's "
+                     "page_size is an int")
+
+
 def check_heads(num_qo_heads, num_kv_heads) -> tuple[int, int]:
-    num_qo_heads = check_int("num_qo_heads", num_qo_heads, 1)
-    num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
+    num_qo_heads = check_int("num_qo_heads", num_qo_heads, 1, MAX_HEADS, "MAX_HEADS")
+    num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1, MAX_HEADS, "MAX_HEADS")
     if num_qo_heads % num_kv_heads:
         raise ValueError(
             f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}; "
@@ -62,7 +91,7 @@ def check_head_dim(head_dim) -> int:
 
 
 def check_strategy(strategy) -> str:
-    if strategy not in STRATEGIES:
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise ValueError(f"strategy: expected one of {STRATEGIES}, got {strategy!r}")
     return strategy
 
@@ -72,21 +101,49 @@ def host_int_array(name: str, value, ndim: int) -> np.ndarray:
     if hasattr(value, "__cuda_array_interface__") or type(value).__module__.startswith("cupy"):
         raise TypeError(f"{name}: expected a host (NumPy) array; got a device array. "
                         "Plans are made on the host: pass a NumPy array (e.g. x.get()).")
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError, OverflowError) as e:    # ragged nesting, unconvertible items
+        raise TypeError(f"{name}: expected a {ndim}-d integer array, got {type(value).__name__} "
+                        f"that NumPy cannot read as one ({e})") from None
     if arr.ndim != ndim:
         raise ValueError(f"{name}: expected a {ndim}-d array, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name}: expected an integer array, got dtype {arr.dtype}")
+    if arr.size and arr.dtype == np.uint64 and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{name}: value {arr.max()} does not fit in int64")
     return arr.astype(np.int64, copy=False)
 
 
+def check_batch_size(name: str, batch_size: int) -> None:
+    if batch_size > MAX_BATCH_SIZE:
+        raise ValueError(f"{name}: {batch_size} requests; at most MAX_BATCH_SIZE={MAX_BATCH_SIZE} "
+                         "are supported (a plan has a chunk per request)")
+
+
+def check_kv_lens(name: str, lens: np.ndarray) -> None:
+    """Request lengths (int64): 0..MAX_KV_LEN tokens each, at most MAX_BATCH_SIZE requests."""
+    check_batch_size(name, lens.size)
+    if not lens.size:
+        return
+    if lens.min() < 0:
+        raise ValueError(f"{name}: lengths must be >= 0, got {lens.min()}")
+    if lens.max() > MAX_KV_LEN:
+        b = int(np.argmax(lens))
+        raise ValueError(f"{name}: request {b} has {lens[b]} tokens; at most MAX_KV_LEN="
+                         f"{MAX_KV_LEN} (2**31 - 1) per request are supported (plans hold token "
+                         "offsets as int32)")
+
+
 def check_page_table(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_last_page_len: np.ndarray,
-                     page_size: int) -> None:
+                     page_size: int) -> np.ndarray:
     """FlashInfer-style page table: request b owns kv_indices[kv_indptr[b]:kv_indptr[b+1]].
-    (The pool bound is ``check_page_indices``', where the pool size is known.)"""
+    Returns the request lengths (int64), each within MAX_KV_LEN. (The pool bound is
+    ``check_page_indices``', where the pool size is known.)"""
     if kv_indptr.size < 1:
         raise ValueError("kv_indptr: expected at least one element (batch_size + 1), got an empty array")
     batch = kv_indptr.size - 1
+    check_batch_size("kv_indptr", batch)
     if kv_indptr[0] != 0:
         raise ValueError(f"kv_indptr: expected kv_indptr[0] == 0, got {kv_indptr[0]}")
     if np.any(np.diff(kv_indptr) < 0):
@@ -97,8 +154,10 @@ def check_page_table(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_last_page
     if kv_last_page_len.size != batch:
         raise ValueError(f"kv_last_page_len: expected {batch} elements (one per request), "
                          f"got {kv_last_page_len.size}")
-    if kv_indices.size and kv_indices.min() < 0:
-        raise ValueError(f"kv_indices: page indices must be >= 0, got {kv_indices.min()}")
+    if kv_indices.size > MAX_TOTAL_PAGES:
+        raise ValueError(f"kv_indices: {kv_indices.size} pages; at most MAX_TOTAL_PAGES="
+                         f"{MAX_TOTAL_PAGES} are supported (the kernel's page-table offsets are int)")
+    check_page_indices(kv_indices)
     pages = np.diff(kv_indptr)
     has_pages = pages > 0
     bad_last = has_pages & ((kv_last_page_len < 1) | (kv_last_page_len > page_size))
@@ -111,19 +170,32 @@ def check_page_table(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_last_page
         b = int(np.flatnonzero(empty_bad)[0])
         raise ValueError(f"kv_last_page_len: request {b} has no pages, so its last page length "
                          f"must be 0, got {kv_last_page_len[b]}")
+    # pages < 2**31 (the total's limit) and page_size < 2**31: the product cannot wrap
+    lens = np.where(has_pages, (pages - 1) * page_size + kv_last_page_len, 0).astype(np.int64)
+    if batch and lens.max() > MAX_KV_LEN:
+        b = int(np.argmax(lens))
+        raise ValueError(f"kv_indptr: request {b} holds {lens[b]} tokens ({pages[b]} pages of "
+                         f"{page_size}); at most MAX_KV_LEN={MAX_KV_LEN} (2**31 - 1) per request "
+                         "are supported (plans hold token offsets as int32)")
+    return lens
 
 
-def check_page_indices(kv_indices: np.ndarray, num_pages) -> None:
-    """Every page index must address a page of a pool (KV cache) of ``num_pages`` pages."""
+def check_page_indices(kv_indices: np.ndarray, num_pages=None, name: str = "kv_indices") -> None:
+    """Page indices are >= 0 and, where the pool size is known, address a page of a pool (KV
+    cache) of ``num_pages`` pages; ``name``: the argument they came from (``block_table`` for
+    vLLM's layout)."""
+    if kv_indices.size and kv_indices.min() < 0:
+        raise ValueError(f"{name}: page indices must be >= 0, got {kv_indices.min()}")
+    if num_pages is None:
+        return
     num_pages = check_int("num_pages", num_pages, 0)
     if kv_indices.size and kv_indices.max() >= num_pages:
-        raise ValueError(f"kv_indices: page index {kv_indices.max()} is out of range for a pool "
+        raise ValueError(f"{name}: page index {kv_indices.max()} is out of range for a pool "
                          f"of {num_pages} pages")
 
 
 def check_seq_lens(seq_lens: np.ndarray, capacity: int, page_size: int) -> None:
-    if seq_lens.size and seq_lens.min() < 0:
-        raise ValueError(f"seq_lens: lengths must be >= 0, got {seq_lens.min()}")
+    check_kv_lens("seq_lens", seq_lens)
     if seq_lens.size and seq_lens.max() > capacity:
         b = int(np.argmax(seq_lens))
         raise ValueError(f"seq_lens: request {b} has {seq_lens[b]} tokens, more than its "
@@ -222,17 +294,42 @@ def check_sm_scale(sm_scale, head_dim: int) -> float:
     return sm_scale
 
 
-def check_instance(name: str, value, cls) -> None:
+def check_instance(name: str, value, cls, expected: str | None = None) -> None:
+    """``cls``: a class or a tuple of them; ``expected`` says what they are, for the error."""
     if not isinstance(value, cls):
-        raise TypeError(f"{name}: expected a {cls.__name__}, got {type(value).__name__}")
+        expected = expected or f"a {cls.__name__}"
+        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__}")
+
+
+def check_path_or(name: str, value, cls, expected: str) -> bool:
+    """True when ``value`` is a path (a non-empty str or an ``os.PathLike``), False when it is an
+    instance of ``cls``; a TypeError naming ``expected`` otherwise."""
+    if isinstance(value, (str, os.PathLike)):
+        if not os.fspath(value):
+            raise ValueError(f"{name}: expected {expected}, got an empty path")
+        return True
+    check_instance(name, value, cls, expected)
+    return False
 
 
 def check_chunk_counts(counts, batch_size: int) -> np.ndarray:
+    """At least one chunk per request: a request of no tokens has one empty chunk."""
     counts = host_int_array("chunks_per_request", counts, 1)
     if counts.size != batch_size:
         raise ValueError(f"chunks_per_request: expected {batch_size} entries (one per request), "
                          f"got {counts.size}")
+    if counts.size and counts.min() < 1:
+        b = int(np.argmin(counts))
+        raise ValueError(f"chunks_per_request: request {b} has {counts[b]}; expected at least 1 "
+                         "chunk per request (a request of no tokens has one empty chunk)")
     return counts
+
+
+def check_num_chunks(name: str, num_chunks: int) -> None:
+    """A plan's chunk count, checked before its arrays are made."""
+    if num_chunks > MAX_CHUNKS:
+        raise ValueError(f"{name}: the plan would have {num_chunks} chunks; at most MAX_CHUNKS="
+                         f"{MAX_CHUNKS} are supported (use fewer splits or larger chunks)")
 
 
 def check_plan_chunks(chunk_request, chunk_start, chunk_end, merge_indptr,
@@ -294,8 +391,9 @@ def check_attention_arrays(q, k_cache, v_cache, batch_size: int, page_size: int,
     """Inputs of the host paths (reference, CPU executor), NumPy or CuPy.
 
     q: [batch_size, num_qo_heads, head_dim]; k_cache, v_cache: [num_pages, page_size,
-    num_kv_heads, head_dim] (NHD), one dtype. Any float dtype; uint16 holds raw bfloat16 bits.
-    Sizes given as None are taken from the arrays. Returns (num_qo_heads, num_kv_heads, head_dim).
+    num_kv_heads, head_dim] (NHD), one dtype, each with every page of the table (their
+    num_pages may differ). Any float dtype; uint16 holds raw bfloat16 bits. Sizes given as None
+    are taken from the arrays. Returns (num_qo_heads, num_kv_heads, head_dim).
     """
     shapes = {}
     for name, arr in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -304,17 +402,34 @@ def check_attention_arrays(q, k_cache, v_cache, batch_size: int, page_size: int,
             raise TypeError(f"{name}: dtype {dtype!r} is not supported; expected one of "
                             f"{HOST_FLOAT_DTYPES} (uint16 = raw bfloat16 bits)")
         shapes[name] = (shape, dtype)
-    q_shape, k_shape = shapes["q"][0], shapes["k_cache"][0]
+    q_shape, k_shape, v_shape = (shapes[n][0] for n in ("q", "k_cache", "v_cache"))
+    for name, shape, rank in (("q", q_shape, 3), ("k_cache", k_shape, 4), ("v_cache", v_shape, 4)):
+        if len(shape) != rank:
+            expected = ((batch_size, num_qo_heads, head_dim) if rank == 3
+                        else (None, page_size, num_kv_heads, head_dim))
+            check_shape(name, shape, expected)
+    # Sizes not given are read where two arrays agree, so the odd one out is the one blamed:
+    # head_dim from K and V when they agree (else from q), num_kv_heads from K.
+    if head_dim is None:
+        head_dim = k_shape[3] if k_shape[3] == v_shape[3] else q_shape[2]
     check_shape("q", q_shape, (batch_size, num_qo_heads, head_dim))
-    num_qo_heads, head_dim = q_shape[1], q_shape[2]
-    check_shape("k_cache", k_shape, (None, page_size, num_kv_heads, head_dim))
-    num_kv_heads = k_shape[2]
-    check_shape("v_cache", shapes["v_cache"][0], k_shape)
+    num_qo_heads = q_shape[1]
+    if num_kv_heads is None:
+        num_kv_heads = k_shape[2]
+    for name, shape in (("k_cache", k_shape), ("v_cache", v_shape)):
+        check_shape(name, shape, (None, page_size, num_kv_heads, head_dim))
     if shapes["v_cache"][1] != shapes["k_cache"][1]:
         raise TypeError(f"v_cache: expected dtype {shapes['k_cache'][1]} (the dtype of k_cache), "
                         f"got {shapes['v_cache'][1]}")
     check_heads(num_qo_heads, num_kv_heads)
-    check_page_indices(kv_indices, k_shape[0])
+    # Each cache must hold every page of the table (as on the GPU, their page counts may
+    # differ); one that falls short is named, both short by as much: the table is.
+    k_pages, v_pages = k_shape[0], v_shape[0]
+    if k_pages != v_pages and kv_indices.size and kv_indices.max() >= min(k_pages, v_pages):
+        short, pages = ("k_cache", k_pages) if k_pages < v_pages else ("v_cache", v_pages)
+        raise ValueError(f"{short}: the page table references page {kv_indices.max()} but "
+                         f"{short} has {pages} pages (the other cache {max(k_pages, v_pages)})")
+    check_page_indices(kv_indices, k_pages)
     return num_qo_heads, num_kv_heads, head_dim
 
 

@@ -243,7 +243,7 @@ class _Scores:
     """Every candidate of one problem, scored (``_candidates``' rows; the chunk counts k
     [rows, requests] and tiles per request of ``stats.ragged_candidate_stats``, or when all
     lengths are equal ``stats.equal_candidate_stats``' k [rows, 1] and None), and per pair
-    its row index, strategy and predicted us."""
+    its row index, strategy and predicted us; ``num_chunks``: each row's chunk count."""
 
     values: list
     splits: slice
@@ -252,6 +252,7 @@ class _Scores:
     pair_rows: np.ndarray
     strategies: tuple
     predicted: np.ndarray
+    num_chunks: np.ndarray
 
     def row(self, row: int) -> tuple[str, int]:
         """(kind, value) of a row."""
@@ -323,22 +324,29 @@ def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=N
     predicted = x.T @ model.coef_
     if too_many is not None:
         predicted[too_many] = np.inf
-    return _Scores(values, splits, k, units, pair_rows, strategies, predicted)
+    return _Scores(values, splits, k, units, pair_rows, strategies, predicted,
+                   stats[S_NUM_CHUNKS])
 
 
 def _as_cost_model(profile) -> CostModel:
-    if profile is None:
-        from .profiles import default_profile
-        profile = default_profile()
-    if isinstance(profile, CostModel):
+    """A ``Profile``'s model, a ``CostModel`` itself, ``load_profile(path=...)``'s for a path,
+    or ``default_profile()``'s for None."""
+    if isinstance(profile, CostModel):          # first: what the wrapper passes on every step
         return profile
+    from .profiles import Profile, default_profile, load_profile
+
+    if profile is None:
+        profile = default_profile()
+    elif V.check_path_or("profile", profile, Profile,
+                         "a Profile, a fitted CostModel, a path (str or os.PathLike) or None"):
+        profile = load_profile(path=profile)
     return profile.cost_model()
 
 
 def _check_request(problem, num_splits, strategy):
     V.check_instance("problem", problem, DecodeProblem)
     if num_splits is not None:
-        num_splits = V.check_int("num_splits", num_splits, 1)
+        num_splits = V.check_int("num_splits", num_splits, 1, V.MAX_CHUNKS, "MAX_CHUNKS")
     if strategy is not None:
         V.check_strategy(strategy)
         if strategy == "single" and num_splits is not None and num_splits > 1:
@@ -385,7 +393,9 @@ def choose_plan(problem: DecodeProblem, profile=None, num_splits: int | None = N
                 max_chunks: int | None = None) -> Plan:
     """The cheapest plan the cost model knows for ``problem``, with ``predicted_us`` set.
 
-    profile: a ``Profile``, a fitted ``CostModel``, or None for ``load_profile()``'s answer.
+    profile: a ``Profile``, a fitted ``CostModel``, a profile file's path (str or
+        ``os.PathLike``, read with ``load_profile(path=...)``), or None for
+        ``load_profile()``'s answer.
     num_splits: force every request into this many chunks (fewer where a request is shorter
         than that many tiles); 1 means no split.
     strategy: force 'single', 'split_merge' or 'fused'.
@@ -403,9 +413,18 @@ def choose_plan(problem: DecodeProblem, profile=None, num_splits: int | None = N
     if problem.batch_size == 0:
         return _empty_candidate(problem, model, strategy).build(
             problem, clusters=model.clusters, launch_order=launch_order)
-    scores = _score(problem, model, num_splits, strategy, max_chunks)
-    if max_chunks is not None and np.isinf(scores.predicted.min()):
-        raise ValueError(f"max_chunks: no plan of at most {max_chunks} chunks matches "
+    limit = None if max_chunks is None else min(max_chunks, V.MAX_CHUNKS)
+    scores = _score(problem, model, num_splits, strategy, limit)
+    best = int(scores.predicted.argmin())
+    if limit is None and scores.num_chunks[scores.pair_rows[best]] > V.MAX_CHUNKS:
+        # rare (forced splits of a huge batch): scored again within the limit, before any array
+        scores = _score(problem, model, num_splits, strategy, V.MAX_CHUNKS)
+        best = int(scores.predicted.argmin())
+        if np.isinf(scores.predicted[best]):
+            V.check_num_chunks("num_splits" if num_splits is not None else "strategy",
+                               int(scores.num_chunks.min()))
+    if limit is not None and np.isinf(scores.predicted[best]):
+        raise ValueError(f"max_chunks: no plan of at most {limit} chunks matches "
                          f"num_splits={num_splits}, strategy={strategy!r} for "
                          f"{problem.batch_size} requests")
-    return scores.build(problem, int(scores.predicted.argmin()), model.clusters, launch_order)
+    return scores.build(problem, best, model.clusters, launch_order)

@@ -56,8 +56,8 @@ class BatchDecodeWrapper:
     aligned); out [batch, num_qo_heads, head_dim] in the input dtype; lse [batch, num_qo_heads]
     float32, natural log. Inputs float16 or bfloat16 (bfloat16 may be given as uint16 bits).
 
-    profile: the cost-model profile plans are chosen with (a Profile, or a path); None: the one
-        shipped for this device.
+    profile: the cost-model profile plans are chosen with (a Profile, or a path: str or
+        os.PathLike); None: the one shipped for this device.
     use_clusters: None or True: a fused plan that suits clusters (execution.fused_cluster_size)
         merges inside thread-block clusters where the GPU has them (sm_90+), True raising where
         it has none; False: always the atomic ticket. A cluster variant compiles (about a
@@ -199,8 +199,10 @@ class BatchDecodeWrapper:
     def profile(self):
         """The cost-model profile plans are chosen with: the one given (a Profile or a path),
         else ``load_profile``'s answer for this device."""
-        if self._profile is None or isinstance(self._profile, str):
-            from ..planner.profiles import load_profile
+        from ..planner.profiles import Profile, load_profile
+
+        if self._profile is None or V.check_path_or("profile", self._profile, Profile,
+                                                    "a Profile, a path (str or os.PathLike) or None"):
             from . import device_info
 
             info = device_info()

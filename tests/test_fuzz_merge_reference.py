@@ -278,7 +278,9 @@ def spoil_decode(draw, args):
             shape = (value.shape[0], value.shape[1] + 1, *value.shape[2:])
         else:
             other = np.float32 if value.dtype != np.float32 else np.float64
-            shape = value.shape if draw(st.booleans()) else (value.shape[0] + 1, *value.shape[1:])
+            # (a cache with more pages than the other is valid: their page counts may differ)
+            shape = value.shape if draw(st.booleans()) else (value.shape[0], value.shape[1] + 1,
+                                                             *value.shape[2:])
             args[spoilt] = np.zeros(shape, other if shape == value.shape else value.dtype)
             return spoilt
         args[spoilt] = np.zeros(shape, value.dtype)

@@ -40,6 +40,19 @@ def build_batch(rng: np.random.Generator, kv_lens, num_qo_heads: int = 4, num_kv
     return PagedBatch(q, k_cache, v_cache, page_table, problem)
 
 
+def host_decode_inputs(rng: np.random.Generator, kv_lens) -> dict:
+    """q, k_cache, v_cache (float64, 8/2 heads, head_dim 64, pages 0..3 of 16 tokens), the page
+    table of two requests of ``kv_lens`` tokens, and a 2-split plan: the host paths' inputs."""
+    from splitkv import plan_fixed_splits
+
+    pt = PageTable.from_block_table([[2, 0], [1, 3]], kv_lens, 16, num_pages=4)
+    q = rng.standard_normal((2, 8, 64))
+    k = rng.standard_normal((4, 16, 2, 64))
+    v = rng.standard_normal((4, 16, 2, 64))
+    plan = plan_fixed_splits(DecodeProblem.from_page_table(pt, 8, 2, 64), 2)
+    return dict(q=q, k_cache=k, v_cache=v, page_table=pt, plan=plan)
+
+
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)

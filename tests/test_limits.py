@@ -15,6 +15,7 @@ from splitkv import (DecodeProblem, PageTable, execute_plan_cpu, plan_chunk_toke
 from splitkv.core import validation as V
 from splitkv.planner import choose_plan
 from splitkv.planner.profiles import ProfileError, load_profile
+from conftest import host_decode_inputs
 
 BIG = V.MAX_KV_LEN                  # the longest request there may be: 2**31 - 1 tokens
 
@@ -242,12 +243,7 @@ def test_choose_plan_bad_profiles(tmp_path):
 
 @pytest.fixture
 def inputs(rng):
-    pt = PageTable.from_block_table([[2, 0], [1, 3]], [20, 17], 16, num_pages=4)  # pages 0..3
-    q = rng.standard_normal((2, 8, 64))
-    k = rng.standard_normal((4, 16, 2, 64))
-    v = rng.standard_normal((4, 16, 2, 64))
-    plan = plan_fixed_splits(DecodeProblem.from_page_table(pt, 8, 2, 64), 2)
-    return dict(q=q, k_cache=k, v_cache=v, page_table=pt, plan=plan)
+    return host_decode_inputs(rng, [20, 17])
 
 
 def both_paths(x, **changes):

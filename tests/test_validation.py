@@ -5,6 +5,7 @@ import pytest
 
 from splitkv import (DecodeProblem, PageTable, Plan, execute_plan_cpu, plan_chunk_tokens,
                      plan_fixed_splits, plan_from_chunk_counts, reference_decode)
+from conftest import host_decode_inputs
 
 
 class FakeDeviceArray:
@@ -164,12 +165,7 @@ def test_bad_plan_arguments(problem, make, error, name):
 
 @pytest.fixture
 def inputs(rng):
-    pt = PageTable.from_block_table([[2, 0], [1, 3]], [20, 5], 16, num_pages=4)
-    q = rng.standard_normal((2, 8, 64))
-    k = rng.standard_normal((4, 16, 2, 64))
-    v = rng.standard_normal((4, 16, 2, 64))
-    plan = plan_fixed_splits(DecodeProblem.from_page_table(pt, 8, 2, 64), 2)
-    return dict(q=q, k_cache=k, v_cache=v, page_table=pt, plan=plan)
+    return host_decode_inputs(rng, [20, 5])
 
 
 def call_both(inputs, **changes):

@@ -109,6 +109,7 @@ class BatchDecodeWrapper:
                                                  experiments.max_registers or 0)
         self.ctas_per_kv_head = ctas_per_kv_head(self.group_size)
         self._profile = profile
+        self._resolved_profile = None         # the Profile, once read
         self._plan: Plan | None = None
         self._launch: DecodeLaunch | None = None
         self._upload = PlanUpload()
@@ -191,14 +192,14 @@ class BatchDecodeWrapper:
     @property
     def pages_in_record(self) -> bool:
         """Whether the current plan's first tiles take their page ids from the chunk records."""
-        if self.use_cuda_graph:
-            return self._plan is not None and self._pages_in_record
-        return self._launch is not None and bool(self._launch.params.pages_in_record)
+        return self._plan is not None and self._pages_in_record
 
     @property
     def profile(self):
         """The cost-model profile plans are chosen with: the one given (a Profile or a path),
         else ``load_profile``'s answer for this device."""
+        if self._resolved_profile is not None:
+            return self._resolved_profile
         from ..planner.profiles import Profile, load_profile
 
         if self._profile is None or V.check_path_or("profile", self._profile, Profile,
@@ -208,6 +209,7 @@ class BatchDecodeWrapper:
             info = device_info()
             self._profile = load_profile(path=self._profile, device_name=info["name"],
                                          num_sms=info["num_sms"])
+        self._resolved_profile = self._profile
         return self._profile
 
     def plan(self, page_table: PageTable | None = None, *, kv_indptr=None, kv_indices=None,
@@ -235,8 +237,9 @@ class BatchDecodeWrapper:
             raise ValueError(f"page_table: page_size {page_table.page_size} differs from the "
                              f"wrapper's page_size {self.page_size}")
         s = as_cupy_stream(stream)
+        max_page = int(page_table.kv_indices.max()) if page_table.kv_indices.size else -1
         if self.use_cuda_graph:
-            self._check_fits(page_table, s)
+            self._check_fits(page_table, max_page, s)
         # a graph-stable grid is one fixed launch: no cluster variant
         clusters = (not self.use_cuda_graph
                     and sm90_option("use_clusters", self.use_clusters, "thread-block clusters"))
@@ -257,7 +260,6 @@ class BatchDecodeWrapper:
             chosen = choose_plan(problem, model, num_splits, strategy,
                                  launch_order=self.launch_order, max_chunks=self.max_chunks)
         sm_scale_log2 = float(np.float32(V.check_sm_scale(sm_scale, self.head_dim) * LOG2E))
-        max_page = int(page_table.kv_indices.max()) if page_table.kv_indices.size else -1
         if max_page >= 2**31:
             raise ValueError("page_table: page indices must be < 2**31")
 
@@ -278,6 +280,7 @@ class BatchDecodeWrapper:
                                   chosen.cluster_size, chosen.merge == "merge_kernel", in_record,
                                   sm_scale_log2)
         self._device_id = cupy.cuda.runtime.getDevice()
+        self._pages_in_record = in_record
         self._plan_stream_ptr = s.ptr
         self._plan, self._max_page = chosen, max_page
         return chosen
@@ -325,7 +328,7 @@ class BatchDecodeWrapper:
         self._plan, self._max_page = chosen, max_page
         return chosen
 
-    def _check_fits(self, page_table: PageTable, stream) -> None:
+    def _check_fits(self, page_table: PageTable, max_page: int, stream) -> None:
         """A graph-stable wrapper's checks of a page table against its capacity, before any
         planning or upload."""
         max_batch, max_pages = self._capacity[0], self._capacity[1]
@@ -339,7 +342,6 @@ class BatchDecodeWrapper:
         if page_table.kv_indices.size > max_pages:
             raise ValueError(f"page_table: {page_table.kv_indices.size} page-table entries "
                              f"exceed the wrapper's max_num_pages={max_pages}")
-        max_page = int(page_table.kv_indices.max()) if page_table.kv_indices.size else -1
         if self._graph_pool_pages is not None and max_page >= self._graph_pool_pages:
             raise ValueError(f"page_table: page index {max_page} is past the K/V pool of "
                              f"{self._graph_pool_pages} pages that run() was given")

@@ -314,14 +314,17 @@ def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=N
                                           splits, caps, num_tiny)
     pair_rows, strategies, index, scale = _pair_features(*pair_key, *shape)
     too_many = None if max_chunks is None else stats[S_NUM_CHUNKS][pair_rows] > max_chunks
-    # The same bits as features_from_stats(stats[:, pair_rows]) @ coef_. Even the memory
-    # layout matters: the matrix-vector product's rounding depends on it, and candidates with
-    # equal features must tie exactly, as they did there ([features, pairs], C order).
+    # Each prediction is the sum of the features times their coefficients in feature order
+    # (a reduction over axis 0 of a C-order [features, pairs] array adds row after row): a
+    # fixed order, so candidates with equal features tie exactly and the planner on the device
+    # (kernels_cu/device_plan.cuh) rounds the same way; a matrix-vector product's order is
+    # the BLAS library's.
     clusters = may_cluster(model.clusters, max_len)
     x = gather_features(row_features(rows, ipc, slots, model.num_sms, some_items=True,
                                      cluster_batch_size=batch_size if clusters else 0),
                         index, scale, clusters=clusters)
-    predicted = x.T @ model.coef_
+    x *= model.coef_[:, None]
+    predicted = np.add.reduce(x, axis=0)
     if too_many is not None:
         predicted[too_many] = np.inf
     return _Scores(values, splits, k, units, pair_rows, strategies, predicted,

@@ -136,9 +136,13 @@ class DecodeLaunch:
     at plan time)."""
 
     def __init__(self, params: DecodeParams, partial: KernelLaunch,
-                 merge: KernelLaunch | None, context: int):
+                 merge: KernelLaunch | None, context: int,
+                 partial_plain: KernelLaunch | None = None):
         self.params = params
         self.partial, self.merge = partial, merge
+        # the partial kernel without PDL, for a run right after a kernel that wrote the records
+        # (the planning kernel): a PDL launch reads its record before it waits
+        self.partial_plain = partial_plain or partial
         self._args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         self._context = context
         self._lock = threading.Lock()
@@ -148,9 +152,9 @@ class DecodeLaunch:
         return self.partial.pdl
 
     def __call__(self, q: int, k_cache: int, v_cache: int, page_stride: int, token_stride: int,
-                 out: int, lse: int, stream_ptr: int) -> None:
+                 out: int, lse: int, stream_ptr: int, plain: bool = False) -> None:
         """Launch on ``stream_ptr`` with these tensors (device pointers; strides in elements;
-        ``lse`` 0 when not wanted)."""
+        ``lse`` 0 when not wanted); ``plain``: the partial kernel without PDL."""
         p = self.params
         with self._lock:
             p.q, p.k_cache, p.v_cache, p.out, p.lse = q, k_cache, v_cache, out, lse
@@ -159,7 +163,7 @@ class DecodeLaunch:
             if previous != self._context:    # the driver launches in the current context
                 _check(_driver().cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
             try:
-                self.partial(self._args, stream_ptr)
+                (self.partial_plain if plain else self.partial)(self._args, stream_ptr)
                 if self.merge is not None:
                     self.merge(self._args, stream_ptr)
             finally:

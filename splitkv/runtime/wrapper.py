@@ -122,6 +122,9 @@ class BatchDecodeWrapper:
         self._foreign_runs = None
         self._foreign_pending = False
         self._pages_in_record = False
+        self._device_planner = None           # plan_on_device()'s kernel, once bound
+        self._device_plan_ready = None        # the event after the last eager plan_on_device()
+        self._run_after_device_plan = False   # the next run follows the planning kernel
 
     def _check_capacity(self, max_batch_size, max_num_pages, max_chunks):
         """(max_batch_size, max_num_pages, max_chunks or None) of a graph-stable wrapper."""
@@ -230,6 +233,10 @@ class BatchDecodeWrapper:
         require_gpu("BatchDecodeWrapper.plan()")
         import cupy
 
+        if self._device_planner is not None:
+            raise RuntimeError("plan: this wrapper plans on the device (plan_on_device() was "
+                               "called); a wrapper plans one way or the other")
+
         page_table = PageTable.from_layout(
             page_table, self.page_size, kv_indptr=kv_indptr, kv_indices=kv_indices,
             kv_last_page_len=kv_last_page_len, block_table=block_table, seq_lens=seq_lens)
@@ -328,6 +335,112 @@ class BatchDecodeWrapper:
         self._plan, self._max_page = chosen, max_page
         return chosen
 
+    def plan_on_device(self, *, seq_lens=None, block_table=None, kv_indptr=None,
+                       kv_indices=None, kv_last_page_len=None, sm_scale: float | None = None,
+                       stream=None) -> None:
+        """Plan on the GPU (graph-stable wrappers): enqueue the planning kernel on ``stream``.
+        When it runs, it reads the batch from these device int32 arrays, chooses the plan with
+        the same cost model as ``plan()`` (the same plan, bit for bit: tests/test_device_plan.py)
+        and writes the records the next ``run()`` calls read. No host work and no host wait, so
+        it can be captured: one graph of ``plan_on_device()`` then ``run()`` per layer serves
+        every decode step while the engine updates the arrays in place.
+
+        The batch: vLLM's ``seq_lens`` [batch] and ``block_table`` [batch, max_pages]
+        (contiguous), or FlashInfer's ``kv_indptr`` [batch + 1], ``kv_indices`` and
+        ``kv_last_page_len`` [batch]; batch <= max_batch_size (pad with empty requests), page-
+        table entries <= max_num_pages. The first call binds the arrays (their addresses go into
+        the launches: later calls must pass the same arrays) and must not be captured; page ids
+        are not range-checked. A request whose values are invalid (a negative length, more pages
+        than its row, a bad kv_indptr or kv_last_page_len) is planned as empty and the error is
+        kept on the device: ``device_plan_state()`` reads it.
+        """
+        require_gpu("BatchDecodeWrapper.plan_on_device()")
+        import cupy
+
+        from .device_planner import device_batch
+
+        if not self.use_cuda_graph:
+            raise ValueError("plan_on_device: needs a graph-stable wrapper (use_cuda_graph=True "
+                             "with its capacity)")
+        if self._plan is not None:
+            raise RuntimeError("plan_on_device: this wrapper plans on the host (plan() was "
+                               "called); a wrapper plans one way or the other")
+        s = as_cupy_stream(stream)
+        device = cupy.cuda.runtime.getDevice()
+        batch, arrays = device_batch(page_size=self.page_size, max_batch=self._capacity[0],
+                                     max_entries=self._capacity[1], device=device,
+                                     seq_lens=seq_lens, block_table=block_table,
+                                     kv_indptr=kv_indptr, kv_indices=kv_indices,
+                                     kv_last_page_len=kv_last_page_len)
+        sm_scale_log2 = float(np.float32(V.check_sm_scale(sm_scale, self.head_dim) * LOG2E))
+        planner = self._device_planner
+        if planner is None:
+            if s.is_capturing():
+                raise RuntimeError("plan_on_device: the first call binds the arrays and "
+                                   "allocates; make it before capturing")
+            planner = self._bind_device_planner(batch, arrays, sm_scale_log2, s)
+        elif batch != planner.batch:
+            raise ValueError("plan_on_device: the arrays differ from the first call's (a captured "
+                             "launch holds their addresses); update those arrays in place")
+        elif sm_scale_log2 != self._launch.params.sm_scale_log2:
+            raise ValueError("sm_scale: a graph-stable wrapper keeps the sm_scale of its first "
+                             "plan (a captured launch holds it)")
+        if self._foreign_pending and not s.is_capturing():
+            s.wait_event(self._foreign_runs)     # a run elsewhere may still read the records
+            self._foreign_pending = False
+        planner.launch(s.ptr)
+        self._run_after_device_plan = True
+        self._plan_stream_ptr = s.ptr
+        if not s.is_capturing():
+            self._device_plan_ready = self._device_plan_ready or cupy.cuda.Event(
+                disable_timing=True)
+            self._device_plan_ready.record(s)
+
+    def _bind_device_planner(self, batch, arrays, sm_scale_log2: float, s):
+        """The first plan_on_device(): the fixed buffers, the planning kernel bound to the
+        arrays, and the decode launches, which read the caller's page table in place."""
+        import cupy
+
+        from .device_planner import DevicePlanner, plan_params
+
+        max_batch, max_pages, max_chunks = self._capacity[0], self._capacity[1], self.max_chunks
+        kernels = get_decode_kernels(self.variant)
+        stages = kernels.variant.stages
+        model = self.profile.cost_model().with_clusters(False)
+        params = plan_params(model, num_qo_heads=self.num_qo_heads,
+                             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                             page_size=self.page_size, stages=stages, max_batch=max_batch,
+                             max_chunks=max_chunks, launch_order=self.launch_order)
+        upload = GraphPlanUpload(max_chunks, 0, max_batch)
+        self._workspace.ensure_size(max_chunks * self.num_qo_heads,
+                                    max_batch * self.num_kv_heads * self.ctas_per_kv_head, s)
+        planner = DevicePlanner(params, batch, upload.pointers["records"],
+                                upload.pointers["merge_indptr"], s)
+        planner.arrays = arrays                  # kept alive while the kernel reads them
+        self._device_planner = planner
+        meta = dict(upload.pointers, kv_indices=batch.pointers[3])
+        self._launch = self._bind(kernels, meta, max_chunks, max_batch, 0, True,
+                                  params.record_pages > 0, sm_scale_log2,
+                                  spread=self._graph_spreads())
+        self._device_id = cupy.cuda.runtime.getDevice()
+        self._graph_upload = upload
+        self._max_page = -1                      # page ids are the caller's (not checked)
+        return planner
+
+    def device_plan_state(self) -> dict:
+        """What the last ``plan_on_device()`` chose, read back from the device (waits for it):
+        kind ('no split', 'chunk tokens', 'num splits') and value, strategy, merge,
+        num_chunks, predicted_us, plans (made so far), and error: None, or the first invalid
+        input since ``clear_device_plan_error()`` (with error_request, the request's index)."""
+        if self._device_planner is None:
+            raise RuntimeError("device_plan_state: call plan_on_device() first")
+        return self._device_planner.state()
+
+    def clear_device_plan_error(self, stream=None) -> None:
+        if self._device_planner is None:
+            raise RuntimeError("clear_device_plan_error: call plan_on_device() first")
+        self._device_planner.clear_error(as_cupy_stream(stream))
+
     def _check_fits(self, page_table: PageTable, max_page: int, stream) -> None:
         """A graph-stable wrapper's checks of a page table against its capacity, before any
         planning or upload."""
@@ -348,6 +461,8 @@ class BatchDecodeWrapper:
 
     def _ready_event(self):
         """The event after the current plan's upload."""
+        if self._device_planner is not None:
+            return self._device_plan_ready
         return self._graph_upload.ready if self.use_cuda_graph else self._upload.ready
 
     def _bind(self, kernels, meta: dict, num_chunks: int, batch_size: int, cluster_size: int,
@@ -376,13 +491,17 @@ class BatchDecodeWrapper:
         if pdl and spread:
             shared = kernels.one_per_sm_shared_bytes
         partial = KernelLaunch(kernels.partial, grid, THREADS_PER_CTA, shared, pdl=pdl)
+        plain = None
+        if pdl and self._device_planner is not None:
+            plain = KernelLaunch(kernels.partial, grid, THREADS_PER_CTA,
+                                 kernels.variant.shared_bytes)
         merge_launch = None
         if merge:
             # one thread per (request, qo head, 4 dims)
             slots = batch_size * self.num_qo_heads * (self.head_dim // 4)
             merge_launch = KernelLaunch(kernels.merge, -(-slots // THREADS_PER_CTA),
                                         THREADS_PER_CTA, 0, pdl=pdl)
-        return DecodeLaunch(params, partial, merge_launch, current_context())
+        return DecodeLaunch(params, partial, merge_launch, current_context(), plain)
 
     # ------------------------------------------------------------------- run
     def run(self, q, k_cache, v_cache, *, out=None, lse=None, return_lse: bool = False,
@@ -393,8 +512,8 @@ class BatchDecodeWrapper:
         import cupy
 
         plan = self._plan
-        if plan is None:
-            raise RuntimeError("run: call plan() first")
+        if plan is None and self._device_planner is None:
+            raise RuntimeError("run: call plan() (or, graph-stable, plan_on_device()) first")
         batch = self._capacity[0] if self.use_cuda_graph else plan.problem.batch_size
         qa = as_device_array("q", q)
         ka = as_device_array("k_cache", k_cache)
@@ -420,7 +539,7 @@ class BatchDecodeWrapper:
             V.check_device_output("lse", la, (batch, self.num_qo_heads), "float32")
             lse_ptr = la.ptr
         foreign = s.ptr != self._plan_stream_ptr and not s.is_capturing()
-        if foreign:
+        if foreign and self._ready_event() is not None:
             # Order this stream after plan()'s upload. Not inside a graph capture: a wait on an
             # event recorded outside it would pull outside work into the graph, and a host wait
             # is what the default (global) capture mode forbids. A captured run reads the
@@ -433,7 +552,8 @@ class BatchDecodeWrapper:
                 pool, self._graph_pool_pages)
         if batch:
             self._launch(qa.ptr, ka.ptr, va.ptr, ka.strides[0], ka.strides[1], oa.ptr, lse_ptr,
-                         s.ptr)
+                         s.ptr, plain=self._run_after_device_plan)
+            self._run_after_device_plan = False
         if foreign:
             # the next plan()'s upload rewrites the buffers this run reads: it waits for this
             if self._foreign_runs is None:

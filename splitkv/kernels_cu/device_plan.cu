@@ -1,0 +1,175 @@
+// The planning kernel: one CTA runs device_plan.cuh's planner over the batch in device memory
+// and writes the plan's chunk records, merge_indptr and state for a graph-stable wrapper's
+// fixed grid (runtime/device_planner.py launches it; plan_on_host is the same steps on one
+// thread). Compiled with --fmad=false: the float64 formulas round as NumPy's.
+#define DEVICE_PLAN_HD __device__
+#include "device_plan.cuh"
+
+using namespace device_plan;
+
+#define PLAN_THREADS 512
+#define PLAN_WARPS (PLAN_THREADS / 32)
+
+__device__ __forceinline__ i64 warp_sum(i64 v) {
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ i64 warp_max(i64 v) {
+  for (int o = 16; o; o >>= 1) {
+    const i64 w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = w > v ? w : v;
+  }
+  return v;
+}
+
+// Exclusive prefix sum of one int per thread over the CTA; *total gets the sum.
+__device__ int block_exclusive_scan(int v, int* total) {
+  __shared__ int warp_totals[PLAN_WARPS];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int inclusive = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int x = __shfl_up_sync(0xffffffffu, inclusive, o);
+    if (lane >= o) inclusive += x;
+  }
+  if (lane == 31) warp_totals[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    int t = lane < PLAN_WARPS ? warp_totals[lane] : 0;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int x = __shfl_up_sync(0xffffffffu, t, o);
+      if (lane >= o) t += x;
+    }
+    if (lane < PLAN_WARPS) warp_totals[lane] = t;    // inclusive over warps
+  }
+  __syncthreads();
+  const int before = warp ? warp_totals[warp - 1] : 0;
+  *total = warp_totals[PLAN_WARPS - 1];
+  return before + inclusive - v;
+}
+
+extern "C" __global__ void __launch_bounds__(PLAN_THREADS, 1)
+plan_decode(const __grid_constant__ DevicePlanParams p) {
+  __shared__ Candidates cands;
+  __shared__ RowSums sums[MAX_ROWS];
+  __shared__ unsigned long long reduced[5];   // tokens, tiles, pages, max length, empty requests
+  __shared__ Choice best;
+  __shared__ int misaligned;
+  extern __shared__ int shared_keys[];        // sort keys when they fit (key_capacity)
+  DevicePlanState& st = *reinterpret_cast<DevicePlanState*>(p.state);
+  const Scratch sc = scratch_of(p);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int n = p.batch_size;
+  const int filled = st.filled;               // read by every thread before thread 0 rewrites it
+  if (tid < 5) reduced[tid] = 0;
+  if (tid == 0) misaligned = 0;
+  __syncthreads();
+
+  // 1. the requests: lengths, errors, sums and maxima
+  i64 tokens = 0, tiles = 0, pages = 0, longest = 0, empty = 0;
+  for (int b = tid; b < n; b += PLAN_THREADS) {
+    const Request r = read_request(p, b);
+    if (r.error && atomicCAS(&st.error, 0, r.error) == 0) st.error_request = b;
+    sc.lens[b] = r.len;
+    tokens += r.len;
+    tiles += ceil_div(r.len, TILE);
+    pages += r.pages;
+    longest = r.len > longest ? r.len : longest;
+    empty += r.len == 0;
+  }
+  tokens = warp_sum(tokens); tiles = warp_sum(tiles); pages = warp_sum(pages);
+  longest = warp_max(longest); empty = warp_sum(empty);
+  if (lane == 0) {
+    atomicAdd(&reduced[0], (unsigned long long)tokens);
+    atomicAdd(&reduced[1], (unsigned long long)tiles);
+    atomicAdd(&reduced[2], (unsigned long long)pages);
+    atomicMax(&reduced[3], (unsigned long long)longest);
+    atomicAdd(&reduced[4], (unsigned long long)empty);
+  }
+  __syncthreads();
+  const i64 total = (i64)reduced[0], total_pages = (i64)reduced[2];
+  const int max_len = (int)reduced[3], num_empty = (int)reduced[4];
+
+  // 2. the candidate rows
+  if (tid == 0) enumerate_rows(cands, n, max_len, total, p.items_per_chunk, p.slots);
+  __syncthreads();
+
+  // 3. each row's sums over the requests: one warp per row
+  for (int r = warp; r < cands.num_rows; r += PLAN_WARPS) {
+    RowSums s = {0, 0, 0, 0, 0};
+    for (int b = lane; b < n; b += 32) add_request(s, cands.rows[r], sc.lens[b], num_empty > 0);
+    s.chunks = warp_sum(s.chunks);
+    s.min2 = warp_sum(s.min2);
+    s.largest_tokens = warp_max(s.largest_tokens);
+    s.max_m = warp_max(s.max_m);
+    s.max_k = warp_max(s.max_k);
+    if (lane == 0) sums[r] = s;
+  }
+  __syncthreads();
+
+  // 4. the cheapest candidate
+  if (tid == 0) {
+    const Scorer scorer = {&p, (double)total, (double)reduced[1], (double)max_len, n, num_empty};
+    best = choose(scorer, cands, sums, p.max_chunks);
+  }
+  __syncthreads();
+  const Row row = cands.rows[best.row];
+
+  // 5. its chunks: each thread cuts a run of neighbouring requests
+  const int per_thread = (n + PLAN_THREADS - 1) / PLAN_THREADS;
+  const int lo = min(n, tid * per_thread), hi = min(n, lo + per_thread);
+  int count = 0;
+  for (int b = lo; b < hi; ++b) count += (int)cut_request(row, sc.lens[b]).count;
+  int num_chunks;
+  int at = block_exclusive_scan(count, &num_chunks);
+  bool aligned = true;
+  for (int b = lo; b < hi; ++b) {
+    const Cut cut = cut_request(row, sc.lens[b]);
+    sc.offsets[b] = at;
+    for (int i = 0; i < cut.count; ++i, ++at) {
+      const int begin = chunk_start(i, cut.units, cut.count, row.align);
+      sc.chunk_request[at] = b;
+      sc.chunk_begin[at] = begin;
+      sc.chunk_end[at] = i + 1 < cut.count ? chunk_start(i + 1, cut.units, cut.count, row.align)
+                                           : sc.lens[b];
+      aligned &= begin % p.page_size == 0;
+    }
+  }
+  if (tid == 0) sc.offsets[n] = num_chunks;
+  if (!aligned) misaligned = 1;
+  const int merge = merge_mode(best.strategy, num_chunks, n);
+
+  // 6. the grid order: a stable sort by decreasing key
+  int* keys = num_chunks <= p.key_capacity ? shared_keys : sc.keys;
+  __syncthreads();
+  for (int i = tid; i < num_chunks; i += PLAN_THREADS)
+    keys[i] = p.launch_order == LONGEST_CHUNKS ? sc.chunk_end[i] - sc.chunk_begin[i]
+            : p.launch_order == LONGEST_REQUESTS ? sc.lens[sc.chunk_request[i]] : 0;
+  __syncthreads();
+  for (int i = tid; i < num_chunks; i += PLAN_THREADS) sc.order[grid_rank(keys, num_chunks, i)] = i;
+  __syncthreads();
+
+  // 7. the records, idle records past them, merge_indptr, the state
+  const int record_pages = misaligned ? 0 : p.record_pages;
+  const int flags = (merge == MERGE_TICKET ? 1 : 0) | (record_pages ? 2 : 0);
+  for (int g = tid; g < num_chunks; g += PLAN_THREADS) {
+    const int i = sc.order[g], b = sc.chunk_request[i];
+    const Request r = read_request(p, b);
+    write_record(p, p.records[g], i, b, sc.chunk_begin[i], sc.chunk_end[i], r.table_begin,
+                 r.table_last, sc.offsets[b], sc.offsets[b + 1], flags, record_pages,
+                 total_pages > 0 && !r.error);
+  }
+  for (int g = num_chunks + tid; g < filled; g += PLAN_THREADS) write_idle(p.records[g]);
+  for (int b = tid; b <= p.max_batch; b += PLAN_THREADS)
+    p.merge_indptr[b] = merge != MERGE_KERNEL ? 0 : sc.offsets[b < n ? b : n];
+  if (tid == 0) {
+    *p.predicted_us = best.predicted_us;
+    st.filled = num_chunks;
+    st.num_chunks = num_chunks;
+    st.pair = best.pair;
+    st.value = row.value;
+    st.kind = row.kind;
+    st.strategy = best.strategy;
+    st.merge = merge;
+    st.plans += 1;
+  }
+}

@@ -1,0 +1,523 @@
+// The planner on the device: choose a plan from the batch's lengths in device memory and write
+// its chunk records, so that one captured graph serves any lengths within a graph-stable
+// wrapper's capacity with no host work per step.
+//
+// It is the host planner (planner/planner.py, stats.py, cost_model.py) written again as one
+// function over a Team (the threads that share the work): the same candidates in the same
+// order, the same statistics, the same float64 operations in the same order, the same
+// tie-break (the first cheapest candidate) and the same records as records.chunk_records. The
+// host planner stays the reference: the CPU tests compile this file with the host compiler (a
+// Team of one thread) and check both choose the same plans and write the same records; the
+// GPU tests check the kernel writes the same bytes.
+//
+// Integer statistics are sums and maxima of integers far below 2**53: exact in any order. The
+// float64 formulas must not be contracted into FMAs (NVRTC --fmad=false; the host compiler
+// -ffp-contract=off), so that both builds round as NumPy does.
+#pragma once
+
+#ifndef DEVICE_PLAN_HD
+#define DEVICE_PLAN_HD
+#endif
+
+namespace device_plan {
+
+typedef long long i64;
+
+// Must equal core/geometry.py, planner/planner.py, cost_model.py (the runtime passes the
+// shape's constants in DevicePlanParams; these are the planner's own).
+constexpr int TILE = 64;                 // TILE_TOKENS
+constexpr int TINY_CONTEXT = 2048;       // planner.TINY_CONTEXT
+constexpr int MAX_WAVES = 32;            // planner.MAX_WAVES
+constexpr int WAVE_FILL_MAX = 4;         // wave_filling_* max_waves
+constexpr int NUM_FEATURES = 14;         // cost_model.FEATURE_NAMES
+constexpr int MAX_ROWS = 64;             // candidate rows (no split, chunk sizes, split counts)
+constexpr double NO_SPLIT_CHUNK = 1152921504606846976.0;   // 2**60
+constexpr int IDLE_REQUEST = -1;
+
+// Strategy codes (validation.STRATEGIES) and merge modes (execution.MERGE_MODES order).
+constexpr int SINGLE = 0, SPLIT_MERGE = 1, FUSED = 2;
+constexpr int MERGE_NONE = 0, MERGE_KERNEL = 1, MERGE_TICKET = 2;
+// Launch orders (execution.LAUNCH_ORDERS order).
+constexpr int LONGEST_CHUNKS = 0, LONGEST_REQUESTS = 1;   // 2: plan order
+// Feature columns (cost_model.FEATURE_NAMES order).
+enum { F_CONST, F_LAUNCHES, F_KV_US, F_CRIT_US, F_CRIT_TILES, F_CRIT_TILE_ROWS, F_WAVES,
+       F_PARTIAL_US, F_FUSED_TAIL_US, F_FUSED_MERGES, F_MERGE_CHAIN, F_TAIL_US,
+       F_CLUSTER_MERGES, F_LONE_CTA_US };
+
+// Error codes in DevicePlanState::error (the first error a plan met; 0: none). A request with
+// an error is planned as empty, and nothing past its own page-table entries is read.
+enum { ERR_NONE = 0, ERR_NEGATIVE_LENGTH = 1, ERR_PAGES_PAST_TABLE = 2, ERR_BAD_INDPTR = 3,
+       ERR_BAD_LAST_PAGE_LEN = 4 };
+
+struct Record {            // kernels_cu/decode_params.cuh ChunkRecord, field by field
+  int request, token_begin, token_end, page_table_begin, chunk_begin, chunk_end, plan_index,
+      flags;
+  int first_pages[RECORD_PAGES];
+};
+
+// What the planning kernel reads and writes; runtime/device_planner.py mirrors it.
+struct DevicePlanParams {
+  // The batch, in one of two layouts: vLLM's seq_lens [batch] with a block table
+  // [batch, block_table_stride] (block_table_stride > 0), or FlashInfer's kv_indptr [batch + 1]
+  // and kv_last_page_len [batch] with kv_indices (block_table_stride == 0).
+  const int* seq_lens;
+  const int* kv_indptr;
+  const int* kv_last_page_len;
+  const int* kv_indices;            // the block table, or kv_indices
+  i64 block_table_stride;
+  i64 page_table_entries;           // entries of kv_indices (or of the block table)
+  Record* records;                  // [max_chunks], in grid order; past the plan: idle
+  int* merge_indptr;                // [max_batch + 1]
+  int* scratch;                     // [DEVICE_PLAN_SCRATCH_INTS(max_chunks, batch)]
+  int* state;                       // DevicePlanState, persistent across plans
+  double* predicted_us;             // the chosen candidate's prediction
+  double coef[NUM_FEATURES];        // the cost model's coefficients
+  double unit[NUM_FEATURES];        // cost_model.feature_constants' units
+  double lone_min_tokens;           // cost_model.LONE_CTA_MIN_TOKENS
+  int batch_size;
+  int max_batch;
+  int max_chunks;                   // the capacity: no plan of more chunks is chosen
+  int items_per_chunk;              // kv heads x CTAs per kv head
+  int slots;                        // SMs x CTAs per SM
+  int num_sms;
+  int page_size;
+  int record_pages;                 // pages a chunk's first tiles span when they fit a record
+                                    // (records.record_pages_needed), else 0
+  int launch_order;
+  int key_capacity;                 // sort keys the kernel's dynamic shared memory holds
+};
+
+// Persistent state, int32 each.
+struct DevicePlanState {
+  int filled;          // records the last plan wrote (the rest are idle)
+  int error;           // ERR_*: the first error since the host last cleared it
+  int error_request;
+  int num_chunks;      // of the last plan
+  int pair;            // the chosen candidate's index in the planner's enumeration
+  int value;           // its row's value: 1 (no split), chunk tokens or split count
+  int kind;            // 0 no split, 1 chunk tokens, 2 split count
+  int strategy;        // SINGLE, SPLIT_MERGE, FUSED
+  int merge;           // MERGE_*
+  int plans;           // plans made
+};
+
+#define DEVICE_PLAN_SCRATCH_INTS(max_chunks, batch) (5 * (max_chunks) + 3 * (batch) + 8)
+
+DEVICE_PLAN_HD inline double dmin(double a, double b) { return b < a ? b : a; }  // np.minimum
+DEVICE_PLAN_HD inline double dmax(double a, double b) { return b > a ? b : a; }  // np.maximum
+DEVICE_PLAN_HD inline double infinity() {
+  union { i64 bits; double value; } u;
+  u.bits = 0x7ff0000000000000LL;
+  return u.value;
+}
+DEVICE_PLAN_HD inline i64 ceil_div(i64 a, i64 b) { return (a + b - 1) / b; }
+DEVICE_PLAN_HD inline int bit_length(i64 x) { int n = 0; while (x) { ++n; x >>= 1; } return n; }
+
+// One candidate row: a chunk size (divisor), capped at a split count for split rows.
+struct Row {
+  double divisor;      // chunk tokens; TILE for a split row; 2**60 for no split
+  double cap;          // the split count of a split row, else 0
+  int value;           // 1, chunk tokens or split count
+  int kind;            // 0 no split, 1 chunk tokens, 2 split count
+  int tiny;            // a chunk size under one tile
+  int align;           // chunk boundaries' alignment when built
+};
+
+// The sums and maxima over the requests that a row's statistics need, as integers.
+struct RowSums {
+  i64 chunks, min2, largest_tokens, max_m, max_k;
+};
+
+struct Candidates {
+  Row rows[MAX_ROWS];
+  int num_rows;
+};
+
+// planner._candidates, unforced: no split, the chunk sizes of at least a tile (powers of two,
+// then the wave-filling sizes not already there), the split counts, the tiny chunk sizes.
+DEVICE_PLAN_HD inline void enumerate_rows(Candidates& c, int batch, int max_len, i64 total,
+                                          int ipc, int slots) {
+  int n = 0;
+  c.rows[n++] = {NO_SPLIT_CHUNK, 0.0, 1, 0, 0, TILE};
+  // chunk_token_candidates: powers of two below max_len, largest first
+  const double limit = (double)MAX_WAVES * slots;
+  const int smallest = max_len <= TINY_CONTEXT ? 16 : TILE;
+  i64 sizes[64];
+  int num_sizes = 0;
+  i64 p = (i64)1 << (bit_length(max_len - 1 > 1 ? max_len - 1 : 1) - 1);
+  if (p >= smallest) {
+    sizes[num_sizes++] = p;
+    if ((double)batch * ipc <= limit) {       // Python ints: exact either way
+      p /= 2;
+      while (p >= smallest && (double)total / (double)p * (double)ipc <= limit) {
+        sizes[num_sizes++] = p;
+        p /= 2;
+      }
+    }
+  }
+  int num_tiny = 0;
+  if (max_len <= TINY_CONTEXT)
+    for (int i = 0; i < num_sizes; ++i) num_tiny += sizes[i] < TILE;
+  const int num_big_pow = num_sizes - num_tiny;    // sizes run largest first
+  for (int i = 0; i < num_big_pow; ++i)
+    c.rows[n++] = {(double)sizes[i], 0.0, (int)sizes[i], 1, 0, TILE};
+  // wave_filling_chunk_tokens: about j whole waves, j = 1..4, half a chunk of waste a request
+  i64 last = -1;
+  for (int j = 1; j <= WAVE_FILL_MAX; ++j) {
+    const double chunks = (double)((i64)j * slots / ipc) - (double)batch / 2.0;
+    if (!(chunks > 0)) continue;
+    const i64 q = (i64)((double)total / chunks);       // int(total / chunks): truncation
+    const i64 size = ceil_div(q, TILE) * TILE;
+    if (size >= TILE && size < max_len && size != last) {
+      last = size;
+      bool seen = false;              // only the powers of two: wave sizes never repeat
+      for (int i = 0; i < num_big_pow; ++i) seen |= sizes[i] == size;
+      if (!seen) c.rows[n++] = {(double)size, 0.0, (int)size, 1, 0, TILE};
+    }
+  }
+  // wave_filling_splits: the largest s with items * s <= j slots, j = 1..4, and 2, 3, 4;
+  // ascending, within MAX_WAVES waves, and none past the longest request's tiles
+  const i64 items = (i64)batch * ipc;
+  if (items > 0) {
+    i64 fills[WAVE_FILL_MAX + 3];
+    int num_fills = 0;
+    for (int j = 1; j <= WAVE_FILL_MAX; ++j) fills[num_fills++] = (i64)j * slots / items;
+    fills[num_fills++] = 2; fills[num_fills++] = 3; fills[num_fills++] = 4;
+    const i64 max_units = ceil_div(max_len, TILE);
+    i64 prev = 1;
+    for (;;) {              // ascending distinct values, as sorted(set(...))
+      i64 next = -1;
+      for (int i = 0; i < num_fills; ++i)
+        if (fills[i] > prev && (next < 0 || fills[i] < next)) next = fills[i];
+      if (next < 0) break;
+      prev = next;
+      if ((double)(next * items) > limit) continue;
+      if (next > max_units) continue;
+      c.rows[n++] = {(double)TILE, (double)next, (int)next, 2, 0, TILE};
+    }
+  }
+  for (int i = num_big_pow; i < num_sizes; ++i)
+    c.rows[n++] = {(double)sizes[i], 0.0, (int)sizes[i], 1, 1, (int)sizes[i]};
+  c.num_rows = n;
+}
+
+// A request's chunk count under a row (stats.ragged_candidate_stats' k), from its length.
+DEVICE_PLAN_HD inline double row_chunks(const Row& row, int len) {
+  const double len1 = len > 1 ? (double)len : 1.0;
+  double k = ceil(len1 / row.divisor);
+  if (row.cap > 0 && row.cap < k) k = row.cap;
+  return k;
+}
+
+// One request's part of a row's sums. units: the request's tiles, ceil(len / 64) (0 when
+// empty); tiles: len / 64 as a float (or max(len, 1) / 64 when no request is empty).
+DEVICE_PLAN_HD inline void add_request(RowSums& s, const Row& row, int len, bool some_empty) {
+  const double k = row_chunks(row, len);
+  const double tiles = some_empty ? (double)len * (1.0 / TILE)
+                                  : (len > 1 ? (double)len : 1.0) / (double)TILE;
+  const double units = ceil(tiles);
+  const double m = ceil(units / k);
+  double largest = (k - 1.0) * (m - 1.0);
+  largest = tiles - largest;
+  largest = dmin(largest, m);
+  s.chunks += (i64)k;
+  s.min2 += k < 2.0 ? (i64)k : 2;
+  const i64 largest_tokens = (i64)(largest * (double)TILE);
+  if (largest_tokens > s.largest_tokens) s.largest_tokens = largest_tokens;
+  if ((i64)m > s.max_m) s.max_m = (i64)m;
+  if ((i64)k > s.max_k) s.max_k = (i64)k;
+}
+
+// Statistics of a row (stats.STAT_NAMES) and its predictions, as planner._score computes them:
+// cost_model.row_features per row, then gather_features per (row, strategy) and a sequential
+// sum over the features. Returns the prediction of `strategy`.
+struct Scorer {
+  const DevicePlanParams* p;
+  double total;            // total tokens
+  double total_units;      // sum of the requests' tiles
+  double max_len;
+  int batch;
+  int num_empty;
+
+  DEVICE_PLAN_HD double predict(const Row& row, const RowSums& s, int strategy,
+                                double* num_chunks_out) const {
+    const double ipc = (double)p->items_per_chunk;
+    const double num_chunks = (double)s.chunks;
+    double total_tiles = total_units;
+    double max_chunk_tokens = (double)s.largest_tokens;   // max(largest) * 64
+    double max_chunk_tiles = (double)s.max_m;
+    const double max_splits = (double)s.max_k;
+    const double split_chunks = (num_chunks + (double)s.min2) - 2.0 * (double)batch;
+    if (row.tiny) {        // every tiny chunk is one (partial) tile; an empty request has none
+      total_tiles = num_chunks - (double)num_empty;
+      max_chunk_tokens = dmin(row.divisor, max_len);
+      max_chunk_tiles = max_len > 0 ? 1.0 : 0.0;
+    }
+    *num_chunks_out = num_chunks;
+    // row_features
+    const double one_plus_split = dmin(max_splits, 2.0);
+    const double split = one_plus_split - 1.0;
+    const double split_x_max_splits = split * max_splits;
+    const double items = num_chunks * ipc;
+    double crit_tokens = total * ipc, crit_tiles = total_tiles * ipc;
+    const double waves = ceil(items / (double)p->slots);
+    const double sm_waves = ceil(items / (double)p->num_sms);
+    crit_tokens /= items;
+    crit_tiles /= items;
+    const double tail_tokens = max_chunk_tokens - crit_tokens;
+    crit_tokens *= sm_waves;
+    crit_tiles *= sm_waves;
+    crit_tokens = dmax(crit_tokens, max_chunk_tokens);
+    crit_tiles = dmax(crit_tiles, max_chunk_tiles);
+    double lone = max_chunk_tokens >= p->lone_min_tokens ? 1.0 : 0.0;
+    lone *= sm_waves == 1.0 ? 1.0 : 0.0;
+    lone *= crit_tokens;
+    // gather_features: each feature is one row times its unit, 0 where the strategy does not
+    // pay it; clusters are off on a graph-stable grid
+    double x[NUM_FEATURES] = {1.0, strategy == SPLIT_MERGE ? one_plus_split : 1.0, total,
+                              crit_tokens, crit_tiles, crit_tiles, waves, split_chunks,
+                              split_x_max_splits, split, split_x_max_splits, tail_tokens, 0.0,
+                              lone};
+    const double merges = strategy == SPLIT_MERGE ? 1.0 : 0.0;
+    const double fuses = strategy == FUSED ? 1.0 : 0.0;
+    double pred = 0.0;
+    for (int f = 0; f < NUM_FEATURES; ++f) {
+      double scale = p->unit[f];
+      if (f == F_MERGE_CHAIN) scale *= merges;
+      if (f == F_FUSED_TAIL_US || f == F_FUSED_MERGES || f == F_CLUSTER_MERGES) scale *= fuses;
+      const double term = (x[f] * scale) * p->coef[f];
+      pred = f == 0 ? term : pred + term;
+    }
+    return pred;
+  }
+};
+
+// The chunk boundaries of request b under the chosen row: chunk i of k starts at tile
+// floor(i * u / k) (u: the request's length in align units), the last ends at the length.
+DEVICE_PLAN_HD inline int chunk_start(int i, i64 units, i64 k, int align) {
+  return (int)(((i64)i * units / k) * align);
+}
+
+// A request as the planner sees it: its length, where its page-table entries are, and any
+// error (the request is then planned as empty and none of its entries is read).
+struct Request {
+  int len;
+  i64 table_begin;   // its first page-table entry
+  i64 table_last;    // its last entry, max(.., 0) (first_pages repeats it past the end)
+  i64 pages;         // its page-table entries
+  int error;
+};
+
+DEVICE_PLAN_HD inline Request read_request(const DevicePlanParams& p, int b) {
+  Request r = {0, 0, 0, 0, ERR_NONE};
+  const i64 page = p.page_size;
+  i64 len = 0, begin, pages;
+  if (p.block_table_stride > 0) {
+    len = p.seq_lens[b];
+    begin = (i64)b * p.block_table_stride;
+    pages = len > 0 ? ceil_div(len, page) : 0;
+    if (len < 0) r.error = ERR_NEGATIVE_LENGTH;
+    else if (pages > p.block_table_stride || begin + pages > p.page_table_entries)
+      r.error = ERR_PAGES_PAST_TABLE;
+  } else {
+    begin = p.kv_indptr[b];
+    const i64 end = p.kv_indptr[b + 1];
+    pages = end - begin;
+    const i64 last = p.kv_last_page_len[b];
+    if (begin < 0 || pages < 0 || end > p.page_table_entries) r.error = ERR_BAD_INDPTR;
+    else if (pages > 0 ? (last < 1 || last > page) : last != 0) r.error = ERR_BAD_LAST_PAGE_LEN;
+    else len = pages > 0 ? (pages - 1) * page + last : 0;
+    if (!r.error && len > 2147483647LL) r.error = ERR_BAD_INDPTR;
+  }
+  if (r.error) {
+    r.table_begin = begin > 0 ? begin : 0;
+    r.table_last = r.table_begin;
+    return r;
+  }
+  r.len = (int)len;
+  r.pages = pages;
+  r.table_begin = begin;
+  r.table_last = begin + pages - 1 > 0 ? begin + pages - 1 : 0;
+  return r;
+}
+
+// The chunks of one request under the chosen row: count and units (its length in align units).
+struct Cut {
+  i64 count;
+  i64 units;
+};
+
+DEVICE_PLAN_HD inline Cut cut_request(const Row& row, int len) {
+  if (row.kind == 0) return {1, 1};
+  const i64 k = (i64)row_chunks(row, len);
+  return {k, ceil_div(len, row.align)};
+}
+
+// The pair index of the cheapest candidate (the first of equal ones), its row and strategy:
+// planner._pairs' order, (0, single), then every other row as split_merge and fused.
+struct Choice {
+  int pair, row, strategy;
+  double predicted_us;
+};
+
+DEVICE_PLAN_HD inline Choice choose(const Scorer& scorer, const Candidates& c,
+                                    const RowSums* sums, int max_chunks) {
+  Choice best = {-1, 0, SINGLE, 0.0};
+  int pair = 0;
+  for (int r = 0; r < c.num_rows; ++r) {
+    for (int s = r == 0 ? SINGLE : SPLIT_MERGE; s <= (r == 0 ? SINGLE : FUSED); ++s, ++pair) {
+      double num_chunks;
+      double us = scorer.predict(c.rows[r], sums[r], s, &num_chunks);
+      if (num_chunks > (double)max_chunks) us = infinity();
+      if (best.pair < 0 || us < best.predicted_us) best = {pair, r, s, us};
+    }
+  }
+  return best;
+}
+
+// The merge mode of the chosen plan (execution.decide without clusters).
+DEVICE_PLAN_HD inline int merge_mode(int strategy, i64 num_chunks, int batch) {
+  if (num_chunks <= batch) return MERGE_NONE;
+  return strategy == SPLIT_MERGE ? MERGE_KERNEL : MERGE_TICKET;
+}
+
+// Grid position of chunk c (records.chunk_records' order, execution.launch_order): its rank
+// under a stable sort by decreasing key (chunk tokens, or its request's length).
+DEVICE_PLAN_HD inline int grid_rank(const int* keys, int n, int c) {
+  const int key = keys[c];
+  int rank = 0;
+  for (int j = 0; j < n; ++j) rank += keys[j] > key || (keys[j] == key && j < c);
+  return rank;
+}
+
+// The record of chunk c (plan index) of `request`, as records.chunk_records writes it.
+DEVICE_PLAN_HD inline void write_record(const DevicePlanParams& p, Record& rec, int c,
+                                        int request, int begin, int end, i64 table_begin,
+                                        i64 table_last, int chunk_begin, int chunk_end,
+                                        int flags, int record_pages, bool read_pages) {
+  rec.request = request;
+  rec.token_begin = begin;
+  rec.token_end = end;
+  rec.page_table_begin = (int)table_begin;
+  rec.chunk_begin = chunk_begin;
+  rec.chunk_end = chunk_end;
+  rec.plan_index = c;
+  rec.flags = flags;
+  const i64 first = table_begin + begin / p.page_size;
+  for (int j = 0; j < RECORD_PAGES; ++j) {
+    int page = 0;
+    if (j < record_pages && read_pages) {
+      const i64 e = first + j < table_last ? first + j : table_last;
+      page = p.kv_indices[e];
+    }
+    rec.first_pages[j] = page;
+  }
+}
+
+DEVICE_PLAN_HD inline void write_idle(Record& rec) {
+  rec.request = IDLE_REQUEST;
+  rec.token_begin = rec.token_end = rec.page_table_begin = 0;
+  rec.chunk_begin = rec.chunk_end = rec.plan_index = rec.flags = 0;
+  for (int j = 0; j < RECORD_PAGES; ++j) rec.first_pages[j] = 0;
+}
+
+// Scratch (int32 each): the requests' lengths [batch] and chunk offsets [batch + 1], then per
+// chunk its request, start, end, sort key and grid order [5 max_chunks].
+struct Scratch {
+  int* lens;
+  int* offsets;
+  int* chunk_request;
+  int* chunk_begin;
+  int* chunk_end;
+  int* keys;
+  int* order;
+};
+
+DEVICE_PLAN_HD inline Scratch scratch_of(const DevicePlanParams& p) {
+  int* s = p.scratch;
+  Scratch out;
+  out.lens = s;
+  out.offsets = s + p.batch_size;
+  int* chunks = s + 3 * p.batch_size + 8;
+  out.chunk_request = chunks;
+  out.chunk_begin = chunks + p.max_chunks;
+  out.chunk_end = chunks + 2 * p.max_chunks;
+  out.keys = chunks + 3 * p.max_chunks;
+  out.order = chunks + 4 * p.max_chunks;
+  return out;
+}
+
+#ifndef __CUDACC_RTC__
+// The whole planner with one thread: what the CPU tests run (the kernel in device_plan.cu is
+// the same steps spread over a CTA).
+inline void plan_on_host(const DevicePlanParams& p) {
+  DevicePlanState& st = *reinterpret_cast<DevicePlanState*>(p.state);
+  Scratch sc = scratch_of(p);
+  const int n = p.batch_size;
+  i64 total = 0, total_units = 0, total_pages = 0;
+  int max_len = 0, num_empty = 0;
+  for (int b = 0; b < n; ++b) {
+    const Request r = read_request(p, b);
+    if (r.error && !st.error) { st.error = r.error; st.error_request = b; }
+    sc.lens[b] = r.len;
+    total_pages += r.pages;
+    total += r.len;
+    total_units += ceil_div(r.len, TILE);
+    if (r.len > max_len) max_len = r.len;
+    num_empty += r.len == 0;
+  }
+  Candidates c;
+  enumerate_rows(c, n, max_len, total, p.items_per_chunk, p.slots);
+  RowSums sums[MAX_ROWS];
+  for (int r = 0; r < c.num_rows; ++r) {
+    sums[r] = {0, 0, 0, 0, 0};
+    for (int b = 0; b < n; ++b) add_request(sums[r], c.rows[r], sc.lens[b], num_empty > 0);
+  }
+  Scorer scorer = {&p, (double)total, (double)total_units, (double)max_len, n, num_empty};
+  const Choice best = choose(scorer, c, sums, p.max_chunks);
+  const Row& row = c.rows[best.row];
+  int num_chunks = 0;
+  bool aligned = true;
+  for (int b = 0; b < n; ++b) {
+    const Cut cut = cut_request(row, sc.lens[b]);
+    sc.offsets[b] = num_chunks;
+    for (int i = 0; i < cut.count; ++i, ++num_chunks) {
+      const int begin = chunk_start(i, cut.units, cut.count, row.align);
+      sc.chunk_request[num_chunks] = b;
+      sc.chunk_begin[num_chunks] = begin;
+      sc.chunk_end[num_chunks] = i + 1 < cut.count
+          ? chunk_start(i + 1, cut.units, cut.count, row.align) : sc.lens[b];
+      aligned &= begin % p.page_size == 0;
+    }
+  }
+  sc.offsets[n] = num_chunks;
+  const int merge = merge_mode(best.strategy, num_chunks, n);
+  for (int i = 0; i < num_chunks; ++i)
+    sc.keys[i] = p.launch_order == LONGEST_CHUNKS ? sc.chunk_end[i] - sc.chunk_begin[i]
+               : p.launch_order == LONGEST_REQUESTS ? sc.lens[sc.chunk_request[i]] : 0;
+  for (int i = 0; i < num_chunks; ++i) sc.order[grid_rank(sc.keys, num_chunks, i)] = i;
+  const int record_pages = aligned ? p.record_pages : 0;
+  const int flags = (merge == MERGE_TICKET ? 1 : 0) | (record_pages ? 2 : 0);
+  for (int g = 0; g < num_chunks; ++g) {
+    const int i = sc.order[g], b = sc.chunk_request[i];
+    const Request r = read_request(p, b);
+    write_record(p, p.records[g], i, b, sc.chunk_begin[i], sc.chunk_end[i], r.table_begin,
+                 r.table_last, sc.offsets[b], sc.offsets[b + 1], flags, record_pages,
+                 total_pages > 0 && !r.error);
+  }
+  for (int g = num_chunks; g < st.filled; ++g) write_idle(p.records[g]);
+  for (int b = 0; b <= p.max_batch; ++b)
+    p.merge_indptr[b] = merge != MERGE_KERNEL ? 0 : sc.offsets[b < n ? b : n];
+  *p.predicted_us = best.predicted_us;
+  st.filled = num_chunks;
+  st.num_chunks = num_chunks;
+  st.pair = best.pair;
+  st.value = row.value;
+  st.kind = row.kind;
+  st.strategy = best.strategy;
+  st.merge = merge;
+  st.plans += 1;
+}
+#endif
+
+}  // namespace device_plan

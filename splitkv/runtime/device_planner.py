@@ -1,0 +1,252 @@
+"""The planner on the GPU (``kernels_cu/device_plan.cu``): a one-CTA kernel that reads the batch's
+lengths from device memory (vLLM's ``seq_lens`` and block table, or FlashInfer's ``kv_indptr``
+and ``kv_last_page_len``), chooses a plan with the same fitted cost model as the host planner,
+and writes the chunk records a graph-stable wrapper's fixed grid reads. Captured in a CUDA graph
+before the decode kernels, it lets one graph serve every step of a decode loop with no host work.
+
+The kernel is the host planner written again (``device_plan.cuh`` says how the two are kept
+equal); ``DevicePlanParams`` here mirrors its argument. ``plan_params`` fills the constants on
+the host and needs neither CuPy nor a GPU (the CPU tests run the same source through the host
+compiler with it); ``DevicePlanner`` owns the device buffers and the launch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..core.execution import LAUNCH_ORDERS
+from ..core.geometry import RECORD_PAGES, ctas_per_kv_head
+from ..planner.cost_model import FEATURE_NAMES, LONE_CTA_MIN_TOKENS, CostModel, feature_constants
+from .kernel_abi import CHUNK_RECORD
+from .kernel_source import NVRTC_OPTIONS, read_source
+from .records import idle_records, record_pages_needed
+
+_POINTER = ctypes.c_void_p
+_FEATURES = len(FEATURE_NAMES)
+
+PLAN_THREADS = 512                  # device_plan.cu's PLAN_THREADS
+MAX_SHARED_KEYS = 12 * 1024         # sort keys kept in shared memory (48 KiB, no opt-in)
+# The planning kernel's compile options: no FMA contraction, so the float64 formulas round as
+# NumPy's (device_plan.cuh).
+PLAN_NVRTC_OPTIONS = (*NVRTC_OPTIONS, "--fmad=false")
+
+
+class DevicePlanParams(ctypes.Structure):
+    """``device_plan::DevicePlanParams`` (device_plan.cuh says what each field holds)."""
+
+    _fields_ = [
+        ("seq_lens", _POINTER), ("kv_indptr", _POINTER), ("kv_last_page_len", _POINTER),
+        ("kv_indices", _POINTER), ("block_table_stride", ctypes.c_int64),
+        ("page_table_entries", ctypes.c_int64), ("records", _POINTER),
+        ("merge_indptr", _POINTER), ("scratch", _POINTER), ("state", _POINTER),
+        ("predicted_us", _POINTER), ("coef", ctypes.c_double * _FEATURES),
+        ("unit", ctypes.c_double * _FEATURES), ("lone_min_tokens", ctypes.c_double),
+        ("batch_size", ctypes.c_int32), ("max_batch", ctypes.c_int32),
+        ("max_chunks", ctypes.c_int32), ("items_per_chunk", ctypes.c_int32),
+        ("slots", ctypes.c_int32), ("num_sms", ctypes.c_int32), ("page_size", ctypes.c_int32),
+        ("record_pages", ctypes.c_int32), ("launch_order", ctypes.c_int32),
+        ("key_capacity", ctypes.c_int32),
+    ]
+
+
+# device_plan::DevicePlanState, int32 each, in order.
+STATE_FIELDS = ("filled", "error", "error_request", "num_chunks", "pair", "value", "kind",
+                "strategy", "merge", "plans")
+ROW_KINDS = ("no split", "chunk tokens", "num splits")
+MERGES = ("none", "merge_kernel", "ticket")
+ERRORS = {1: "a negative sequence length", 2: "more pages than its block-table row holds",
+          3: "kv_indptr not non-decreasing, negative, or past kv_indices",
+          4: "kv_last_page_len outside 1..page_size (0 for a request without pages)"}
+
+
+def scratch_ints(max_chunks: int, batch_size: int) -> int:
+    """DEVICE_PLAN_SCRATCH_INTS."""
+    return 5 * max_chunks + 3 * batch_size + 8
+
+
+def plan_params(model: CostModel, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                page_size: int, stages: int, max_batch: int, max_chunks: int,
+                launch_order: str) -> DevicePlanParams:
+    """The constants of a planning kernel's argument (no pointers, no batch): the model's
+    coefficients and the shape's units, for a GPU without clusters (a graph-stable grid)."""
+    ipc, slots, units = feature_constants(num_qo_heads, num_kv_heads, head_dim, model.num_sms,
+                                          model.ctas_per_sm, model.bandwidth_gbps)
+    p = DevicePlanParams()
+    p.coef[:] = [float(c) for c in model.coef_]
+    p.unit[:] = [float(u) for u in units[:, 0]]
+    p.lone_min_tokens = float(LONE_CTA_MIN_TOKENS)
+    p.max_batch, p.max_chunks = max_batch, max_chunks
+    p.items_per_chunk = num_kv_heads * ctas_per_kv_head(num_qo_heads // num_kv_heads)
+    assert p.items_per_chunk == ipc
+    p.slots, p.num_sms, p.page_size = slots, model.num_sms, page_size
+    needed = record_pages_needed(page_size, stages)
+    p.record_pages = needed if needed <= RECORD_PAGES else 0
+    p.launch_order = LAUNCH_ORDERS.index(launch_order)
+    p.key_capacity = min(max_chunks, MAX_SHARED_KEYS)
+    return p
+
+
+def source() -> str:
+    return f"#define RECORD_PAGES {RECORD_PAGES}\n" + read_source("device_plan.cu")
+
+
+@dataclass(frozen=True)
+class BatchArrays:
+    """The device arrays a planning kernel reads (pointers and sizes), as bound."""
+
+    layout: str                 # "block_table" or "flashinfer"
+    pointers: tuple             # seq_lens, kv_indptr, kv_last_page_len, kv_indices
+    batch_size: int
+    block_table_stride: int
+    page_table_entries: int
+
+
+def device_batch(*, page_size: int, max_batch: int, max_entries: int, device: int,
+                 seq_lens=None, block_table=None, kv_indptr=None, kv_indices=None,
+                 kv_last_page_len=None) -> tuple[BatchArrays, list]:
+    """The batch arrays of ``plan_on_device`` checked on the host (shapes, dtypes, device,
+    layout; their values are the kernel's to check), and the arrays themselves (to keep)."""
+    from .arrays import as_device_array
+
+    vllm, flashinfer = (seq_lens, block_table), (kv_indptr, kv_indices, kv_last_page_len)
+    given = [name for name, parts in (("block_table/seq_lens", vllm),
+                                      ("kv_indptr/kv_indices/kv_last_page_len", flashinfer))
+             if any(a is not None for a in parts)]
+    if len(given) != 1:
+        raise TypeError("plan_on_device: give the batch as vLLM's seq_lens and block_table, or "
+                        "FlashInfer's kv_indptr, kv_indices and kv_last_page_len (device int32 "
+                        "arrays); got " + (" and ".join(given) or "none"))
+    names = ("seq_lens", "block_table") if given[0].startswith("block") else (
+        "kv_indptr", "kv_indices", "kv_last_page_len")
+    arrays = []
+    for name, obj in zip(names, vllm if len(names) == 2 else flashinfer):
+        if obj is None:
+            raise TypeError(f"{name}: this layout needs {', '.join(names)}")
+        a = as_device_array(name, obj)
+        if a.dtype != "int32":
+            raise TypeError(f"{name}: expected an int32 device array, got {a.dtype}")
+        if a.device is not None and a.device != device:
+            raise ValueError(f"{name}: on device {a.device}, the wrapper's plans are on {device}")
+        if not a.is_contiguous:
+            raise ValueError(f"{name}: expected a contiguous array (strides {a.strides})")
+        arrays.append(a)
+    if len(names) == 2:
+        lens, table = arrays
+        if len(lens.shape) != 1 or len(table.shape) != 2 or table.shape[0] != lens.shape[0]:
+            raise ValueError(f"block_table: expected [batch, max_pages] beside seq_lens [batch]; "
+                             f"got {table.shape} and {lens.shape}")
+        batch, entries = lens.shape[0], table.shape[0] * table.shape[1]
+        if table.shape[1] < 1:
+            raise ValueError("block_table: expected at least one column")
+        pointers, stride = (lens.ptr, None, None, table.ptr), table.shape[1]
+    else:
+        indptr, indices, last = arrays
+        if len(indptr.shape) != 1 or len(last.shape) != 1 or len(indices.shape) != 1 \
+                or indptr.shape[0] != last.shape[0] + 1:
+            raise ValueError(f"kv_indptr: expected [batch + 1] beside kv_last_page_len [batch] "
+                             f"and a 1-D kv_indices; got {indptr.shape}, {last.shape} and "
+                             f"{indices.shape}")
+        batch, entries = last.shape[0], indices.shape[0]
+        pointers, stride = (None, indptr.ptr, last.ptr, indices.ptr), 0
+    if not 1 <= batch <= max_batch:
+        raise ValueError(f"{names[0]}: {batch} requests; a graph-stable wrapper plans 1 to "
+                         f"max_batch_size={max_batch}")
+    if entries > max_entries:
+        raise ValueError(f"{names[1]}: {entries} page-table entries exceed the wrapper's "
+                         f"max_num_pages={max_entries}")
+    if entries >= 2**31:
+        raise ValueError(f"{names[1]}: at most 2**31 - 1 page-table entries")
+    layout = "block_table" if len(names) == 2 else "flashinfer"
+    return BatchArrays(layout, pointers, batch, stride, entries), arrays
+
+
+class DevicePlanner:
+    """The planning kernel of one graph-stable wrapper: its argument, scratch and state on the
+    device; ``launch`` enqueues it (capturable: no allocation, no host wait)."""
+
+    def __init__(self, params: DevicePlanParams, batch: BatchArrays, records_ptr: int,
+                 merge_indptr_ptr: int, stream):
+        import cupy
+
+        from .launch import KernelLaunch, current_context
+
+        self.batch = batch
+        self._scratch = cupy.empty(scratch_ints(params.max_chunks, batch.batch_size), np.int32)
+        self._state = cupy.zeros(len(STATE_FIELDS), np.int32)
+        self._predicted = cupy.zeros(1, np.float64)
+        p = params
+        p.seq_lens, p.kv_indptr, p.kv_last_page_len, p.kv_indices = batch.pointers
+        p.block_table_stride, p.page_table_entries = batch.block_table_stride, batch.page_table_entries
+        p.batch_size = batch.batch_size
+        p.records, p.merge_indptr = records_ptr, merge_indptr_ptr
+        p.scratch, p.state = self._scratch.data.ptr, self._state.data.ptr
+        p.predicted_us = self._predicted.data.ptr
+        self.params = p
+        # every record starts idle: later plans rewrite only those the previous one used
+        idle = idle_records(params.max_chunks).view(np.int32)
+        memory = cupy.cuda.UnownedMemory(records_ptr, idle.nbytes, self)
+        records = cupy.ndarray(idle.shape, np.int32, cupy.cuda.MemoryPointer(memory, 0))
+        records.set(idle, stream=stream)
+        stream.synchronize()
+        self._launch = KernelLaunch(plan_kernel(), 1, PLAN_THREADS, 4 * params.key_capacity)
+        self._args = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
+        self._context = current_context()
+
+    def written(self) -> tuple[np.ndarray, np.ndarray]:
+        """The records [max_chunks] and merge_indptr [max_batch + 1] on the device, copied to
+        the host (waits for the device): what the last plan wrote."""
+        import cupy
+
+        cupy.cuda.Device().synchronize()
+        p = self.params
+        host = []
+        for ptr, count in ((p.records, p.max_chunks * CHUNK_RECORD.itemsize // 4),
+                           (p.merge_indptr, p.max_batch + 1)):
+            memory = cupy.cuda.UnownedMemory(ptr, count * 4, self)
+            array = cupy.ndarray((count,), np.int32, cupy.cuda.MemoryPointer(memory, 0))
+            host.append(array.get())
+        return host[0].view(CHUNK_RECORD), host[1]
+
+    def launch(self, stream_ptr: int) -> None:
+        self._launch(self._args, stream_ptr)
+
+    def state(self) -> dict:
+        """The last plan, read back (waits for the device): its row, strategy, merge, chunks and
+        prediction, and the first error since ``clear_error``."""
+        import cupy
+
+        cupy.cuda.Device().synchronize()        # the plan may have run on any stream
+        values = dict(zip(STATE_FIELDS, (int(v) for v in self._state.get())))
+        values["predicted_us"] = float(self._predicted.get()[0])
+        values["kind"] = ROW_KINDS[values["kind"]]
+        values["strategy"] = ("single", "split_merge", "fused")[values["strategy"]]
+        values["merge"] = MERGES[values["merge"]]
+        values["error"] = ERRORS.get(values["error"]) if values["error"] else None
+        return values
+
+    def clear_error(self, stream) -> None:
+        """Forget the recorded error (on ``stream``, ordered after the plans before it)."""
+        with stream:
+            self._state[1:3].fill(0)
+
+
+_KERNELS: dict[int, object] = {}
+
+
+def plan_kernel():
+    """The compiled planning kernel for the current device (cached)."""
+    import cupy
+
+    device = cupy.cuda.runtime.getDevice()
+    kernel = _KERNELS.get(device)
+    if kernel is None:
+        module = cupy.RawModule(code=source(), options=PLAN_NVRTC_OPTIONS)
+        kernel = _KERNELS[device] = module.get_function("plan_decode")
+    return kernel
+
+
+def records_nbytes(max_chunks: int) -> int:
+    return max_chunks * CHUNK_RECORD.itemsize

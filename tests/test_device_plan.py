@@ -1,0 +1,235 @@
+"""The planner on the device chooses what the host planner chooses and writes the same records.
+
+``kernels_cu/device_plan.cuh`` built with the host compiler (one thread) against the host planner
+(``choose_plan`` + ``chunk_records`` + a graph-stable wrapper's merge_indptr) on random batches
+of every kind; the argument struct against its ctypes mirror; invalid device values; the host
+checks of ``plan_on_device``'s arrays. The kernel itself: test_gpu_device_plan.py.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from splitkv.core.execution import LAUNCH_ORDERS
+from splitkv.planner.profiles import load_profile
+from splitkv.runtime.device_planner import DevicePlanParams, device_batch, plan_params, source
+from splitkv.runtime.records import idle_records
+from splitkv.testing import scattered_page_table
+
+from device_plan_reference import (HostRun, as_block_table_records, compiler, empty_request_mask,
+                                   expected, host_library, layout_arrays, records_equal)
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="no host C++ compiler (g++)")
+
+MODEL = load_profile(device_name="NVIDIA H200", num_sms=132).cost_model().with_clusters(False)
+SHAPES = [(32, 8, 128), (32, 32, 128), (64, 8, 128), (8, 1, 64), (256, 2, 256), (16, 4, 256),
+          (28, 4, 64)]
+STAGES = {64: 4, 128: 3, 256: 2}
+
+
+def random_lengths(rng, kind: int) -> np.ndarray:
+    """Ragged, equal, tiny, with empty requests, or few and long."""
+    batch = int(rng.integers(1, 8 if kind == 4 else 300))
+    if kind == 0:
+        return rng.lognormal(np.log(2048), 1.2, batch).clip(0, 40000).astype(np.int64)
+    if kind == 1:
+        return np.full(batch, int(rng.integers(0, 20000)))
+    if kind == 2:
+        return rng.integers(0, 2049, batch)
+    if kind == 3:
+        return np.where(rng.random(batch) < 0.3, 0, rng.integers(1, 5000, batch))
+    return rng.integers(1, 140000, batch)
+
+
+def compare(rng, lens, *, shape, page_size, layout, max_batch, max_chunks, launch_order,
+            run: HostRun | None = None, model=MODEL):
+    """Plan ``lens`` both ways; assert the same plan, records, merge_indptr and prediction.
+    Returns the host run (to plan again with its buffers) and the plan."""
+    hq, hk, d = shape
+    table, _ = scattered_page_table(lens, page_size, rng, 2)
+    if run is None:
+        run = HostRun(plan_params(model, num_qo_heads=hq, num_kv_heads=hk, head_dim=d,
+                                  page_size=page_size, stages=STAGES[d], max_batch=max_batch,
+                                  max_chunks=max_chunks, launch_order=launch_order))
+    arrays = layout_arrays(table, layout, rng, spare_columns=int(rng.integers(0, 3)))
+    got = run.plan(layout, arrays)
+    plan, want, merge_indptr = expected(table, model, num_qo_heads=hq, num_kv_heads=hk,
+                                        head_dim=d, stages=STAGES[d], max_batch=max_batch,
+                                        max_chunks=max_chunks, launch_order=launch_order)
+    n = plan.num_chunks
+    have = got.records[:n].copy()
+    if layout == "block_table":
+        want = as_block_table_records(want, table, arrays[1].shape[1])
+        empty = empty_request_mask(want, table)     # their first_pages are never read
+        want["first_pages"][empty] = 0
+        have["first_pages"][empty] = 0
+    what = f"{layout} lens={lens.tolist()[:8]}... page={page_size} shape={shape} {launch_order}"
+    assert got.state["error"] == 0, what
+    assert got.state["num_chunks"] == n, what
+    assert got.predicted_us == plan.predicted_us, what
+    assert ("single", "split_merge", "fused")[got.state["strategy"]] == plan.strategy, what
+    assert records_equal(have, want), what
+    assert records_equal(got.records[n:], idle_records(max_chunks - n)), what
+    assert np.array_equal(got.merge_indptr, merge_indptr), what
+    return run, plan, got
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chooses_the_host_planners_plan(seed):
+    """On 80 random batches per seed (every length kind, shape, page size, layout, launch order
+    and capacity), the same plan bit for bit; every row kind and strategy is met."""
+    rng = np.random.default_rng(seed)
+    seen = collections.Counter()
+    for trial in range(80):
+        lens = random_lengths(rng, trial % 5)
+        max_batch = lens.size + int(rng.integers(0, 5))
+        _, plan, got = compare(
+            rng, lens, shape=SHAPES[int(rng.integers(len(SHAPES)))],
+            page_size=int(rng.choice([1, 16, 64])),
+            layout=("flashinfer", "block_table")[trial % 2],
+            max_batch=max_batch,
+            max_chunks=int(rng.choice([max_batch, 2 * max_batch, 1056, 4096])),
+            launch_order=LAUNCH_ORDERS[trial % 3])
+        seen[(got.state["kind"], plan.strategy)] += 1
+    assert {k for k, _ in seen} == {0, 1, 2} and {s for _, s in seen} == {
+        "single", "split_merge", "fused"}, seen
+
+
+def test_chooses_the_host_planners_plan_under_other_models():
+    """Random cost models (non-negative coefficients, some zero), so that every candidate row
+    wins somewhere, the tiny chunk sizes (16 and 32 tokens) and the wave-filling ones too."""
+    from splitkv.planner.cost_model import FEATURE_NAMES, CostModel
+
+    rng = np.random.default_rng(11)
+    won = collections.Counter()
+    crit_only = np.zeros(len(FEATURE_NAMES))
+    crit_only[FEATURE_NAMES.index("crit_us")] = 1.0      # the finest cut wins: tiny chunks
+    for trial in range(170):
+        coef = rng.exponential(1.0, len(FEATURE_NAMES)) * (rng.random(len(FEATURE_NAMES)) < 0.7)
+        model = CostModel.from_coef(crit_only if trial < 20 else coef, num_sms=132)
+        lens = rng.integers(0, 2049, int(rng.integers(1, 6))) if trial % 2 else \
+            random_lengths(rng, trial % 5)
+        if trial < 20:                    # contexts up to TINY_CONTEXT, some past half of it
+            lens = rng.integers(1025 if trial % 2 else 1, 2049, int(rng.integers(1, 6)))
+        max_batch = lens.size + 2
+        _, plan, got = compare(rng, lens, shape=SHAPES[trial % len(SHAPES)],
+                               page_size=int(rng.choice([1, 16, 64])),
+                               layout=("flashinfer", "block_table")[trial % 2],
+                               max_batch=max_batch, max_chunks=max(max_batch, 4096),
+                               launch_order=LAUNCH_ORDERS[trial % 3], model=model)
+        won["tiny" if got.state["kind"] == 1 and got.state["value"] < 64 else
+            ("no split", "chunk tokens", "num splits")[got.state["kind"]]] += 1
+    assert set(won) == {"tiny", "no split", "chunk tokens", "num splits"}, won
+
+
+def test_later_plans_idle_what_earlier_ones_used():
+    """One run's buffers through a long plan, a short one and a long one again: each time the
+    records past the plan are idle and merge_indptr is the new plan's."""
+    rng = np.random.default_rng(7)
+    kw = dict(shape=(32, 8, 128), page_size=16, layout="block_table", max_batch=40,
+              max_chunks=1056, launch_order="longest_chunks")
+    run, long_plan, _ = compare(rng, rng.integers(1000, 60000, 40), **kw)
+    run, short_plan, got = compare(rng, np.full(3, 100), run=run, **kw)
+    assert short_plan.num_chunks < long_plan.num_chunks and got.state["plans"] == 2
+    compare(rng, rng.integers(1000, 60000, 33), run=run, **kw)
+    _, empty_plan, _ = compare(rng, np.zeros(5, np.int64), run=run, **kw)   # nothing to read
+    assert empty_plan.num_chunks == 5
+
+
+def test_the_argument_struct_matches_its_mirror():
+    import ctypes
+
+    assert host_library().splitkv_plan_params_size() == ctypes.sizeof(DevicePlanParams)
+
+
+def test_invalid_values_plan_the_request_empty_and_keep_the_first_error():
+    """A negative length or a row too short (block table), a bad kv_indptr or last-page length
+    (FlashInfer): the request is planned as one empty chunk and the first error is kept with
+    its request."""
+    rng = np.random.default_rng(3)
+    params = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, stages=3,
+                  max_batch=8, max_chunks=256, launch_order="longest_chunks")
+    lens = np.array([3000, 70, 5000, 1])
+    table, _ = scattered_page_table(lens, 16, rng, 0)
+    seq_lens, block_table = layout_arrays(table, "block_table", rng)
+    cases = {
+        "negative length": ("block_table", (np.array([3000, -5, 5000, 1], np.int32),
+                                            block_table), 1, 1),
+        "row too short": ("block_table", (np.array([3000, 70, 5000 + 16 * 400, 1], np.int32),
+                                          block_table), 2, 2),
+    }
+    indptr, last, indices = layout_arrays(table, "flashinfer")
+    bad_indptr = indptr.copy()
+    bad_indptr[2] = indptr[1] - 1                     # request 1 ends before it begins
+    bad_last = last.copy()
+    bad_last[3] = 17
+    cases["kv_indptr decreasing"] = ("flashinfer", (bad_indptr, last, indices), 3, 1)
+    cases["kv_last_page_len past the page"] = ("flashinfer", (indptr, bad_last, indices), 4, 3)
+    for what, (layout, arrays, code, request) in cases.items():
+        run = HostRun(plan_params(MODEL, **params))
+        got = run.plan(layout, arrays)
+        assert (got.state["error"], got.state["error_request"]) == (code, request), what
+        records = got.records[:got.state["num_chunks"]]
+        mine = records[records["request"] == request]
+        assert mine.size == 1 and mine["token_end"][0] == 0, what
+        again = run.plan(layout, arrays)          # the first error stays until cleared
+        assert again.state["error_request"] == request, what
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_planning_kernel_compiles(arch):
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    from cupy_backends.cuda.libs import nvrtc
+
+    from splitkv.runtime.device_planner import PLAN_NVRTC_OPTIONS
+
+    prog = nvrtc.createProgram(source(), "device_plan.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, [*PLAN_NVRTC_OPTIONS, f"-arch={arch}"])
+        assert nvrtc.getCUBIN(prog)[:4] == b"\x7fELF"
+        assert "warning" not in nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+class FakeDeviceArray:
+    """An object with __cuda_array_interface__ (no GPU needed for the host checks)."""
+
+    def __init__(self, shape, typestr="<i4", strides=None):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
+                                         "data": (4096, False), "strides": strides, "version": 3}
+
+
+def test_plan_on_device_arrays_are_checked_on_the_host():
+    pytest.importorskip("cupy")
+    ok = dict(page_size=16, max_batch=4, max_entries=64, device=0)
+    lens, table = FakeDeviceArray((3,)), FakeDeviceArray((3, 8))
+    batch, _ = device_batch(seq_lens=lens, block_table=table, **ok)
+    assert (batch.layout, batch.batch_size, batch.block_table_stride) == ("block_table", 3, 8)
+    fi = dict(kv_indptr=FakeDeviceArray((4,)), kv_indices=FakeDeviceArray((20,)),
+              kv_last_page_len=FakeDeviceArray((3,)))
+    assert device_batch(**fi, **ok)[0].page_table_entries == 20
+    with pytest.raises(TypeError, match="seq_lens and block_table, or"):
+        device_batch(**ok)
+    with pytest.raises(TypeError, match="and kv_indptr"):
+        device_batch(seq_lens=lens, block_table=table, kv_indptr=fi["kv_indptr"], **ok)
+    with pytest.raises(TypeError, match="block_table: this layout needs"):
+        device_batch(seq_lens=lens, **ok)
+    with pytest.raises(TypeError, match="seq_lens: expected an int32"):
+        device_batch(seq_lens=FakeDeviceArray((3,), "<u4"), block_table=table, **ok)
+    with pytest.raises(ValueError, match="block_table: expected a contiguous"):
+        device_batch(seq_lens=lens, block_table=FakeDeviceArray((3, 8), strides=(64, 4)), **ok)
+    with pytest.raises(ValueError, match="block_table: expected \\[batch, max_pages\\]"):
+        device_batch(seq_lens=lens, block_table=FakeDeviceArray((2, 8)), **ok)
+    with pytest.raises(ValueError, match="max_batch_size=4"):
+        device_batch(seq_lens=FakeDeviceArray((5,)), block_table=FakeDeviceArray((5, 2)), **ok)
+    with pytest.raises(ValueError, match="max_num_pages=64"):
+        device_batch(seq_lens=lens, block_table=FakeDeviceArray((3, 30)), **ok)
+    with pytest.raises(ValueError, match="kv_indptr: expected \\[batch \\+ 1\\]"):
+        device_batch(**dict(fi, kv_indptr=FakeDeviceArray((3,))), **ok)
+    with pytest.raises(TypeError, match="device array"):
+        device_batch(seq_lens=np.zeros(3, np.int32), block_table=table, **ok)

@@ -2,6 +2,7 @@
 # Everything the GPU machine has to do, in one call per phase; logs and results under $OUT.
 #   bash benchmarks/device_run.sh tests calibrate      # GPU tests + memcheck, then calibration
 #   bash benchmarks/device_run.sh eval bench           # planner evaluation, then the benchmark
+#   bash benchmarks/device_run.sh device_plan plan_cost  # plan_on_device tests; planning's cost per step
 #   bash benchmarks/device_run.sh dissect              # what a short call spends its time on
 #   bash benchmarks/device_run.sh pdl                  # A/B: plain launches against PDL
 #   bash benchmarks/device_run.sh dist                 # 2+ GPUs: context-parallel tests and benchmark
@@ -39,6 +40,9 @@ for phase in "$@"; do
     device_plan)
       python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_gpu_device_plan.py tests/test_gpu_graph_stable.py \
         tests/test_gpu_digests.py tests/test_gpu_capture.py 2>&1 | tee "$RES/gpu_device_plan.log" | tail -15 ;;
+    plan_cost)
+      python3 benchmarks/device_plan_cost.py --json "$RES/h200-device-plan.json" 2>&1 | grep -v Warning \
+        | tee "$RES/device_plan_cost.log" ;;
     tests_only)
       python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/ 2>&1 | tee "$RES/gpu_tests.log" | tail -12 ;;
     dissect)

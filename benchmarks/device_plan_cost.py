@@ -1,0 +1,107 @@
+"""What planning costs per decode step, on the host and on the device (issue 14, 2a and 2b).
+
+For each case: the host ``plan()`` of a graph-stable wrapper (median wall time, the GPU idle);
+the planning kernel alone (a graph of 20 ``plan_on_device()`` launches, GPU time per launch);
+and one decode step as an engine runs it, a graph of L layers (>= 1 GiB of KV, as the bench):
+host-planned (``plan()`` before the replay, the graph holds the L runs) against device-planned
+(the graph holds ``plan_on_device()`` and the L runs): the difference is what the planning
+kernel adds to a step's GPU time. Both graphs run the same plan (the test suite checks it).
+
+    PYTHONPATH=$PWD python3 benchmarks/device_plan_cost.py [--cases b1_n8k,...] [--json out.json]
+"""
+
+import argparse
+import json
+
+import cupy
+import numpy as np
+
+from splitkv.bench.cases import STANDARD_CASES, Case, ragged_b256_lengths, select
+from splitkv.runtime.testing import scattered_page_table
+from splitkv.runtime.timing import (WARMUP_MS, cupy_timer, make_layers, median_host_us,
+                                    median_us_per_call)
+from splitkv.runtime.wrapper import BatchDecodeWrapper
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--cases", default=None, help="standard case names (default: all + r256)")
+parser.add_argument("--json", default=None)
+args = parser.parse_args()
+
+cases = select(args.cases) if args.cases else list(STANDARD_CASES)
+if not args.cases:
+    cases.append(Case("ragged_b256", tuple(int(n) for n in ragged_b256_lengths())))
+
+
+def graph_us(capture, stream, calls: int) -> float:
+    """Median us per call of a graph whose capture is ``capture(stream)`` (``calls`` calls)."""
+    capture(stream)                      # eager once: compiles, faults pages in
+    stream.begin_capture()
+    capture(stream)
+    graph = stream.end_capture()
+    run_timed = cupy_timer(lambda: graph.launch(stream), stream)
+    one_ms = max(run_timed(1), 1e-3)
+    run_timed(int(np.ceil(WARMUP_MS / one_ms)))
+    return median_us_per_call(run_timed, calls)
+
+
+rows = []
+print(f"{'case':>12} {'host plan()':>12} {'plan kernel':>12} {'eager call':>11} "
+      f"{'step host-planned':>18} {'step device-planned':>20} {'added/step':>11}  plan")
+for case in cases:
+    rng = np.random.default_rng(0)
+    pt, _ = scattered_page_table(case.kv_lens, case.page_size, rng, extra_pages=0)
+    batch = len(case.kv_lens)
+    shape = (case.num_qo_heads, case.num_kv_heads, case.head_dim, case.page_size, "bfloat16")
+    width = int(np.diff(pt.kv_indptr).max())
+    capacity = dict(use_cuda_graph=True, max_batch_size=batch,
+                    max_num_pages=max(pt.kv_indices.size, batch * width))
+    host = BatchDecodeWrapper(*shape, **capacity)
+    device = BatchDecodeWrapper(*shape, **capacity)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    plan = host.plan(pt, stream=stream)
+    host_us = median_host_us(lambda: host.plan(pt, stream=stream), 200, warmup=20,
+                             idle_device=True)
+    table = np.zeros((batch, width), np.int32)
+    for b in range(batch):
+        table[b, :pt.kv_indptr[b + 1] - pt.kv_indptr[b]] = \
+            pt.kv_indices[pt.kv_indptr[b]:pt.kv_indptr[b + 1]]
+    seq_lens, block_table = cupy.asarray(np.asarray(case.kv_lens, np.int32)), cupy.asarray(table)
+
+    def plan_on_device(s):
+        device.plan_on_device(seq_lens=seq_lens, block_table=block_table, stream=s)
+
+    with stream:
+        plan_on_device(stream)
+        kernel_us = graph_us(lambda s: [plan_on_device(s) for _ in range(20)], stream, 20)
+        eager_us = median_host_us(lambda: plan_on_device(stream), 200, warmup=20,
+                                  idle_device=True)
+        state = device.device_plan_state()
+        same = (state["strategy"], state["num_chunks"]) == (plan.strategy, plan.num_chunks)
+        data = make_layers(pt, case.num_qo_heads, case.num_kv_heads, case.head_dim, "bfloat16",
+                           min_total_bytes=1 << 30, seed=0)
+        layers = data.num_layers
+
+        def runs(w, s):
+            for k, v in zip(data.k_layers, data.v_layers):
+                w.run(data.q, k, v, out=data.out, stream=s)
+
+        host_step = graph_us(lambda s: runs(host, s), stream, 1)
+        device_step = graph_us(lambda s: (plan_on_device(s), runs(device, s)), stream, 1)
+    row = {"case": case.name, "host_plan_us": round(host_us, 1),
+           "plan_kernel_us": round(kernel_us, 2), "plan_on_device_host_us": round(eager_us, 1),
+           "layers": layers, "step_host_planned_us": round(host_step, 1),
+           "step_device_planned_us": round(device_step, 1),
+           "added_per_step_us": round(device_step - host_step, 2),
+           "plan": f"{plan.strategy}/{plan.num_splits}", "same_plan": same}
+    rows.append(row)
+    print(f"{case.name:>12} {host_us:10.1f}us {kernel_us:10.2f}us {eager_us:9.1f}us "
+          f"{host_step:13.1f}us/{layers:<3d} {device_step:15.1f}us/{layers:<3d} "
+          f"{device_step - host_step:9.2f}us  {row['plan']}{'' if same else ' DIFFERENT PLAN'}",
+          flush=True)
+    del data
+    cupy.get_default_memory_pool().free_all_blocks()
+
+if args.json:
+    with open(args.json, "w") as f:
+        json.dump({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                   "rows": rows}, f, indent=1)

@@ -53,6 +53,7 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   __shared__ RowSums sums[MAX_ROWS];
   __shared__ unsigned long long reduced[5];   // tokens, tiles, pages, max length, empty requests
   __shared__ Choice best;
+  __shared__ double predicted[2 * MAX_ROWS];
   __shared__ int misaligned;
   extern __shared__ int shared_keys[];        // sort keys when they fit (key_capacity)
   DevicePlanState& st = *reinterpret_cast<DevicePlanState*>(p.state);
@@ -106,11 +107,14 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   }
   __syncthreads();
 
-  // 4. the cheapest candidate
-  if (tid == 0) {
+  // 4. the cheapest candidate: one thread per (row, strategy) pair
+  const int pairs = num_pairs(cands);
+  if (tid < pairs) {
     const Scorer scorer = {&p, (double)total, (double)reduced[1], (double)max_len, n, num_empty};
-    best = choose(scorer, cands, sums, p.max_chunks);
+    predicted[tid] = pair_prediction(scorer, cands, sums, tid, p.max_chunks);
   }
+  __syncthreads();
+  if (tid == 0) best = cheapest(predicted, pairs);
   __syncthreads();
   const Row row = cands.rows[best.row];
 

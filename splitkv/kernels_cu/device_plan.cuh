@@ -353,26 +353,37 @@ DEVICE_PLAN_HD inline Cut cut_request(const Row& row, int len) {
   return {k, ceil_div(len, row.align)};
 }
 
-// The pair index of the cheapest candidate (the first of equal ones), its row and strategy:
-// planner._pairs' order, (0, single), then every other row as split_merge and fused.
+// The candidates are (row, strategy) pairs in planner._pairs' order: (0, single), then every
+// other row as split_merge and as fused.
+DEVICE_PLAN_HD inline int num_pairs(const Candidates& c) { return 1 + 2 * (c.num_rows - 1); }
+
 struct Choice {
   int pair, row, strategy;
   double predicted_us;
 };
 
-DEVICE_PLAN_HD inline Choice choose(const Scorer& scorer, const Candidates& c,
-                                    const RowSums* sums, int max_chunks) {
-  Choice best = {-1, 0, SINGLE, 0.0};
-  int pair = 0;
-  for (int r = 0; r < c.num_rows; ++r) {
-    for (int s = r == 0 ? SINGLE : SPLIT_MERGE; s <= (r == 0 ? SINGLE : FUSED); ++s, ++pair) {
-      double num_chunks;
-      double us = scorer.predict(c.rows[r], sums[r], s, &num_chunks);
-      if (num_chunks > (double)max_chunks) us = infinity();
-      if (best.pair < 0 || us < best.predicted_us) best = {pair, r, s, us};
-    }
-  }
-  return best;
+DEVICE_PLAN_HD inline Choice pair_choice(int pair) {
+  if (pair == 0) return {0, 0, SINGLE, 0.0};
+  return {pair, 1 + (pair - 1) / 2, SPLIT_MERGE + (pair - 1) % 2, 0.0};
+}
+
+// One pair's prediction; +inf for a plan of more than max_chunks chunks (never chosen).
+DEVICE_PLAN_HD inline double pair_prediction(const Scorer& scorer, const Candidates& c,
+                                             const RowSums* sums, int pair, int max_chunks) {
+  const Choice ch = pair_choice(pair);
+  double num_chunks;
+  const double us = scorer.predict(c.rows[ch.row], sums[ch.row], ch.strategy, &num_chunks);
+  return num_chunks > (double)max_chunks ? infinity() : us;
+}
+
+// The first cheapest pair (np.argmin) of predictions [num_pairs].
+DEVICE_PLAN_HD inline Choice cheapest(const double* predicted, int pairs) {
+  int best = 0;
+  for (int i = 1; i < pairs; ++i)
+    if (predicted[i] < predicted[best]) best = i;
+  Choice ch = pair_choice(best);
+  ch.predicted_us = predicted[best];
+  return ch;
 }
 
 // The merge mode of the chosen plan (execution.decide without clusters).
@@ -474,7 +485,10 @@ inline void plan_on_host(const DevicePlanParams& p) {
     for (int b = 0; b < n; ++b) add_request(sums[r], c.rows[r], sc.lens[b], num_empty > 0);
   }
   Scorer scorer = {&p, (double)total, (double)total_units, (double)max_len, n, num_empty};
-  const Choice best = choose(scorer, c, sums, p.max_chunks);
+  double predicted[2 * MAX_ROWS];
+  for (int i = 0; i < num_pairs(c); ++i)
+    predicted[i] = pair_prediction(scorer, c, sums, i, p.max_chunks);
+  const Choice best = cheapest(predicted, num_pairs(c));
   const Row& row = c.rows[best.row];
   int num_chunks = 0;
   bool aligned = true;

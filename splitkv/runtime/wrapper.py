@@ -357,8 +357,6 @@ class BatchDecodeWrapper:
         require_gpu("BatchDecodeWrapper.plan_on_device()")
         import cupy
 
-        from .device_planner import device_batch
-
         if not self.use_cuda_graph:
             raise ValueError("plan_on_device: needs a graph-stable wrapper (use_cuda_graph=True "
                              "with its capacity)")
@@ -366,6 +364,32 @@ class BatchDecodeWrapper:
             raise RuntimeError("plan_on_device: this wrapper plans on the host (plan() was "
                                "called); a wrapper plans one way or the other")
         s = as_cupy_stream(stream)
+        inputs = (seq_lens, block_table, kv_indptr, kv_indices, kv_last_page_len)
+        planner = self._device_planner
+        if planner is not None and sm_scale == planner.sm_scale and all(
+                a is b for a, b in zip(inputs, planner.inputs)):
+            pass      # the very arrays of the first call: checked then (a decode loop's path)
+        else:
+            self._check_device_plan_inputs(inputs, sm_scale, s)
+            planner = self._device_planner
+        if self._foreign_pending and not s.is_capturing():
+            s.wait_event(self._foreign_runs)     # a run elsewhere may still read the records
+            self._foreign_pending = False
+        planner.launch(s.ptr)
+        self._run_after_device_plan = True
+        self._plan_stream_ptr = s.ptr
+        if not s.is_capturing():
+            self._device_plan_ready = self._device_plan_ready or cupy.cuda.Event(
+                disable_timing=True)
+            self._device_plan_ready.record(s)
+
+    def _check_device_plan_inputs(self, inputs, sm_scale, s) -> None:
+        """plan_on_device()'s checks of its arguments; binds the planner on the first call."""
+        import cupy
+
+        from .device_planner import device_batch
+
+        seq_lens, block_table, kv_indptr, kv_indices, kv_last_page_len = inputs
         device = cupy.cuda.runtime.getDevice()
         batch, arrays = device_batch(page_size=self.page_size, max_batch=self._capacity[0],
                                      max_entries=self._capacity[1], device=device,
@@ -379,22 +403,13 @@ class BatchDecodeWrapper:
                 raise RuntimeError("plan_on_device: the first call binds the arrays and "
                                    "allocates; make it before capturing")
             planner = self._bind_device_planner(batch, arrays, sm_scale_log2, s)
+            planner.inputs, planner.sm_scale = inputs, sm_scale
         elif batch != planner.batch:
             raise ValueError("plan_on_device: the arrays differ from the first call's (a captured "
                              "launch holds their addresses); update those arrays in place")
         elif sm_scale_log2 != self._launch.params.sm_scale_log2:
             raise ValueError("sm_scale: a graph-stable wrapper keeps the sm_scale of its first "
                              "plan (a captured launch holds it)")
-        if self._foreign_pending and not s.is_capturing():
-            s.wait_event(self._foreign_runs)     # a run elsewhere may still read the records
-            self._foreign_pending = False
-        planner.launch(s.ptr)
-        self._run_after_device_plan = True
-        self._plan_stream_ptr = s.ptr
-        if not s.is_capturing():
-            self._device_plan_ready = self._device_plan_ready or cupy.cuda.Event(
-                disable_timing=True)
-            self._device_plan_ready.record(s)
 
     def _bind_device_planner(self, batch, arrays, sm_scale_log2: float, s):
         """The first plan_on_device(): the fixed buffers, the planning kernel bound to the

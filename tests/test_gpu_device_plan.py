@@ -116,9 +116,10 @@ def test_one_graph_with_the_planner_replays_a_thousand_steps_bit_identically():
     device = BatchDecodeWrapper(HQ, HK, D, PAGE, DTYPE, **capacity)
     host = BatchDecodeWrapper(HQ, HK, D, PAGE, DTYPE, **capacity)
     loop = SlotLoop(rng)
-    seq_lens = cupy.asarray(loop.lens)
-    block_table = cupy.asarray(loop.table)
     stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:                  # the engine's arrays, made on its stream
+        seq_lens = cupy.asarray(loop.lens)
+        block_table = cupy.asarray(loop.table)
     device.plan_on_device(seq_lens=seq_lens, block_table=block_table, stream=stream)
     stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeGlobal)
     device.plan_on_device(seq_lens=seq_lens, block_table=block_table, stream=stream)
@@ -166,9 +167,10 @@ def test_eager_plan_then_run_sees_each_new_plan():
                     max_num_pages=MAX_BATCH * WIDTH)
     device = BatchDecodeWrapper(HQ, HK, D, PAGE, DTYPE, **capacity)
     host = BatchDecodeWrapper(HQ, HK, D, PAGE, DTYPE, **capacity)
-    lens = cupy.zeros(MAX_BATCH, cupy.int32)
-    table = cupy.asarray(rng.integers(0, POOL_PAGES, (MAX_BATCH, WIDTH)).astype(np.int32))
     stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:                  # the engine's arrays, made on its stream
+        lens = cupy.zeros(MAX_BATCH, cupy.int32)
+        table = cupy.asarray(rng.integers(0, POOL_PAGES, (MAX_BATCH, WIDTH)).astype(np.int32))
     for step in range(200):
         # alternate long and short batches, so that consecutive plans differ
         new = (rng.integers(5000, 10000, MAX_BATCH) if step % 2 else

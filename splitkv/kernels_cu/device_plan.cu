@@ -55,9 +55,9 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   __shared__ Choice best;
   __shared__ double predicted[2 * MAX_ROWS];
   __shared__ int misaligned;
-  extern __shared__ int shared_keys[];        // sort keys when they fit (key_capacity)
+  extern __shared__ int shared_scratch[];     // the scratch, when it fits (scratch_in_shared)
   DevicePlanState& st = *reinterpret_cast<DevicePlanState*>(p.state);
-  const Scratch sc = scratch_of(p);
+  const Scratch sc = scratch_at(p.scratch_in_shared ? shared_scratch : p.scratch, p);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int n = p.batch_size;
   const int filled = st.filled;               // read by every thread before thread 0 rewrites it
@@ -71,6 +71,8 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
     const Request r = read_request(p, b);
     if (r.error && atomicCAS(&st.error, 0, r.error) == 0) st.error_request = b;
     sc.lens[b] = r.len;
+    sc.table_begin[b] = (int)r.table_begin;
+    sc.table_last[b] = r.error ? -1 : (int)r.table_last;
     tokens += r.len;
     tiles += ceil_div(r.len, TILE);
     pages += r.pages;
@@ -143,7 +145,7 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   const int merge = merge_mode(best.strategy, num_chunks, n);
 
   // 6. the grid order: a stable sort by decreasing key
-  int* keys = num_chunks <= p.key_capacity ? shared_keys : sc.keys;
+  int* keys = sc.keys;
   __syncthreads();
   for (int i = tid; i < num_chunks; i += PLAN_THREADS)
     keys[i] = p.launch_order == LONGEST_CHUNKS ? sc.chunk_end[i] - sc.chunk_begin[i]
@@ -157,10 +159,10 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   const int flags = (merge == MERGE_TICKET ? 1 : 0) | (record_pages ? 2 : 0);
   for (int g = tid; g < num_chunks; g += PLAN_THREADS) {
     const int i = sc.order[g], b = sc.chunk_request[i];
-    const Request r = read_request(p, b);
-    write_record(p, p.records[g], i, b, sc.chunk_begin[i], sc.chunk_end[i], r.table_begin,
-                 r.table_last, sc.offsets[b], sc.offsets[b + 1], flags, record_pages,
-                 total_pages > 0 && !r.error);
+    const int last = sc.table_last[b];
+    write_record(p, p.records[g], i, b, sc.chunk_begin[i], sc.chunk_end[i], sc.table_begin[b],
+                 last < 0 ? sc.table_begin[b] : last, sc.offsets[b], sc.offsets[b + 1], flags,
+                 record_pages, total_pages > 0 && last >= 0);
   }
   for (int g = num_chunks + tid; g < filled; g += PLAN_THREADS) write_idle(p.records[g]);
   for (int b = tid; b <= p.max_batch; b += PLAN_THREADS)

@@ -84,7 +84,7 @@ struct DevicePlanParams {
   int record_pages;                 // pages a chunk's first tiles span when they fit a record
                                     // (records.record_pages_needed), else 0
   int launch_order;
-  int key_capacity;                 // sort keys the kernel's dynamic shared memory holds
+  int scratch_in_shared;            // 1: the kernel keeps its scratch in dynamic shared memory
 };
 
 // Persistent state, int32 each.
@@ -101,7 +101,7 @@ struct DevicePlanState {
   int plans;           // plans made
 };
 
-#define DEVICE_PLAN_SCRATCH_INTS(max_chunks, batch) (5 * (max_chunks) + 3 * (batch) + 8)
+#define DEVICE_PLAN_SCRATCH_INTS(max_chunks, batch) (5 * (max_chunks) + 5 * (batch) + 8)
 
 DEVICE_PLAN_HD inline double dmin(double a, double b) { return b < a ? b : a; }  // np.minimum
 DEVICE_PLAN_HD inline double dmax(double a, double b) { return b > a ? b : a; }  // np.maximum
@@ -432,10 +432,13 @@ DEVICE_PLAN_HD inline void write_idle(Record& rec) {
   for (int j = 0; j < RECORD_PAGES; ++j) rec.first_pages[j] = 0;
 }
 
-// Scratch (int32 each): the requests' lengths [batch] and chunk offsets [batch + 1], then per
-// chunk its request, start, end, sort key and grid order [5 max_chunks].
+// Scratch (int32 each): per request its length, first page-table entry, last entry (-1: an
+// error, read nothing) and chunk offset [batch + 1]; per chunk its request, start, end, sort key
+// and grid order [max_chunks each]. (Entries fit an int: the host checks < 2**31.)
 struct Scratch {
   int* lens;
+  int* table_begin;
+  int* table_last;
   int* offsets;
   int* chunk_request;
   int* chunk_begin;
@@ -444,12 +447,13 @@ struct Scratch {
   int* order;
 };
 
-DEVICE_PLAN_HD inline Scratch scratch_of(const DevicePlanParams& p) {
-  int* s = p.scratch;
+DEVICE_PLAN_HD inline Scratch scratch_at(int* s, const DevicePlanParams& p) {
   Scratch out;
   out.lens = s;
-  out.offsets = s + p.batch_size;
-  int* chunks = s + 3 * p.batch_size + 8;
+  out.table_begin = s + p.batch_size;
+  out.table_last = s + 2 * p.batch_size;
+  out.offsets = s + 3 * p.batch_size;
+  int* chunks = s + 5 * p.batch_size + 8;
   out.chunk_request = chunks;
   out.chunk_begin = chunks + p.max_chunks;
   out.chunk_end = chunks + 2 * p.max_chunks;
@@ -463,7 +467,7 @@ DEVICE_PLAN_HD inline Scratch scratch_of(const DevicePlanParams& p) {
 // the same steps spread over a CTA).
 inline void plan_on_host(const DevicePlanParams& p) {
   DevicePlanState& st = *reinterpret_cast<DevicePlanState*>(p.state);
-  Scratch sc = scratch_of(p);
+  Scratch sc = scratch_at(p.scratch, p);
   const int n = p.batch_size;
   i64 total = 0, total_units = 0, total_pages = 0;
   int max_len = 0, num_empty = 0;

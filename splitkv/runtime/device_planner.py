@@ -28,7 +28,9 @@ _POINTER = ctypes.c_void_p
 _FEATURES = len(FEATURE_NAMES)
 
 PLAN_THREADS = 512                  # device_plan.cu's PLAN_THREADS
-MAX_SHARED_KEYS = 12 * 1024         # sort keys kept in shared memory (48 KiB, no opt-in)
+# The kernel keeps its scratch in shared memory up to this (an H200 block may opt in to 227 KiB;
+# every GPU of compute capability 8.0+ to at least 99 KiB).
+MAX_SHARED_SCRATCH_BYTES = 96 * 1024
 # The planning kernel's compile options: no FMA contraction, so the float64 formulas round as
 # NumPy's (device_plan.cuh).
 PLAN_NVRTC_OPTIONS = (*NVRTC_OPTIONS, "--fmad=false")
@@ -48,7 +50,7 @@ class DevicePlanParams(ctypes.Structure):
         ("max_chunks", ctypes.c_int32), ("items_per_chunk", ctypes.c_int32),
         ("slots", ctypes.c_int32), ("num_sms", ctypes.c_int32), ("page_size", ctypes.c_int32),
         ("record_pages", ctypes.c_int32), ("launch_order", ctypes.c_int32),
-        ("key_capacity", ctypes.c_int32),
+        ("scratch_in_shared", ctypes.c_int32),
     ]
 
 
@@ -64,7 +66,7 @@ ERRORS = {1: "a negative sequence length", 2: "more pages than its block-table r
 
 def scratch_ints(max_chunks: int, batch_size: int) -> int:
     """DEVICE_PLAN_SCRATCH_INTS."""
-    return 5 * max_chunks + 3 * batch_size + 8
+    return 5 * max_chunks + 5 * batch_size + 8
 
 
 def plan_params(model: CostModel, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -85,7 +87,6 @@ def plan_params(model: CostModel, *, num_qo_heads: int, num_kv_heads: int, head_
     needed = record_pages_needed(page_size, stages)
     p.record_pages = needed if needed <= RECORD_PAGES else 0
     p.launch_order = LAUNCH_ORDERS.index(launch_order)
-    p.key_capacity = min(max_chunks, MAX_SHARED_KEYS)
     return p
 
 
@@ -174,13 +175,18 @@ class DevicePlanner:
         from .launch import KernelLaunch, current_context
 
         self.batch = batch
-        self._scratch = cupy.empty(scratch_ints(params.max_chunks, batch.batch_size), np.int32)
-        self._state = cupy.zeros(len(STATE_FIELDS), np.int32)
-        self._predicted = cupy.zeros(1, np.float64)
+        # made on the plan's stream (a zero fill elsewhere could land after the first plan)
+        with stream:
+            self._scratch = cupy.empty(scratch_ints(params.max_chunks, batch.batch_size),
+                                       np.int32)
+            self._state = cupy.zeros(len(STATE_FIELDS), np.int32)
+            self._predicted = cupy.zeros(1, np.float64)
         p = params
         p.seq_lens, p.kv_indptr, p.kv_last_page_len, p.kv_indices = batch.pointers
         p.block_table_stride, p.page_table_entries = batch.block_table_stride, batch.page_table_entries
         p.batch_size = batch.batch_size
+        shared = 4 * scratch_ints(params.max_chunks, batch.batch_size)
+        p.scratch_in_shared = int(shared <= MAX_SHARED_SCRATCH_BYTES)
         p.records, p.merge_indptr = records_ptr, merge_indptr_ptr
         p.scratch, p.state = self._scratch.data.ptr, self._state.data.ptr
         p.predicted_us = self._predicted.data.ptr
@@ -191,7 +197,8 @@ class DevicePlanner:
         records = cupy.ndarray(idle.shape, np.int32, cupy.cuda.MemoryPointer(memory, 0))
         records.set(idle, stream=stream)
         stream.synchronize()
-        self._launch = KernelLaunch(plan_kernel(), 1, PLAN_THREADS, 4 * params.key_capacity)
+        self._launch = KernelLaunch(plan_kernel(), 1, PLAN_THREADS,
+                                    shared if p.scratch_in_shared else 0)
         self._args = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
         self._context = current_context()
 
@@ -244,7 +251,9 @@ def plan_kernel():
     kernel = _KERNELS.get(device)
     if kernel is None:
         module = cupy.RawModule(code=source(), options=PLAN_NVRTC_OPTIONS)
-        kernel = _KERNELS[device] = module.get_function("plan_decode")
+        kernel = module.get_function("plan_decode")
+        kernel.max_dynamic_shared_size_bytes = MAX_SHARED_SCRATCH_BYTES
+        _KERNELS[device] = kernel
     return kernel
 
 

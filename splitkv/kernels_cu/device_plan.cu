@@ -100,11 +100,12 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   for (int r = warp; r < cands.num_rows; r += PLAN_WARPS) {
     RowSums s = {0, 0, 0, 0, 0};
     for (int b = lane; b < n; b += 32) add_request(s, cands.rows[r], sc.lens[b], num_empty > 0);
-    s.chunks = warp_sum(s.chunks);
-    s.min2 = warp_sum(s.min2);
-    s.largest_tokens = warp_max(s.largest_tokens);
-    s.max_m = warp_max(s.max_m);
-    s.max_k = warp_max(s.max_k);
+    s.chunks = warp_sum(s.chunks);       // may pass 2**32 (a candidate too fine to choose)
+    // the rest fit 32 bits (lengths < 2**31): one instruction each
+    s.min2 = __reduce_add_sync(0xffffffffu, (unsigned)s.min2);
+    s.largest_tokens = __reduce_max_sync(0xffffffffu, (unsigned)s.largest_tokens);
+    s.max_m = __reduce_max_sync(0xffffffffu, (unsigned)s.max_m);
+    s.max_k = __reduce_max_sync(0xffffffffu, (unsigned)s.max_k);
     if (lane == 0) sums[r] = s;
   }
   __syncthreads();
@@ -120,33 +121,40 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   __syncthreads();
   const Row row = cands.rows[best.row];
 
-  // 5. its chunks: each thread cuts a run of neighbouring requests
+  // 5. its chunks: counts per request, their prefix sum, then every chunk by its own thread
   const int per_thread = (n + PLAN_THREADS - 1) / PLAN_THREADS;
   const int lo = min(n, tid * per_thread), hi = min(n, lo + per_thread);
   int count = 0;
   for (int b = lo; b < hi; ++b) count += (int)cut_request(row, sc.lens[b]).count;
   int num_chunks;
   int at = block_exclusive_scan(count, &num_chunks);
-  bool aligned = true;
   for (int b = lo; b < hi; ++b) {
-    const Cut cut = cut_request(row, sc.lens[b]);
     sc.offsets[b] = at;
-    for (int i = 0; i < cut.count; ++i, ++at) {
-      const int begin = chunk_start(i, cut.units, cut.count, row.align);
-      sc.chunk_request[at] = b;
-      sc.chunk_begin[at] = begin;
-      sc.chunk_end[at] = i + 1 < cut.count ? chunk_start(i + 1, cut.units, cut.count, row.align)
-                                           : sc.lens[b];
-      aligned &= begin % p.page_size == 0;
-    }
+    at += (int)cut_request(row, sc.lens[b]).count;
   }
   if (tid == 0) sc.offsets[n] = num_chunks;
+  __syncthreads();
+  bool aligned = true;
+  for (int c = tid; c < num_chunks; c += PLAN_THREADS) {
+    int b = 0, top = n - 1;              // the request: the last b with offsets[b] <= c
+    while (b < top) {
+      const int mid = (b + top + 1) / 2;
+      if (sc.offsets[mid] <= c) b = mid; else top = mid - 1;
+    }
+    const Cut cut = cut_request(row, sc.lens[b]);
+    const int i = c - sc.offsets[b];
+    const int begin = chunk_start(i, cut.units, cut.count, row.align);
+    sc.chunk_request[c] = b;
+    sc.chunk_begin[c] = begin;
+    sc.chunk_end[c] = i + 1 < cut.count ? chunk_start(i + 1, cut.units, cut.count, row.align)
+                                        : sc.lens[b];
+    aligned &= begin % p.page_size == 0;
+  }
   if (!aligned) misaligned = 1;
   const int merge = merge_mode(best.strategy, num_chunks, n);
 
   // 6. the grid order: a stable sort by decreasing key
   int* keys = sc.keys;
-  __syncthreads();
   for (int i = tid; i < num_chunks; i += PLAN_THREADS)
     keys[i] = p.launch_order == LONGEST_CHUNKS ? sc.chunk_end[i] - sc.chunk_begin[i]
             : p.launch_order == LONGEST_REQUESTS ? sc.lens[sc.chunk_request[i]] : 0;
@@ -154,17 +162,38 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   for (int i = tid; i < num_chunks; i += PLAN_THREADS) sc.order[grid_rank(keys, num_chunks, i)] = i;
   __syncthreads();
 
-  // 7. the records, idle records past them, merge_indptr, the state
+  // 7. the records (one warp writes one, lane j its int j), idle records past them,
+  // merge_indptr, the state
   const int record_pages = misaligned ? 0 : p.record_pages;
   const int flags = (merge == MERGE_TICKET ? 1 : 0) | (record_pages ? 2 : 0);
-  for (int g = tid; g < num_chunks; g += PLAN_THREADS) {
+  static_assert(sizeof(Record) == 4 * (8 + RECORD_PAGES) && 8 + RECORD_PAGES <= 32,
+                "a warp writes one record, one int per lane");
+  for (int g = warp; g < num_chunks; g += PLAN_WARPS) {
     const int i = sc.order[g], b = sc.chunk_request[i];
-    const int last = sc.table_last[b];
-    write_record(p, p.records[g], i, b, sc.chunk_begin[i], sc.chunk_end[i], sc.table_begin[b],
-                 last < 0 ? sc.table_begin[b] : last, sc.offsets[b], sc.offsets[b + 1], flags,
-                 record_pages, total_pages > 0 && last >= 0);
+    const int last = sc.table_last[b], begin = sc.chunk_begin[i];
+    int value = 0;
+    switch (lane) {
+      case 0: value = b; break;
+      case 1: value = begin; break;
+      case 2: value = sc.chunk_end[i]; break;
+      case 3: value = sc.table_begin[b]; break;
+      case 4: value = sc.offsets[b]; break;
+      case 5: value = sc.offsets[b + 1]; break;
+      case 6: value = i; break;
+      case 7: value = flags; break;
+      default: {
+        const int j = lane - 8;
+        if (j < record_pages && total_pages > 0 && last >= 0) {
+          const i64 e = (i64)sc.table_begin[b] + begin / p.page_size + j;
+          value = p.kv_indices[e < last ? e : last];
+        }
+      }
+    }
+    if (lane < 8 + RECORD_PAGES) reinterpret_cast<int*>(&p.records[g])[lane] = value;
   }
-  for (int g = num_chunks + tid; g < filled; g += PLAN_THREADS) write_idle(p.records[g]);
+  for (int g = num_chunks + warp; g < filled; g += PLAN_WARPS)
+    if (lane < 8 + RECORD_PAGES)
+      reinterpret_cast<int*>(&p.records[g])[lane] = lane == 0 ? IDLE_REQUEST : 0;
   for (int b = tid; b <= p.max_batch; b += PLAN_THREADS)
     p.merge_indptr[b] = merge != MERGE_KERNEL ? 0 : sc.offsets[b < n ? b : n];
   if (tid == 0) {

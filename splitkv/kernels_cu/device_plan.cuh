@@ -397,6 +397,7 @@ DEVICE_PLAN_HD inline int merge_mode(int strategy, i64 num_chunks, int batch) {
 DEVICE_PLAN_HD inline int grid_rank(const int* keys, int n, int c) {
   const int key = keys[c];
   int rank = 0;
+#pragma unroll 8
   for (int j = 0; j < n; ++j) rank += keys[j] > key || (keys[j] == key && j < c);
   return rank;
 }
@@ -415,14 +416,16 @@ DEVICE_PLAN_HD inline void write_record(const DevicePlanParams& p, Record& rec, 
   rec.plan_index = c;
   rec.flags = flags;
   const i64 first = table_begin + begin / p.page_size;
+  int pages[RECORD_PAGES];
+  // all loads before any store: the stores might alias kv_indices for all the compiler knows,
+  // and a load after a store would wait for it
+#pragma unroll
   for (int j = 0; j < RECORD_PAGES; ++j) {
-    int page = 0;
-    if (j < record_pages && read_pages) {
-      const i64 e = first + j < table_last ? first + j : table_last;
-      page = p.kv_indices[e];
-    }
-    rec.first_pages[j] = page;
+    const i64 e = first + j < table_last ? first + j : table_last;
+    pages[j] = j < record_pages && read_pages ? p.kv_indices[e] : 0;
   }
+#pragma unroll
+  for (int j = 0; j < RECORD_PAGES; ++j) rec.first_pages[j] = pages[j];
 }
 
 DEVICE_PLAN_HD inline void write_idle(Record& rec) {

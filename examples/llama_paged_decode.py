@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python3 examples/llama_paged_decode.py                  # GPU, splitkv, eager
     PYTHONPATH=$PWD python3 examples/llama_paged_decode.py --graphs         # one CUDA graph per bucket
+    PYTHONPATH=$PWD python3 examples/llama_paged_decode.py --graphs --plan-on-device  # no host planning
     PYTHONPATH=$PWD python3 examples/llama_paged_decode.py --backend reference --device cpu \\
         --dtype float32 --layers 2 --warmup-passes 0          # CPU: exact attention, any dtype
 
@@ -24,7 +25,9 @@ The step is split in a host part (the block table, ``plan()``) and a device part
 after ``plan()``), which reads only fixed-size tensors: ``--graphs`` captures the device part
 once per batch bucket in a ``torch.cuda.graph`` and replays it at every step (needs splitkv's
 graph-stable mode, ``BatchDecodeWrapper(use_cuda_graph=True, max_batch_size=B,
-max_num_pages=P)``).
+max_num_pages=P)``). With ``--plan-on-device`` the host part only copies the block table and the
+sequence lengths into fixed device tensors: the graph itself starts with
+``plan_on_device()``, the planning kernel that chooses the plan from those tensors.
 """
 
 from __future__ import annotations
@@ -228,9 +231,12 @@ class SplitKVAttention:
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                 page_size: int, num_pages: int, dtype: str, device, max_batch: int, graphs: bool):
+                 page_size: int, num_pages: int, dtype: str, device, max_batch: int, graphs: bool,
+                 on_device: bool = False):
         self.shape = (num_qo_heads, num_kv_heads, head_dim, page_size)
         self.num_pages, self.dtype, self.graphs = num_pages, dtype, graphs
+        self.on_device, self.device = on_device, device
+        self.batch_tensors: dict[int, tuple] = {}    # per bucket: seq_lens, block_table
         self.out = torch.empty((max_batch, num_qo_heads, head_dim), dtype=getattr(torch, dtype),
                                device=device)
         self.wrappers: dict[int, object] = {}
@@ -254,12 +260,32 @@ class SplitKVAttention:
         return self.wrappers[key]
 
     def plan(self, block_table: np.ndarray, seq_lens: np.ndarray) -> None:
+        """The host part of a step: plan() on the host, or (``on_device``) only the copy of
+        the batch into the bucket's fixed tensors that ``begin_step`` plans from."""
         from splitkv import PageTable
 
+        self.active = self.wrapper_for(len(seq_lens))
+        if self.on_device:
+            key = (len(seq_lens), block_table.shape[1])
+            if key not in self.batch_tensors:
+                self.batch_tensors[key] = (
+                    torch.zeros(len(seq_lens), dtype=torch.int32, device=self.device),
+                    torch.zeros(block_table.shape, dtype=torch.int32, device=self.device))
+            self.step_tensors = self.batch_tensors[key]
+            for tensor, host in zip(self.step_tensors, (seq_lens, block_table)):
+                tensor.copy_(torch.from_numpy(np.ascontiguousarray(host, dtype=np.int32)))
+            return
         table = PageTable.from_block_table(block_table, seq_lens, self.shape[3],
                                            num_pages=self.num_pages)
-        self.active = self.wrapper_for(len(seq_lens))
         self.active.plan(table, stream=torch.cuda.current_stream())
+
+    def begin_step(self) -> None:
+        """The device part's first work (captured with it): the planning kernel, when planning
+        on the device."""
+        if self.on_device:
+            seq_lens, block_table = self.step_tensors
+            self.active.plan_on_device(seq_lens=seq_lens, block_table=block_table,
+                                       stream=torch.cuda.current_stream())
 
     def __call__(self, q, k_cache, v_cache):
         """q: contiguous ``[batch, num_qo_heads, head_dim]``; returns a view of ``out``."""
@@ -302,6 +328,7 @@ def decode_forward(model, cache: PagedKVCache, attend, token_ids, positions, slo
     token_ids, positions, slots: long ``[batch]`` (the token fed, its position, its flat cache
     slot). Returns logits ``[batch, vocab]``.
     """
+    getattr(attend, "begin_step", lambda: None)()
     hidden = model.model.embed_tokens(token_ids)
     cos, sin = model.model.rotary_emb(hidden, positions[:, None])
     for i, layer in enumerate(model.model.layers):
@@ -570,6 +597,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model dtype (splitkv takes bfloat16 or float16)")
     ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=False,
                     help="capture the device part of a step once per batch bucket (CUDA)")
+    ap.add_argument("--plan-on-device", action=argparse.BooleanOptionalAction, default=False,
+                    help="with --graphs: plan inside the graph (splitkv's plan_on_device), no "
+                         "plan() on the host")
     ap.add_argument("--buckets", type=int_list, default=None,
                     help="batch buckets, e.g. 1,2,4,8 (default with --graphs: powers of two up "
                          "to the batch; without: none, each step exactly the live requests)")
@@ -608,12 +638,15 @@ def make_attention(args, num_pages: int, max_rows: int):
     if args.backend == "reference":
         return ReferenceAttention(args.page_size, num_pages)
     return SplitKVAttention(args.heads, args.kv_heads, args.head_dim, args.page_size,
-                            num_pages, args.dtype, args.device, max_rows, args.graphs)
+                            num_pages, args.dtype, args.device, max_rows, args.graphs,
+                            args.plan_on_device)
 
 
 def check_args(args) -> None:
     if args.graphs and torch.device(args.device).type != "cuda":
         raise SystemExit("--graphs needs a CUDA device")
+    if args.plan_on_device and not (args.graphs and args.backend == "splitkv"):
+        raise SystemExit("--plan-on-device needs --graphs and the splitkv backend")
     if args.backend == "splitkv" and args.dtype == "float32":
         raise SystemExit("the splitkv backend takes bfloat16 or float16")
 
@@ -637,6 +670,7 @@ def summarize(args, requests, gen: Generation, first_pass_s: float | None, resul
     seconds = float(sum(gen.step_seconds))
     return {
         "backend": args.backend, "graphs": args.graphs, "dtype": args.dtype,
+        "plan_on_device": args.plan_on_device,
         "device": str(args.device), "requests": len(requests),
         "decode_steps": len(gen.step_seconds), "decode_tokens": gen.decode_tokens,
         "steps_judged": result.steps, "tokens_equal": result.equal,
@@ -654,7 +688,8 @@ def summarize(args, requests, gen: Generation, first_pass_s: float | None, resul
 
 
 def print_summary(res: dict) -> None:
-    mode = "graphs" if res["graphs"] else "no graphs"
+    mode = ("graphs, planned on the device" if res.get("plan_on_device") else "graphs"
+            ) if res["graphs"] else "no graphs"
     first = res["first_pass_decode_seconds"]
     print(f"{res['backend']} ({mode}, {res['dtype']} on {res['device']}): {res['requests']} "
           f"requests, {res['decode_steps']} decode steps, {res['decode_tokens']} decode tokens")

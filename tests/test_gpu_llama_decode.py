@@ -37,12 +37,13 @@ def check(res: dict) -> None:
 
 
 @pytest.mark.parametrize("dtype,graphs", [("bfloat16", False), ("bfloat16", True),
-                                          ("float16", False)])
+                                          ("float16", False), ("bfloat16", "on_device")])
 def test_splitkv_decode_matches_the_models_own(dtype, graphs, capsys):
     if graphs and not has_graph_mode():
         pytest.skip("splitkv has no graph-stable mode (BatchDecodeWrapper(use_cuda_graph=True)) yet")
     res = example.main(["--backend", "splitkv", "--dtype", dtype,
-                        "--graphs" if graphs else "--no-graphs"])
+                        "--graphs" if graphs else "--no-graphs"]
+                       + (["--plan-on-device"] if graphs == "on_device" else []))
     check(res)
     if graphs:
         assert res["graph_captures"] == 0, "the timed pass should only replay the warm-up's graphs"

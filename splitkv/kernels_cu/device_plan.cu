@@ -159,7 +159,18 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
     keys[i] = p.launch_order == LONGEST_CHUNKS ? sc.chunk_end[i] - sc.chunk_begin[i]
             : p.launch_order == LONGEST_REQUESTS ? sc.lens[sc.chunk_request[i]] : 0;
   __syncthreads();
-  for (int i = tid; i < num_chunks; i += PLAN_THREADS) sc.order[grid_rank(keys, num_chunks, i)] = i;
+  if (num_chunks <= 64) {                // few: a thread per chunk
+    for (int i = tid; i < num_chunks; i += PLAN_THREADS)
+      sc.order[grid_rank(keys, num_chunks, i)] = i;
+  } else {                               // a warp per chunk, each lane a 32nd of the keys
+    for (int i = warp; i < num_chunks; i += PLAN_WARPS) {
+      const int key = keys[i];
+      unsigned rank = 0;
+      for (int j = lane; j < num_chunks; j += 32) rank += keys[j] > key || (keys[j] == key && j < i);
+      rank = __reduce_add_sync(0xffffffffu, rank);
+      if (lane == 0) sc.order[rank] = i;
+    }
+  }
   __syncthreads();
 
   // 7. the records (one warp writes one, lane j its int j), idle records past them,
@@ -168,28 +179,40 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   const int flags = (merge == MERGE_TICKET ? 1 : 0) | (record_pages ? 2 : 0);
   static_assert(sizeof(Record) == 4 * (8 + RECORD_PAGES) && 8 + RECORD_PAGES <= 32,
                 "a warp writes one record, one int per lane");
-  for (int g = warp; g < num_chunks; g += PLAN_WARPS) {
-    const int i = sc.order[g], b = sc.chunk_request[i];
-    const int last = sc.table_last[b], begin = sc.chunk_begin[i];
-    int value = 0;
-    switch (lane) {
-      case 0: value = b; break;
-      case 1: value = begin; break;
-      case 2: value = sc.chunk_end[i]; break;
-      case 3: value = sc.table_begin[b]; break;
-      case 4: value = sc.offsets[b]; break;
-      case 5: value = sc.offsets[b + 1]; break;
-      case 6: value = i; break;
-      case 7: value = flags; break;
-      default: {
-        const int j = lane - 8;
-        if (j < record_pages && total_pages > 0 && last >= 0) {
-          const i64 e = (i64)sc.table_begin[b] + begin / p.page_size + j;
-          value = p.kv_indices[e < last ? e : last];
+  constexpr int RECORDS_IN_FLIGHT = 8;   // per warp: their page-id loads overlap
+  for (int g0 = warp; g0 < num_chunks; g0 += RECORDS_IN_FLIGHT * PLAN_WARPS) {
+    int value[RECORDS_IN_FLIGHT];
+#pragma unroll
+    for (int u = 0; u < RECORDS_IN_FLIGHT; ++u) {
+      const int g = g0 + u * PLAN_WARPS;
+      value[u] = 0;
+      if (g >= num_chunks) continue;
+      const int i = sc.order[g], b = sc.chunk_request[i];
+      const int last = sc.table_last[b], begin = sc.chunk_begin[i];
+      switch (lane) {
+        case 0: value[u] = b; break;
+        case 1: value[u] = begin; break;
+        case 2: value[u] = sc.chunk_end[i]; break;
+        case 3: value[u] = sc.table_begin[b]; break;
+        case 4: value[u] = sc.offsets[b]; break;
+        case 5: value[u] = sc.offsets[b + 1]; break;
+        case 6: value[u] = i; break;
+        case 7: value[u] = flags; break;
+        default: {
+          const int j = lane - 8;
+          if (j < record_pages && total_pages > 0 && last >= 0) {
+            const i64 e = (i64)sc.table_begin[b] + begin / p.page_size + j;
+            value[u] = p.kv_indices[e < last ? e : last];
+          }
         }
       }
     }
-    if (lane < 8 + RECORD_PAGES) reinterpret_cast<int*>(&p.records[g])[lane] = value;
+#pragma unroll
+    for (int u = 0; u < RECORDS_IN_FLIGHT; ++u) {
+      const int g = g0 + u * PLAN_WARPS;
+      if (g < num_chunks && lane < 8 + RECORD_PAGES)
+        reinterpret_cast<int*>(&p.records[g])[lane] = value[u];
+    }
   }
   for (int g = num_chunks + warp; g < filled; g += PLAN_WARPS)
     if (lane < 8 + RECORD_PAGES)

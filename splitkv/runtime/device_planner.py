@@ -105,7 +105,7 @@ class BatchArrays:
     page_table_entries: int
 
 
-def device_batch(*, page_size: int, max_batch: int, max_entries: int, device: int,
+def device_batch(*, page_size: int, max_batch: int, device: int,
                  seq_lens=None, block_table=None, kv_indptr=None, kv_indices=None,
                  kv_last_page_len=None) -> tuple[BatchArrays, list]:
     """The batch arrays of ``plan_on_device`` checked on the host (shapes, dtypes, device,
@@ -155,9 +155,7 @@ def device_batch(*, page_size: int, max_batch: int, max_entries: int, device: in
     if not 1 <= batch <= max_batch:
         raise ValueError(f"{names[0]}: {batch} requests; a graph-stable wrapper plans 1 to "
                          f"max_batch_size={max_batch}")
-    if entries > max_entries:
-        raise ValueError(f"{names[1]}: {entries} page-table entries exceed the wrapper's "
-                         f"max_num_pages={max_entries}")
+    # (max_num_pages sizes plan()'s upload; the kernel reads this table in place, any size)
     if entries >= 2**31:
         raise ValueError(f"{names[1]}: at most 2**31 - 1 page-table entries")
     layout = "block_table" if len(names) == 2 else "flashinfer"

@@ -347,8 +347,9 @@ class BatchDecodeWrapper:
 
         The batch: vLLM's ``seq_lens`` [batch] and ``block_table`` [batch, max_pages]
         (contiguous), or FlashInfer's ``kv_indptr`` [batch + 1], ``kv_indices`` and
-        ``kv_last_page_len`` [batch]; batch <= max_batch_size (pad with empty requests), page-
-        table entries <= max_num_pages. The first call binds the arrays (their addresses go into
+        ``kv_last_page_len`` [batch]; batch <= max_batch_size (pad with empty requests); the
+        table may have any number of entries (``max_num_pages`` sizes only ``plan()``'s upload).
+        The first call binds the arrays (their addresses go into
         the launches: later calls must pass the same arrays) and must not be captured; page ids
         are not range-checked. A request whose values are invalid (a negative length, more pages
         than its row, a bad kv_indptr or kv_last_page_len) is planned as empty and the error is
@@ -392,7 +393,7 @@ class BatchDecodeWrapper:
         seq_lens, block_table, kv_indptr, kv_indices, kv_last_page_len = inputs
         device = cupy.cuda.runtime.getDevice()
         batch, arrays = device_batch(page_size=self.page_size, max_batch=self._capacity[0],
-                                     max_entries=self._capacity[1], device=device,
+                                     device=device,
                                      seq_lens=seq_lens, block_table=block_table,
                                      kv_indptr=kv_indptr, kv_indices=kv_indices,
                                      kv_last_page_len=kv_last_page_len)

@@ -10,20 +10,23 @@ from . import validation as V
 from .merge import merge_states_n
 from .plan import Plan
 from .problem import PageTable
-from .reference import attend, to_float64
+from .reference import attend, kv_format, kv_to_float64, to_float64
 
 
-def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_scale=None):
+def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_scale=None, *,
+                     kv_dtype=None, k_scale=None, v_scale=None):
     """Partial states, float64: (partial_o [num_chunks, num_qo_heads, head_dim],
     partial_lse [num_chunks, num_qo_heads])."""
     V.check_instance("plan", plan, Plan)
     V.check_instance("page_table", page_table, PageTable)
     p = plan.problem
     V.check_plan_for_table(plan, page_table)
+    fmt = kv_format(k_cache, kv_dtype)
     V.check_attention_arrays(q, k_cache, v_cache, p.batch_size, p.page_size, page_table.kv_indices,
-                             p.num_qo_heads, p.num_kv_heads, p.head_dim)
+                             p.num_qo_heads, p.num_kv_heads, p.head_dim, kv_dtype=fmt)
     sm_scale = V.check_sm_scale(sm_scale, p.head_dim)
-    q64, k64, v64 = to_float64(q), to_float64(k_cache), to_float64(v_cache)
+    q64 = to_float64(q)
+    k64, v64 = kv_to_float64(k_cache, v_cache, p.num_kv_heads, fmt, k_scale, v_scale)
     g, hk, d = p.group_size, p.num_kv_heads, p.head_dim
     k_flat, v_flat = k64.reshape(-1, hk, d), v64.reshape(-1, hk, d)
     partial_o = np.zeros((plan.num_chunks, p.num_qo_heads, d))
@@ -52,9 +55,11 @@ def merge_partials(plan: Plan, partial_o: np.ndarray, partial_lse: np.ndarray):
     return out, lse
 
 
-def execute_plan_cpu(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_scale=None):
+def execute_plan_cpu(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_scale=None, *,
+                     kv_dtype=None, k_scale=None, v_scale=None):
     """Run ``plan`` on the host. q: [batch, num_qo_heads, head_dim]; k_cache, v_cache:
-    [num_pages, page_size, num_kv_heads, head_dim] (NHD), any float dtype (computed in float64).
+    [num_pages, page_size, num_kv_heads, head_dim] (NHD), any float dtype (computed in float64),
+    or fp8 with ``kv_dtype`` and the scales as ``reference_decode`` takes them.
     Returns (out [batch, num_qo_heads, head_dim], lse [batch, num_qo_heads]), float64.
 
     Non-finite inputs give what ``reference_decode`` gives, for every strategy and split: a
@@ -62,5 +67,7 @@ def execute_plan_cpu(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
     turns a NaN LSE into a NaN output and LSE for that (request, query head); a request with no
     tokens gets zeros and -inf; NaN or Inf in V reaches the output components it is summed into.
     Other requests and heads are unaffected."""
-    partial_o, partial_lse = compute_partials(plan, q, k_cache, v_cache, page_table, sm_scale)
+    partial_o, partial_lse = compute_partials(plan, q, k_cache, v_cache, page_table, sm_scale,
+                                              kv_dtype=kv_dtype, k_scale=k_scale,
+                                              v_scale=v_scale)
     return merge_partials(plan, partial_o, partial_lse)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import fp8
 from . import validation as V
 from .bfloat16 import bits_to_float32
 from .problem import PageTable
@@ -17,6 +18,33 @@ def to_float64(arr) -> np.ndarray:
     if arr.dtype == np.uint16:   # raw bfloat16 bits
         return bits_to_float32(arr).astype(np.float64)
     return arr.astype(np.float64)
+
+
+def kv_format(k_cache, kv_dtype):
+    """The fp8 format of the caches: ``kv_dtype`` checked, or the caches' own float8 dtype
+    (ml_dtypes / torch), or None for 16/32/64-bit caches."""
+    if kv_dtype is not None:
+        return fp8.fp8_format("kv_dtype", kv_dtype)
+    name = V.dtype_name(getattr(k_cache, "dtype", None))
+    return name if name in fp8.FP8_FORMATS else None
+
+
+def kv_to_float64(k_cache, v_cache, num_kv_heads: int, kv_format, k_scale=None,
+                  v_scale=None):
+    """float64 K and V as the attention uses them: fp8 codes dequantized exactly (or the
+    16/32/64-bit values), times their scale (per tensor, or per kv head on axis 2)."""
+    ks = fp8.check_scale("k_scale", k_scale, num_kv_heads)
+    vs = fp8.check_scale("v_scale", v_scale, num_kv_heads)
+    if kv_format is None:
+        k64, v64 = to_float64(k_cache), to_float64(v_cache)
+    else:
+        k64 = fp8.dequantize(fp8.codes_of("k_cache", k_cache, kv_format), kv_format)
+        v64 = fp8.dequantize(fp8.codes_of("v_cache", v_cache, kv_format), kv_format)
+    if k_scale is not None:
+        k64 = k64 * ks[:, None]
+    if v_scale is not None:
+        v64 = v64 * vs[:, None]
+    return k64, v64
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float):
@@ -42,11 +70,16 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float):
     return o, lse
 
 
-def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float | None = None):
+def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float | None = None,
+                     *, kv_dtype=None, k_scale=None, v_scale=None):
     """Decode attention over a paged cache, in float64.
 
     q: [batch, num_qo_heads, head_dim]; k_cache, v_cache: [num_pages, page_size, num_kv_heads,
     head_dim] (NHD); any float dtype, NumPy or CuPy (uint16 = raw bfloat16 bits). Any head_dim.
+    fp8 caches: ``kv_dtype`` 'float8_e4m3fn' or 'float8_e5m2' (or vLLM's 'fp8_e4m3',
+    'fp8_e5m2') with uint8 codes, or caches of that ml_dtypes dtype (then kv_dtype may be
+    omitted); dequantized exactly. ``k_scale``, ``v_scale``: K = stored value x k_scale, one
+    value per tensor or one per kv head (default 1), for any cache dtype.
     Returns (out [batch, num_qo_heads, head_dim] float64,
     lse [batch, num_qo_heads] float64, natural log of sum(exp(sm_scale * q.k))).
     A request with no tokens gets zeros and lse -inf (whatever its q holds). A (request, query
@@ -55,10 +88,13 @@ def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float
     are unaffected. NaN or Inf in V makes the output components it reaches NaN or +-Inf.
     """
     V.check_instance("page_table", page_table, PageTable)
+    fmt = kv_format(k_cache, kv_dtype)
     hq, hk, d = V.check_attention_arrays(q, k_cache, v_cache, page_table.batch_size,
-                                         page_table.page_size, page_table.kv_indices)
+                                         page_table.page_size, page_table.kv_indices,
+                                         kv_dtype=fmt)
     sm_scale = V.check_sm_scale(sm_scale, d)
-    q64, k64, v64 = to_float64(q), to_float64(k_cache), to_float64(v_cache)
+    q64 = to_float64(q)
+    k64, v64 = kv_to_float64(k_cache, v_cache, hk, fmt, k_scale, v_scale)
     batch = page_table.batch_size
     g = hq // hk
     k_flat = k64.reshape(-1, hk, d)

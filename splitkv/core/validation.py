@@ -387,20 +387,28 @@ HOST_FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64", "uint16")
 def check_attention_arrays(q, k_cache, v_cache, batch_size: int, page_size: int,
                            kv_indices: np.ndarray, num_qo_heads: int | None = None,
                            num_kv_heads: int | None = None,
-                           head_dim: int | None = None) -> tuple[int, int, int]:
+                           head_dim: int | None = None,
+                           kv_dtype: str | None = None) -> tuple[int, int, int]:
     """Inputs of the host paths (reference, CPU executor), NumPy or CuPy.
 
     q: [batch_size, num_qo_heads, head_dim]; k_cache, v_cache: [num_pages, page_size,
     num_kv_heads, head_dim] (NHD), one dtype, each with every page of the table (their
-    num_pages may differ). Any float dtype; uint16 holds raw bfloat16 bits. Sizes given as None
-    are taken from the arrays. Returns (num_qo_heads, num_kv_heads, head_dim).
+    num_pages may differ). Any float dtype; uint16 holds raw bfloat16 bits; with ``kv_dtype``
+    (an fp8 format, ``fp8.FP8_FORMATS``) K and V are uint8 codes or that format's dtype. Sizes
+    given as None are taken from the arrays. Returns (num_qo_heads, num_kv_heads, head_dim).
     """
     shapes = {}
     for name, arr in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         shape, dtype = device_array_shape_dtype(name, arr)
-        if dtype not in HOST_FLOAT_DTYPES:
+        if kv_dtype is not None and name != "q":
+            if dtype not in ("uint8", kv_dtype):
+                raise TypeError(f"{name}: an {kv_dtype} cache (kv_dtype) is uint8 codes or "
+                                f"{kv_dtype} values; got dtype {dtype!r}")
+        elif dtype not in HOST_FLOAT_DTYPES:
+            hint = (f"; an fp8 cache needs kv_dtype (e.g. kv_dtype='float8_e4m3fn')"
+                    if dtype == "uint8" else "")
             raise TypeError(f"{name}: dtype {dtype!r} is not supported; expected one of "
-                            f"{HOST_FLOAT_DTYPES} (uint16 = raw bfloat16 bits)")
+                            f"{HOST_FLOAT_DTYPES} (uint16 = raw bfloat16 bits){hint}")
         shapes[name] = (shape, dtype)
     q_shape, k_shape, v_shape = (shapes[n][0] for n in ("q", "k_cache", "v_cache"))
     for name, shape, rank in (("q", q_shape, 3), ("k_cache", k_shape, 4), ("v_cache", v_shape, 4)):
@@ -418,7 +426,7 @@ def check_attention_arrays(q, k_cache, v_cache, batch_size: int, page_size: int,
         num_kv_heads = k_shape[2]
     for name, shape in (("k_cache", k_shape), ("v_cache", v_shape)):
         check_shape(name, shape, (None, page_size, num_kv_heads, head_dim))
-    if shapes["v_cache"][1] != shapes["k_cache"][1]:
+    if shapes["v_cache"][1] != shapes["k_cache"][1] and kv_dtype is None:
         raise TypeError(f"v_cache: expected dtype {shapes['k_cache'][1]} (the dtype of k_cache), "
                         f"got {shapes['v_cache'][1]}")
     check_heads(num_qo_heads, num_kv_heads)

@@ -7,6 +7,7 @@ has them."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -15,7 +16,7 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
 
 from splitkv.runtime import kernel_abi  # noqa: E402
 from splitkv.runtime.kernel_source import (DecodeVariant, all_variants, compile_cubin,  # noqa: E402
-                                           read_source)
+                                           fp8_variants, read_source)
 
 # The cluster-merge variants build for sm_90 only; a sample covers every cluster size, dtype,
 # head dim and row-tile count.
@@ -46,6 +47,20 @@ def test_variant_compiles(variant, arch, capsys):
         print(f"\n  {variant.name} {arch}: decode_partial {regs} regs, {spill} B spilled; "
               f"merge_partials {report['merge_partials'][0]} regs", end="")
     if variant in MAIN_VARIANTS:
+        assert report["decode_partial"][1] == 0, f"{variant.name} spills registers on {arch}"
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("variant", fp8_variants(), ids=lambda v: v.name)
+def test_fp8_variant_compiles(variant, arch):
+    """Every fp8-KV variant (both formats): the copies into the byte stages and the widening
+    to 16 bits build for sm_80 (bit arithmetic, no fp8 instructions) and sm_90; the main
+    shapes do not spill."""
+    cubin, log = compile_cubin(variant.source(), arch, variant.name, verbose=True)
+    assert cubin[:4] == b"\x7fELF"
+    report = resource_report(log)
+    if replace(variant, kv_dtype="") in MAIN_VARIANTS:
         assert report["decode_partial"][1] == 0, f"{variant.name} spills registers on {arch}"
 
 

@@ -228,21 +228,29 @@ def check_storage_dtype(name: str, dtype: str, expected: str) -> None:
 
 def check_device_decode_arrays(q, k_cache, v_cache, *, batch_size: int, num_qo_heads: int,
                                num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
-                               max_page: int, device: int | None) -> None:
+                               max_page: int, device: int | None,
+                               kv_dtype: str | None = None) -> None:
     """Inputs of a GPU decode call, given as descriptors with .shape, .strides (elements),
     .dtype, .ptr and .device. K and V may be views with any page and token strides, as long as
-    each token's heads are contiguous and every row starts on a 16-byte boundary."""
+    each token's heads are contiguous and every row starts on a 16-byte boundary. With
+    ``kv_dtype`` (an fp8 format) K and V are uint8 codes or that dtype (torch's float8)."""
     check_shape("q", q.shape, (batch_size, num_qo_heads, head_dim))
     check_storage_dtype("q", q.dtype, dtype)
     if not q.is_contiguous:
         raise ValueError("q: expected a contiguous array")
+    item = 1 if kv_dtype else 2
     for name, arr in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_shape(name, arr.shape, (None, page_size, num_kv_heads, head_dim))
-        check_storage_dtype(name, arr.dtype, dtype)
+        if kv_dtype:
+            if arr.dtype not in ("uint8", kv_dtype):
+                raise TypeError(f"{name}: the wrapper's kv_dtype is {kv_dtype}: expected uint8 "
+                                f"codes or {kv_dtype}, got {arr.dtype}")
+        else:
+            check_storage_dtype(name, arr.dtype, dtype)
         if arr.strides[2:] != (head_dim, 1):
             raise ValueError(f"{name}: expected each token's heads to be contiguous "
                              f"(strides [*, *, {head_dim}, 1] in elements), got {list(arr.strides)}")
-        if arr.ptr % 16 or (arr.strides[0] * 2) % 16 or (arr.strides[1] * 2) % 16:
+        if arr.ptr % 16 or (arr.strides[0] * item) % 16 or (arr.strides[1] * item) % 16:
             raise ValueError(f"{name}: expected 16-byte aligned pages and tokens")
         if arr.shape[0] <= max_page:
             raise ValueError(f"{name}: the plan's page table references page {max_page} "

@@ -49,6 +49,11 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// 8-byte global -> shared copy (through L1: .cg takes 16 bytes only); src_bytes = 0 writes
+// zeros and reads nothing.
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
@@ -173,4 +178,22 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// fp8 codes to float, exactly (every e4m3fn and e5m2 value is a float16, a bfloat16 and a
+// float). e5m2 is the top byte of a float16. e4m3fn: its exponent and mantissa bits, placed as a
+// float16's low bits, are that number times 2**-8 (normal and subnormal alike: the biases differ
+// by 8); S.1111.111 is NaN. Bit arithmetic, so sm_80 runs it too.
+__device__ __forceinline__ float half_bits_to_float(unsigned short bits) {
+  float f;
+  asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"(bits));
+  return f;
+}
+__device__ __forceinline__ float e5m2_to_float(u32 code) {
+  return half_bits_to_float((unsigned short)(code << 8));
+}
+__device__ __forceinline__ float e4m3fn_to_float(u32 code) {
+  const u32 em = code & 0x7Fu;
+  const float v = em == 0x7Fu ? __int_as_float(0x7fc00000) : half_bits_to_float((unsigned short)(em << 7)) * 256.0f;
+  return (code & 0x80u) ? -v : v;
 }

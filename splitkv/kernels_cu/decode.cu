@@ -21,8 +21,13 @@
 // merge_partials: one thread per (request, qo head, 4 dims) of a split request; merges its
 // partials.
 //
+// KV_FP8 = 1 (e4m3fn) or 2 (e5m2): K and V are fp8 codes. The copies land in a byte staging
+// area (STAGES tiles in flight, 8-byte copies); before its group's barrier each thread turns the
+// bytes it copied itself into 16-bit values in one of two tiles of the usual layout, so the math
+// is the 16-bit path's. K's scale joins the score scale and V's the output (per CTA: one kv head).
+//
 // Compile-time parameters: SPLITKV_BF16, HEAD_DIM, ROW_TILES (1, 2, 4), STAGES, NUM_WARPS,
-// MAX_REGISTERS, CLUSTER, RECORD_PAGES.
+// MAX_REGISTERS, CLUSTER, RECORD_PAGES, KV_FP8.
 #include "decode_params.cuh"
 #include "softmax_state.cuh"
 
@@ -49,7 +54,17 @@
 #define DCHUNKS (HEAD_DIM / 8)                 // 16-byte chunks per row
 #define KSTEPS (HEAD_DIM / 16)
 #define DTILES (HEAD_DIM / 8)
+#ifndef KV_FP8
+#define KV_FP8 0
+#endif
+#if KV_FP8
+// two 16-bit K and V tiles (the one computed on and the next), then the fp8 stages
+#define TILE16_BYTES (TILE_N * HEAD_DIM * 2)
+#define STAGE8_BYTES (TILE_N * HEAD_DIM)
+#define PIPELINE_BYTES (2 * TILE16_BYTES * 2 + STAGES * STAGE8_BYTES * 2)
+#else
 #define PIPELINE_BYTES (STAGES * TILE_N * HEAD_DIM * 2 * 2)   // K and V tiles of every stage
+#endif
 static_assert(RECORD_PAGES / 4 <= NUM_THREADS, "record copy: one 16-byte copy per thread");
 
 // Partials merged per pass of merge_workspace: each pass issues all its loads before using any,
@@ -309,7 +324,15 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   const int g = lane >> 2, t = lane & 3;
 
   u16* k_smem = reinterpret_cast<u16*>(smem);
+#if KV_FP8
+  u16* v_smem = k_smem + 2 * TILE_N * HEAD_DIM;
+  const u32 k8_u32 = smem_u32(smem + 4 * TILE16_BYTES);
+  const u32 v8_u32 = k8_u32 + STAGES * STAGE8_BYTES;
+  const unsigned char* k_bytes = reinterpret_cast<const unsigned char*>(params.k_cache);
+  const unsigned char* v_bytes = reinterpret_cast<const unsigned char*>(params.v_cache);
+#else
   u16* v_smem = k_smem + STAGES * TILE_N * HEAD_DIM;
+#endif
   const u32 k_smem_u32 = smem_u32(k_smem), v_smem_u32 = smem_u32(v_smem);
 
   const int num_tiles = (tok_end - tok_begin + TILE_N - 1) / TILE_N;
@@ -364,17 +387,58 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   // Issue the copies of a tile into `stage` from the fetched entries; tokens past the chunk
   // are zero-filled without reading.
   auto issue_tile = [&](int stage) {
+#if KV_FP8
+    const u32 stage_bytes = (u32)(stage * STAGE8_BYTES);
+#else
     const u32 stage_bytes = (u32)(stage * TILE_N * HEAD_DIM * 2);
+#endif
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) {
       const int row = my_row0 + i * ROW_STEP;
       const bool valid = pg[i] >= 0;
       const i64 off = valid ? (i64)pg[i] * params.page_stride + (i64)slot[i] * params.token_stride + head_offset + my_chunk * 8 : 0;
+#if KV_FP8
+      const u32 dst = stage_bytes + (u32)(row * HEAD_DIM + my_chunk * 8);
+      cp_async8(k8_u32 + dst, k_bytes + off, valid ? 8 : 0);
+      cp_async8(v8_u32 + dst, v_bytes + off, valid ? 8 : 0);
+#else
       const u32 dst = stage_bytes + tile_offset_bytes(row, my_chunk);
       cp_async16(k_smem_u32 + dst, params.k_cache + off, valid ? 16 : 0);
       cp_async16(v_smem_u32 + dst, params.v_cache + off, valid ? 16 : 0);
+#endif
     }
   };
+#if KV_FP8
+  // The rows this thread copied of tile `tile`, from the fp8 stage into 16-bit tile tile & 1.
+  auto widen_tile = [&](int tile) {
+    const u32 src_stage = (u32)((tile % STAGES) * STAGE8_BYTES);
+    const u32 dst_tile = (u32)((tile & 1) * TILE16_BYTES);
+#pragma unroll
+    for (int i = 0; i < LOADS; ++i) {
+      const int row = my_row0 + i * ROW_STEP;
+      const u32 src = src_stage + (u32)(row * HEAD_DIM + my_chunk * 8);
+      const u32 dst = dst_tile + tile_offset_bytes(row, my_chunk);
+#pragma unroll
+      for (int kv = 0; kv < 2; ++kv) {
+        u32 lo, hi;
+        asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(lo), "=r"(hi) : "r"((kv ? v8_u32 : k8_u32) + src));
+        u32 w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const u32 word = j < 2 ? lo : hi, sh = (j & 1) * 16;
+          const u32 c0 = (word >> sh) & 0xFFu, c1 = (word >> (sh + 8)) & 0xFFu;
+#if KV_FP8 == 1
+          w[j] = pack2(e4m3fn_to_float(c0), e4m3fn_to_float(c1));
+#else
+          w[j] = pack2(e5m2_to_float(c0), e5m2_to_float(c1));
+#endif
+        }
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"((kv ? v_smem_u32 : k_smem_u32) + dst),
+                     "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+      }
+    }
+  };
+#endif
 
   // Rows g and g+8 of this warp's row tile; d holds this lane's share of each denominator until
   // the end.
@@ -390,6 +454,16 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   // the K/V cache and the workspace may be written by the kernel just before (or read by it:
   // the previous merge reads the partials this kernel overwrites), so they wait for its end.
   wait_for_prior_grid();
+  // The scores' scale (base 2); with fp8, times K's scale, and V's scale for the output.
+#if KV_FP8
+  const float k_scale = params.k_scale ? __uint_as_float(ld_after_wait_u32(params.k_scale + kvh * params.k_scale_stride))
+                                       : params.k_scale_value;
+  const float v_scale = params.v_scale ? __uint_as_float(ld_after_wait_u32(params.v_scale + kvh * params.v_scale_stride))
+                                       : params.v_scale_value;
+  const float score_scale = params.sm_scale_log2 * k_scale;
+#else
+  const float score_scale = params.sm_scale_log2;
+#endif
   // Q as MMA A-fragments, one row tile per warp; rows past the group are zero. (Loaded with
   // ld_after_wait_u32: with PDL, q may be the previous kernel's output.)
   u32 qf[KSTEPS][4];
@@ -419,6 +493,9 @@ decode_partial(const __grid_constant__ DecodeParams params) {
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<STAGES - 2>();
+#if KV_FP8
+    widen_tile(tile);   // 16-bit tile tile & 1 was last read for tile - 2, before the last barrier
+#endif
     group_sync();  // the group's rows of tile `tile` are visible; stage (tile-1) % STAGES is free
     {
       const int next = tile + STAGES - 1;
@@ -426,7 +503,11 @@ decode_partial(const __grid_constant__ DecodeParams params) {
       cp_async_commit();
       fetch_pages(next + 1, ReadOnlyPageIds{pages}, 0);
     }
+#if KV_FP8
+    const int stage = tile & 1;
+#else
     const int stage = tile % STAGES;
+#endif
     const u32 ks_base = k_smem_u32 + (u32)(stage * TILE_N * HEAD_DIM * 2);
     const u32 vs_base = v_smem_u32 + (u32)(stage * TILE_N * HEAD_DIM * 2);
     const int tile_tok0 = tok_begin + tile * TILE_N;
@@ -467,7 +548,7 @@ decode_partial(const __grid_constant__ DecodeParams params) {
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            float v = s[st][nt][e] * params.sm_scale_log2;
+            float v = s[st][nt][e] * score_scale;
             if (masked) {
               const int tok = tile_tok0 + warp_n * TOK_PER_WARP + st * 16 + nt * 8 + 2 * t + (e & 1);
               v = tok < tok_end ? v : SPLITKV_NEG_INF;
@@ -532,6 +613,13 @@ decode_partial(const __grid_constant__ DecodeParams params) {
     state[r].d += __shfl_xor_sync(0xffffffffu, state[r].d, 1);
     state[r].d += __shfl_xor_sync(0xffffffffu, state[r].d, 2);
   }
+#if KV_FP8
+#pragma unroll
+  for (int i = 0; i < 2 * DTILES; ++i) {   // O = sum p v_stored x v_scale (d is unscaled)
+    state[0].o[i] *= v_scale;
+    state[1].o[i] *= v_scale;
+  }
+#endif
   {
     float* wo = warps.o + warp * 16 * HEAD_DIM;
 #pragma unroll

@@ -73,4 +73,13 @@ struct DecodeParams {
                                    //    its header; a record with RECORD_HAS_PAGES uses them
   int pdl_early_trigger;           // 1: let the next kernel launch at the start, not at the end
                                    //    of streaming (with programmatic dependent launch)
+  // fp8 caches (KV_FP8): K = code value x k_scale. A device array (read after the wait, so a
+  // graph sees new values) of one value (stride 0) or one per kv head (stride 1); null: the
+  // value below.
+  const float* k_scale;
+  const float* v_scale;
+  float k_scale_value;
+  float v_scale_value;
+  int k_scale_stride;
+  int v_scale_stride;
 };

@@ -45,6 +45,12 @@ class DecodeParams(ctypes.Structure):
         ("sm_scale_log2", ctypes.c_float),
         ("pages_in_record", ctypes.c_int32),
         ("pdl_early_trigger", ctypes.c_int32),
+        ("k_scale", _POINTER),
+        ("v_scale", _POINTER),
+        ("k_scale_value", ctypes.c_float),
+        ("v_scale_value", ctypes.c_float),
+        ("k_scale_stride", ctypes.c_int32),
+        ("v_scale_stride", ctypes.c_int32),
     ]
 
 

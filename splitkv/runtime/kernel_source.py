@@ -5,13 +5,16 @@ compiles through NVRTC on a CPU-only machine."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib import resources
 
 from ..core.execution import CLUSTER_SIZES
 from ..core.geometry import MAX_HEADS_PER_CTA, RECORD_PAGES, TILE_TOKENS, WARPS_PER_CTA
 from .kernel_abi import layout_checks
+
+# KV_FP8 of each fp8 format (core/fp8.py's names)
+KV_FP8_CODES = {"float8_e4m3fn": 1, "float8_e5m2": 2}
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
@@ -46,11 +49,15 @@ class DecodeVariant:
     max_registers: int = 0    # per-thread register cap (experiments); 0 = the compiler's choice
     cluster: int = 0    # S > 1: the S chunks of each request run as one thread-block cluster
                         # and merge through distributed shared memory (sm_90+); 0 = no cluster
+    kv_dtype: str = ""  # "" (K/V in dtype), or an fp8 format: K/V are fp8 codes (KV_FP8)
 
     def __post_init__(self):
         if self.stages == 0:
             # About 64-96 KiB of K+V in flight per CTA, so two or three CTAs fit on an SM.
             object.__setattr__(self, "stages", DEFAULT_STAGES[self.head_dim])
+        if self.kv_dtype not in ("", *KV_FP8_CODES):
+            raise ValueError(f"kv_dtype: expected '' or one of {tuple(KV_FP8_CODES)}, "
+                             f"got {self.kv_dtype!r}")
         if self.cluster not in (0, *CLUSTER_SIZES):
             raise ValueError(f"cluster: expected 0 or one of {CLUSTER_SIZES}, got {self.cluster}")
 
@@ -60,7 +67,11 @@ class DecodeVariant:
 
     @property
     def shared_bytes(self) -> int:
-        pipeline = self.stages * TILE_TOKENS * self.head_dim * 2 * 2 + RECORD_PAGES * 4
+        if self.kv_dtype:   # two 16-bit K and V tiles, then the fp8 stages (decode.cu)
+            pipeline = (2 * TILE_TOKENS * self.head_dim * 2 * 2
+                        + self.stages * TILE_TOKENS * self.head_dim * 2 + RECORD_PAGES * 4)
+        else:
+            pipeline = self.stages * TILE_TOKENS * self.head_dim * 2 * 2 + RECORD_PAGES * 4
         combine = WARPS_PER_CTA * 16 * (self.head_dim + 2) * 4   # reused after the pipeline
         if self.cluster:
             combine += self.rows * (self.head_dim + 1) * 4          # the CTA's partial state
@@ -71,13 +82,15 @@ class DecodeVariant:
         return {"SPLITKV_BF16": int(self.dtype == "bfloat16"), "HEAD_DIM": self.head_dim,
                 "ROW_TILES": self.row_tiles, "STAGES": self.stages, "NUM_WARPS": WARPS_PER_CTA,
                 "MAX_REGISTERS": self.max_registers, "CLUSTER": self.cluster,
-                "RECORD_PAGES": RECORD_PAGES}
+                "RECORD_PAGES": RECORD_PAGES, "KV_FP8": KV_FP8_CODES.get(self.kv_dtype, 0)}
 
     @property
     def name(self) -> str:
         regs = f"_reg{self.max_registers}" if self.max_registers else ""
         cluster = f"_c{self.cluster}" if self.cluster else ""
-        return f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}_s{self.stages}{regs}{cluster}"
+        kv = f"_kv_{self.kv_dtype.split('_')[1]}" if self.kv_dtype else ""
+        return (f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}_s{self.stages}{regs}{cluster}"
+                f"{kv}")
 
     def source(self) -> str:
         """decode.cu with this variant's defines, and the checks that its argument structs are
@@ -87,15 +100,22 @@ class DecodeVariant:
 
     @staticmethod
     def for_problem(dtype: str, head_dim: int, group_size: int, stages: int = 0,
-                    max_registers: int = 0, cluster: int = 0) -> "DecodeVariant":
+                    max_registers: int = 0, cluster: int = 0,
+                    kv_dtype: str = "") -> "DecodeVariant":
         rows = min(group_size, MAX_HEADS_PER_CTA)
         row_tiles = 1 if rows <= 16 else 2 if rows <= 32 else 4
-        return DecodeVariant(dtype, head_dim, row_tiles, stages, max_registers, cluster)
+        return DecodeVariant(dtype, head_dim, row_tiles, stages, max_registers, cluster,
+                             kv_dtype or "")
 
 
 def all_variants() -> list[DecodeVariant]:
     return [DecodeVariant(dt, d, rt) for dt in ("float16", "bfloat16") for d in (64, 128, 256)
             for rt in (1, 2, 4)]
+
+
+def fp8_variants() -> list[DecodeVariant]:
+    """Every fp8-KV variant (both formats), as CI compiles them."""
+    return [replace(v, kv_dtype=f) for v in all_variants() for f in KV_FP8_CODES]
 
 
 def compile_cubin(source: str, arch: str, name: str = "kernel.cu", verbose: bool = False):

@@ -28,6 +28,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..core import fp8
 from ..core import validation as V
 from ..core.execution import check_launch_order, grid_order
 from ..core.geometry import RECORD_PAGES, THREADS_PER_CTA, ctas_per_kv_head
@@ -80,6 +81,10 @@ class BatchDecodeWrapper:
         ``max_batch_size`` rows (rows past the plan's batch are not written).
     max_batch_size, max_num_pages: the capacity of a graph-stable wrapper: requests per plan,
         and page-table entries (``kv_indices``) per plan. Required with ``use_cuda_graph``.
+    kv_dtype: None (K/V in ``dtype``), or an fp8 format for the caches: 'float8_e4m3fn' or
+        'float8_e5m2' (vLLM's 'fp8_e4m3' / 'fp8_e5m2' too; torch.float8_* dtypes): K and V are
+        uint8 codes (or torch float8 tensors), dequantized in the kernel; ``run()`` takes their
+        scales. q and the output stay ``dtype``.
     max_chunks: chunks per plan (the fixed grid is max_chunks x num_kv_heads x
         ctas_per_kv_head CTAs, and CTAs past the plan's chunks exit at once); default: at least
         max_batch_size, and 2 x SMs CTAs for a small batch's grid (one CTA per SM, see
@@ -91,7 +96,7 @@ class BatchDecodeWrapper:
                  launch_order: str = "longest_chunks", pdl: bool | None = None,
                  experiments: DecodeExperiments | None = None, *, use_cuda_graph: bool = False,
                  max_batch_size: int | None = None, max_num_pages: int | None = None,
-                 max_chunks: int | None = None):
+                 max_chunks: int | None = None, kv_dtype=None):
         self.num_qo_heads, self.num_kv_heads = V.check_heads(num_qo_heads, num_kv_heads)
         self.head_dim = V.check_head_dim(head_dim)
         self.page_size = V.check_int("page_size", page_size, 1)
@@ -104,9 +109,11 @@ class BatchDecodeWrapper:
             experiments = DecodeExperiments()
         V.check_instance("experiments", experiments, DecodeExperiments)
         self.experiments = experiments
+        self.kv_dtype = fp8.fp8_format("kv_dtype", kv_dtype)
         self.variant = DecodeVariant.for_problem(self.dtype, self.head_dim, self.group_size,
                                                  experiments.stages or 0,
-                                                 experiments.max_registers or 0)
+                                                 experiments.max_registers or 0,
+                                                 kv_dtype=self.kv_dtype or "")
         self.ctas_per_kv_head = ctas_per_kv_head(self.group_size)
         self._profile = profile
         self._resolved_profile = None         # the Profile, once read
@@ -457,6 +464,27 @@ class BatchDecodeWrapper:
             raise RuntimeError("clear_device_plan_error: call plan_on_device() first")
         self._device_planner.clear_error(as_cupy_stream(stream))
 
+    def _scale(self, name: str, scale) -> tuple[int, float, int]:
+        """An fp8 scale as DecodeParams holds it: (device pointer or 0, value, stride)."""
+        if scale is None:
+            return 0, 1.0, 0
+        if self.kv_dtype is None:
+            raise ValueError(f"{name}: scales are for fp8 caches; this wrapper's kv_dtype is None")
+        if isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, bool):
+            value = float(scale)
+            if not (np.isfinite(value) and value > 0):
+                raise ValueError(f"{name}: expected a finite value > 0, got {scale!r}")
+            return 0, float(np.float32(value)), 0
+        arr = as_device_array(name, scale)
+        if arr.dtype != "float32" or len(arr.shape) != 1 or arr.shape[0] not in (
+                1, self.num_kv_heads) or not arr.is_contiguous:
+            raise ValueError(f"{name}: expected a number, or a contiguous float32 device array "
+                             f"of 1 value (per tensor) or {self.num_kv_heads} (one per kv head); "
+                             f"got {arr.dtype} of shape {list(arr.shape)}")
+        if arr.device is not None and self._device_id is not None and arr.device != self._device_id:
+            raise ValueError(f"{name}: is on device {arr.device}, the plan on {self._device_id}")
+        return arr.ptr, 1.0, int(arr.shape[0] > 1)
+
     def _check_fits(self, page_table: PageTable, max_page: int, stream) -> None:
         """A graph-stable wrapper's checks of a page table against its capacity, before any
         planning or upload."""
@@ -521,9 +549,14 @@ class BatchDecodeWrapper:
 
     # ------------------------------------------------------------------- run
     def run(self, q, k_cache, v_cache, *, out=None, lse=None, return_lse: bool = False,
-            stream=None):
+            stream=None, k_scale=None, v_scale=None):
         """Launch the planned kernels. Returns ``out`` or ``(out, lse)`` if ``return_lse`` or
-        ``lse`` is given. Raises before any launch if an input does not match the plan."""
+        ``lse`` is given. Raises before any launch if an input does not match the plan.
+
+        k_scale, v_scale (fp8 caches, ``kv_dtype``): K = code value x k_scale. None (1), a
+        number (per tensor, held by a captured graph), or a device float32 array of 1 value
+        (per tensor) or num_kv_heads values (per kv head), read when the kernel runs (so a
+        graph sees new values)."""
         require_gpu("BatchDecodeWrapper.run()")
         import cupy
 
@@ -537,7 +570,9 @@ class BatchDecodeWrapper:
         V.check_device_decode_arrays(qa, ka, va, batch_size=batch, num_qo_heads=self.num_qo_heads,
                                      num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                      page_size=self.page_size, dtype=self.dtype,
-                                     max_page=self._max_page, device=self._device_id)
+                                     max_page=self._max_page, device=self._device_id,
+                                     kv_dtype=self.kv_dtype)
+        scales = (*self._scale("k_scale", k_scale), *self._scale("v_scale", v_scale))
         want_lse = return_lse or lse is not None
         s = as_cupy_stream(stream)
         if out is None:
@@ -568,7 +603,7 @@ class BatchDecodeWrapper:
                 pool, self._graph_pool_pages)
         if batch:
             self._launch(qa.ptr, ka.ptr, va.ptr, ka.strides[0], ka.strides[1], oa.ptr, lse_ptr,
-                         s.ptr, plain=self._run_after_device_plan)
+                         s.ptr, plain=self._run_after_device_plan, scales=scales)
             self._run_after_device_plan = False
         if foreign:
             # the next plan()'s upload rewrites the buffers this run reads: it waits for this

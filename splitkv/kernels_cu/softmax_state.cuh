@@ -63,9 +63,10 @@ struct SoftmaxState {
   // What scores are offset by before exp2.
   __device__ __forceinline__ float offset() const { return safe_max(m); }
 
-  // log2 of the sum of exp2(scores): m + log2(d), -inf for an empty state.
+  // log2 of the sum of exp2(scores): m + log2(d), -inf for an empty state, NaN when a score
+  // was NaN (d is then NaN: a NaN partial must not look empty, or a merge would drop it).
   __device__ __forceinline__ float lse2() const {
-    return d > 0.f ? safe_max(m) + fast_log2(d) : SPLITKV_NEG_INF;
+    return d > 0.f || d != d ? safe_max(m) + fast_log2(d) : SPLITKV_NEG_INF;
   }
 
   // The attention output o / d (0 for an empty state), four dims.

@@ -10,64 +10,94 @@ from . import validation as V
 from .merge import merge_states_n
 from .plan import Plan
 from .problem import PageTable
+from . import variants as VA
 from .reference import attend, kv_format, kv_to_float64, to_float64
 
 
 def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_scale=None, *,
-                     kv_dtype=None, k_scale=None, v_scale=None):
+                     kv_dtype=None, k_scale=None, v_scale=None, window_left: int = -1,
+                     logits_soft_cap=None, qo_indptr=None):
     """Partial states, float64: (partial_o [num_chunks, num_qo_heads, head_dim],
-    partial_lse [num_chunks, num_qo_heads])."""
+    partial_lse [num_chunks, num_qo_heads]); with ``qo_indptr``, one per query row of the
+    chunk's request: [num_chunks, max q_len, ...] (rows past a request's q_len stay empty)."""
     V.check_instance("plan", plan, Plan)
     V.check_instance("page_table", page_table, PageTable)
     p = plan.problem
     V.check_plan_for_table(plan, page_table)
     fmt = kv_format(k_cache, kv_dtype)
-    V.check_attention_arrays(q, k_cache, v_cache, p.batch_size, p.page_size, page_table.kv_indices,
-                             p.num_qo_heads, p.num_kv_heads, p.head_dim, kv_dtype=fmt)
+    rows = VA.query_rows(qo_indptr, p.kv_lens)
+    V.check_attention_arrays(q, k_cache, v_cache, rows.num_rows, p.page_size,
+                             page_table.kv_indices, p.num_qo_heads, p.num_kv_heads, p.head_dim,
+                             kv_dtype=fmt)
     sm_scale = V.check_sm_scale(sm_scale, p.head_dim)
+    variant = VA.check_variant(p.num_qo_heads, window_left, logits_soft_cap)
     q64 = to_float64(q)
     k64, v64 = kv_to_float64(k_cache, v_cache, p.num_kv_heads, fmt, k_scale, v_scale)
     g, hk, d = p.group_size, p.num_kv_heads, p.head_dim
     k_flat, v_flat = k64.reshape(-1, hk, d), v64.reshape(-1, hk, d)
-    partial_o = np.zeros((plan.num_chunks, p.num_qo_heads, d))
-    partial_lse = np.full((plan.num_chunks, p.num_qo_heads), -np.inf)
+    width = rows.max_q_len
+    partial_o = np.zeros((plan.num_chunks, width, p.num_qo_heads, d))
+    partial_lse = np.full((plan.num_chunks, width, p.num_qo_heads), -np.inf)
     slots_by_request = {}
     for c in range(plan.num_chunks):
         b = int(plan.chunk_request[c])
         if b not in slots_by_request:
             slots_by_request = {b: page_table.token_slots(b)}
-        slots = slots_by_request[b][plan.chunk_start[c]:plan.chunk_end[c]]
-        for h in range(hk):
-            heads = slice(h * g, (h + 1) * g)
-            partial_o[c, heads], partial_lse[c, heads] = attend(
-                q64[plan.chunk_request[c], heads], k_flat[slots, h], v_flat[slots, h], sm_scale)
+        slots, kv_len = slots_by_request[b], int(p.kv_lens[b])
+        begin, end = int(plan.chunk_start[c]), int(plan.chunk_end[c])
+        for j in range(int(rows.count[b])):
+            lo, hi = VA.visible(rows.position(b, j, kv_len), kv_len, variant.window_left)
+            seen = slots[max(begin, lo):max(min(end, hi), max(begin, lo))]
+            r = int(rows.first[b]) + j
+            for h in range(hk):
+                heads = slice(h * g, (h + 1) * g)
+                partial_o[c, j, heads], partial_lse[c, j, heads] = attend(
+                    q64[r, heads], k_flat[seen, h], v_flat[seen, h], sm_scale,
+                    variant.logits_soft_cap)
+    if qo_indptr is None:
+        return partial_o[:, 0], partial_lse[:, 0]
     return partial_o, partial_lse
 
 
-def merge_partials(plan: Plan, partial_o: np.ndarray, partial_lse: np.ndarray):
-    """Combine each request's chunks in chunk order (the GPU merges in the same fixed order)."""
+def merge_partials(plan: Plan, partial_o: np.ndarray, partial_lse: np.ndarray, *,
+                   qo_indptr=None, sinks=None):
+    """Combine each request's chunks in chunk order (the GPU merges in the same fixed order),
+    then join the sinks (``variants.add_sinks``)."""
     p = plan.problem
-    out = np.zeros((p.batch_size, p.num_qo_heads, p.head_dim), dtype=partial_o.dtype)
-    lse = np.full((p.batch_size, p.num_qo_heads), -np.inf)
+    rows = VA.query_rows(qo_indptr, p.kv_lens)
+    variant = VA.check_variant(p.num_qo_heads, sinks=sinks)
+    if qo_indptr is None:
+        partial_o, partial_lse = partial_o[:, None], partial_lse[:, None]
+    out = np.zeros((rows.num_rows, p.num_qo_heads, p.head_dim), dtype=partial_o.dtype)
+    lse = np.full((rows.num_rows, p.num_qo_heads), -np.inf)
     for b in range(p.batch_size):
         lo, hi = plan.merge_indptr[b], plan.merge_indptr[b + 1]
-        out[b], lse[b] = merge_states_n(partial_o[lo:hi], partial_lse[lo:hi])
-    return out, lse
+        for j in range(int(rows.count[b])):
+            r = int(rows.first[b]) + j
+            out[r], lse[r] = merge_states_n(partial_o[lo:hi, j], partial_lse[lo:hi, j])
+    return VA.add_sinks(out, lse, variant.sinks)
 
 
 def execute_plan_cpu(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_scale=None, *,
-                     kv_dtype=None, k_scale=None, v_scale=None):
+                     kv_dtype=None, k_scale=None, v_scale=None, window_left: int = -1,
+                     logits_soft_cap=None, sinks=None, qo_indptr=None):
     """Run ``plan`` on the host. q: [batch, num_qo_heads, head_dim]; k_cache, v_cache:
     [num_pages, page_size, num_kv_heads, head_dim] (NHD), any float dtype (computed in float64),
-    or fp8 with ``kv_dtype`` and the scales as ``reference_decode`` takes them.
-    Returns (out [batch, num_qo_heads, head_dim], lse [batch, num_qo_heads]), float64.
+    or fp8 with ``kv_dtype`` and the scales as ``reference_decode`` takes them; the variants
+    (``window_left``, ``logits_soft_cap``, ``sinks``, ``qo_indptr``) as ``core.variants``
+    defines them. Returns (out [batch (or query rows), num_qo_heads, head_dim], lse [batch,
+    num_qo_heads]), float64.
 
     Non-finite inputs give what ``reference_decode`` gives, for every strategy and split: a
     chunk with a non-finite score (NaN or Inf in q or K) has a NaN LSE, and ``merge_states_n``
     turns a NaN LSE into a NaN output and LSE for that (request, query head); a request with no
     tokens gets zeros and -inf; NaN or Inf in V reaches the output components it is summed into.
     Other requests and heads are unaffected."""
+    if sinks is not None:      # checked before any work
+        VA.check_variant(plan.problem.num_qo_heads, sinks=sinks)
     partial_o, partial_lse = compute_partials(plan, q, k_cache, v_cache, page_table, sm_scale,
                                               kv_dtype=kv_dtype, k_scale=k_scale,
-                                              v_scale=v_scale)
-    return merge_partials(plan, partial_o, partial_lse)
+                                              v_scale=v_scale, window_left=window_left,
+                                              logits_soft_cap=logits_soft_cap,
+                                              qo_indptr=qo_indptr)
+    return merge_partials(plan, partial_o, partial_lse, qo_indptr=qo_indptr, sinks=sinks)

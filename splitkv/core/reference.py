@@ -6,6 +6,7 @@ import numpy as np
 
 from . import fp8
 from . import validation as V
+from . import variants as VA
 from .bfloat16 import bits_to_float32
 from .problem import PageTable
 
@@ -47,12 +48,14 @@ def kv_to_float64(k_cache, v_cache, num_kv_heads: int, kv_format, k_scale=None,
     return k64, v64
 
 
-def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float):
+def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float,
+           soft_cap: float | None = None):
     """One request, one kv head group. q: [G, D]; k, v: [N, D]. Returns (o [G, D], lse [G]).
 
     No keys (N = 0): zeros and -inf. A query row with a non-finite score (NaN, +inf or -inf:
     NaN or Inf in q or K, or a product past the float64 range) gets NaN for its whole output
     and its LSE. A NaN or Inf in V reaches the output components it is summed into (IEEE).
+    ``soft_cap``: scores become cap * tanh(score / cap) (the rule above reads the raw score).
     """
     if k.shape[0] == 0:
         return np.zeros_like(q), np.full(q.shape[0], -np.inf)
@@ -61,6 +64,7 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float):
         bad = ~np.isfinite(s).all(axis=1)
         if bad.any():    # computed on zero scores (no inf - inf), then set to NaN
             s[bad] = 0
+        s = VA.cap_scores(s, soft_cap)
         m = s.max(axis=1, keepdims=True)
         p = np.exp(s - m)
         d = p.sum(axis=1, keepdims=True)
@@ -71,7 +75,8 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float):
 
 
 def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float | None = None,
-                     *, kv_dtype=None, k_scale=None, v_scale=None):
+                     *, kv_dtype=None, k_scale=None, v_scale=None, window_left: int = -1,
+                     logits_soft_cap: float | None = None, sinks=None, qo_indptr=None):
     """Decode attention over a paged cache, in float64.
 
     q: [batch, num_qo_heads, head_dim]; k_cache, v_cache: [num_pages, page_size, num_kv_heads,
@@ -80,6 +85,9 @@ def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float
     'fp8_e5m2') with uint8 codes, or caches of that ml_dtypes dtype (then kv_dtype may be
     omitted); dequantized exactly. ``k_scale``, ``v_scale``: K = stored value x k_scale, one
     value per tensor or one per kv head (default 1), for any cache dtype.
+    ``window_left``, ``logits_soft_cap``, ``sinks``, ``qo_indptr`` (multi-token decode: q is
+    then [qo_indptr[-1], num_qo_heads, head_dim] and so are the outputs): ``core.variants``
+    says what each means.
     Returns (out [batch, num_qo_heads, head_dim] float64,
     lse [batch, num_qo_heads] float64, natural log of sum(exp(sm_scale * q.k))).
     A request with no tokens gets zeros and lse -inf (whatever its q holds). A (request, query
@@ -89,22 +97,29 @@ def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float
     """
     V.check_instance("page_table", page_table, PageTable)
     fmt = kv_format(k_cache, kv_dtype)
-    hq, hk, d = V.check_attention_arrays(q, k_cache, v_cache, page_table.batch_size,
+    rows = VA.query_rows(qo_indptr, page_table.kv_lens)
+    hq, hk, d = V.check_attention_arrays(q, k_cache, v_cache, rows.num_rows,
                                          page_table.page_size, page_table.kv_indices,
                                          kv_dtype=fmt)
     sm_scale = V.check_sm_scale(sm_scale, d)
+    variant = VA.check_variant(hq, window_left, logits_soft_cap, sinks)
     q64 = to_float64(q)
     k64, v64 = kv_to_float64(k_cache, v_cache, hk, fmt, k_scale, v_scale)
-    batch = page_table.batch_size
     g = hq // hk
     k_flat = k64.reshape(-1, hk, d)
     v_flat = v64.reshape(-1, hk, d)
-    out = np.zeros((batch, hq, d))
-    lse = np.full((batch, hq), -np.inf)
-    for b in range(batch):
+    out = np.zeros((rows.num_rows, hq, d))
+    lse = np.full((rows.num_rows, hq), -np.inf)
+    for b in range(page_table.batch_size):
         slots = page_table.token_slots(b)
-        for h in range(hk):
-            heads = slice(h * g, (h + 1) * g)
-            out[b, heads], lse[b, heads] = attend(q64[b, heads], k_flat[slots, h], v_flat[slots, h],
-                                                  sm_scale)
-    return out, lse
+        kv_len = int(page_table.kv_lens[b])
+        for j in range(int(rows.count[b])):
+            r = int(rows.first[b]) + j
+            lo, hi = VA.visible(rows.position(b, j, kv_len), kv_len, variant.window_left)
+            seen = slots[lo:hi]
+            for h in range(hk):
+                heads = slice(h * g, (h + 1) * g)
+                out[r, heads], lse[r, heads] = attend(q64[r, heads], k_flat[seen, h],
+                                                      v_flat[seen, h], sm_scale,
+                                                      variant.logits_soft_cap)
+    return VA.add_sinks(out, lse, variant.sinks)

@@ -1,0 +1,138 @@
+"""Attention variants of today's models, as the host paths compute them (the GPU kernels will
+follow; issue 16), with the names FlashInfer and vLLM users know:
+
+- ``window_left`` (sliding window, Mistral / Gemma / gpt-oss): a query at position p sees KV
+  positions p - window_left .. p; -1 (the default): no window.
+- ``logits_soft_cap`` (Gemma-2): each score s = sm_scale * q.k becomes cap * tanh(s / cap)
+  before the softmax; None or 0: no cap.
+- ``sinks`` (gpt-oss): one logit per query head (natural-log units, like the scaled scores)
+  that joins the softmax denominator and contributes no value: o = sum_i exp(s_i) v_i /
+  (sum_i exp(s_i) + exp(sink)). The returned LSE includes the sink (log of that denominator),
+  so o = sum_i exp(s_i - lse) v_i; a state with a sink does not merge with another
+  (``merge_states`` would count the sink twice).
+- multi-token decode (``qo_indptr``, FlashInfer's name): request b has q_len_b = qo_indptr[b+1]
+  - qo_indptr[b] query rows (1 to ``MAX_Q_LEN``), the last q_len_b positions of its KV, causal
+  among themselves: row j sees positions up to kv_len - q_len_b + j. q is then [qo_indptr[-1],
+  num_qo_heads, head_dim]. A request with no KV has one query row (its output is zeros, or
+  only its sink).
+
+The non-finite rule of the plain path holds: a NaN or Inf in q or K (a non-finite raw score,
+before the cap) makes that row and head NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import validation as V
+from .merge import merge_states
+
+MAX_Q_LEN = 16
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The variant options of one call, checked (``check_variant``)."""
+
+    window_left: int = -1
+    logits_soft_cap: float | None = None
+    sinks: np.ndarray | None = None           # [num_qo_heads] float64
+
+    @property
+    def plain(self) -> bool:
+        return self.window_left < 0 and self.logits_soft_cap is None and self.sinks is None
+
+
+def check_variant(num_qo_heads: int, window_left=-1, logits_soft_cap=None, sinks=None) -> Variant:
+    window_left = V.check_int("window_left", window_left, -1, V.MAX_KV_LEN, "MAX_KV_LEN")
+    if logits_soft_cap is not None:
+        if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap,
+                                                                  (int, float, np.number)):
+            raise TypeError(f"logits_soft_cap: expected a number or None, got "
+                            f"{type(logits_soft_cap).__name__}")
+        cap = float(logits_soft_cap)
+        if not np.isfinite(cap) or cap < 0:
+            raise ValueError(f"logits_soft_cap: expected a finite value >= 0 (0: no cap), got "
+                             f"{logits_soft_cap!r}")
+        logits_soft_cap = cap if cap > 0 else None
+    if sinks is not None:
+        if hasattr(sinks, "get"):
+            sinks = sinks.get()
+        try:
+            values = np.asarray(sinks, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise TypeError(f"sinks: expected {num_qo_heads} numbers (one per query head), got "
+                            f"{type(sinks).__name__}") from None
+        if values.shape != (num_qo_heads,):
+            raise ValueError(f"sinks: expected shape [{num_qo_heads}] (one per query head), got "
+                             f"{list(values.shape)}")
+        if np.any(np.isnan(values)) or np.any(values == np.inf):
+            raise ValueError("sinks: expected values that are not NaN or +inf (-inf: no sink "
+                             "for that head)")
+        sinks = values
+    return Variant(window_left, logits_soft_cap, sinks)
+
+
+@dataclass(frozen=True)
+class QueryRows:
+    """Each request's query rows: its first row in q and their count."""
+
+    first: np.ndarray       # [batch] int64
+    count: np.ndarray       # [batch] int64
+    num_rows: int
+
+    @property
+    def max_q_len(self) -> int:
+        return int(self.count.max(initial=1))
+
+    def position(self, b: int, j: int, kv_len: int) -> int:
+        """KV position of request b's query row j (the last rows of its KV)."""
+        return kv_len - int(self.count[b]) + j
+
+
+def query_rows(qo_indptr, kv_lens: np.ndarray) -> QueryRows:
+    """The rows of ``qo_indptr`` checked against the requests' lengths; None: one row each."""
+    batch = kv_lens.size
+    if qo_indptr is None:
+        ones = np.ones(batch, np.int64)
+        return QueryRows(np.arange(batch, dtype=np.int64), ones, batch)
+    indptr = V.host_int_array("qo_indptr", qo_indptr, 1)
+    if indptr.size != batch + 1:
+        raise ValueError(f"qo_indptr: expected {batch + 1} elements (batch_size + 1), got "
+                         f"{indptr.size}")
+    if indptr[0] != 0:
+        raise ValueError(f"qo_indptr: expected qo_indptr[0] == 0, got {indptr[0]}")
+    counts = np.diff(indptr)
+    bad = np.flatnonzero((counts < 1) | (counts > MAX_Q_LEN))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"qo_indptr: request {b} has {counts[b]} query rows; expected 1 to "
+                         f"MAX_Q_LEN={MAX_Q_LEN}")
+    past = np.flatnonzero(counts > np.maximum(kv_lens, 1))
+    if past.size:
+        b = int(past[0])
+        raise ValueError(f"qo_indptr: request {b} has {counts[b]} query rows but {kv_lens[b]} "
+                         f"KV tokens; its new tokens are the last q_len of its KV")
+    return QueryRows(indptr[:-1].astype(np.int64), counts.astype(np.int64), int(indptr[-1]))
+
+
+def visible(position: int, kv_len: int, window_left: int) -> tuple[int, int]:
+    """The KV positions a query at ``position`` sees: [lo, hi)."""
+    hi = min(position + 1, kv_len)
+    lo = 0 if window_left < 0 else max(0, position - window_left)
+    return lo, max(lo, hi)
+
+
+def cap_scores(s: np.ndarray, cap: float | None) -> np.ndarray:
+    return s if cap is None else cap * np.tanh(s / cap)
+
+
+def add_sinks(o: np.ndarray, lse: np.ndarray, sinks: np.ndarray | None):
+    """The state (o [..., heads, dim], lse [..., heads]) with each head's sink joined to its
+    denominator (a state of no value and LSE = the sink)."""
+    if sinks is None:
+        return o, lse
+    sink_lse = np.broadcast_to(sinks, lse.shape).astype(np.float64)
+    return merge_states(o, lse, np.zeros_like(o), sink_lse)

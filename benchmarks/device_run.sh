@@ -2,6 +2,7 @@
 # Everything the GPU machine has to do, in one call per phase; logs and results under $OUT.
 #   bash benchmarks/device_run.sh tests calibrate      # GPU tests + memcheck, then calibration
 #   bash benchmarks/device_run.sh eval bench           # planner evaluation, then the benchmark
+#   bash benchmarks/device_run.sh bench_fp8            # the benchmark with fp8 K/V
 #   bash benchmarks/device_run.sh device_plan plan_cost  # plan_on_device tests; planning's cost per step
 #   bash benchmarks/device_run.sh dissect              # what a short call spends its time on
 #   bash benchmarks/device_run.sh pdl                  # A/B: plain launches against PDL
@@ -33,6 +34,10 @@ for phase in "$@"; do
       # a fresh CuPy kernel cache, so the first-call compile time is a cold one
       CUPY_CACHE_DIR=$(mktemp -d) SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench --json "$RES/h200.json" --markdown "$RES/h200.md" 2>&1 \
         | grep -v Warning | tee "$RES/bench.log" | tail -22 ;;
+    bench_fp8)
+      # fp8 K/V (e4m3, scale 1) through the same cases; the fp8 peers are issue 15's table
+      CUPY_CACHE_DIR=$(mktemp -d) SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench --kv-dtype fp8_e4m3 \
+        --json "$RES/h200-fp8.json" --markdown "$RES/h200-fp8.md" 2>&1 | grep -v Warning | tee "$RES/bench_fp8.log" | tail -22 ;;
     baseline)
       (cd .baseline && CUPY_CACHE_DIR=$(mktemp -d) PYTHONPATH=$PWD SPLITKV_PROFILE=$PWD/$PROFILE \
         python3 -m splitkv.bench --no-peer --json "$RES/h200-baseline.json" 2>&1 | grep -v Warning \

@@ -118,10 +118,22 @@ def test_bench_markdown_table():
                         "153.00 (fused/7, 1.020) | >peer |")
 
 
+def test_bench_markdown_table_says_when_kv_is_fp8():
+    row = {"case": "b32_n8k", "us": 120.0, "gbps": 4000.0, "frac_read_bw": 0.9, "rel_err": 3e-3,
+           "strategy": "single", "num_splits": 1, "best_paged_peer_us": 133.1, "peer_us": None}
+    result = {"read_gbps": 4500.0, "first_call_compile_s": 1.5, "plan_cpu_us_ragged_b32": 20.0,
+              "kv_dtype": "float8_e4m3fn", "cases": [row]}
+    lines = markdown_table(result).splitlines()
+    assert lines[0].startswith("K/V: float8_e4m3fn (GB/s and % of the floor count its one-byte")
+    assert lines[4].endswith("| <=peer |")
+
+
 # ------------------------------------------------- bad arguments: one line, exit 2, no work
 BAD_ARGUMENTS = [
     # (argv, what the one line on stderr says)
     (["plan", "--batch", "-1"], "argument --batch: expected an integer from 1 to 1,048,576, got -1"),
+    (["bench", "--kv-dtype", "int8"], "argument --kv-dtype: expected fp8_e4m3, fp8_e5m2, "
+                                      "float8_e4m3fn or float8_e5m2; got 'int8'"),
     (["plan", "--batch", "0"], "argument --batch: expected an integer from 1"),
     (["plan", "--batch", "1048577"], "argument --batch: expected an integer from 1 to 1,048,576"),
     (["plan", "--lens", ""], "argument --lens: expected comma-separated token counts like "

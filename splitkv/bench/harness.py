@@ -12,10 +12,10 @@ import numpy as np
 
 from ..runtime.timing import median_host_us
 from .bandwidth import PROBE_SHAPES
-from .cases import LATENCY_TARGETS_US, ragged_b256_lengths
+from .cases import FP8_BEST_PEER_US, LATENCY_TARGETS_US, ragged_b256_lengths
 
 
-def _rel_err_subset(wrapper, page_table, data, max_requests: int = 4) -> float:
+def _rel_err_subset(wrapper, page_table, data, max_requests: int = 4, kv_dtype=None) -> float:
     """Relative L2 error of the first few requests of layer 0 against the float64 reference."""
     from ..core.problem import PageTable
     from ..core.reference import reference_decode, to_float64
@@ -29,7 +29,7 @@ def _rel_err_subset(wrapper, page_table, data, max_requests: int = 4) -> float:
                                     page_table.kv_last_page_len[:n], page_table.page_size)
     idx = to_device(pages)
     ref, _ = reference_decode(data.q[:n].get(), data.k_layers[0][idx].get(),
-                              data.v_layers[0][idx].get(), sub)
+                              data.v_layers[0][idx].get(), sub, kv_dtype=kv_dtype)
     got = to_float64(out[:n])
     err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
     if not np.isfinite(err):           # say which side is not finite, and whether it repeats
@@ -60,13 +60,16 @@ def _wrapper_plan_cpu_us(wrapper, page_table, repeats: int = 200, **plan_args) -
 
 def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
               num_splits: int | None = None, strategy: str | None = None, peer: bool = True,
-              seed: int = 0, command: str = "", log=None, graph_stable: bool = True) -> dict:
+              seed: int = 0, command: str = "", log=None, graph_stable: bool = True,
+              kv_dtype: str | None = None) -> dict:
     """Time each of ``cases`` (``cases.Case``) on the current GPU, as the planner plans it (or
     with ``num_splits``/``strategy`` forced), over layers that together hold at least
     ``min_total_mib`` MiB of KV, with PyTorch SDPA on contiguous KV as a peer where ``peer`` and
     torch is installed. ``log(line)`` is called with a line of progress as each step ends.
     ``graph_stable``: also time each case through a graph-stable wrapper (``use_cuda_graph``,
     capacity: the case's batch and pages, the default max_chunks), the same way.
+    ``kv_dtype`` (an fp8 format): fp8 K/V (random codes, scale 1), the floor on fp8 bytes, the
+    fp8 peers of issue 15 (``cases.FP8_BEST_PEER_US``) and no SDPA peer (it has no fp8 KV).
 
     Returns the results as written to JSON: the device, date, ``command``, the read floor
     (probed before and after the cases), first-call compile time, the planner's CPU time and a
@@ -100,7 +103,7 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
         problem = DecodeProblem.from_page_table(pt, case.num_qo_heads, case.num_kv_heads,
                                                 case.head_dim, dtype)
         w = BatchDecodeWrapper(case.num_qo_heads, case.num_kv_heads, case.head_dim,
-                               case.page_size, dtype)
+                               case.page_size, dtype, kv_dtype=kv_dtype)
         plan = w.plan(pt, num_splits=num_splits, strategy=strategy)
         if compile_s is None:
             compile_s = compile_seconds_so_far()
@@ -109,20 +112,22 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
             wrapper_plan_us_ragged = _wrapper_plan_cpu_us(w, pt, num_splits=num_splits,
                                                           strategy=strategy)
         data = make_layers(pt, case.num_qo_heads, case.num_kv_heads, case.head_dim, dtype,
-                           min_total_bytes=min_total_mib << 20, seed=seed)
+                           min_total_bytes=min_total_mib << 20, seed=seed, kv_dtype=kv_dtype)
         us = time_wrapper_us(w, data)
         graph_us = graph_plan = None
         if graph_stable:
             stable = BatchDecodeWrapper(case.num_qo_heads, case.num_kv_heads, case.head_dim,
-                                        case.page_size, dtype, use_cuda_graph=True,
+                                        case.page_size, dtype, kv_dtype=kv_dtype,
+                                        use_cuda_graph=True,
                                         max_batch_size=len(case.kv_lens),
                                         max_num_pages=pt.kv_indices.size)
             graph_plan = stable.plan(pt, num_splits=num_splits, strategy=strategy)
             graph_us = time_wrapper_us(stable, data)
-        err = _rel_err_subset(w, pt, data)
-        gbps = problem.kv_bytes / (us * 1e-6) / 1e9
+        err = _rel_err_subset(w, pt, data, kv_dtype=kv_dtype)
+        kv_bytes = problem.kv_bytes // 2 if kv_dtype else problem.kv_bytes   # fp8: one byte
+        gbps = kv_bytes / (us * 1e-6) / 1e9
         peer_us = None
-        if use_peer and case.equal_lengths:
+        if use_peer and case.equal_lengths and not kv_dtype:
             peer_us = sdpa_us(len(case.kv_lens), case.kv_lens[0], case.num_qo_heads,
                               case.num_kv_heads, case.head_dim, min_total_bytes=min_total_mib << 20)
         row = {"case": case.name, "us": round(us, 2), "gbps": round(gbps, 1),
@@ -132,7 +137,9 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
                "pdl": w.pdl_active, "cluster": w.cluster_size,
                "predicted_us": None if plan.predicted_us is None else round(plan.predicted_us, 2),
                "peer_us": None if peer_us is None else round(peer_us, 2),
-               "best_paged_peer_us": case.best_paged_peer_us, "kv_mib": problem.kv_bytes / 2**20,
+               "best_paged_peer_us": (FP8_BEST_PEER_US.get(case.name) if kv_dtype
+                                      else case.best_paged_peer_us),
+               "kv_mib": kv_bytes / 2**20,
                "graph_stable_us": None if graph_us is None else round(graph_us, 2),
                "graph_stable_plan": (None if graph_plan is None else
                                      f"{graph_plan.strategy}/{graph_plan.num_splits}")}
@@ -170,7 +177,7 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
                 BatchDecodeWrapper(32, 8, 128, 16, dtype, **options), table), 1)
     return {"device": info["name"], "date": _dt.date.today().isoformat(),
             "command": command,
-            "dtype": dtype, "read_gbps": round(read_gbps, 1),
+            "dtype": dtype, "kv_dtype": kv_dtype, "read_gbps": round(read_gbps, 1),
             "read_probe_gbps": {"before": probe_start, "after": probe_end},
             "first_call_compile_s": None if compile_s is None else round(compile_s, 3),
             "plan_cpu_us_ragged_b32": None if plan_us_ragged is None else round(plan_us_ragged, 1),
@@ -184,7 +191,10 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
 def markdown_table(result: dict) -> str:
     """``run_cases``' result as a markdown table, a row per case with its verdicts against the
     peers and the latency targets, under a line on the read floor and the planner's CPU time."""
-    lines = [f"read floor: {result['read_gbps']:,.0f} GB/s (the fastest streaming read of "
+    kv = result.get("kv_dtype")
+    lines = [(f"K/V: {kv} (GB/s and % of the floor count its one-byte codes; peers: issue 15's "
+              f"fp8 table). " if kv else "")
+             + f"read floor: {result['read_gbps']:,.0f} GB/s (the fastest streaming read of "
              f"{len(PROBE_SHAPES)} launch shapes, probed before and after the cases); first-call compile "
              f"{result['first_call_compile_s']} s; planner (choose_plan) CPU time: ragged_b32 "
              f"{result['plan_cpu_us_ragged_b32']} us, 256 ragged requests "

@@ -37,3 +37,18 @@ def random_device_array_fast(shape, dtype: str, seed: int):
     if dtype == "float16":
         return x.astype(cupy.float16)
     return (x.view(cupy.uint32) >> 16).astype(cupy.uint16)
+
+
+# The largest code of magnitude <= 8 in each fp8 format (8 = 2**3: exponent field 3 + bias).
+_FP8_CODE_OF_8 = {"float8_e4m3fn": 0x50, "float8_e5m2": 0x48}
+
+
+def random_fp8_codes(shape, kv_dtype: str, seed: int):
+    """Random finite fp8 codes of magnitude <= 8 (uint8, on the device): every code from 0 up
+    to that of 8, either sign, uniformly (so values spread over the format's exponents)."""
+    import cupy
+
+    gen = cupy.random.default_rng(seed)
+    codes = gen.integers(0, _FP8_CODE_OF_8[kv_dtype] + 1, shape, dtype=cupy.uint8)
+    signs = gen.integers(0, 2, shape, dtype=cupy.uint8) << 7
+    return codes | signs

@@ -117,20 +117,27 @@ class LayeredKV:
 
 
 def make_layers(page_table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                dtype: str, *, min_total_bytes: int = 1 << 30, seed: int = 0) -> LayeredKV:
+                dtype: str, *, min_total_bytes: int = 1 << 30, seed: int = 0,
+                kv_dtype: str | None = None) -> LayeredKV:
+    """``kv_dtype`` (an fp8 format): K and V are random fp8 codes of magnitude <= 8
+    (``random_fp8_codes``), one byte each, so twice the layers hold the same bytes."""
     import cupy
 
     from .arrays import cupy_storage_dtype
-    from .testing import random_device_array_fast
+    from .testing import random_device_array_fast, random_fp8_codes
 
     num_pages = int(page_table.kv_indices.max()) + 1 if page_table.kv_indices.size else 1
     shape = (num_pages, page_table.page_size, num_kv_heads, head_dim)
-    bytes_per_layer = 2 * 2 * int(np.prod(shape))
+    bytes_per_layer = 2 * (1 if kv_dtype else 2) * int(np.prod(shape))
     layers = layers_for(bytes_per_layer, min_total_bytes)
     batch = page_table.batch_size
     q = random_device_array_fast((batch, num_qo_heads, head_dim), dtype, seed)
-    ks = [random_device_array_fast(shape, dtype, seed + 1 + 2 * i) for i in range(layers)]
-    vs = [random_device_array_fast(shape, dtype, seed + 2 + 2 * i) for i in range(layers)]
+    if kv_dtype:
+        make = lambda i: random_fp8_codes(shape, kv_dtype, i)    # noqa: E731
+    else:
+        make = lambda i: random_device_array_fast(shape, dtype, i)    # noqa: E731
+    ks = [make(seed + 1 + 2 * i) for i in range(layers)]
+    vs = [make(seed + 2 + 2 * i) for i in range(layers)]
     out = cupy.empty((batch, num_qo_heads, head_dim), dtype=cupy_storage_dtype(dtype))
     return LayeredKV(q, ks, vs, out, num_pages)
 

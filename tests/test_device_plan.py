@@ -125,6 +125,16 @@ def test_chooses_the_host_planners_plan_under_other_models():
     assert set(won) == {"tiny", "no split", "chunk tokens", "num splits"}, won
 
 
+def test_a_single_candidate_predicts_the_same_bits():
+    """Tiny contexts leave one candidate (no split): its prediction summed in feature order on
+    both sides (NumPy would sum a lone column pairwise). Found by review: lens [0, 2, 2]."""
+    rng = np.random.default_rng(2)
+    for lens in ([0, 2, 2], [1], [3, 0], [17, 5, 9]):
+        for layout in ("flashinfer", "block_table"):
+            compare(rng, np.array(lens), shape=(32, 8, 128), page_size=16, layout=layout,
+                    max_batch=len(lens), max_chunks=64, launch_order="longest_chunks")
+
+
 def test_later_plans_idle_what_earlier_ones_used():
     """One run's buffers through a long plan, a short one and a long one again: each time the
     records past the plan are idle and merge_indptr is the new plan's."""
@@ -206,7 +216,7 @@ class FakeDeviceArray:
 
 def test_plan_on_device_arrays_are_checked_on_the_host():
     pytest.importorskip("cupy")
-    ok = dict(page_size=16, max_batch=4, device=0)
+    ok = dict(max_batch=4, device=0)
     lens, table = FakeDeviceArray((3,)), FakeDeviceArray((3, 8))
     batch, _ = device_batch(seq_lens=lens, block_table=table, **ok)
     assert (batch.layout, batch.batch_size, batch.block_table_stride) == ("block_table", 3, 8)

@@ -85,8 +85,8 @@ def execute_plan_cpu(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
     [num_pages, page_size, num_kv_heads, head_dim] (NHD), any float dtype (computed in float64),
     or fp8 with ``kv_dtype`` and the scales as ``reference_decode`` takes them; the variants
     (``window_left``, ``logits_soft_cap``, ``sinks``, ``qo_indptr``) as ``core.variants``
-    defines them. Returns (out [batch (or query rows), num_qo_heads, head_dim], lse [batch,
-    num_qo_heads]), float64.
+    defines them. Returns (out [batch, num_qo_heads, head_dim], lse [batch, num_qo_heads]),
+    float64, with a row per query row instead of per request under ``qo_indptr``.
 
     Non-finite inputs give what ``reference_decode`` gives, for every strategy and split: a
     chunk with a non-finite score (NaN or Inf in q or K) has a NaN LSE, and ``merge_states_n``

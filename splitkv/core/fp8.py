@@ -31,6 +31,11 @@ def fp8_format(name: str, kv_dtype) -> str | None:
     'fp8_e5m2', or a torch / ml_dtypes dtype), or None for None."""
     if kv_dtype is None:
         return None
+    if isinstance(kv_dtype, type):            # a scalar type, e.g. ml_dtypes.float8_e4m3fn
+        try:
+            kv_dtype = np.dtype(kv_dtype)
+        except TypeError:
+            pass
     key = getattr(kv_dtype, "name", None) or str(kv_dtype)
     key = key.replace("torch.", "")
     fmt = _ALIASES.get(key)

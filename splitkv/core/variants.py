@@ -32,7 +32,7 @@ from .merge import merge_states
 MAX_Q_LEN = 16
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Variant:
     """The variant options of one call, checked (``check_variant``)."""
 

@@ -90,8 +90,8 @@ struct DevicePlanParams {
 // Persistent state, int32 each.
 struct DevicePlanState {
   int filled;          // records the last plan wrote (the rest are idle)
-  int error;           // ERR_*: the first error since the host last cleared it
-  int error_request;
+  int error;           // ERR_*: the error of the first plan since the host cleared it that met
+  int error_request;   //   one; error_request: one such request (on the GPU: whichever won)
   int num_chunks;      // of the last plan
   int pair;            // the chosen candidate's index in the planner's enumeration
   int value;           // its row's value: 1 (no split), chunk tokens or split count

@@ -324,7 +324,13 @@ def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=N
                                      cluster_batch_size=batch_size if clusters else 0),
                         index, scale, clusters=clusters)
     x *= model.coef_[:, None]
-    predicted = np.add.reduce(x, axis=0)
+    if x.shape[1] > 1:
+        predicted = np.add.reduce(x, axis=0)
+    else:        # one column: NumPy would sum it pairwise, in another order
+        total = 0.0
+        for term in x[:, 0].tolist():
+            total += term
+        predicted = np.array([total])
     if too_many is not None:
         predicted[too_many] = np.inf
     return _Scores(values, splits, k, units, pair_rows, strategies, predicted,

@@ -28,9 +28,10 @@ _POINTER = ctypes.c_void_p
 _FEATURES = len(FEATURE_NAMES)
 
 PLAN_THREADS = 512                  # device_plan.cu's PLAN_THREADS
-# The kernel keeps its scratch in shared memory up to this (an H200 block may opt in to 227 KiB;
-# every GPU of compute capability 8.0+ to at least 99 KiB).
-MAX_SHARED_SCRATCH_BYTES = 96 * 1024
+# The kernel keeps its scratch in dynamic shared memory up to this: with its ~6 KiB of static
+# shared memory, within the 99 KiB a block may opt in to on every GPU of compute capability
+# 8.0+ (the H200: 227 KiB). Larger scratch stays in global memory.
+MAX_SHARED_SCRATCH_BYTES = 64 * 1024
 # The planning kernel's compile options: no FMA contraction, so the float64 formulas round as
 # NumPy's (device_plan.cuh).
 PLAN_NVRTC_OPTIONS = (*NVRTC_OPTIONS, "--fmad=false")
@@ -105,7 +106,7 @@ class BatchArrays:
     page_table_entries: int
 
 
-def device_batch(*, page_size: int, max_batch: int, device: int,
+def device_batch(*, max_batch: int, device: int,
                  seq_lens=None, block_table=None, kv_indptr=None, kv_indices=None,
                  kv_last_page_len=None) -> tuple[BatchArrays, list]:
     """The batch arrays of ``plan_on_device`` checked on the host (shapes, dtypes, device,

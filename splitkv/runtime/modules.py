@@ -38,7 +38,14 @@ def get_decode_kernels(variant: DecodeVariant) -> DecodeKernels:
     # The opt-in covers both sizes a launch may ask for, set once here: a launch never changes
     # an attribute of the kernel every wrapper shares.
     spread = one_per_sm_shared_bytes(variant.shared_bytes)
-    partial.max_dynamic_shared_size_bytes = max(variant.shared_bytes, spread)
+    limit = cupy.cuda.runtime.deviceGetAttribute(
+        cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device)
+    if variant.shared_bytes + partial.shared_size_bytes > limit:
+        raise RuntimeError(f"{variant.name}: needs {variant.shared_bytes:,} bytes of shared "
+                           f"memory per block, this GPU allows {limit:,} (e.g. fp8 K/V at "
+                           f"head_dim 256 fits an H100/H200, not an A100)")
+    partial.max_dynamic_shared_size_bytes = min(max(variant.shared_bytes, spread),
+                                                limit - partial.shared_size_bytes)
     kernels = DecodeKernels(variant, partial, merge, spread, time.perf_counter() - t0)
     _CACHE[key] = kernels
     return kernels

@@ -129,6 +129,7 @@ class BatchDecodeWrapper:
         self._foreign_runs = None
         self._foreign_pending = False
         self._pages_in_record = False
+        self._plan_stream = None              # the stream of the last plan (or plan_on_device)
         self._device_planner = None           # plan_on_device()'s kernel, once bound
         self._device_plan_ready = None        # the event after the last eager plan_on_device()
         self._run_after_device_plan = False   # the next run follows the planning kernel
@@ -150,7 +151,7 @@ class BatchDecodeWrapper:
         batch = V.check_int("max_batch_size", max_batch_size, 1)
         pages = V.check_int("max_num_pages", max_num_pages, 1)
         if max_chunks is not None:
-            max_chunks = V.check_int("max_chunks", max_chunks, 1)
+            max_chunks = V.check_int("max_chunks", max_chunks, 1, V.MAX_CHUNKS, "MAX_CHUNKS")
             if max_chunks < batch:
                 raise ValueError(f"max_chunks: {max_chunks} cannot hold a batch of "
                                  f"max_batch_size={batch} (one chunk per request at the least)")
@@ -277,6 +278,7 @@ class BatchDecodeWrapper:
         if max_page >= 2**31:
             raise ValueError("page_table: page indices must be < 2**31")
 
+        self._follow_previous_plan_stream(s)
         if self._foreign_pending:      # a run on another stream may still read the buffers
             s.wait_event(self._foreign_runs)
             self._foreign_pending = False
@@ -295,7 +297,7 @@ class BatchDecodeWrapper:
                                   sm_scale_log2)
         self._device_id = cupy.cuda.runtime.getDevice()
         self._pages_in_record = in_record
-        self._plan_stream_ptr = s.ptr
+        self._plan_stream_ptr, self._plan_stream = s.ptr, s
         self._plan, self._max_page = chosen, max_page
         return chosen
 
@@ -338,7 +340,7 @@ class BatchDecodeWrapper:
                       out=self._graph_upload.next_records(chosen.num_chunks))
         self._graph_upload.upload(page_table.kv_indices, merge_indptr, s)
         self._pages_in_record = in_record
-        self._plan_stream_ptr = s.ptr
+        self._plan_stream_ptr, self._plan_stream = s.ptr, s
         self._plan, self._max_page = chosen, max_page
         return chosen
 
@@ -375,17 +377,19 @@ class BatchDecodeWrapper:
         inputs = (seq_lens, block_table, kv_indptr, kv_indices, kv_last_page_len)
         planner = self._device_planner
         if planner is not None and sm_scale == planner.sm_scale and all(
-                a is b for a, b in zip(inputs, planner.inputs)):
+                a is b for a, b in zip(inputs, planner.inputs)) and all(
+                _data_ptr(a) == p for a, p in zip(inputs, planner.input_ptrs)):
             pass      # the very arrays of the first call: checked then (a decode loop's path)
         else:
             self._check_device_plan_inputs(inputs, sm_scale, s)
             planner = self._device_planner
+        self._follow_previous_plan_stream(s)
         if self._foreign_pending and not s.is_capturing():
             s.wait_event(self._foreign_runs)     # a run elsewhere may still read the records
             self._foreign_pending = False
         planner.launch(s.ptr)
         self._run_after_device_plan = True
-        self._plan_stream_ptr = s.ptr
+        self._plan_stream_ptr, self._plan_stream = s.ptr, s
         if not s.is_capturing():
             self._device_plan_ready = self._device_plan_ready or cupy.cuda.Event(
                 disable_timing=True)
@@ -399,8 +403,7 @@ class BatchDecodeWrapper:
 
         seq_lens, block_table, kv_indptr, kv_indices, kv_last_page_len = inputs
         device = cupy.cuda.runtime.getDevice()
-        batch, arrays = device_batch(page_size=self.page_size, max_batch=self._capacity[0],
-                                     device=device,
+        batch, arrays = device_batch(max_batch=self._capacity[0], device=device,
                                      seq_lens=seq_lens, block_table=block_table,
                                      kv_indptr=kv_indptr, kv_indices=kv_indices,
                                      kv_last_page_len=kv_last_page_len)
@@ -412,6 +415,7 @@ class BatchDecodeWrapper:
                                    "allocates; make it before capturing")
             planner = self._bind_device_planner(batch, arrays, sm_scale_log2, s)
             planner.inputs, planner.sm_scale = inputs, sm_scale
+            planner.input_ptrs = tuple(_data_ptr(a) for a in inputs)
         elif batch != planner.batch:
             raise ValueError("plan_on_device: the arrays differ from the first call's (a captured "
                              "launch holds their addresses); update those arrays in place")
@@ -440,21 +444,22 @@ class BatchDecodeWrapper:
         planner = DevicePlanner(params, batch, upload.pointers["records"],
                                 upload.pointers["merge_indptr"], s)
         planner.arrays = arrays                  # kept alive while the kernel reads them
-        self._device_planner = planner
         meta = dict(upload.pointers, kv_indices=batch.pointers[3])
         self._launch = self._bind(kernels, meta, max_chunks, max_batch, 0, True,
                                   params.record_pages > 0, sm_scale_log2,
-                                  spread=self._graph_spreads())
+                                  spread=self._graph_spreads(), device_planned=True)
         self._device_id = cupy.cuda.runtime.getDevice()
         self._graph_upload = upload
         self._max_page = -1                      # page ids are the caller's (not checked)
+        self._device_planner = planner           # last: a failure above leaves nothing bound
         return planner
 
     def device_plan_state(self) -> dict:
         """What the last ``plan_on_device()`` chose, read back from the device (waits for it):
         kind ('no split', 'chunk tokens', 'num splits') and value, strategy, merge,
-        num_chunks, predicted_us, plans (made so far), and error: None, or the first invalid
-        input since ``clear_device_plan_error()`` (with error_request, the request's index)."""
+        num_chunks, predicted_us, plans (made so far), and error: None, or what was invalid in
+        the first plan since ``clear_device_plan_error()`` that met an invalid request (with
+        error_request: one such request, not necessarily the lowest index)."""
         if self._device_planner is None:
             raise RuntimeError("device_plan_state: call plan_on_device() first")
         return self._device_planner.state()
@@ -471,10 +476,12 @@ class BatchDecodeWrapper:
         if self.kv_dtype is None:
             raise ValueError(f"{name}: scales are for fp8 caches; this wrapper's kv_dtype is None")
         if isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, bool):
-            value = float(scale)
+            with np.errstate(over="ignore"):
+                value = float(np.float32(scale))      # as the kernel holds it
             if not (np.isfinite(value) and value > 0):
-                raise ValueError(f"{name}: expected a finite value > 0, got {scale!r}")
-            return 0, float(np.float32(value)), 0
+                raise ValueError(f"{name}: expected a finite value > 0 (as a float32), got "
+                                 f"{scale!r}")
+            return 0, value, 0
         arr = as_device_array(name, scale)
         if arr.dtype != "float32" or len(arr.shape) != 1 or arr.shape[0] not in (
                 1, self.num_kv_heads) or not arr.is_contiguous:
@@ -484,6 +491,18 @@ class BatchDecodeWrapper:
         if arr.device is not None and self._device_id is not None and arr.device != self._device_id:
             raise ValueError(f"{name}: is on device {arr.device}, the plan on {self._device_id}")
         return arr.ptr, 1.0, int(arr.shape[0] > 1)
+
+    def _follow_previous_plan_stream(self, s) -> None:
+        """A plan on another stream than the last one's: order it after the work queued on
+        that stream (the runs there may still read the buffers this plan rewrites)."""
+        previous = self._plan_stream
+        if previous is None or previous.ptr == s.ptr or s.is_capturing():
+            return
+        import cupy
+
+        event = cupy.cuda.Event(disable_timing=True)
+        event.record(previous)
+        s.wait_event(event)
 
     def _check_fits(self, page_table: PageTable, max_page: int, stream) -> None:
         """A graph-stable wrapper's checks of a page table against its capacity, before any
@@ -511,7 +530,7 @@ class BatchDecodeWrapper:
 
     def _bind(self, kernels, meta: dict, num_chunks: int, batch_size: int, cluster_size: int,
               merge: bool, pages_in_record: bool, sm_scale_log2: float,
-              spread: bool | None = None) -> DecodeLaunch:
+              spread: bool | None = None, device_planned: bool = False) -> DecodeLaunch:
         """The launches of a grid of ``num_chunks`` chunks and their DecodeParams, all but the
         tensors; ``merge``: with the merge kernel, over ``batch_size`` requests; ``spread``:
         one CTA per SM under PDL (None: the experiments' choice, else the grid's rule)."""
@@ -536,7 +555,7 @@ class BatchDecodeWrapper:
             shared = kernels.one_per_sm_shared_bytes
         partial = KernelLaunch(kernels.partial, grid, THREADS_PER_CTA, shared, pdl=pdl)
         plain = None
-        if pdl and self._device_planner is not None:
+        if pdl and device_planned:
             plain = KernelLaunch(kernels.partial, grid, THREADS_PER_CTA,
                                  kernels.variant.shared_bytes)
         merge_launch = None
@@ -612,3 +631,15 @@ class BatchDecodeWrapper:
             self._foreign_runs.record(s)
             self._foreign_pending = True
         return (out, lse) if want_lse else out
+
+
+def _data_ptr(obj) -> int | None:
+    """An array's device address, cheaply (CuPy, torch), or None."""
+    if obj is None:
+        return None
+    data = getattr(obj, "data", None)
+    if hasattr(data, "ptr"):
+        return int(data.ptr)
+    if callable(getattr(obj, "data_ptr", None)):
+        return int(obj.data_ptr())
+    return id(obj)

@@ -496,8 +496,8 @@ class BatchDecodeWrapper:
         """A plan on another stream than the last one's: order it after the work queued on
         that stream (the runs there may still read the buffers this plan rewrites)."""
         previous = self._plan_stream
-        if previous is None or previous.ptr == s.ptr or s.is_capturing():
-            return
+        if previous is None or previous.ptr == s.ptr or s.is_capturing() or previous.is_capturing():
+            return           # (an event recorded in a capture would pull this stream into it)
         import cupy
 
         event = cupy.cuda.Event(disable_timing=True)

@@ -48,7 +48,8 @@ class Plan:
         V.check_instance("problem", self.problem, DecodeProblem)
         V.check_strategy(self.strategy)
         arrays = V.check_plan_chunks(self.chunk_request, self.chunk_start, self.chunk_end,
-                                     self.merge_indptr, self.problem.kv_lens)
+                                     self.merge_indptr, self.problem.kv_lens,
+                                     self.problem.kv_begin if self.problem.windowed else None)
         for name, arr in zip(("chunk_request", "chunk_start", "chunk_end", "merge_indptr"), arrays):
             arr = np.ascontiguousarray(arr, dtype=np.int32)
             arr.setflags(write=False)
@@ -184,7 +185,7 @@ def _plan_from_counts(problem: DecodeProblem, counts: np.ndarray, strategy: str,
                       name: str) -> Plan:
     """``plan_from_chunk_counts`` for counts already checked (int64, each >= 1); a plan of too
     many chunks is blamed on ``name``."""
-    lens = problem.kv_lens
+    lens = problem.read_lens
     align = V.check_int("align", align, 1, V.MAX_KV_LEN, "MAX_KV_LEN: no request is longer")
     # A request of n tokens cannot have more than ceil(n / align) non-empty chunks.
     max_chunks = np.maximum(1, -(-lens // align))
@@ -192,7 +193,17 @@ def _plan_from_counts(problem: DecodeProblem, counts: np.ndarray, strategy: str,
     if strategy == "single" and np.any(counts > 1):
         raise ValueError("strategy: 'single' cannot split a request; use 'split_merge' or 'fused'")
     V.check_num_chunks(name, int(counts.sum()))
-    return Plan._trusted(problem, strategy, *_chunk_arrays(lens, counts, align))
+    return Plan._trusted(problem, strategy, *in_window(problem, _chunk_arrays(lens, counts, align)))
+
+
+def in_window(problem: DecodeProblem, arrays: tuple) -> tuple:
+    """Chunk arrays cut over each request's read tokens (``read_lens``), moved to start at its
+    window's first token; unchanged without a window."""
+    if not problem.windowed:
+        return arrays
+    chunk_request, chunk_start, chunk_end, merge_indptr = arrays
+    shift = problem.kv_begin[chunk_request].astype(_INT32)
+    return chunk_request, chunk_start + shift, chunk_end + shift, merge_indptr
 
 
 # dtype objects, not the scalar types: NumPy converts a type to a dtype on every call.
@@ -278,7 +289,7 @@ def plan_chunk_tokens(problem: DecodeProblem, chunk_tokens: int, strategy: str,
     chunk_tokens = V.check_int("chunk_tokens", chunk_tokens, 1, V.MAX_KV_LEN,
                                "MAX_KV_LEN: no request is longer")
     V.check_strategy(strategy)
-    counts = np.maximum(1, -(-problem.kv_lens // chunk_tokens))
+    counts = np.maximum(1, -(-problem.read_lens // chunk_tokens))
     if strategy == "single":
         counts = np.ones_like(counts)
     return _plan_from_counts(problem, counts, strategy, align, "chunk_tokens")

@@ -134,7 +134,11 @@ class PageTable:
 
 @dataclass(frozen=True, eq=False)
 class DecodeProblem:
-    """What the planner needs to know about one decode call: lengths and shapes, no pages."""
+    """What the planner needs to know about one decode call: lengths and shapes, no pages.
+
+    window_left: a sliding window (``core.variants``): the query, at each request's last
+    position, sees only its last window_left + 1 tokens; a plan then covers just those
+    (``kv_begin`` .. ``kv_lens``), so its cost follows the window. -1: no window."""
 
     kv_lens: np.ndarray
     num_qo_heads: int
@@ -142,6 +146,7 @@ class DecodeProblem:
     head_dim: int
     page_size: int
     dtype: str = "bfloat16"
+    window_left: int = -1
 
     def __post_init__(self):
         lens = V.host_int_array("kv_lens", self.kv_lens, 1)
@@ -158,17 +163,29 @@ class DecodeProblem:
         object.__setattr__(self, "head_dim", V.check_head_dim(self.head_dim))
         object.__setattr__(self, "page_size", V.check_page_size(self.page_size))
         object.__setattr__(self, "dtype", V.check_dtype("dtype", self.dtype))
+        window = V.check_int("window_left", self.window_left, -1, V.MAX_KV_LEN, "MAX_KV_LEN")
+        object.__setattr__(self, "window_left", window)
+        if window >= 0:
+            begin = np.maximum(self.kv_lens - 1 - window, 0)
+            begin.setflags(write=False)
+            read = self.kv_lens - begin
+            read.setflags(write=False)
+        else:
+            begin, read = None, self.kv_lens
+        object.__setattr__(self, "_kv_begin", begin)
+        object.__setattr__(self, "read_lens", read)
 
     @classmethod
     def from_page_table(cls, page_table: PageTable, num_qo_heads: int, num_kv_heads: int,
-                        head_dim: int, dtype="bfloat16") -> "DecodeProblem":
+                        head_dim: int, dtype="bfloat16", window_left: int = -1) -> "DecodeProblem":
         """The problem of a page table. Its lengths are shared, not copied or checked again:
         the table already holds them checked and read-only (plan() runs on every step)."""
         V.check_instance("page_table", page_table, PageTable)
         problem = cls.__new__(cls)
         for name, value in (("kv_lens", page_table.kv_lens), ("num_qo_heads", num_qo_heads),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                            ("page_size", page_table.page_size), ("dtype", dtype)):
+                            ("page_size", page_table.page_size), ("dtype", dtype),
+                            ("window_left", window_left)):
             object.__setattr__(problem, name, value)
         problem._check_shapes()
         return problem
@@ -182,8 +199,20 @@ class DecodeProblem:
         return self.num_qo_heads // self.num_kv_heads
 
     @property
+    def kv_begin(self) -> np.ndarray:
+        """[batch] each request's first token a call reads (0 without a window)."""
+        if self._kv_begin is None:
+            return np.zeros(self.batch_size, np.int64)
+        return self._kv_begin
+
+    @property
+    def windowed(self) -> bool:
+        return self._kv_begin is not None
+
+    @property
     def total_tokens(self) -> int:
-        return int(self.kv_lens.sum())
+        """Tokens one call reads (the windows' with a window)."""
+        return int(self.read_lens.sum())
 
     @property
     def kv_bytes(self) -> int:
@@ -197,4 +226,5 @@ class DecodeProblem:
         else:
             lens_s = f"[{lens.size} requests, {lens.min()}..{lens.max()}, mean {lens.mean():.0f}]"
         return (f"DecodeProblem(kv_lens={lens_s}, heads={self.num_qo_heads}/{self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, page_size={self.page_size}, dtype={self.dtype})")
+                f"head_dim={self.head_dim}, page_size={self.page_size}, dtype={self.dtype}"
+                + (f", window_left={self.window_left})" if self.windowed else ")"))

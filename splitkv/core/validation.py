@@ -276,7 +276,7 @@ def check_device_output(name: str, arr, shape: tuple[int, ...], dtype: str) -> N
 
 def check_plan_for_table(plan, page_table, *, num_qo_heads: int | None = None,
                          num_kv_heads: int | None = None, head_dim: int | None = None,
-                         dtype: str | None = None) -> None:
+                         dtype: str | None = None, window_left: int | None = None) -> None:
     """A plan is only valid for the lengths (and, where given, the shapes) it was made for."""
     p = plan.problem
     if p.page_size != page_table.page_size:
@@ -284,6 +284,9 @@ def check_plan_for_table(plan, page_table, *, num_qo_heads: int | None = None,
                          f"{p.page_size}")
     if not np.array_equal(p.kv_lens, page_table.kv_lens):
         raise ValueError("page_table: its request lengths differ from the ones the plan was made for")
+    if window_left is not None and window_left != p.window_left:
+        raise ValueError(f"window_left: the plan was made for window_left={p.window_left}, this "
+                         f"call has {window_left}")
     for name, want, have in (("num_qo_heads", num_qo_heads, p.num_qo_heads),
                              ("num_kv_heads", num_kv_heads, p.num_kv_heads),
                              ("head_dim", head_dim, p.head_dim), ("dtype", dtype, p.dtype)):
@@ -341,12 +344,14 @@ def check_num_chunks(name: str, num_chunks: int) -> None:
 
 
 def check_plan_chunks(chunk_request, chunk_start, chunk_end, merge_indptr,
-                      kv_lens: np.ndarray) -> tuple[np.ndarray, ...]:
+                      kv_lens: np.ndarray, kv_begin: np.ndarray | None = None
+                      ) -> tuple[np.ndarray, ...]:
     """The chunks of a plan must tile every request's tokens exactly, in order.
 
     Request b owns chunks ``merge_indptr[b]:merge_indptr[b+1]`` (at least one); they are
-    contiguous token ranges ``[chunk_start, chunk_end)`` that start at 0, end at ``kv_lens[b]``
-    and follow each other without gap or overlap. Returns the four arrays as int64.
+    contiguous token ranges ``[chunk_start, chunk_end)`` that start at ``kv_begin[b]`` (0, or
+    a sliding window's first token), end at ``kv_lens[b]`` and follow each other without gap
+    or overlap. Returns the four arrays as int64.
     """
     req = host_int_array("chunk_request", chunk_request, 1)
     start = host_int_array("chunk_start", chunk_start, 1)
@@ -372,10 +377,13 @@ def check_plan_chunks(chunk_request, chunk_start, chunk_end, merge_indptr,
     if np.any(start > end):
         c = int(np.flatnonzero(start > end)[0])
         raise ValueError(f"chunk_end: chunk {c} ends at {end[c]}, before its start {start[c]}")
-    if np.any(start[indptr[:-1]] != 0):
-        b = int(np.flatnonzero(start[indptr[:-1]] != 0)[0])
-        raise ValueError(f"chunk_start: the first chunk of request {b} must start at token 0, "
-                         f"got {start[indptr[b]]}")
+    first = 0 if kv_begin is None else kv_begin
+    if np.any(start[indptr[:-1]] != first):
+        b = int(np.flatnonzero(start[indptr[:-1]] != first)[0])
+        want = 0 if kv_begin is None else int(kv_begin[b])
+        raise ValueError(f"chunk_start: the first chunk of request {b} must start at token "
+                         f"{want}{'' if kv_begin is None else ' (its window)'}, got "
+                         f"{start[indptr[b]]}")
     if np.any(end[indptr[1:] - 1] != kv_lens):
         b = int(np.flatnonzero(end[indptr[1:] - 1] != kv_lens)[0])
         raise ValueError(f"chunk_end: the last chunk of request {b} must end at its length "

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..core import validation as V
 from ..core.plan import (Plan, _chunk_arrays, _single_chunk_arrays, _uniform_chunk_arrays,
-                    plan_chunk_tokens, plan_fixed_splits, plan_from_chunk_counts)
+                    in_window, plan_chunk_tokens, plan_fixed_splits, plan_from_chunk_counts)
 from ..core.problem import DecodeProblem
 from ..core.execution import DEFAULT_LAUNCH_ORDER, check_launch_order, may_cluster
 from ..core.geometry import TILE_TOKENS
@@ -269,7 +269,7 @@ class _Scores:
         ``Candidate.build``, without its checks (the problem and the counts are valid)."""
         row = int(self.pair_rows[i])
         kind, value = self.row(row)
-        lens = problem.kv_lens
+        lens = problem.read_lens
         align = min(value, TILE_TOKENS) if kind == CHUNK_TOKENS else TILE_TOKENS
         if kind == NO_SPLIT:
             arrays = _single_chunk_arrays(lens)
@@ -278,7 +278,7 @@ class _Scores:
         else:
             units = self.units.astype(_INT64) if align == TILE_TOKENS else None
             arrays = _chunk_arrays(lens, self.k[row].astype(_INT64), align, units)
-        return Plan._trusted(problem, self.strategies[i], *arrays,
+        return Plan._trusted(problem, self.strategies[i], *in_window(problem, arrays),
                              predicted_us=self.predicted.item(i), clusters=clusters,
                              launch_order=launch_order)
 
@@ -289,7 +289,7 @@ def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=N
     pair. Equal lengths (the common benchmark case) collapse to one request standing for all.
     Candidates of more than ``max_chunks`` chunks (a graph-stable wrapper's capacity) are
     predicted at +inf: never chosen, last in a ranking."""
-    lens = problem.kv_lens
+    lens = problem.read_lens            # the tokens a call reads (a window's, with a window)
     batch_size = lens.size
     max_len = int(lens[lens.argmax()])                   # argmax: cheaper than a reduction
     min_len = int(lens[lens.argmin()])

@@ -226,7 +226,8 @@ class BatchDecodeWrapper:
     def plan(self, page_table: PageTable | None = None, *, kv_indptr=None, kv_indices=None,
              kv_last_page_len=None, block_table=None, seq_lens=None,
              num_splits: int | None = None, strategy: str | None = None,
-             plan: Plan | None = None, sm_scale: float | None = None, stream=None) -> Plan:
+             plan: Plan | None = None, sm_scale: float | None = None, stream=None,
+             window_left: int = -1) -> Plan:
         """Choose and upload the decomposition for this batch. Host work plus one upload.
 
         The batch's pages: a ``PageTable``, or FlashInfer's ``kv_indptr`` [batch + 1],
@@ -235,8 +236,10 @@ class BatchDecodeWrapper:
         num_splits / strategy force the planner's hand; ``plan`` bypasses it, and runs with the
         execution (merge mode, launch order) this wrapper's options give it on this device
         (``Plan.with_execution``). ``stream``: where the upload goes (CuPy or torch stream, or
-        a handle; default CuPy's current stream): the stream you run (or replay) on. Returns the
-        plan as it runs.
+        a handle; default CuPy's current stream): the stream you run (or replay) on.
+        ``window_left`` (sliding window, FlashInfer's name): each request's query sees its last
+        window_left + 1 tokens, and the plan covers only those (its cost follows the window);
+        -1: no window. Returns the plan as it runs.
         """
         require_gpu("BatchDecodeWrapper.plan()")
         import cupy
@@ -262,13 +265,14 @@ class BatchDecodeWrapper:
             V.check_instance("plan", plan, Plan)
             V.check_plan_for_table(plan, page_table, num_qo_heads=self.num_qo_heads,
                                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                                   dtype=self.dtype)
+                                   dtype=self.dtype, window_left=window_left)
             chosen = plan.with_execution(clusters=clusters, launch_order=self.launch_order)
         else:
             from ..planner import choose_plan
 
             problem = DecodeProblem.from_page_table(page_table, self.num_qo_heads,
-                                                    self.num_kv_heads, self.head_dim, self.dtype)
+                                                    self.num_kv_heads, self.head_dim, self.dtype,
+                                                    window_left=window_left)
             model = self.profile.cost_model()
             if not clusters:                     # predict the ticket merge that will run
                 model = model.with_clusters(False)

@@ -219,15 +219,5 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
       reinterpret_cast<int*>(&p.records[g])[lane] = lane == 0 ? IDLE_REQUEST : 0;
   for (int b = tid; b <= p.max_batch; b += PLAN_THREADS)
     p.merge_indptr[b] = merge != MERGE_KERNEL ? 0 : sc.offsets[b < n ? b : n];
-  if (tid == 0) {
-    *p.predicted_us = best.predicted_us;
-    st.filled = num_chunks;
-    st.num_chunks = num_chunks;
-    st.pair = best.pair;
-    st.value = row.value;
-    st.kind = row.kind;
-    st.strategy = best.strategy;
-    st.merge = merge;
-    st.plans += 1;
-  }
+  if (tid == 0) record_plan(p, st, best, row, num_chunks, merge);
 }

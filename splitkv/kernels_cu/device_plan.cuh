@@ -435,6 +435,21 @@ DEVICE_PLAN_HD inline void write_idle(Record& rec) {
   for (int j = 0; j < RECORD_PAGES; ++j) rec.first_pages[j] = 0;
 }
 
+// What the plan was, in the state (and its prediction), for the host to read back.
+DEVICE_PLAN_HD inline void record_plan(const DevicePlanParams& p, DevicePlanState& st,
+                                       const Choice& best, const Row& row, int num_chunks,
+                                       int merge) {
+  *p.predicted_us = best.predicted_us;
+  st.filled = num_chunks;
+  st.num_chunks = num_chunks;
+  st.pair = best.pair;
+  st.value = row.value;
+  st.kind = row.kind;
+  st.strategy = best.strategy;
+  st.merge = merge;
+  st.plans += 1;
+}
+
 // Scratch (int32 each): per request its length, first page-table entry, last entry (-1: an
 // error, read nothing) and chunk offset [batch + 1]; per chunk its request, start, end, sort key
 // and grid order [max_chunks each]. (Entries fit an int: the host checks < 2**31.)
@@ -529,15 +544,7 @@ inline void plan_on_host(const DevicePlanParams& p) {
   for (int g = num_chunks; g < st.filled; ++g) write_idle(p.records[g]);
   for (int b = 0; b <= p.max_batch; ++b)
     p.merge_indptr[b] = merge != MERGE_KERNEL ? 0 : sc.offsets[b < n ? b : n];
-  *p.predicted_us = best.predicted_us;
-  st.filled = num_chunks;
-  st.num_chunks = num_chunks;
-  st.pair = best.pair;
-  st.value = row.value;
-  st.kind = row.kind;
-  st.strategy = best.strategy;
-  st.merge = merge;
-  st.plans += 1;
+  record_plan(p, st, best, row, num_chunks, merge);
 }
 #endif
 

@@ -10,13 +10,14 @@ from . import validation as V
 from .merge import merge_states_n
 from .plan import Plan
 from .problem import PageTable
+from . import layouts as L
 from . import variants as VA
 from .reference import attend, kv_format, kv_to_float64, to_float64
 
 
 def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_scale=None, *,
                      kv_dtype=None, k_scale=None, v_scale=None, window_left: int = -1,
-                     logits_soft_cap=None, qo_indptr=None):
+                     logits_soft_cap=None, qo_indptr=None, kv_layout: str = "NHD"):
     """Partial states, float64: (partial_o [num_chunks, num_qo_heads, head_dim],
     partial_lse [num_chunks, num_qo_heads]); with ``qo_indptr``, one per query row of the
     chunk's request: [num_chunks, max q_len, ...] (rows past a request's q_len stay empty)."""
@@ -24,6 +25,7 @@ def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
     V.check_instance("page_table", page_table, PageTable)
     p = plan.problem
     V.check_plan_for_table(plan, page_table)
+    k_cache, v_cache = (L.as_nhd(a, kv_layout) for a in L.split_kv(k_cache, v_cache))
     fmt = kv_format(k_cache, kv_dtype)
     rows = VA.query_rows(qo_indptr, p.kv_lens)
     V.check_attention_arrays(q, k_cache, v_cache, rows.num_rows, p.page_size,
@@ -88,12 +90,13 @@ def merge_partials(plan: Plan, partial_o: np.ndarray, partial_lse: np.ndarray, *
 
 def execute_plan_cpu(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_scale=None, *,
                      kv_dtype=None, k_scale=None, v_scale=None, window_left: int = -1,
-                     logits_soft_cap=None, sinks=None, qo_indptr=None):
+                     logits_soft_cap=None, sinks=None, qo_indptr=None, kv_layout: str = "NHD"):
     """Run ``plan`` on the host. q: [batch, num_qo_heads, head_dim]; k_cache, v_cache:
     [num_pages, page_size, num_kv_heads, head_dim] (NHD), any float dtype (computed in float64),
     or fp8 with ``kv_dtype`` and the scales as ``reference_decode`` takes them; the variants
     (``window_left``, ``logits_soft_cap``, ``sinks``, ``qo_indptr``) as ``core.variants``
-    defines them. Returns (out [batch, num_qo_heads, head_dim], lse [batch, num_qo_heads]),
+    defines them; K/V as two arrays, a pair or a combined array, NHD or HND (``core.layouts``).
+    Returns (out [batch, num_qo_heads, head_dim], lse [batch, num_qo_heads]),
     float64, with a row per query row instead of per request under ``qo_indptr``.
 
     Non-finite inputs give what ``reference_decode`` gives, for every strategy and split: a
@@ -107,5 +110,5 @@ def execute_plan_cpu(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
                                               kv_dtype=kv_dtype, k_scale=k_scale,
                                               v_scale=v_scale, window_left=window_left,
                                               logits_soft_cap=logits_soft_cap,
-                                              qo_indptr=qo_indptr)
+                                              qo_indptr=qo_indptr, kv_layout=kv_layout)
     return merge_partials(plan, partial_o, partial_lse, qo_indptr=qo_indptr, sinks=sinks)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import fp8
+from . import layouts as L
 from . import validation as V
 from . import variants as VA
 from .bfloat16 import bits_to_float32
@@ -76,7 +77,8 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float,
 
 def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float | None = None,
                      *, kv_dtype=None, k_scale=None, v_scale=None, window_left: int = -1,
-                     logits_soft_cap: float | None = None, sinks=None, qo_indptr=None):
+                     logits_soft_cap: float | None = None, sinks=None, qo_indptr=None,
+                     kv_layout: str = "NHD"):
     """Decode attention over a paged cache, in float64.
 
     q: [batch, num_qo_heads, head_dim]; k_cache, v_cache: [num_pages, page_size, num_kv_heads,
@@ -87,7 +89,8 @@ def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float
     value per tensor or one per kv head (default 1), for any cache dtype.
     ``window_left``, ``logits_soft_cap``, ``sinks``, ``qo_indptr`` (multi-token decode: q is
     then [qo_indptr[-1], num_qo_heads, head_dim] and so are the outputs): ``core.variants``
-    says what each means.
+    says what each means. ``v_cache=None``: ``k_cache`` is a (k, v) pair or one combined
+    array, and ``kv_layout`` 'NHD' or 'HND' (``core.layouts``).
     Returns (out [batch, num_qo_heads, head_dim] float64,
     lse [batch, num_qo_heads] float64, natural log of sum(exp(sm_scale * q.k))).
     A request with no tokens gets zeros and lse -inf (whatever its q holds). A (request, query
@@ -96,6 +99,7 @@ def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float
     are unaffected. NaN or Inf in V makes the output components it reaches NaN or +-Inf.
     """
     V.check_instance("page_table", page_table, PageTable)
+    k_cache, v_cache = (L.as_nhd(a, kv_layout) for a in L.split_kv(k_cache, v_cache))
     fmt = kv_format(k_cache, kv_dtype)
     rows = VA.query_rows(qo_indptr, page_table.kv_lens)
     hq, hk, d = V.check_attention_arrays(q, k_cache, v_cache, rows.num_rows,

@@ -12,8 +12,9 @@ import numpy as np
 from ..core import validation as V
 
 _TYPESTR = {"<f2": "float16", "<f4": "float32", "<u2": "uint16", "<i4": "int32", "<u4": "uint32",
-            "<V2": "bfloat16"}
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "uint16": 2, "float32": 4, "int32": 4, "uint32": 4}
+            "<V2": "bfloat16", "|u1": "uint8"}
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "uint16": 2, "float32": 4, "int32": 4, "uint32": 4,
+             "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 @dataclass(frozen=True)
@@ -154,3 +155,25 @@ def _external_stream(handle: int):
             _EXTERNAL_STREAMS.clear()
         _EXTERNAL_STREAMS[key] = stream
     return stream
+
+
+def split_kv_arrays(k_cache, v_cache) -> tuple[DeviceArray, DeviceArray]:
+    """K and V descriptors from two device arrays, a (k, v) pair, or one combined array
+    (``core.layouts``: FlashInfer's [pages, 2, ...] or vLLM's [2, pages, ...]), zero-copy."""
+    from ..core.layouts import combined_axis
+
+    if v_cache is not None:
+        return as_device_array("k_cache", k_cache), as_device_array("v_cache", v_cache)
+    if isinstance(k_cache, (tuple, list)):
+        if len(k_cache) != 2:
+            raise ValueError(f"k_cache: a (k_cache, v_cache) pair has 2 arrays, got {len(k_cache)}")
+        return as_device_array("k_cache", k_cache[0]), as_device_array("v_cache", k_cache[1])
+    kv = as_device_array("k_cache", k_cache)
+    axis = combined_axis("k_cache", kv.shape)
+    keep = [i for i in range(5) if i != axis]
+    shape = tuple(kv.shape[i] for i in keep)
+    strides = tuple(kv.strides[i] for i in keep)
+    item = _ITEMSIZE.get(kv.dtype, 2)
+    k = DeviceArray(kv.ptr, shape, strides, kv.dtype, kv.device, kv.owner)
+    v = DeviceArray(kv.ptr + kv.strides[axis] * item, shape, strides, kv.dtype, kv.device, kv.owner)
+    return k, v

@@ -35,7 +35,7 @@ from ..core.geometry import RECORD_PAGES, THREADS_PER_CTA, ctas_per_kv_head
 from ..core.plan import Plan
 from ..core.problem import DecodeProblem, PageTable
 from . import require_gpu
-from .arrays import as_cupy_stream, as_device_array, cupy_storage_dtype
+from .arrays import as_cupy_stream, as_device_array, cupy_storage_dtype, split_kv_arrays
 from .experiments import DecodeExperiments
 from .features import check_option, one_per_sm_shared_bytes, sm90_option, spreads_one_per_sm
 from .kernel_abi import DecodeParams
@@ -571,10 +571,14 @@ class BatchDecodeWrapper:
         return DecodeLaunch(params, partial, merge_launch, current_context(), plain)
 
     # ------------------------------------------------------------------- run
-    def run(self, q, k_cache, v_cache, *, out=None, lse=None, return_lse: bool = False,
+    def run(self, q, k_cache, v_cache=None, *, out=None, lse=None, return_lse: bool = False,
             stream=None, k_scale=None, v_scale=None):
         """Launch the planned kernels. Returns ``out`` or ``(out, lse)`` if ``return_lse`` or
         ``lse`` is given. Raises before any launch if an input does not match the plan.
+
+        K/V: ``k_cache`` and ``v_cache`` (NHD), or ``v_cache=None`` with a (k, v) pair or one
+        combined array, FlashInfer's [pages, 2, page_size, heads, dim] or vLLM's [2, pages,
+        page_size, heads, dim] (``core.layouts``), read in place.
 
         k_scale, v_scale (fp8 caches, ``kv_dtype``): K = code value x k_scale. None (1), a
         number (per tensor, held by a captured graph), or a device float32 array of 1 value
@@ -588,8 +592,7 @@ class BatchDecodeWrapper:
             raise RuntimeError("run: call plan() (or, graph-stable, plan_on_device()) first")
         batch = self._capacity[0] if self.use_cuda_graph else plan.problem.batch_size
         qa = as_device_array("q", q)
-        ka = as_device_array("k_cache", k_cache)
-        va = as_device_array("v_cache", v_cache)
+        ka, va = split_kv_arrays(k_cache, v_cache)
         V.check_device_decode_arrays(qa, ka, va, batch_size=batch, num_qo_heads=self.num_qo_heads,
                                      num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                      page_size=self.page_size, dtype=self.dtype,

@@ -1,0 +1,50 @@
+"""KV cache layouts on the host paths (``core/layouts.py``): a (k, v) pair, FlashInfer's combined
+[pages, 2, ...] and vLLM's [2, pages, ...] arrays, and HND pages give the bits of two NHD
+arrays; what cannot be told apart is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from splitkv import execute_plan_cpu, plan_fixed_splits, reference_decode
+
+from conftest import build_batch
+
+
+def layouts_of(k, v):
+    """The same cache in every layout: (k_cache, v_cache, kv_layout) arguments."""
+    hnd = lambda a: np.ascontiguousarray(a.transpose(0, 2, 1, 3))     # noqa: E731
+    return {"two arrays": (k, v, "NHD"), "pair": ((k, v), None, "NHD"),
+            "flashinfer combined": (np.stack([k, v], axis=1), None, "NHD"),
+            "vllm combined": (np.stack([k, v], axis=0), None, "NHD"),
+            "HND": (hnd(k), hnd(v), "HND"),
+            "HND combined": (np.stack([hnd(k), hnd(v)], axis=1), None, "HND")}
+
+
+def test_every_layout_gives_the_same_bits(rng):
+    b = build_batch(rng, [37, 0, 300, 5], num_qo_heads=8, num_kv_heads=2, head_dim=64)
+    want = reference_decode(b.q, b.k_cache, b.v_cache, b.page_table)
+    plan = plan_fixed_splits(b.problem, 3, "fused")
+    want_cpu = execute_plan_cpu(plan, b.q, b.k_cache, b.v_cache, b.page_table)
+    for name, (k, v, layout) in layouts_of(b.k_cache, b.v_cache).items():
+        got = reference_decode(b.q, k, v, b.page_table, kv_layout=layout)
+        np.testing.assert_array_equal(got[0], want[0], err_msg=name)
+        np.testing.assert_array_equal(got[1], want[1], err_msg=name)
+        got = execute_plan_cpu(plan, b.q, k, v, b.page_table, kv_layout=layout)
+        np.testing.assert_array_equal(got[0], want_cpu[0], err_msg=name)
+
+
+def test_what_cannot_be_told_apart_is_refused(rng):
+    b = build_batch(rng, [5], num_qo_heads=8, num_kv_heads=2, head_dim=64)
+    both_two = np.zeros((2, 2, 16, 2, 64))
+    with pytest.raises(ValueError, match="k_cache: shape .* could be FlashInfer's"):
+        reference_decode(b.q, both_two, None, b.page_table)
+    with pytest.raises(ValueError, match="k_cache: a combined K/V cache has K and V on axis 0"):
+        reference_decode(b.q, np.zeros((3, 3, 16, 2, 64)), None, b.page_table)
+    with pytest.raises(ValueError, match="k_cache: a combined K/V cache is 5-d"):
+        reference_decode(b.q, b.k_cache, None, b.page_table)
+    with pytest.raises(ValueError, match="k_cache: a \\(k_cache, v_cache\\) pair has 2 arrays"):
+        reference_decode(b.q, (b.k_cache,), None, b.page_table)
+    with pytest.raises(ValueError, match="kv_layout: expected one of"):
+        reference_decode(b.q, b.k_cache, b.v_cache, b.page_table, kv_layout="NDH")

@@ -133,3 +133,21 @@ def test_fp8_misuse_is_named():
     with pytest.raises(ValueError, match="k_scale: scales are for fp8 caches"):
         plain.run(q, random_device_array(v.shape, "bfloat16", rng),
                   random_device_array(v.shape, "bfloat16", rng), k_scale=2.0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cvt_widening_gives_the_bits_of_bit_arithmetic(fmt, dtype):
+    """``DecodeExperiments(fp8_widen='cvt')`` (sm_89+'s two-at-a-time conversion): both ways
+    are exact, so the 16-bit tiles and every output bit agree."""
+    from splitkv.runtime.experiments import DecodeExperiments
+
+    rng = np.random.default_rng(17)
+    pt, q, k, v = fp8_case(rng, [700, 33, 3000], 32, 8, 128, 16, dtype, fmt)
+    outs = []
+    for widen in ("bits", "cvt"):
+        w = BatchDecodeWrapper(32, 8, 128, 16, dtype, kv_dtype=fmt,
+                               experiments=DecodeExperiments(fp8_widen=widen))
+        w.plan(pt, num_splits=3, strategy="split_merge")
+        outs.append(w.run(q, cupy.asarray(k), cupy.asarray(v)).view(cupy.uint16).get())
+    np.testing.assert_array_equal(outs[0], outs[1])

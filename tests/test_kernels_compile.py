@@ -64,6 +64,19 @@ def test_fp8_variant_compiles(variant, arch):
         assert report["decode_partial"][1] == 0, f"{variant.name} spills registers on {arch}"
 
 
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("variant", [DecodeVariant(dt, 128, 1, kv_dtype=f, fp8_cvt=1)
+                                     for dt in ("bfloat16", "float16")
+                                     for f in ("float8_e4m3fn", "float8_e5m2")],
+                         ids=lambda v: v.name)
+def test_fp8_cvt_experiment_compiles(variant):
+    """The 'cvt' widening (sm_89+'s cvt.rn.f16x2.e4m3x2 / e5m2x2): built for sm_90, and for
+    sm_80 with the bit arithmetic instead."""
+    for arch in ("sm_80", "sm_90"):
+        cubin, _ = compile_cubin(variant.source(), arch, variant.name)
+        assert cubin[:4] == b"\x7fELF"
+
+
 def test_compile_error_names_the_file():
     with pytest.raises(RuntimeError, match="broken.cu"):
         compile_cubin("extern \"C\" __global__ void k() { this is not C++ }", "sm_90", "broken.cu")

@@ -57,6 +57,21 @@
 #ifndef KV_FP8
 #define KV_FP8 0
 #endif
+#ifndef FP8_CVT
+#define FP8_CVT 0
+#endif
+#if KV_FP8 && FP8_CVT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+// Two fp8 codes (the low byte first) to two float16 values (the low half first), exactly.
+__device__ __forceinline__ u32 fp8x2_to_half2(unsigned short codes) {
+  u32 h2;
+#if KV_FP8 == 1
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(codes));
+#else
+  asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h2) : "h"(codes));
+#endif
+  return h2;
+}
+#endif
 #if KV_FP8
 // two 16-bit K and V tiles (the one computed on and the next), then the fp8 stages
 #define TILE16_BYTES (TILE_N * HEAD_DIM * 2)
@@ -426,11 +441,21 @@ decode_partial(const __grid_constant__ DecodeParams params) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const u32 word = j < 2 ? lo : hi, sh = (j & 1) * 16;
+#if FP8_CVT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+          const u32 h2 = fp8x2_to_half2((unsigned short)(word >> sh));
+#if SPLITKV_BF16
+          w[j] = pack2(half_bits_to_float((unsigned short)(h2 & 0xFFFFu)),
+                       half_bits_to_float((unsigned short)(h2 >> 16)));
+#else
+          w[j] = h2;
+#endif
+#else
           const u32 c0 = (word >> sh) & 0xFFu, c1 = (word >> (sh + 8)) & 0xFFu;
 #if KV_FP8 == 1
           w[j] = pack2(e4m3fn_to_float(c0), e4m3fn_to_float(c1));
 #else
           w[j] = pack2(e5m2_to_float(c0), e5m2_to_float(c1));
+#endif
 #endif
         }
         asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"((kv ? v_smem_u32 : k_smem_u32) + dst),

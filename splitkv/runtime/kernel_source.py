@@ -50,6 +50,7 @@ class DecodeVariant:
     cluster: int = 0    # S > 1: the S chunks of each request run as one thread-block cluster
                         # and merge through distributed shared memory (sm_90+); 0 = no cluster
     kv_dtype: str = ""  # "" (K/V in dtype), or an fp8 format: K/V are fp8 codes (KV_FP8)
+    fp8_cvt: int = 0    # 1: widen fp8 with sm_89+'s cvt (an experiment, FP8_CVT); 0: bit arithmetic
 
     def __post_init__(self):
         if self.stages == 0:
@@ -82,13 +83,15 @@ class DecodeVariant:
         return {"SPLITKV_BF16": int(self.dtype == "bfloat16"), "HEAD_DIM": self.head_dim,
                 "ROW_TILES": self.row_tiles, "STAGES": self.stages, "NUM_WARPS": WARPS_PER_CTA,
                 "MAX_REGISTERS": self.max_registers, "CLUSTER": self.cluster,
-                "RECORD_PAGES": RECORD_PAGES, "KV_FP8": KV_FP8_CODES.get(self.kv_dtype, 0)}
+                "RECORD_PAGES": RECORD_PAGES, "KV_FP8": KV_FP8_CODES.get(self.kv_dtype, 0),
+                "FP8_CVT": self.fp8_cvt}
 
     @property
     def name(self) -> str:
         regs = f"_reg{self.max_registers}" if self.max_registers else ""
         cluster = f"_c{self.cluster}" if self.cluster else ""
         kv = f"_kv_{self.kv_dtype.split('_')[1]}" if self.kv_dtype else ""
+        kv += "_cvt" if self.fp8_cvt else ""
         return (f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}_s{self.stages}{regs}{cluster}"
                 f"{kv}")
 
@@ -101,11 +104,11 @@ class DecodeVariant:
     @staticmethod
     def for_problem(dtype: str, head_dim: int, group_size: int, stages: int = 0,
                     max_registers: int = 0, cluster: int = 0,
-                    kv_dtype: str = "") -> "DecodeVariant":
+                    kv_dtype: str = "", fp8_cvt: int = 0) -> "DecodeVariant":
         rows = min(group_size, MAX_HEADS_PER_CTA)
         row_tiles = 1 if rows <= 16 else 2 if rows <= 32 else 4
         return DecodeVariant(dtype, head_dim, row_tiles, stages, max_registers, cluster,
-                             kv_dtype or "")
+                             kv_dtype or "", int(bool(kv_dtype) and fp8_cvt))
 
 
 def all_variants() -> list[DecodeVariant]:

@@ -25,9 +25,6 @@ from splitkv.testing import scattered_page_table
 
 from test_fuzz_merge_reference import FUZZ, assert_matches, expect_outcome
 
-JUNK = [None, "1", b"1", 1j, True, [1.0, "a"], {"a": 1}, object(), math.nan, math.inf, -1.0]
-
-
 @st.composite
 def calls(draw):
     """Arguments of a valid call with some variants and perhaps fp8 KV."""
@@ -80,9 +77,6 @@ def spoil(draw, args, hk):
     }
     if name is None:
         return None
-    if name in ("k_scale", "v_scale") and "kv_dtype" not in args:
-        # scales apply to any cache on the host: a spoilt one must still be named
-        pass
     if name == "kv_dtype" and "kv_dtype" not in args:
         args["k_cache"] = fp8.quantize(np.clip(args["k_cache"], -8, 8), "fp8")
         args["v_cache"] = fp8.quantize(np.clip(args["v_cache"], -8, 8), "fp8")
@@ -107,7 +101,10 @@ def test_fuzz_reference_and_executor_with_variants(data):
     expect_outcome(lambda: reference_decode(**args), names, spoilt,
                    lambda got: check(args, got, want))
     table = args["page_table"]
-    problem = DecodeProblem.from_page_table(table, args["q"].shape[1], hk, 64)
+    # a plan made for the call's window when it has one (and one row a request), else plain
+    window = valid.get("window_left", -1) if "qo_indptr" not in valid else -1
+    problem = DecodeProblem.from_page_table(table, args["q"].shape[1], hk, 64,
+                                            window_left=window if spoilt != "window_left" else -1)
     strategy = data.draw(st.sampled_from(["single", "split_merge", "fused"]))
     plan = plan_fixed_splits(problem, 1 if strategy == "single" else data.draw(st.integers(2, 5)),
                              strategy)

@@ -15,8 +15,8 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
                             reason="CuPy with NVRTC not installed (pip install -e '.[nvrtc]')")
 
 from splitkv.runtime import kernel_abi  # noqa: E402
-from splitkv.runtime.kernel_source import (DecodeVariant, all_variants, compile_cubin,  # noqa: E402
-                                           fp8_variants, read_source)
+from splitkv.runtime.kernel_source import (NVRTC_OPTIONS, DecodeVariant, all_variants,  # noqa: E402
+                                           compile_cubin, fp8_variants, read_source)
 
 # The cluster-merge variants build for sm_90 only; a sample covers every cluster size, dtype,
 # head dim and row-tile count.
@@ -72,9 +72,24 @@ def test_fp8_variant_compiles(variant, arch):
 def test_fp8_cvt_experiment_compiles(variant):
     """The 'cvt' widening (sm_89+'s cvt.rn.f16x2.e4m3x2 / e5m2x2): built for sm_90, and for
     sm_80 with the bit arithmetic instead."""
-    for arch in ("sm_80", "sm_90"):
-        cubin, _ = compile_cubin(variant.source(), arch, variant.name)
-        assert cubin[:4] == b"\x7fELF"
+    fmt = variant.kv_dtype.split("_")[1].removesuffix("fn")
+    for arch, has_cvt in (("compute_80", False), ("compute_90", True)):
+        prog = nvrtc.createProgram(variant.source(), variant.name, [], [])
+        try:
+            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch={arch}"])
+            ptx = nvrtc.getPTX(prog).decode() if isinstance(nvrtc.getPTX(prog), bytes) \
+                else nvrtc.getPTX(prog)
+        finally:
+            nvrtc.destroyProgram(prog)
+        assert (f"cvt.rn.f16x2.{fmt}x2" in ptx) == has_cvt, (arch, variant.name)
+    default = replace(variant, fp8_cvt=0)
+    prog = nvrtc.createProgram(default.source(), default.name, [], [])
+    try:
+        nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, "-arch=compute_90"])
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    assert f"cvt.rn.f16x2.{fmt}x2" not in (ptx.decode() if isinstance(ptx, bytes) else ptx)
 
 
 def test_compile_error_names_the_file():

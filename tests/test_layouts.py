@@ -48,3 +48,34 @@ def test_what_cannot_be_told_apart_is_refused(rng):
         reference_decode(b.q, (b.k_cache,), None, b.page_table)
     with pytest.raises(ValueError, match="kv_layout: expected one of"):
         reference_decode(b.q, b.k_cache, b.v_cache, b.page_table, kv_layout="NDH")
+
+
+class FakeDeviceArray:
+    """A NumPy array seen through __cuda_array_interface__ (the descriptors need no GPU)."""
+
+    def __init__(self, host: np.ndarray):
+        self.host = host
+        self.__cuda_array_interface__ = {
+            "shape": host.shape, "typestr": host.dtype.str, "version": 3,
+            "data": (host.__array_interface__["data"][0], False),
+            "strides": host.strides}
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.uint8])
+def test_device_descriptors_of_combined_arrays_point_at_k_and_v(dtype):
+    """``runtime.arrays.split_kv_arrays``: FlashInfer's and vLLM's combined arrays (and a
+    page-strided slice of one) give K and V descriptors whose pointers and element strides are
+    NumPy's own views'."""
+    pytest.importorskip("cupy")
+    from splitkv.runtime.arrays import split_kv_arrays
+
+    item = np.dtype(dtype).itemsize
+    fi = np.zeros((6, 2, 16, 2, 64), dtype)
+    vl = np.zeros((2, 6, 16, 2, 64), dtype)
+    for combined, (k_view, v_view) in ((fi, (fi[:, 0], fi[:, 1])), (vl, (vl[0], vl[1])),
+                                       (fi[::2], (fi[::2, 0], fi[::2, 1]))):
+        k, v = split_kv_arrays(FakeDeviceArray(combined), None)
+        for desc, view in ((k, k_view), (v, v_view)):
+            assert desc.ptr == view.__array_interface__["data"][0]
+            assert desc.shape == view.shape
+            assert desc.strides == tuple(s // item for s in view.strides)

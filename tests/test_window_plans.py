@@ -52,6 +52,24 @@ def test_the_executor_runs_windowed_plans_to_the_reference(rng, strategy, splits
     np.testing.assert_allclose(got[0], want_o, rtol=1e-12, atol=1e-12)
 
 
+def test_the_planners_windowed_plans_are_valid_plans_that_split():
+    """Large ragged batches under a window, where the planner splits (the ragged branch):
+    every chosen plan rebuilt through Plan's own checks (chunks from each window's first
+    token), and it equals the plain plan of the windows' lengths, moved."""
+    rng = np.random.default_rng(4)
+    for _ in range(40):
+        lens = rng.integers(0, 200000, int(rng.integers(1, 40)))
+        window = int(rng.choice([0, 63, 1000, 4095, 30000]))
+        problem = DecodeProblem(lens, 32, 8, 128, 16, window_left=window)
+        plan = choose_plan(problem, MODEL)
+        type(plan)(problem, plan.strategy, plan.chunk_request, plan.chunk_start, plan.chunk_end,
+                   plan.merge_indptr)
+        plain = choose_plan(DecodeProblem(problem.read_lens, 32, 8, 128, 16), MODEL)
+        assert plan.num_chunks == plain.num_chunks and plan.predicted_us == plain.predicted_us
+        np.testing.assert_array_equal(plan.chunk_start - problem.kv_begin[plan.chunk_request],
+                                      plain.chunk_start)
+
+
 def test_windowed_plans_refuse_what_they_cannot_serve(rng):
     b = build_batch(rng, [300, 40], num_qo_heads=8, num_kv_heads=2, head_dim=64)
     problem = DecodeProblem.from_page_table(b.page_table, 8, 2, 64, "float16", window_left=50)

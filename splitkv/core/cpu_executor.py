@@ -33,14 +33,16 @@ def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
                              kv_dtype=fmt)
     sm_scale = V.check_sm_scale(sm_scale, p.head_dim)
     variant = VA.check_variant(p.num_qo_heads, window_left, logits_soft_cap)
-    if p.windowed:      # a plan over windows: they are the window the call means
+    if p.windowed:      # a plan over windows: its chunks are the window, as on the GPU
         if variant.window_left not in (-1, p.window_left):
             raise ValueError(f"window_left: the plan was made for window_left={p.window_left}, "
                              f"this call has {variant.window_left}")
         if rows.max_q_len > 1:
             raise ValueError("qo_indptr: a plan made with window_left covers each request's last "
                              "window_left + 1 tokens, which rows before the last one need more of")
-        variant = VA.Variant(p.window_left, variant.logits_soft_cap)
+        # no mask: the chunks alone say what is read (a plan that read more would be wrong here
+        # as it would be on the GPU, whose kernels mask nothing before a chunk)
+        variant = VA.Variant(-1, variant.logits_soft_cap)
     q64 = to_float64(q)
     k64, v64 = kv_to_float64(k_cache, v_cache, p.num_kv_heads, fmt, k_scale, v_scale)
     g, hk, d = p.group_size, p.num_kv_heads, p.head_dim

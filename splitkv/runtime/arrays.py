@@ -173,7 +173,9 @@ def split_kv_arrays(k_cache, v_cache) -> tuple[DeviceArray, DeviceArray]:
     keep = [i for i in range(5) if i != axis]
     shape = tuple(kv.shape[i] for i in keep)
     strides = tuple(kv.strides[i] for i in keep)
-    item = _ITEMSIZE.get(kv.dtype, 2)
+    item = _ITEMSIZE.get(kv.dtype)
+    if item is None:
+        raise TypeError(f"k_cache: unsupported element type {kv.dtype} for a combined K/V cache")
     k = DeviceArray(kv.ptr, shape, strides, kv.dtype, kv.device, kv.owner)
     v = DeviceArray(kv.ptr + kv.strides[axis] * item, shape, strides, kv.dtype, kv.device, kv.owner)
     return k, v

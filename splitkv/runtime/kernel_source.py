@@ -56,6 +56,8 @@ class DecodeVariant:
         if self.stages == 0:
             # About 64-96 KiB of K+V in flight per CTA, so two or three CTAs fit on an SM.
             object.__setattr__(self, "stages", DEFAULT_STAGES[self.head_dim])
+        if not self.kv_dtype:
+            object.__setattr__(self, "fp8_cvt", 0)     # nothing to widen
         if self.kv_dtype not in ("", *KV_FP8_CODES):
             raise ValueError(f"kv_dtype: expected '' or one of {tuple(KV_FP8_CODES)}, "
                              f"got {self.kv_dtype!r}")

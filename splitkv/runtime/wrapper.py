@@ -228,7 +228,7 @@ class BatchDecodeWrapper:
              kv_last_page_len=None, block_table=None, seq_lens=None,
              num_splits: int | None = None, strategy: str | None = None,
              plan: Plan | None = None, sm_scale: float | None = None, stream=None,
-             window_left: int = -1) -> Plan:
+             window_left: int | None = None) -> Plan:
         """Choose and upload the decomposition for this batch. Host work plus one upload.
 
         The batch's pages: a ``PageTable``, or FlashInfer's ``kv_indptr`` [batch + 1],
@@ -240,7 +240,8 @@ class BatchDecodeWrapper:
         a handle; default CuPy's current stream): the stream you run (or replay) on.
         ``window_left`` (sliding window, FlashInfer's name): each request's query sees its last
         window_left + 1 tokens, and the plan covers only those (its cost follows the window);
-        -1: no window. Returns the plan as it runs.
+        -1 or None: no window (with ``plan``, None takes the plan's). Returns the plan as it
+        runs.
         """
         require_gpu("BatchDecodeWrapper.plan()")
         import cupy
@@ -271,9 +272,9 @@ class BatchDecodeWrapper:
         else:
             from ..planner import choose_plan
 
-            problem = DecodeProblem.from_page_table(page_table, self.num_qo_heads,
-                                                    self.num_kv_heads, self.head_dim, self.dtype,
-                                                    window_left=window_left)
+            problem = DecodeProblem.from_page_table(
+                page_table, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.dtype,
+                window_left=-1 if window_left is None else window_left)
             model = self.profile.cost_model()
             if not clusters:                     # predict the ticket merge that will run
                 model = model.with_clusters(False)

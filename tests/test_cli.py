@@ -128,10 +128,23 @@ def test_bench_markdown_table_says_when_kv_is_fp8():
     assert lines[4].endswith("| <=peer |")
 
 
+def test_plan_with_a_window_plans_only_its_tokens(capsys):
+    from splitkv import cli
+
+    assert cli.main(["plan", "--kv-len", "131072", "--window-left", "4095"]) == 0
+    windowed = capsys.readouterr().out
+    assert "window_left=4095" in windowed and "16.0 MiB of K and V" in windowed
+    assert cli.main(["plan", "--kv-len", "4096"]) == 0
+    plain = capsys.readouterr().out
+    predicted = lambda out: [l for l in out.splitlines() if l.startswith("predicted:")][0]  # noqa: E731
+    assert predicted(windowed) == predicted(plain)
+
+
 # ------------------------------------------------- bad arguments: one line, exit 2, no work
 BAD_ARGUMENTS = [
     # (argv, what the one line on stderr says)
     (["plan", "--batch", "-1"], "argument --batch: expected an integer from 1 to 1,048,576, got -1"),
+    (["plan", "--window-left", "-2"], "argument --window-left: expected an integer from -1"),
     (["bench", "--kv-dtype", "int8"], "argument --kv-dtype: expected fp8_e4m3, fp8_e5m2, "
                                       "float8_e4m3fn or float8_e5m2; got 'int8'"),
     (["plan", "--batch", "0"], "argument --batch: expected an integer from 1"),

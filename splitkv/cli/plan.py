@@ -4,6 +4,7 @@ default.
 
     splitkv plan --batch 8 --kv-len 8192 --heads 32/8 --head-dim 128 --page-size 16
     splitkv plan --lens 100,2000,30000 --profile my-gpu.yaml --top 8
+    splitkv plan --kv-len 131072 --window-left 4095        # a sliding window: its tokens only
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=A.head_dim, default=128,
                         help=f"one of {', '.join(map(str, V.SUPPORTED_HEAD_DIMS))} (default 128)")
     parser.add_argument("--page-size", type=A.positive_int, default=16, help="default 16")
+    parser.add_argument("--window-left", type=A.int_range(-1, V.MAX_KV_LEN), default=-1,
+                        metavar="N", help="sliding window: each query sees its last N + 1 tokens "
+                                          "and the plan covers only those (default -1: none)")
     parser.add_argument("--profile", type=A.existing_file, metavar="PATH",
                         help="a profile YAML (default: looked up)")
     parser.add_argument("--device-name", type=A.name, metavar="NAME",
@@ -72,13 +76,14 @@ def run(args) -> int:
 
     lens = np.asarray(args.lens if args.lens is not None else [args.kv_len] * args.batch,
                       dtype=np.int64)
-    chunks = _forced_chunks(lens, args.num_splits) if args.num_splits else 0
+    read = lens if args.window_left < 0 else np.minimum(lens, args.window_left + 1)
+    chunks = _forced_chunks(read, args.num_splits) if args.num_splits else 0
     if chunks > MAX_CHUNKS:
         return A.refuse("plan", f"--num-splits {args.num_splits}: the plan would have "
                                 f"{chunks:,} chunks; the command line plans at most {MAX_CHUNKS:,}")
     try:
         problem = DecodeProblem(lens, args.heads[0], args.heads[1], args.head_dim,
-                                args.page_size)
+                                args.page_size, window_left=args.window_left)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             profile = load_profile(args.profile, device_name=args.device_name,

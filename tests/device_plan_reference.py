@@ -158,10 +158,10 @@ def expected(page_table: PageTable, model, *, num_qo_heads, num_kv_heads, head_d
     return plan, records, merge_indptr
 
 
-def as_block_table_records(records: np.ndarray, page_table: PageTable, stride: int) -> np.ndarray:
+def as_block_table_records(records: np.ndarray, stride: int) -> np.ndarray:
     """Host records of a compact page table, as a planner reading a block table of ``stride``
-    entries per row writes them: page_table_begin is row b's first entry; an empty request's
-    first_pages (never read) are left out of the comparison by zeroing them on both sides."""
+    entries per row writes them: page_table_begin is row b's first entry. (An empty request's
+    first_pages, never read, differ: the callers zero them on both sides.)"""
     out = records.copy()
     out["page_table_begin"] = out["request"] * stride
     return out

@@ -62,7 +62,7 @@ def compare(rng, lens, *, shape, page_size, layout, max_batch, max_chunks, launc
     n = plan.num_chunks
     have = got.records[:n].copy()
     if layout == "block_table":
-        want = as_block_table_records(want, table, arrays[1].shape[1])
+        want = as_block_table_records(want, arrays[1].shape[1])
         empty = empty_request_mask(want, table)     # their first_pages are never read
         want["first_pages"][empty] = 0
         have["first_pages"][empty] = 0

@@ -53,7 +53,7 @@ def test_the_kernel_writes_the_host_planners_records(seed):
         n = plan.num_chunks
         have = records[:n].copy()
         if layout == "block_table":
-            want = as_block_table_records(want, table, arrays[1].shape[1])
+            want = as_block_table_records(want, arrays[1].shape[1])
             empty = empty_request_mask(want, table)
             want["first_pages"][empty] = 0
             have["first_pages"][empty] = 0

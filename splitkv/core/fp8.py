@@ -67,7 +67,8 @@ def decode_table(fmt: str) -> np.ndarray:
 
 
 def max_finite(fmt: str) -> float:
-    return float(np.nanmax(np.where(np.isinf(decode_table(fmt)), np.nan, decode_table(fmt))))
+    table = decode_table(fmt)
+    return float(table[np.isfinite(table)].max())
 
 
 def codes_of(name: str, arr, fmt: str) -> np.ndarray:

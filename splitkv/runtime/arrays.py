@@ -160,15 +160,12 @@ def _external_stream(handle: int):
 def split_kv_arrays(k_cache, v_cache) -> tuple[DeviceArray, DeviceArray]:
     """K and V descriptors from two device arrays, a (k, v) pair, or one combined array
     (``core.layouts``: FlashInfer's [pages, 2, ...] or vLLM's [2, pages, ...]), zero-copy."""
-    from ..core.layouts import combined_axis
+    from ..core.layouts import combined_axis, split_kv
 
-    if v_cache is not None:
+    if v_cache is not None or isinstance(k_cache, (tuple, list)):
+        k_cache, v_cache = split_kv(k_cache, v_cache)
         return as_device_array("k_cache", k_cache), as_device_array("v_cache", v_cache)
-    if isinstance(k_cache, (tuple, list)):
-        if len(k_cache) != 2:
-            raise ValueError(f"k_cache: a (k_cache, v_cache) pair has 2 arrays, got {len(k_cache)}")
-        return as_device_array("k_cache", k_cache[0]), as_device_array("v_cache", k_cache[1])
-    kv = as_device_array("k_cache", k_cache)
+    kv = as_device_array("k_cache", k_cache)       # one combined array: sliced as descriptors
     axis = combined_axis("k_cache", kv.shape)
     keep = [i for i in range(5) if i != axis]
     shape = tuple(kv.shape[i] for i in keep)

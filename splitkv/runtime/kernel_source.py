@@ -110,7 +110,7 @@ class DecodeVariant:
         rows = min(group_size, MAX_HEADS_PER_CTA)
         row_tiles = 1 if rows <= 16 else 2 if rows <= 32 else 4
         return DecodeVariant(dtype, head_dim, row_tiles, stages, max_registers, cluster,
-                             kv_dtype or "", int(bool(kv_dtype) and fp8_cvt))
+                             kv_dtype or "", fp8_cvt)
 
 
 def all_variants() -> list[DecodeVariant]:

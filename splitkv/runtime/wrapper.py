@@ -303,7 +303,7 @@ class BatchDecodeWrapper:
                                   sm_scale_log2)
         self._device_id = cupy.cuda.runtime.getDevice()
         self._pages_in_record = in_record
-        self._plan_stream_ptr, self._plan_stream = s.ptr, s
+        self._plan_stream = s
         self._plan, self._max_page = chosen, max_page
         return chosen
 
@@ -346,7 +346,7 @@ class BatchDecodeWrapper:
                       out=self._graph_upload.next_records(chosen.num_chunks))
         self._graph_upload.upload(page_table.kv_indices, merge_indptr, s)
         self._pages_in_record = in_record
-        self._plan_stream_ptr, self._plan_stream = s.ptr, s
+        self._plan_stream = s
         self._plan, self._max_page = chosen, max_page
         return chosen
 
@@ -382,11 +382,8 @@ class BatchDecodeWrapper:
         s = as_cupy_stream(stream)
         inputs = (seq_lens, block_table, kv_indptr, kv_indices, kv_last_page_len)
         planner = self._device_planner
-        if planner is not None and sm_scale == planner.sm_scale and all(
-                a is b for a, b in zip(inputs, planner.inputs)) and all(
-                _data_ptr(a) == p for a, p in zip(inputs, planner.input_ptrs)):
-            pass      # the very arrays of the first call: checked then (a decode loop's path)
-        else:
+        # the very arrays of the first call (a decode loop's path) were checked then
+        if planner is None or not planner.same_inputs(inputs, sm_scale):
             self._check_device_plan_inputs(inputs, sm_scale, s)
             planner = self._device_planner
         self._follow_previous_plan_stream(s)
@@ -395,7 +392,7 @@ class BatchDecodeWrapper:
             self._foreign_pending = False
         planner.launch(s.ptr)
         self._run_after_device_plan = True
-        self._plan_stream_ptr, self._plan_stream = s.ptr, s
+        self._plan_stream = s
         if not s.is_capturing():
             self._device_plan_ready = self._device_plan_ready or cupy.cuda.Event(
                 disable_timing=True)
@@ -420,8 +417,7 @@ class BatchDecodeWrapper:
                 raise RuntimeError("plan_on_device: the first call binds the arrays and "
                                    "allocates; make it before capturing")
             planner = self._bind_device_planner(batch, arrays, sm_scale_log2, s)
-            planner.inputs, planner.sm_scale = inputs, sm_scale
-            planner.input_ptrs = tuple(_data_ptr(a) for a in inputs)
+            planner.remember(inputs, sm_scale)
         elif batch != planner.batch:
             raise ValueError("plan_on_device: the arrays differ from the first call's (a captured "
                              "launch holds their addresses); update those arrays in place")
@@ -617,7 +613,7 @@ class BatchDecodeWrapper:
             la = as_device_array("lse", lse)
             V.check_device_output("lse", la, (batch, self.num_qo_heads), "float32")
             lse_ptr = la.ptr
-        foreign = s.ptr != self._plan_stream_ptr and not s.is_capturing()
+        foreign = s.ptr != self._plan_stream.ptr and not s.is_capturing()
         if foreign and self._ready_event() is not None:
             # Order this stream after plan()'s upload. Not inside a graph capture: a wait on an
             # event recorded outside it would pull outside work into the graph, and a host wait
@@ -641,14 +637,3 @@ class BatchDecodeWrapper:
             self._foreign_pending = True
         return (out, lse) if want_lse else out
 
-
-def _data_ptr(obj) -> int | None:
-    """An array's device address, cheaply (CuPy, torch), or None."""
-    if obj is None:
-        return None
-    data = getattr(obj, "data", None)
-    if hasattr(data, "ptr"):
-        return int(data.ptr)
-    if callable(getattr(obj, "data_ptr", None)):
-        return int(obj.data_ptr())
-    return id(obj)

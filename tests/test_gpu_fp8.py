@@ -9,6 +9,7 @@ import pytest
 
 from splitkv import reference_decode
 from splitkv.core import fp8
+from splitkv.core.bfloat16 import float32_to_bits
 from splitkv.core.reference import to_float64
 from splitkv.runtime.testing import random_device_array, scattered_page_table
 from splitkv.runtime.wrapper import BatchDecodeWrapper
@@ -71,7 +72,8 @@ def scale_kinds(hk):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("head_dim,group,page", [(128, 4, 16), (64, 8, 1), (256, 1, 64)])
+@pytest.mark.parametrize("head_dim,group,page", [(128, 4, 16), (64, 8, 1), (256, 1, 64), (128, 32, 16),
+                                                 (64, 64, 16)])
 def test_every_strategy_and_scale_kind_matches_the_reference(fmt, dtype, head_dim, group, page):
     rng = np.random.default_rng(hash((fmt, dtype, head_dim, group)) % 2**32)
     hk = 2
@@ -136,19 +138,35 @@ def test_fp8_misuse_is_named():
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_cvt_widening_gives_the_bits_of_bit_arithmetic(fmt, dtype):
-    """``DecodeExperiments(fp8_widen='cvt')`` (sm_89+'s two-at-a-time conversion): both ways
-    are exact on finite codes (NaN bit patterns may differ; these codes are finite), so the
-    16-bit tiles and every output bit agree."""
-    from splitkv.runtime.experiments import DecodeExperiments
+@pytest.mark.parametrize("q_scale", [3e4, 1e-6])
+def test_bfloat16_q_beyond_the_float16_range(fmt, q_scale):
+    """fp8 kernels multiply in float16: a bfloat16 q is scaled by a power of two that brings its
+    largest value into float16's range, so a q far above float16's maximum (65504) or in its
+    subnormals still matches the reference; each query head's scale is its own."""
+    rng = np.random.default_rng(23)
+    pt, q, k, v = fp8_case(rng, [700, 33, 3000], 32, 2, 128, 16, "bfloat16", fmt)
+    qf = to_float64(q.get())
+    qf[:, :16] *= q_scale                      # kv head 0's query heads
+    qf[1, 20:] *= 1 / 64                       # and some of kv head 1's, beside unscaled ones
+    q = cupy.asarray(float32_to_bits(qf.astype(np.float32)))
+    w = BatchDecodeWrapper(32, 2, 128, 16, "bfloat16", kv_dtype=fmt)
+    for strategy, n in (("single", 1), ("fused", 4)):
+        check(w, pt, q, k, v, "bfloat16", fmt, scale_kinds(2)[1], num_splits=n, strategy=strategy)
 
-    rng = np.random.default_rng(17)
-    pt, q, k, v = fp8_case(rng, [700, 33, 3000], 32, 8, 128, 16, dtype, fmt)
-    outs = []
-    for widen in ("bits", "cvt"):
-        w = BatchDecodeWrapper(32, 8, 128, 16, dtype, kv_dtype=fmt,
-                               experiments=DecodeExperiments(fp8_widen=widen))
-        w.plan(pt, num_splits=3, strategy="split_merge")
-        outs.append(w.run(q, cupy.asarray(k), cupy.asarray(v)).view(cupy.uint16).get())
-    np.testing.assert_array_equal(outs[0], outs[1])
+
+def test_a_nan_in_q_makes_its_head_nan_only():
+    """q's float16 scale is per query head, from its finite values: a NaN leaves its own head
+    NaN, and the heads beside it (same CTA, same MMAs) exact."""
+    fmt = "float8_e4m3fn"
+    rng = np.random.default_rng(9)
+    pt, q, k, v = fp8_case(rng, [300, 300], 8, 2, 128, 16, "bfloat16", fmt)
+    qh = q.get()
+    qh[1, 5, 3] = 0x7FC0                      # bfloat16 NaN: request 1, kv head 1's group
+    ref_o, _ = reference_decode(qh, k, v, pt, kv_dtype=fmt)
+    w = BatchDecodeWrapper(8, 2, 128, 16, "bfloat16", kv_dtype=fmt)
+    w.plan(pt)
+    o = to_float64(w.run(cupy.asarray(qh), cupy.asarray(k), cupy.asarray(v)).get())
+    assert np.all(np.isnan(o[1, 5])) and np.all(np.isnan(ref_o[1, 5]))
+    rows = np.ones(o.shape[:2], bool)
+    rows[1, 5] = False
+    assert rel_err(o[rows], ref_o[rows]) < TOL["bfloat16"]

@@ -54,42 +54,42 @@ def test_variant_compiles(variant, arch, capsys):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("variant", fp8_variants(), ids=lambda v: v.name)
 def test_fp8_variant_compiles(variant, arch):
-    """Every fp8-KV variant (both formats): the copies into the byte stages and the widening
-    to 16 bits build for sm_80 (bit arithmetic, no fp8 instructions) and sm_90; the main
-    shapes do not spill."""
+    """Every fp8-KV variant (both formats): the byte tiles and the widening in registers build
+    for sm_80 (bit arithmetic, no fp8 instructions) and sm_90; the main shapes do not spill."""
     cubin, log = compile_cubin(variant.source(), arch, variant.name, verbose=True)
     assert cubin[:4] == b"\x7fELF"
     report = resource_report(log)
-    if replace(variant, kv_dtype="") in MAIN_VARIANTS:
+    if DecodeVariant(variant.dtype, variant.head_dim, variant.row_tiles) in MAIN_VARIANTS:
         assert report["decode_partial"][1] == 0, f"{variant.name} spills registers on {arch}"
 
 
 @pytest.mark.nvrtc
-@pytest.mark.parametrize("variant", [DecodeVariant(dt, 128, 1, kv_dtype=f, fp8_cvt=1)
+@pytest.mark.parametrize("variant", [DecodeVariant(dt, 128, 1, kv_dtype=f)
                                      for dt in ("bfloat16", "float16")
                                      for f in ("float8_e4m3fn", "float8_e5m2")],
                          ids=lambda v: v.name)
-def test_fp8_cvt_experiment_compiles(variant):
-    """The 'cvt' widening (sm_89+'s cvt.rn.f16x2.e4m3x2 / e5m2x2): built for sm_90, and for
-    sm_80 with the bit arithmetic instead."""
-    fmt = variant.kv_dtype.split("_")[1].removesuffix("fn")
-    for arch, has_cvt in (("compute_80", False), ("compute_90", True)):
-        prog = nvrtc.createProgram(variant.source(), variant.name, [], [])
-        try:
-            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch={arch}"])
-            ptx = nvrtc.getPTX(prog).decode() if isinstance(nvrtc.getPTX(prog), bytes) \
-                else nvrtc.getPTX(prog)
-        finally:
-            nvrtc.destroyProgram(prog)
-        assert (f"cvt.rn.f16x2.{fmt}x2" in ptx) == has_cvt, (arch, variant.name)
-    default = replace(variant, fp8_cvt=0)
-    prog = nvrtc.createProgram(default.source(), default.name, [], [])
-    try:
-        nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, "-arch=compute_90"])
-        ptx = nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    assert f"cvt.rn.f16x2.{fmt}x2" not in (ptx.decode() if isinstance(ptx, bytes) else ptx)
+def test_fp8_kernels_widen_in_registers_into_float16_mmas(variant):
+    """The fp8 path computes in float16 (every fp8 value is exact there) whatever q's type, and
+    widens e4m3fn with sm_89+'s two-at-a-time cvt, with bit arithmetic before sm_89; e5m2 is a
+    float16's top byte, so byte permutes everywhere."""
+    for arch, has_cvt in (("compute_80", False), ("compute_90", variant.kv_dtype.endswith("fn"))):
+        ptx = _ptx(variant.source(), variant.name, arch)
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx, arch
+        assert ".bf16.bf16" not in ptx, arch
+        assert ("cvt.rn.f16x2.e4m3x2" in ptx) == has_cvt, arch
+        assert "e5m2x2" not in ptx, arch
+    assert "cvt.rn.f16x2.e4m3x2" not in _ptx(replace(variant, kv_dtype="").source(), "plain", "compute_90")
+
+
+def test_fp8_variants_keep_the_bytes_in_flight():
+    """fp8 tiles are half the bytes, so the default fp8 variant takes twice the stages: the
+    same shared memory (so the same CTAs per SM) as the 16-bit kernel."""
+    for d in (64, 128, 256):
+        plain, fp8 = DecodeVariant("bfloat16", d, 1), DecodeVariant("bfloat16", d, 1, kv_dtype="float8_e4m3fn")
+        assert fp8.stages >= plain.stages
+        assert fp8.shared_bytes <= plain.shared_bytes
+    assert DecodeVariant("bfloat16", 128, 1, kv_dtype="float8_e5m2").stages == 6
+    assert DecodeVariant("bfloat16", 128, 1, stages=3, kv_dtype="float8_e5m2").stages == 3
 
 
 def test_compile_error_names_the_file():
@@ -108,10 +108,10 @@ def test_cluster_variant_compiles_for_sm90_only(variant):
         compile_cubin(variant.source(), "sm_80", variant.name)
 
 
-def _ptx(source: str, name: str) -> str:
+def _ptx(source: str, name: str, arch: str = "compute_90") -> str:
     prog = nvrtc.createProgram(source, name, [], [])
     try:
-        nvrtc.compileProgram(prog, ["--std=c++17", "-default-device", "-arch=compute_90"])
+        nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch={arch}"])
         ptx = nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)

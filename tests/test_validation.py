@@ -272,11 +272,3 @@ def test_graph_stable_capacity_is_checked():
     w = BatchDecodeWrapper(8, 2, 128, 16, use_cuda_graph=True, max_batch_size=4,
                            max_num_pages=100, max_chunks=32)
     assert w.max_chunks == 32 and BatchDecodeWrapper(8, 2, 128, 16).max_chunks is None
-
-
-def test_fp8_widen_experiment_is_checked():
-    from splitkv.runtime.experiments import DecodeExperiments
-
-    assert DecodeExperiments(fp8_widen="cvt").fp8_widen == "cvt"
-    with pytest.raises(ValueError, match="fp8_widen: expected one of"):
-        DecodeExperiments(fp8_widen="fast")

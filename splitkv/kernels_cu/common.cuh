@@ -28,10 +28,26 @@ __device__ __forceinline__ float fast_log2(float x) {
   return y;
 }
 
-// Two floats to a packed pair of 16-bit values; `lo` lands in the low half.
+// Two floats to a packed pair of 16-bit values of the storage type; `lo` lands in the low half.
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
   u32 r;
 #if SPLITKV_BF16
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+  return r;
+}
+
+// The tensor cores' input type: the storage type, unless a kernel says otherwise before this
+// header (the fp8-KV kernels compute in float16, where every fp8 value is exact).
+#ifndef SPLITKV_MMA_BF16
+#define SPLITKV_MMA_BF16 SPLITKV_BF16
+#endif
+// Two floats to a packed pair of MMA inputs.
+__device__ __forceinline__ u32 pack2_mma(float lo, float hi) {
+  u32 r;
+#if SPLITKV_MMA_BF16
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
 #else
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -48,11 +64,6 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
 // 16-byte global -> shared copy that bypasses L1; src_bytes = 0 writes zeros and reads nothing.
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-// 8-byte global -> shared copy (through L1: .cg takes 16 bytes only); src_bytes = 0 writes
-// zeros and reads nothing.
-__device__ __forceinline__ void cp_async8(u32 dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
@@ -71,7 +82,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32& r0, u32& r1, u32& r2, u32
 // accumulators of c: two of row g (lane / 4) in `row_g`, two of row g + 8 in `row_g8`.
 __device__ __forceinline__ void mma_16816(float* row_g, float* row_g8, const u32 a[4], u32 b0,
                                           u32 b1) {
-#if SPLITKV_BF16
+#if SPLITKV_MMA_BF16
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
                "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                : "+f"(row_g[0]), "+f"(row_g[1]), "+f"(row_g8[0]), "+f"(row_g8[1])
@@ -178,22 +189,4 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-}
-
-// fp8 codes to float, exactly (every e4m3fn and e5m2 value is a float16, a bfloat16 and a
-// float). e5m2 is the top byte of a float16. e4m3fn: its exponent and mantissa bits, placed as a
-// float16's low bits, are that number times 2**-8 (normal and subnormal alike: the biases differ
-// by 8); S.1111.111 is NaN. Bit arithmetic, so sm_80 runs it too.
-__device__ __forceinline__ float half_bits_to_float(unsigned short bits) {
-  float f;
-  asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"(bits));
-  return f;
-}
-__device__ __forceinline__ float e5m2_to_float(u32 code) {
-  return half_bits_to_float((unsigned short)(code << 8));
-}
-__device__ __forceinline__ float e4m3fn_to_float(u32 code) {
-  const u32 em = code & 0x7Fu;
-  const float v = em == 0x7Fu ? __int_as_float(0x7fc00000) : half_bits_to_float((unsigned short)(em << 7)) * 256.0f;
-  return (code & 0x80u) ? -v : v;
 }

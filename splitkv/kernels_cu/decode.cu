@@ -21,15 +21,26 @@
 // merge_partials: one thread per (request, qo head, 4 dims) of a split request; merges its
 // partials.
 //
-// KV_FP8 = 1 (e4m3fn) or 2 (e5m2): K and V are fp8 codes. The copies land in a byte staging
-// area (STAGES tiles in flight, 8-byte copies); before its group's barrier each thread turns the
-// bytes it copied itself into 16-bit values in one of two tiles of the usual layout, so the math
-// is the 16-bit path's. K's scale joins the score scale and V's the output (per CTA: one kv head).
+// KV_FP8 = 1 (e4m3fn) or 2 (e5m2): K and V are fp8 codes, copied as they are (16 tokens' dims a
+// 16-byte copy) into byte tiles, and widened in registers straight into the MMA B fragments
+// (fp8_fragments below): no second pass through shared memory. The MMAs then run in float16,
+// where every fp8 value is exact; a bfloat16 q is converted once, scaled by a power of two that
+// the score scale undoes. K's scale joins the score scale and V's the output (per CTA: one kv
+// head).
 //
 // Compile-time parameters: SPLITKV_BF16, HEAD_DIM, ROW_TILES (1, 2, 4), STAGES, NUM_WARPS,
 // MAX_REGISTERS, CLUSTER, RECORD_PAGES, KV_FP8.
+#ifndef KV_FP8
+#define KV_FP8 0
+#endif
+#if KV_FP8
+#define SPLITKV_MMA_BF16 0     // fp8 K/V: float16 MMAs (common.cuh)
+#endif
 #include "decode_params.cuh"
 #include "softmax_state.cuh"
+#if KV_FP8
+#include "fp8.cuh"
+#endif
 
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
@@ -51,35 +62,13 @@
 #define SUBTILES (TOK_PER_WARP / 16)
 #define GROUP_THREADS (32 * ROW_TILES)         // the warps that read the same tokens
 #define ROWS (16 * ROW_TILES)                  // query heads per CTA
-#define DCHUNKS (HEAD_DIM / 8)                 // 16-byte chunks per row
+#define KV_BYTES (KV_FP8 ? 1 : 2)
+#define ROW_BYTES (HEAD_DIM * KV_BYTES)        // one token's K (or V) row of one kv head
+#define DCHUNKS (ROW_BYTES / 16)               // 16-byte chunks per row
 #define KSTEPS (HEAD_DIM / 16)
 #define DTILES (HEAD_DIM / 8)
-#ifndef KV_FP8
-#define KV_FP8 0
-#endif
-#ifndef FP8_CVT
-#define FP8_CVT 0
-#endif
-#if KV_FP8 && FP8_CVT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-// Two fp8 codes (the low byte first) to two float16 values (the low half first), exactly.
-__device__ __forceinline__ u32 fp8x2_to_half2(unsigned short codes) {
-  u32 h2;
-#if KV_FP8 == 1
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(codes));
-#else
-  asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h2) : "h"(codes));
-#endif
-  return h2;
-}
-#endif
-#if KV_FP8
-// two 16-bit K and V tiles (the one computed on and the next), then the fp8 stages
-#define TILE16_BYTES (TILE_N * HEAD_DIM * 2)
-#define STAGE8_BYTES (TILE_N * HEAD_DIM)
-#define PIPELINE_BYTES (2 * TILE16_BYTES * 2 + STAGES * STAGE8_BYTES * 2)
-#else
-#define PIPELINE_BYTES (STAGES * TILE_N * HEAD_DIM * 2 * 2)   // K and V tiles of every stage
-#endif
+#define STAGE_BYTES (TILE_N * ROW_BYTES)       // K (or V) of one tile
+#define PIPELINE_BYTES (STAGES * STAGE_BYTES * 2)   // K and V tiles of every stage
 static_assert(RECORD_PAGES / 4 <= NUM_THREADS, "record copy: one 16-byte copy per thread");
 
 // Partials merged per pass of merge_workspace: each pass issues all its loads before using any,
@@ -96,6 +85,53 @@ using SlotState = SoftmaxState<4>;
 __device__ __forceinline__ u32 tile_offset_bytes(int row, int chunk) {
   return (u32)(row * HEAD_DIM + ((chunk ^ (row & 7)) << 3)) * 2u;
 }
+
+#if KV_FP8
+// fp8 tile rows are HEAD_DIM bytes, in 16-byte chunks swizzled so that the lanes' loads in
+// fp8_fragments hit distinct banks: a K load reads chunks t + 4h of rows g (quarter-warp: rows 2q
+// and 2q + 1, four chunks each), a V load one lane-g piece of rows 2t (+1, +8, +9) (quarter-warp:
+// four rows, two chunks each).
+__device__ __forceinline__ u32 fp8_tile_offset(int row, int chunk) {
+#if HEAD_DIM == 64
+  const int swizzle = (row >> 1) & 3;            // 64-byte rows: rows 2q, 2q + 1 share no bank
+#else
+  const int swizzle = ((row & 1) << 2) ^ (row & 6);
+#endif
+  return (u32)(row * HEAD_DIM + ((chunk ^ swizzle) << 4));
+}
+
+// The register path's layout of the head dim. Q K^T sums over the head dim in any order, so lane
+// t's K bytes of a row are whole chunks t + 4h; k-step 4h + j takes word j of chunk h: its first
+// two codes are the B fragment's k = 2t, 2t + 1, its last two k = 2t + 8, 2t + 9. Q's A fragments
+// take the same dims (fp8_q_dim).
+__device__ __forceinline__ int fp8_q_dim(int ks, int t) {
+  return 16 * (t + 4 * (ks >> 2)) + 4 * (ks & 3);
+}
+// O = P V: lane g reads its V_PIECE_BYTES-byte pieces of each row; the output's n-tile i is byte
+// i of every lane's pieces, so column c of n-tile i is dim fp8_v_dim(c, i).
+#define V_PIECE_BYTES (HEAD_DIM / 8 < 16 ? HEAD_DIM / 8 : 16)
+#define V_PIECES (HEAD_DIM / 8 / V_PIECE_BYTES)
+__device__ __forceinline__ u32 fp8_v_piece_offset(int row, int lane_g, int piece) {
+#if HEAD_DIM == 64
+  return fp8_tile_offset(row, lane_g >> 1) + (lane_g & 1) * 8;
+#else
+  return fp8_tile_offset(row, lane_g + 8 * piece);
+#endif
+}
+__device__ __forceinline__ int fp8_v_dim(int column, int i) {
+  return (i / V_PIECE_BYTES) * (8 * V_PIECE_BYTES) + column * V_PIECE_BYTES + i % V_PIECE_BYTES;
+}
+template <int WORDS>
+__device__ __forceinline__ void ld_shared_words(u32 (&w)[WORDS], u32 addr) {
+  static_assert(WORDS == 2 || WORDS == 4, "8- or 16-byte loads");
+  if (WORDS == 4) {
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(addr));
+  } else {
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "r"(addr));
+  }
+}
+#endif
 
 // MAX_REGISTERS > 0 caps the registers per thread (so that more CTAs fit on an SM); 0 leaves
 // the choice to the compiler. (ptxas did not honour __launch_bounds__'s minimum-CTA hint.)
@@ -338,17 +374,10 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
   const int g = lane >> 2, t = lane & 3;
 
-  u16* k_smem = reinterpret_cast<u16*>(smem);
-#if KV_FP8
-  u16* v_smem = k_smem + 2 * TILE_N * HEAD_DIM;
-  const u32 k8_u32 = smem_u32(smem + 4 * TILE16_BYTES);
-  const u32 v8_u32 = k8_u32 + STAGES * STAGE8_BYTES;
+  const u32 k_smem_u32 = smem_u32(smem), v_smem_u32 = k_smem_u32 + STAGES * STAGE_BYTES;
+  // the caches as bytes: offsets below are in elements, and an fp8 element is a byte
   const unsigned char* k_bytes = reinterpret_cast<const unsigned char*>(params.k_cache);
   const unsigned char* v_bytes = reinterpret_cast<const unsigned char*>(params.v_cache);
-#else
-  u16* v_smem = k_smem + STAGES * TILE_N * HEAD_DIM;
-#endif
-  const u32 k_smem_u32 = smem_u32(k_smem), v_smem_u32 = smem_u32(v_smem);
 
   const int num_tiles = (tok_end - tok_begin + TILE_N - 1) / TILE_N;
   const i64 head_offset = (i64)kvh * HEAD_DIM;
@@ -402,69 +431,21 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   // Issue the copies of a tile into `stage` from the fetched entries; tokens past the chunk
   // are zero-filled without reading.
   auto issue_tile = [&](int stage) {
-#if KV_FP8
-    const u32 stage_bytes = (u32)(stage * STAGE8_BYTES);
-#else
-    const u32 stage_bytes = (u32)(stage * TILE_N * HEAD_DIM * 2);
-#endif
+    const u32 stage_bytes = (u32)(stage * STAGE_BYTES);
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) {
       const int row = my_row0 + i * ROW_STEP;
       const bool valid = pg[i] >= 0;
-      const i64 off = valid ? (i64)pg[i] * params.page_stride + (i64)slot[i] * params.token_stride + head_offset + my_chunk * 8 : 0;
+      const i64 off = valid ? ((i64)pg[i] * params.page_stride + (i64)slot[i] * params.token_stride + head_offset) * KV_BYTES + my_chunk * 16 : 0;
 #if KV_FP8
-      const u32 dst = stage_bytes + (u32)(row * HEAD_DIM + my_chunk * 8);
-      cp_async8(k8_u32 + dst, k_bytes + off, valid ? 8 : 0);
-      cp_async8(v8_u32 + dst, v_bytes + off, valid ? 8 : 0);
+      const u32 dst = stage_bytes + fp8_tile_offset(row, my_chunk);
 #else
       const u32 dst = stage_bytes + tile_offset_bytes(row, my_chunk);
-      cp_async16(k_smem_u32 + dst, params.k_cache + off, valid ? 16 : 0);
-      cp_async16(v_smem_u32 + dst, params.v_cache + off, valid ? 16 : 0);
 #endif
+      cp_async16(k_smem_u32 + dst, k_bytes + off, valid ? 16 : 0);
+      cp_async16(v_smem_u32 + dst, v_bytes + off, valid ? 16 : 0);
     }
   };
-#if KV_FP8
-  // The rows this thread copied of tile `tile`, from the fp8 stage into 16-bit tile tile & 1.
-  auto widen_tile = [&](int tile) {
-    const u32 src_stage = (u32)((tile % STAGES) * STAGE8_BYTES);
-    const u32 dst_tile = (u32)((tile & 1) * TILE16_BYTES);
-#pragma unroll
-    for (int i = 0; i < LOADS; ++i) {
-      const int row = my_row0 + i * ROW_STEP;
-      const u32 src = src_stage + (u32)(row * HEAD_DIM + my_chunk * 8);
-      const u32 dst = dst_tile + tile_offset_bytes(row, my_chunk);
-#pragma unroll
-      for (int kv = 0; kv < 2; ++kv) {
-        u32 lo, hi;
-        asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(lo), "=r"(hi) : "r"((kv ? v8_u32 : k8_u32) + src));
-        u32 w[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const u32 word = j < 2 ? lo : hi, sh = (j & 1) * 16;
-#if FP8_CVT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-          const u32 h2 = fp8x2_to_half2((unsigned short)(word >> sh));
-#if SPLITKV_BF16
-          w[j] = pack2(half_bits_to_float((unsigned short)(h2 & 0xFFFFu)),
-                       half_bits_to_float((unsigned short)(h2 >> 16)));
-#else
-          w[j] = h2;
-#endif
-#else
-          const u32 c0 = (word >> sh) & 0xFFu, c1 = (word >> (sh + 8)) & 0xFFu;
-#if KV_FP8 == 1
-          w[j] = pack2(e4m3fn_to_float(c0), e4m3fn_to_float(c1));
-#else
-          w[j] = pack2(e5m2_to_float(c0), e5m2_to_float(c1));
-#endif
-#endif
-        }
-        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"((kv ? v_smem_u32 : k_smem_u32) + dst),
-                     "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
-      }
-    }
-  };
-#endif
-
   // Rows g and g+8 of this warp's row tile; d holds this lane's share of each denominator until
   // the end.
   RowState state[2] = {RowState::empty(), RowState::empty()};
@@ -497,13 +478,55 @@ decode_partial(const __grid_constant__ DecodeParams params) {
     const u16* q_rows = params.q + ((i64)req * params.num_qo_heads + head0) * HEAD_DIM;
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks) {
+#if KV_FP8
+      const int c0 = fp8_q_dim(ks, t), c1 = c0 + 2;
+#else
       const int c0 = ks * 16 + 2 * t, c1 = c0 + 8;
+#endif
       qf[ks][0] = r0 < rows_valid ? ld_after_wait_u32(q_rows + r0 * HEAD_DIM + c0) : 0u;
       qf[ks][1] = r1 < rows_valid ? ld_after_wait_u32(q_rows + r1 * HEAD_DIM + c0) : 0u;
       qf[ks][2] = r0 < rows_valid ? ld_after_wait_u32(q_rows + r0 * HEAD_DIM + c1) : 0u;
       qf[ks][3] = r1 < rows_valid ? ld_after_wait_u32(q_rows + r1 * HEAD_DIM + c1) : 0u;
     }
   }
+#if KV_FP8 && SPLITKV_BF16
+  // bfloat16 q to float16 for the float16 MMAs, each row times 2**e that brings its largest
+  // finite |q| into [2**14, 2**15): exact wherever float16 is normal (bfloat16 has fewer
+  // mantissa bits); the row's score scale takes 2**-e. Infinities and NaN stay what they are.
+  float row_score_scale[2];
+  {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {        // rows g (fragments 0, 2) and g + 8 (1, 3)
+      u32 max_bits = 0;
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks)
+#pragma unroll
+        for (int k = r; k < 4; k += 2)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const u32 bits = (qf[ks][k] >> (16 * half)) & 0x7FFFu;
+            if (bits < 0x7F80u) max_bits = max(max_bits, bits);     // finite
+          }
+      max_bits = max(max_bits, __shfl_xor_sync(0xffffffffu, max_bits, 1));   // the row's lanes
+      max_bits = max(max_bits, __shfl_xor_sync(0xffffffffu, max_bits, 2));
+      const int e = max_bits == 0 ? 0 : min(64, 141 - (int)(max_bits >> 7));  // 141 = 127 + 14
+      const float up = __int_as_float((127 + e) << 23);
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks)
+#pragma unroll
+        for (int k = r; k < 4; k += 2) {
+          const u32 w = qf[ks][k];
+          u32 h;
+          asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h)
+              : "f"(__uint_as_float(w & 0xFFFF0000u) * up), "f"(__uint_as_float(w << 16) * up));
+          qf[ks][k] = h;
+        }
+      row_score_scale[r] = score_scale * __int_as_float((127 - e) << 23);
+    }
+  }
+#else
+  const float row_score_scale[2] = {score_scale, score_scale};
+#endif
 
   // The first tiles' page ids: from the record (in shared memory) if it has them.
   const PageIds first_table = {record_pages_used ? record_pages : pages};
@@ -518,9 +541,6 @@ decode_partial(const __grid_constant__ DecodeParams params) {
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     cp_async_wait<STAGES - 2>();
-#if KV_FP8
-    widen_tile(tile);   // 16-bit tile tile & 1 was last read for tile - 2, before the last barrier
-#endif
     group_sync();  // the group's rows of tile `tile` are visible; stage (tile-1) % STAGES is free
     {
       const int next = tile + STAGES - 1;
@@ -528,13 +548,9 @@ decode_partial(const __grid_constant__ DecodeParams params) {
       cp_async_commit();
       fetch_pages(next + 1, ReadOnlyPageIds{pages}, 0);
     }
-#if KV_FP8
-    const int stage = tile & 1;
-#else
     const int stage = tile % STAGES;
-#endif
-    const u32 ks_base = k_smem_u32 + (u32)(stage * TILE_N * HEAD_DIM * 2);
-    const u32 vs_base = v_smem_u32 + (u32)(stage * TILE_N * HEAD_DIM * 2);
+    const u32 ks_base = k_smem_u32 + (u32)(stage * STAGE_BYTES);
+    const u32 vs_base = v_smem_u32 + (u32)(stage * STAGE_BYTES);
     const int tile_tok0 = tok_begin + tile * TILE_N;
 
     // S = Q K^T for this warp's tokens: s[st][nt] holds tokens n0 + 8 nt + 2t (+1), rows g, g+8.
@@ -548,6 +564,25 @@ decode_partial(const __grid_constant__ DecodeParams params) {
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) acc[h][nt][0] = acc[h][nt][1] = acc[h][nt][2] = acc[h][nt][3] = 0.f;
+#if KV_FP8
+      // lane (g, t) widens row n0 + 8 nt + g's chunks t + 4h itself (fp8_q_dim's order)
+#pragma unroll
+      for (int h = 0; h < KSTEPS / 4; ++h) {
+        u32 kw[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) ld_shared_words(kw[nt], ks_base + fp8_tile_offset(n0 + nt * 8 + g, t + 4 * h));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int ks = 4 * h + j;
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            u32 b0, b1;
+            fp8x4_to_half2x2(kw[nt][j], b0, b1);
+            mma_16816(acc[ks & 1][nt], qf[ks], b0, b1);
+          }
+        }
+      }
+#else
 #pragma unroll
       for (int ks = 0; ks < KSTEPS; ++ks) {
         const int r = n0 + (lane & 7) + ((lane >> 4) << 3);
@@ -557,6 +592,7 @@ decode_partial(const __grid_constant__ DecodeParams params) {
         mma_16816(acc[ks & 1][0], qf[ks], b0, b1);
         mma_16816(acc[ks & 1][1], qf[ks], b2, b3);
       }
+#endif
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -573,7 +609,7 @@ decode_partial(const __grid_constant__ DecodeParams params) {
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            float v = s[st][nt][e] * score_scale;
+            float v = s[st][nt][e] * row_score_scale[e >> 1];
             if (masked) {
               const int tok = tile_tok0 + warp_n * TOK_PER_WARP + st * 16 + nt * 8 + 2 * t + (e & 1);
               v = tok < tok_end ? v : SPLITKV_NEG_INF;
@@ -611,9 +647,34 @@ decode_partial(const __grid_constant__ DecodeParams params) {
           probs[nt][e] = fast_exp2(s[st][nt][e] - m_use[e >> 1]);
           state[e >> 1].d += probs[nt][e];
         }
-      const u32 a[4] = {pack2(probs[0][0], probs[0][1]), pack2(probs[0][2], probs[0][3]),
-                        pack2(probs[1][0], probs[1][1]), pack2(probs[1][2], probs[1][3])};
+      const u32 a[4] = {pack2_mma(probs[0][0], probs[0][1]), pack2_mma(probs[0][2], probs[0][3]),
+                        pack2_mma(probs[1][0], probs[1][1]), pack2_mma(probs[1][2], probs[1][3])};
       const int n0 = warp_n * TOK_PER_WARP + st * 16;
+#if KV_FP8
+      // The B fragments hold two tokens of one dim: lane (g, t) reads its pieces of rows
+      // n0 + 2t, +1, +8, +9, pairs the rows' bytes of each dim (prmt), then widens the pairs.
+#pragma unroll
+      for (int piece = 0; piece < V_PIECES; ++piece) {
+        u32 x[4][V_PIECE_BYTES / 4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          ld_shared_words(x[r], vs_base + fp8_v_piece_offset(n0 + 2 * t + (r & 1) + (r >> 1) * 8, g, piece));
+#pragma unroll
+        for (int w = 0; w < V_PIECE_BYTES / 4; ++w) {
+          u32 b[2][4];   // b[k][dim byte]: tokens 2t, 2t+1 (k = 0) or 2t+8, 2t+9 (k = 1)
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            fp8x4_to_half2x2(byte_perm(x[2 * k][w], x[2 * k + 1][w], 0x5140u), b[k][0], b[k][1]);
+            fp8x4_to_half2x2(byte_perm(x[2 * k][w], x[2 * k + 1][w], 0x7362u), b[k][2], b[k][3]);
+          }
+#pragma unroll
+          for (int d = 0; d < 4; ++d) {
+            const int i = piece * V_PIECE_BYTES + 4 * w + d;   // n-tile: dims fp8_v_dim(column, i)
+            mma_16816(state[0].o + 2 * i, state[1].o + 2 * i, a, b[0][d], b[1][d]);
+          }
+        }
+      }
+#else
 #pragma unroll
       for (int dp = 0; dp < DTILES / 2; ++dp) {
         const int r = n0 + (lane & 7) + (((lane >> 3) & 1) << 3);
@@ -623,6 +684,7 @@ decode_partial(const __grid_constant__ DecodeParams params) {
         mma_16816(state[0].o + 4 * dp, state[1].o + 4 * dp, a, b0, b1);           // d-tile 2 dp
         mma_16816(state[0].o + 4 * dp + 2, state[1].o + 4 * dp + 2, a, b2, b3);   // 2 dp + 1
       }
+#endif
     }
   }
   if (!params.pdl_early_trigger) allow_dependent_launch();   // this CTA's streaming is done
@@ -649,9 +711,18 @@ decode_partial(const __grid_constant__ DecodeParams params) {
     float* wo = warps.o + warp * 16 * HEAD_DIM;
 #pragma unroll
     for (int i = 0; i < DTILES; ++i) {
+#if KV_FP8
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {   // column 2t + e of n-tile i (fp8_v_dim)
+        const int dim = fp8_v_dim(2 * t + e, i);
+        wo[g * HEAD_DIM + dim] = state[0].o[2 * i + e];
+        wo[(g + 8) * HEAD_DIM + dim] = state[1].o[2 * i + e];
+      }
+#else
       const int col = i * 8 + 2 * t;
       *reinterpret_cast<float2*>(wo + g * HEAD_DIM + col) = make_float2(state[0].o[2 * i], state[0].o[2 * i + 1]);
       *reinterpret_cast<float2*>(wo + (g + 8) * HEAD_DIM + col) = make_float2(state[1].o[2 * i], state[1].o[2 * i + 1]);
+#endif
     }
     if (t == 0) {
       warps.m[warp * 16 + g] = state[0].m; warps.m[warp * 16 + g + 8] = state[1].m;

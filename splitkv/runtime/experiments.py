@@ -11,9 +11,6 @@ from .features import check_option
 # Where a PDL partial kernel lets the next kernel launch: 'early', as soon as its CTAs read
 # their records; 'late', once every CTA finished streaming its chunk.
 PDL_TRIGGERS = ("early", "late")
-# How an fp8-KV kernel widens its codes to 16 bits: 'bits', bit arithmetic (any sm_80+ GPU; the
-# shipped way), or 'cvt', sm_89+'s cvt.rn.f16x2.e4m3x2 / .e5m2x2, two codes an instruction.
-FP8_WIDENINGS = ("bits", "cvt")
 
 
 @dataclass(frozen=True)
@@ -29,15 +26,12 @@ class DecodeExperiments:
         with programmatic dependent launch (the wrapper's ``pdl``).
     pdl_spread: force whether a PDL launch pads its shared memory so that one CTA lands per SM
         (True / False); None: ``features.spreads_one_per_sm`` decides.
-    fp8_widen: how an fp8-KV kernel widens its codes (``FP8_WIDENINGS``): 'bits' (the
-        default) or 'cvt' (sm_89+; elsewhere the kernel keeps 'bits').
     """
 
     stages: int | None = None
     max_registers: int | None = None
     pdl_trigger: str = "late"
     pdl_spread: bool | None = None
-    fp8_widen: str = "bits"
 
     def __post_init__(self):
         if self.stages is not None:
@@ -48,5 +42,3 @@ class DecodeExperiments:
             raise ValueError(f"pdl_trigger: expected one of {PDL_TRIGGERS}, "
                              f"got {self.pdl_trigger!r}")
         check_option("pdl_spread", self.pdl_spread)
-        if self.fp8_widen not in FP8_WIDENINGS:
-            raise ValueError(f"fp8_widen: expected one of {FP8_WIDENINGS}, got {self.fp8_widen!r}")

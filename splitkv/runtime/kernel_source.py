@@ -5,7 +5,7 @@ compiles through NVRTC on a CPU-only machine."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 
@@ -20,6 +20,9 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 NVRTC_OPTIONS = ("--std=c++17", "-default-device")
 DEFAULT_STAGES = {64: 4, 128: 3, 256: 2}
+# fp8 K/V tiles are half the bytes: twice the tiles keeps the bytes in flight (and so the CTAs an
+# SM holds) as the 16-bit kernel's, within the RECORD_PAGES the first tiles may take at page 16.
+DEFAULT_FP8_STAGES = {64: 6, 128: 6, 256: 4}
 
 
 @lru_cache(maxsize=None)
@@ -50,17 +53,15 @@ class DecodeVariant:
     cluster: int = 0    # S > 1: the S chunks of each request run as one thread-block cluster
                         # and merge through distributed shared memory (sm_90+); 0 = no cluster
     kv_dtype: str = ""  # "" (K/V in dtype), or an fp8 format: K/V are fp8 codes (KV_FP8)
-    fp8_cvt: int = 0    # 1: widen fp8 with sm_89+'s cvt (an experiment, FP8_CVT); 0: bit arithmetic
 
     def __post_init__(self):
-        if self.stages == 0:
-            # About 64-96 KiB of K+V in flight per CTA, so two or three CTAs fit on an SM.
-            object.__setattr__(self, "stages", DEFAULT_STAGES[self.head_dim])
-        if not self.kv_dtype:
-            object.__setattr__(self, "fp8_cvt", 0)     # nothing to widen
         if self.kv_dtype not in ("", *KV_FP8_CODES):
             raise ValueError(f"kv_dtype: expected '' or one of {tuple(KV_FP8_CODES)}, "
                              f"got {self.kv_dtype!r}")
+        if self.stages == 0:
+            # About 64-96 KiB of K+V in flight per CTA, so two or three CTAs fit on an SM.
+            defaults = DEFAULT_FP8_STAGES if self.kv_dtype else DEFAULT_STAGES
+            object.__setattr__(self, "stages", defaults[self.head_dim])
         if self.cluster not in (0, *CLUSTER_SIZES):
             raise ValueError(f"cluster: expected 0 or one of {CLUSTER_SIZES}, got {self.cluster}")
 
@@ -69,12 +70,15 @@ class DecodeVariant:
         return 16 * self.row_tiles
 
     @property
+    def kv_bytes(self) -> int:
+        """Bytes of one K or V element."""
+        return 1 if self.kv_dtype else 2
+
+    @property
     def shared_bytes(self) -> int:
-        if self.kv_dtype:   # two 16-bit K and V tiles, then the fp8 stages (decode.cu)
-            pipeline = (2 * TILE_TOKENS * self.head_dim * 2 * 2
-                        + self.stages * TILE_TOKENS * self.head_dim * 2 + RECORD_PAGES * 4)
-        else:
-            pipeline = self.stages * TILE_TOKENS * self.head_dim * 2 * 2 + RECORD_PAGES * 4
+        # K and V tiles of every stage, then the record's page ids (decode.cu)
+        pipeline = (self.stages * TILE_TOKENS * self.head_dim * self.kv_bytes * 2
+                    + RECORD_PAGES * 4)
         combine = WARPS_PER_CTA * 16 * (self.head_dim + 2) * 4   # reused after the pipeline
         if self.cluster:
             combine += self.rows * (self.head_dim + 1) * 4          # the CTA's partial state
@@ -85,15 +89,13 @@ class DecodeVariant:
         return {"SPLITKV_BF16": int(self.dtype == "bfloat16"), "HEAD_DIM": self.head_dim,
                 "ROW_TILES": self.row_tiles, "STAGES": self.stages, "NUM_WARPS": WARPS_PER_CTA,
                 "MAX_REGISTERS": self.max_registers, "CLUSTER": self.cluster,
-                "RECORD_PAGES": RECORD_PAGES, "KV_FP8": KV_FP8_CODES.get(self.kv_dtype, 0),
-                "FP8_CVT": self.fp8_cvt}
+                "RECORD_PAGES": RECORD_PAGES, "KV_FP8": KV_FP8_CODES.get(self.kv_dtype, 0)}
 
     @property
     def name(self) -> str:
         regs = f"_reg{self.max_registers}" if self.max_registers else ""
         cluster = f"_c{self.cluster}" if self.cluster else ""
         kv = f"_kv_{self.kv_dtype.split('_')[1]}" if self.kv_dtype else ""
-        kv += "_cvt" if self.fp8_cvt else ""
         return (f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}_s{self.stages}{regs}{cluster}"
                 f"{kv}")
 
@@ -106,11 +108,11 @@ class DecodeVariant:
     @staticmethod
     def for_problem(dtype: str, head_dim: int, group_size: int, stages: int = 0,
                     max_registers: int = 0, cluster: int = 0,
-                    kv_dtype: str = "", fp8_cvt: int = 0) -> "DecodeVariant":
+                    kv_dtype: str = "") -> "DecodeVariant":
         rows = min(group_size, MAX_HEADS_PER_CTA)
         row_tiles = 1 if rows <= 16 else 2 if rows <= 32 else 4
         return DecodeVariant(dtype, head_dim, row_tiles, stages, max_registers, cluster,
-                             kv_dtype or "", fp8_cvt)
+                             kv_dtype or "")
 
 
 def all_variants() -> list[DecodeVariant]:
@@ -120,7 +122,8 @@ def all_variants() -> list[DecodeVariant]:
 
 def fp8_variants() -> list[DecodeVariant]:
     """Every fp8-KV variant (both formats), as CI compiles them."""
-    return [replace(v, kv_dtype=f) for v in all_variants() for f in KV_FP8_CODES]
+    return [DecodeVariant(v.dtype, v.head_dim, v.row_tiles, kv_dtype=f) for v in all_variants()
+            for f in KV_FP8_CODES]
 
 
 def compile_cubin(source: str, arch: str, name: str = "kernel.cu", verbose: bool = False):

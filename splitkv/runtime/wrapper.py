@@ -113,8 +113,7 @@ class BatchDecodeWrapper:
         self.variant = DecodeVariant.for_problem(self.dtype, self.head_dim, self.group_size,
                                                  experiments.stages or 0,
                                                  experiments.max_registers or 0,
-                                                 kv_dtype=self.kv_dtype or "",
-                                                 fp8_cvt=int(experiments.fp8_widen == "cvt"))
+                                                 kv_dtype=self.kv_dtype or "")
         self.ctas_per_kv_head = ctas_per_kv_head(self.group_size)
         self._profile = profile
         self._resolved_profile = None         # the Profile, once read

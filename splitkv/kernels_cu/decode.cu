@@ -190,8 +190,26 @@ __device__ __forceinline__ SlotState merge_workspace(const DecodeParams& p, int 
   return merged;
 }
 
+// Where four dims (dim, a multiple of 4) of warp-state row `row` live in WarpStates::o. With
+// fp8 each lane holds runs of whole dims (fp8_v_dim) and stores them as float4s; the float4s of
+// one aligned group of 8 are permuted by row parity and the lane's t (bits 3+ of the index), so
+// the 8 lanes of a store phase hit 8 different bank groups.
+__device__ __forceinline__ int state_offset(int row, int dim) {
+#if KV_FP8
+  const int f4 = dim >> 2;
+#if HEAD_DIM == 64
+  const int swizzle = ((f4 >> 3) & 1) | ((row & 1) << 1);
+#else
+  const int swizzle = ((f4 >> 3) & 3) | ((row & 1) << 2);
+#endif
+  return row * HEAD_DIM + ((f4 ^ swizzle) << 2);
+#else
+  return row * HEAD_DIM + dim;
+#endif
+}
+
 // After the main loop every warp leaves its unnormalised state of its 16 rows in the pipeline
-// buffers: o [NUM_WARPS][16][HEAD_DIM], m and d [NUM_WARPS][16].
+// buffers: o [NUM_WARPS][16][HEAD_DIM] (state_offset), m and d [NUM_WARPS][16].
 struct WarpStates {
   float* o;
   float* m;
@@ -205,7 +223,7 @@ struct WarpStates {
 #pragma unroll
     for (int wn = 0; wn < WARPS_N; ++wn) {
       const int w = mt * WARPS_N + wn;
-      const float4 v = *reinterpret_cast<const float4*>(o + (w * 16 + lr) * HEAD_DIM + dim);
+      const float4 v = *reinterpret_cast<const float4*>(o + state_offset(w * 16 + lr, dim));
       parts[wn] = {{v.x, v.y, v.z, v.w}, m[w * 16 + lr], d[w * 16 + lr]};
     }
     return SlotState::merged(parts);
@@ -712,12 +730,16 @@ decode_partial(const __grid_constant__ DecodeParams params) {
 #pragma unroll
     for (int i = 0; i < DTILES; ++i) {
 #if KV_FP8
+      if (i % 4 != 0) continue;
+      // column 2t + e of n-tiles i..i+3: four consecutive dims from fp8_v_dim
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {   // column 2t + e of n-tile i (fp8_v_dim)
-        const int dim = fp8_v_dim(2 * t + e, i);
-        wo[g * HEAD_DIM + dim] = state[0].o[2 * i + e];
-        wo[(g + 8) * HEAD_DIM + dim] = state[1].o[2 * i + e];
-      }
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float* o = state[r].o;
+          *reinterpret_cast<float4*>(wo + state_offset(g + 8 * r, fp8_v_dim(2 * t + e, i))) =
+              make_float4(o[2 * i + e], o[2 * i + 2 + e], o[2 * i + 4 + e], o[2 * i + 6 + e]);
+        }
 #else
       const int col = i * 8 + 2 * t;
       *reinterpret_cast<float2*>(wo + g * HEAD_DIM + col) = make_float2(state[0].o[2 * i], state[0].o[2 * i + 1]);

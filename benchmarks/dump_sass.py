@@ -11,13 +11,13 @@ from pathlib import Path
 from splitkv.runtime.kernel_source import DecodeVariant, compile_cubin
 
 out = Path(sys.argv[1])
-tool = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
+tool = shutil.which("nvdisasm") or "/usr/local/cuda/bin/nvdisasm"   # reads a bare cubin
 for kv in ["", *sys.argv[2:]]:
     v = DecodeVariant("bfloat16", 128, 1, kv_dtype=kv)
     cubin, _ = compile_cubin(v.source(), "sm_90", v.name)
     path = out / f"{v.name}.cubin"
     path.write_bytes(cubin)
-    sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True)
+    sass = subprocess.run([tool, "-c", str(path)], capture_output=True, text=True)
     (out / f"{v.name}.sass").write_text(sass.stdout + sass.stderr)
     path.unlink()
     print(v.name, len(sass.stdout.splitlines()), "lines")

@@ -467,6 +467,9 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   // Rows g and g+8 of this warp's row tile; d holds this lane's share of each denominator until
   // the end.
   RowState state[2] = {RowState::empty(), RowState::empty()};
+  // Rows g + 8 hold query heads only in groups over 8 (or a later row tile): else their softmax
+  // is skipped and their rows of P are zero (an MMA keeps its rows apart; they are never written).
+  const bool upper_rows = warp_m * 16 + 8 < rows_valid;
 
   if (params.pages_in_record) {   // the record's page ids are in shared memory
     cp_async_wait<0>();
@@ -620,13 +623,13 @@ decode_partial(const __grid_constant__ DecodeParams params) {
     // Online softmax over the tile, in base 2; masked tokens get -inf.
     float tile_max[2] = {SPLITKV_NEG_INF, SPLITKV_NEG_INF};
     const bool partial_tile = tile_tok0 + TILE_N > tok_end;   // only the last tile is masked
-    auto scale_scores = [&](bool masked) {
+    auto scale_scores = [&](bool masked, bool upper) {
 #pragma unroll
       for (int st = 0; st < SUBTILES; ++st)
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
+          for (int e = 0; e < (upper ? 4 : 2); ++e) {
             float v = s[st][nt][e] * row_score_scale[e >> 1];
             if (masked) {
               const int tok = tile_tok0 + warp_n * TOK_PER_WARP + st * 16 + nt * 8 + 2 * t + (e & 1);
@@ -636,11 +639,16 @@ decode_partial(const __grid_constant__ DecodeParams params) {
             tile_max[e >> 1] = fmaxf(tile_max[e >> 1], v);
           }
     };
-    if (partial_tile) scale_scores(true); else scale_scores(false);
-    float alpha[2], m_use[2];
+    if (partial_tile) {
+      if (upper_rows) scale_scores(true, true); else scale_scores(true, false);
+    } else {
+      if (upper_rows) scale_scores(false, true); else scale_scores(false, false);
+    }
+    float alpha[2] = {1.f, 1.f}, m_use[2] = {0.f, 0.f};
     bool max_moved = false;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
+      if (r == 1 && !upper_rows) break;
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
       const float m_before = state[r].m;
@@ -651,20 +659,27 @@ decode_partial(const __grid_constant__ DecodeParams params) {
     // Rescaling O is needed only when some row's max moved; after the first tiles it rarely does.
     if (__any_sync(0xffffffffu, max_moved)) {
       state[0].scale_o(alpha[0]);
-      state[1].scale_o(alpha[1]);
+      if (upper_rows) state[1].scale_o(alpha[1]);
     }
 
     // O += P V. The S accumulators of two 8-token n-tiles are exactly the A fragment of P.
 #pragma unroll
     for (int st = 0; st < SUBTILES; ++st) {
       float probs[2][4];
+      auto exp_scores = [&](bool upper) {
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+        for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          probs[nt][e] = fast_exp2(s[st][nt][e] - m_use[e >> 1]);
-          state[e >> 1].d += probs[nt][e];
-        }
+          for (int e = 0; e < 4; ++e) {
+            if (e >= 2 && !upper) {
+              probs[nt][e] = 0.f;
+              continue;
+            }
+            probs[nt][e] = fast_exp2(s[st][nt][e] - m_use[e >> 1]);
+            state[e >> 1].d += probs[nt][e];
+          }
+      };
+      if (upper_rows) exp_scores(true); else exp_scores(false);
       const u32 a[4] = {pack2_mma(probs[0][0], probs[0][1]), pack2_mma(probs[0][2], probs[0][3]),
                         pack2_mma(probs[1][0], probs[1][1]), pack2_mma(probs[1][2], probs[1][3])};
       const int n0 = warp_n * TOK_PER_WARP + st * 16;

@@ -309,3 +309,20 @@ def test_the_wrong_device_argument_is_named(q, k, v, blamed):
         V.check_device_decode_arrays(device_array(q), device_array(k), device_array(v),
                                      batch_size=2, num_qo_heads=8, num_kv_heads=2, head_dim=64,
                                      page_size=16, dtype="bfloat16", max_page=3, device=0)
+
+
+def test_a_page_of_2_gib_or_more_is_refused_before_any_launch():
+    """The kernels address a page's tokens in 32 bits: a page stride (or page_size token
+    strides) of 2 GiB or more is named, not wrapped around."""
+    from dataclasses import replace
+
+    q, k = device_array((2, 8, 64)), device_array((4, 16, 2, 64))
+    kw = dict(batch_size=2, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+              dtype="bfloat16", max_page=3, device=0)
+    V.check_device_decode_arrays(q, k, k, **kw)
+    huge_pages = replace(k, strides=(2**30, 128, 64, 1))          # 2 GiB of bf16 per page
+    with pytest.raises(ValueError, match="k_cache: expected a page to span under 2 GiB"):
+        V.check_device_decode_arrays(q, huge_pages, huge_pages, **kw)
+    huge_tokens = replace(k, strides=(2**16 * 16, 2**26, 64, 1))  # 16 tokens of 128 MiB
+    with pytest.raises(ValueError, match="k_cache: expected a page to span under 2 GiB"):
+        V.check_device_decode_arrays(q, huge_tokens, huge_tokens, **kw)

@@ -252,6 +252,10 @@ def check_device_decode_arrays(q, k_cache, v_cache, *, batch_size: int, num_qo_h
                              f"(strides [*, *, {head_dim}, 1] in elements), got {list(arr.strides)}")
         if arr.ptr % 16 or (arr.strides[0] * item) % 16 or (arr.strides[1] * item) % 16:
             raise ValueError(f"{name}: expected 16-byte aligned pages and tokens")
+        if abs(arr.strides[0] * item) >= 2**31 or abs(arr.strides[1] * item) * page_size >= 2**31:
+            raise ValueError(f"{name}: expected a page to span under 2 GiB (the kernels address "
+                             f"a page's tokens in 32 bits), got strides {list(arr.strides)} "
+                             f"(elements of {item} bytes)")
         if arr.shape[0] <= max_page:
             raise ValueError(f"{name}: the plan's page table references page {max_page} "
                              f"but the cache has {arr.shape[0]} pages")

@@ -55,6 +55,14 @@ __device__ __forceinline__ u32 pack2_mma(float lo, float hi) {
   return r;
 }
 
+// a * b as a 64-bit product of two 32-bit ints, in one instruction (NVVM does not always see
+// that a product of two sign-extended ints needs no 64 x 64 multiply).
+__device__ __forceinline__ i64 mul_wide(int a, int b) {
+  i64 r;
+  asm("mul.wide.s32 %0, %1, %2;" : "=l"(r) : "r"(a), "r"(b));
+  return r;
+}
+
 __device__ __forceinline__ u32 smem_u32(const void* p) {
   u32 r;
   asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));

@@ -398,7 +398,6 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   const unsigned char* v_bytes = reinterpret_cast<const unsigned char*>(params.v_cache);
 
   const int num_tiles = (tok_end - tok_begin + TILE_N - 1) / TILE_N;
-  const i64 head_offset = (i64)kvh * HEAD_DIM;
 
   // Each token group (the ROW_TILES warps that share warp_n) copies only the rows it reads
   // itself and waits only on its own barrier: the groups are independent pipelines, so one
@@ -419,14 +418,27 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   };
   int pg[LOADS], slot[LOADS];
   const bool step_within_page = page_size >= ROW_STEP;
-  // The page ids come from `table`: the record's copy in shared memory (page index 0 is the
-  // chunk's first page, a page boundary: base = tok_begin) or the page table (base = 0).
+  // Byte offsets within a page in 32 bits (the wrapper checks that a page spans under 2 GiB):
+  // a copy's address is one wide multiply of its page id, one multiply-add and a 64-bit add.
+  const int page_bytes = (int)(params.page_stride * KV_BYTES);
+  const int token_bytes = (int)(params.token_stride * KV_BYTES);
+  const int lane_bytes = kvh * HEAD_DIM * KV_BYTES + my_chunk * 16;
+  // This thread's first row of the next tile to fetch, as a page index and the offset in that
+  // page, carried from tile to tile: no division per tile.
+  const int tile_pages = TILE_N / page_size, tile_rest = TILE_N - tile_pages * page_size;
+  int next_page = (tok_begin + my_row0) / page_size;
+  int next_off = tok_begin + my_row0 - next_page * page_size;
+  // The page ids come from `table`: the record's copy in shared memory (its index 0 is the
+  // chunk's first page, base_page = tok_begin / page_size) or the page table (base_page = 0).
   // The two ways through the pages (step within a page, or divide) and the masked last tile
   // below are separate code paths chosen once per tile: the compiler takes DecodeParams' fields
   // for values that may differ between threads and would not split them off itself.
-  auto fetch_pages = [&](int tile, auto table, int base) {
+  auto fetch_pages = [&](int tile, auto table, int base_page) {
     const int tok0 = tok_begin + tile * TILE_N + my_row0;
-    int pidx = (tok0 - base) / page_size, off = tok0 - base - pidx * page_size;  // one division per tile
+    int pidx = next_page - base_page, off = next_off;
+    next_page += tile_pages;
+    next_off += tile_rest;
+    if (next_off >= page_size) { next_off -= page_size; ++next_page; }
     auto walk = [&](bool step) {
 #pragma unroll
       for (int i = 0; i < LOADS; ++i) {
@@ -436,8 +448,9 @@ decode_partial(const __grid_constant__ DecodeParams params) {
             off += ROW_STEP;
             if (off >= page_size) { off -= page_size; ++pidx; }
           } else {
-            pidx = (tok - base) / page_size;
-            off = tok - base - pidx * page_size;
+            const int page = tok / page_size;
+            pidx = page - base_page;
+            off = tok - page * page_size;
           }
         }
         pg[i] = (tile < num_tiles && tok < tok_end) ? table[pidx] : -1;
@@ -454,7 +467,7 @@ decode_partial(const __grid_constant__ DecodeParams params) {
     for (int i = 0; i < LOADS; ++i) {
       const int row = my_row0 + i * ROW_STEP;
       const bool valid = pg[i] >= 0;
-      const i64 off = valid ? ((i64)pg[i] * params.page_stride + (i64)slot[i] * params.token_stride + head_offset) * KV_BYTES + my_chunk * 16 : 0;
+      const i64 off = valid ? mul_wide(pg[i], page_bytes) + (slot[i] * token_bytes + lane_bytes) : 0;
 #if KV_FP8
       const u32 dst = stage_bytes + fp8_tile_offset(row, my_chunk);
 #else
@@ -551,7 +564,7 @@ decode_partial(const __grid_constant__ DecodeParams params) {
 
   // The first tiles' page ids: from the record (in shared memory) if it has them.
   const PageIds first_table = {record_pages_used ? record_pages : pages};
-  const int first_base = record_pages_used ? tok_begin : 0;
+  const int first_base = record_pages_used ? tok_begin / page_size : 0;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     fetch_pages(s, first_table, first_base);

@@ -433,13 +433,15 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   // The two ways through the pages (step within a page, or divide) and the masked last tile
   // below are separate code paths chosen once per tile: the compiler takes DecodeParams' fields
   // for values that may differ between threads and would not split them off itself.
+  bool fetched_full = false;   // the fetched tile lies wholly inside the chunk: no row checks
   auto fetch_pages = [&](int tile, auto table, int base_page) {
     const int tok0 = tok_begin + tile * TILE_N + my_row0;
+    fetched_full = tok_begin + (tile + 1) * TILE_N <= tok_end;
     int pidx = next_page - base_page, off = next_off;
     next_page += tile_pages;
     next_off += tile_rest;
     if (next_off >= page_size) { next_off -= page_size; ++next_page; }
-    auto walk = [&](bool step) {
+    auto walk = [&](bool step, bool full) {
 #pragma unroll
       for (int i = 0; i < LOADS; ++i) {
         const int tok = tok0 + i * ROW_STEP;
@@ -453,20 +455,24 @@ decode_partial(const __grid_constant__ DecodeParams params) {
             off = tok - page * page_size;
           }
         }
-        pg[i] = (tile < num_tiles && tok < tok_end) ? table[pidx] : -1;
+        pg[i] = (full || (tile < num_tiles && tok < tok_end)) ? table[pidx] : -1;
         slot[i] = off;
       }
     };
-    if (step_within_page) walk(true); else walk(false);
+    if (step_within_page) {
+      if (fetched_full) walk(true, true); else walk(true, false);
+    } else {
+      if (fetched_full) walk(false, true); else walk(false, false);
+    }
   };
   // Issue the copies of a tile into `stage` from the fetched entries; tokens past the chunk
-  // are zero-filled without reading.
-  auto issue_tile = [&](int stage) {
+  // are zero-filled without reading (a tile wholly inside the chunk has none).
+  auto issue_copies = [&](int stage, bool full) {
     const u32 stage_bytes = (u32)(stage * STAGE_BYTES);
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) {
       const int row = my_row0 + i * ROW_STEP;
-      const bool valid = pg[i] >= 0;
+      const bool valid = full || pg[i] >= 0;
       const i64 off = valid ? mul_wide(pg[i], page_bytes) + (slot[i] * token_bytes + lane_bytes) : 0;
 #if KV_FP8
       const u32 dst = stage_bytes + fp8_tile_offset(row, my_chunk);
@@ -476,6 +482,9 @@ decode_partial(const __grid_constant__ DecodeParams params) {
       cp_async16(k_smem_u32 + dst, k_bytes + off, valid ? 16 : 0);
       cp_async16(v_smem_u32 + dst, v_bytes + off, valid ? 16 : 0);
     }
+  };
+  auto issue_tile = [&](int stage) {
+    if (fetched_full) issue_copies(stage, true); else issue_copies(stage, false);
   };
   // Rows g and g+8 of this warp's row tile; d holds this lane's share of each denominator until
   // the end.
@@ -573,16 +582,17 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   }
   fetch_pages(STAGES - 1, first_table, first_base);
 
+  int stage = STAGES - 1;   // tile % STAGES, carried
   for (int tile = 0; tile < num_tiles; ++tile) {
+    stage = stage == STAGES - 1 ? 0 : stage + 1;
     cp_async_wait<STAGES - 2>();
     group_sync();  // the group's rows of tile `tile` are visible; stage (tile-1) % STAGES is free
     {
       const int next = tile + STAGES - 1;
-      if (next < num_tiles) issue_tile(next % STAGES);
+      if (next < num_tiles) issue_tile(stage == 0 ? STAGES - 1 : stage - 1);   // next % STAGES
       cp_async_commit();
       fetch_pages(next + 1, ReadOnlyPageIds{pages}, 0);
     }
-    const int stage = tile % STAGES;
     const u32 ks_base = k_smem_u32 + (u32)(stage * STAGE_BYTES);
     const u32 vs_base = v_smem_u32 + (u32)(stage * STAGE_BYTES);
     const int tile_tok0 = tok_begin + tile * TILE_N;

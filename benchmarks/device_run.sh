@@ -3,6 +3,7 @@
 #   bash benchmarks/device_run.sh tests calibrate      # GPU tests + memcheck, then calibration
 #   bash benchmarks/device_run.sh eval bench           # planner evaluation, then the benchmark
 #   bash benchmarks/device_run.sh bench_fp8            # the benchmark with fp8 K/V
+#   bash benchmarks/device_run.sh calibrate_fp8 bench_fp8   # fit fp8's cost model, then bench it
 #   bash benchmarks/device_run.sh device_plan plan_cost  # plan_on_device tests; planning's cost per step
 #   bash benchmarks/device_run.sh dissect              # what a short call spends its time on
 #   bash benchmarks/device_run.sh pdl                  # A/B: plain launches against PDL
@@ -28,6 +29,11 @@ for phase in "$@"; do
     calibrate)
       python3 -m splitkv.cli calibrate --plot --trials 3 --min-trial-ms 10 --out "$RES/nvidia-h200.yaml" 2>&1 | tee "$RES/calibrate.log" | tail -25
       [ -f "$RES/nvidia-h200.yaml" ] && PROFILE="$RES/nvidia-h200.yaml" ;;
+    calibrate_fp8)
+      # the fp8 (e4m3) fit, added as kv_fp8 to the profile the later phases plan with
+      python3 -m splitkv.cli calibrate --kv-dtype fp8_e4m3 --base "$PROFILE" --trials 3 --min-trial-ms 5 \
+        --out "$RES/nvidia-h200-fp8.yaml" 2>&1 | tee "$RES/calibrate_fp8.log" | tail -25
+      [ -f "$RES/nvidia-h200-fp8.yaml" ] && PROFILE="$RES/nvidia-h200-fp8.yaml" ;;
     eval)
       python3 benchmarks/eval_planner.py --profile "$PROFILE" --json "$RES/h200-planner.json" 2>&1 \
         | tee "$RES/eval.log" | tail -8 ;;

@@ -211,3 +211,48 @@ def test_median_host_us_warms_up_then_times_each_call():
     calls = []
     us = median_host_us(lambda: calls.append(1), 7, warmup=3)
     assert len(calls) == 10 and 0 < us < 1e5
+
+
+def test_calibrate_kv_dtype_adds_an_fp8_fit_to_the_base_profile(monkeypatch, tmp_path, capsys):
+    """`--kv-dtype` times over fp8 K/V (the timing function is told so) and writes the base
+    profile unchanged but for its kv_fp8 parameters, which fp8 caches then plan with; the
+    fp8 measurements go to <name>.fp8.csv."""
+    import splitkv.runtime
+    import splitkv.runtime.timing
+
+    fp8_coef = dict(TRUE_COEF, kv_us=TRUE_COEF["kv_us"] / 2, crit_us=TRUE_COEF["crit_us"] / 2)
+    truth = CostModel.from_coef(fp8_coef, clusters=True)
+    seen = []
+
+    def time_plan_us(plan, page_table, **timing):
+        seen.append(timing.get("kv_dtype"))
+        return truth.predict(plan)
+
+    monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: (True, DEVICE["name"]))
+    monkeypatch.setattr(splitkv.runtime, "device_info", lambda: dict(DEVICE))
+    monkeypatch.setattr(splitkv.runtime.timing, "time_plan_us", time_plan_us)
+    base = prior_profile("NVIDIA H200", 132)
+    base_path = base.save(tmp_path / "base.yaml")
+    out = tmp_path / "with-fp8.yaml"
+    assert run_calibrate(["--quick", "--kv-dtype", "fp8_e4m3", "--base", str(base_path),
+                          "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "over float8_e4m3fn K/V" in text and "for float8_e4m3fn caches" in text
+    assert set(seen) == {"float8_e4m3fn"}
+    written = read_profile(out)
+    assert written.coef == base.coef and written.kv_fp8 is not None
+    assert written.kv_fp8["sweep"]["kv_dtype"] == "float8_e4m3fn"
+    fitted = written.cost_model("float8_e4m3fn")
+    assert fitted is not written.cost_model() and fitted.coef_dict() == written.kv_fp8["coef"]
+    assert out.with_suffix(".fp8.csv").read_text().startswith("shape,plan,")
+    assert not out.with_suffix(".csv").exists()
+
+
+def test_calibrate_base_needs_kv_dtype(monkeypatch, tmp_path, capsys):
+    import splitkv.runtime
+
+    monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: (True, DEVICE["name"]))
+    monkeypatch.setattr(splitkv.runtime, "device_info", lambda: dict(DEVICE))
+    path = prior_profile("NVIDIA H200", 132).save(tmp_path / "p.yaml")
+    assert run_calibrate(["--base", str(path)]) == 2
+    assert "give --kv-dtype too" in capsys.readouterr().err

@@ -194,3 +194,36 @@ def test_shipped_profile_is_plain_yaml():
     text = resources.files("splitkv.planner").joinpath("profiles", "nvidia-h200.yaml").read_text()
     data = yaml.safe_load(text)
     assert data["device_name"] == "NVIDIA H200"
+
+
+def test_an_fp8_fit_plans_fp8_caches_only(tmp_path):
+    """`kv_fp8` holds a second fit: cost_model(kv_dtype) gives it for fp8 caches, the 16-bit
+    fit otherwise, and a profile without one plans fp8 with its 16-bit fit. It survives a
+    round trip, and a fit made for another device is refused."""
+    base = make_profile()
+    assert base.cost_model("float8_e4m3fn") is base.cost_model()
+    fp8 = make_profile(const=1.0)
+    both = base.with_kv_fp8(fp8)
+    assert both.cost_model("float8_e5m2").coef_dict()["const"] == 1.0
+    assert both.cost_model().coef_dict()["const"] == 7.0 and both.cost_model(None) is both.cost_model()
+    q = read_profile(both.save(tmp_path / "both.yaml"))
+    assert q == both and "kv_fp8" in (tmp_path / "both.yaml").read_text()
+    assert "kv_fp8" not in base.to_yaml()
+    with pytest.raises(ProfileError, match="made for 'NVIDIA H100'"):
+        base.with_kv_fp8(make_profile(device="NVIDIA H100"))
+
+
+@pytest.mark.parametrize("change, blamed", [
+    (lambda d: d["kv_fp8"]["coef"].pop("kv_us"), "kv_fp8.coef: expected one parameter"),
+    (lambda d: d["kv_fp8"]["coef"].update(kv_us=-1.0), "kv_fp8.coef.kv_us: expected a finite"),
+    (lambda d: d["kv_fp8"].update(speed=3), "kv_fp8: unknown fields \\['speed'\\]"),
+    (lambda d: d["kv_fp8"].update(fit_error="low"), "kv_fp8.fit_error: expected a finite"),
+    (lambda d: d.update(kv_fp8=[1, 2]), "kv_fp8: expected a mapping with a 'coef'"),
+])
+def test_a_bad_fp8_fit_names_its_field(tmp_path, change, blamed):
+    data = yaml.safe_load(make_profile().with_kv_fp8(make_profile(const=1.0)).to_yaml())
+    change(data)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ProfileError, match=blamed):
+        read_profile(path)

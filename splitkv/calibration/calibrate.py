@@ -34,8 +34,11 @@ def sweep_for(device: dict, quick: bool = False, seed: int = 0) -> list[SweepPoi
 
 def calibrate(points: list[SweepPoint], device: dict, *, quick: bool = False, seed: int = 0,
               trials: int | None = None, min_trial_ms: float | None = None,
-              progress=None) -> tuple[Profile, FitReport, list[Measurement]]:
-    """Time ``points`` (from ``sweep_for``) and fit a profile for ``device``.
+              progress=None, kv_dtype: str | None = None
+              ) -> tuple[Profile, FitReport, list[Measurement]]:
+    """Time ``points`` (from ``sweep_for``) and fit a profile for ``device``; over fp8 K/V
+    codes if ``kv_dtype`` names an fp8 format (``Profile.with_kv_fp8`` adds that fit to a
+    16-bit profile).
 
     Trials default to ``QUICK_TIMING`` for a quick sweep and to the runtime's otherwise;
     ``progress(i, n, point, us)`` is called after each point (``sweep.measure``). Returns
@@ -46,27 +49,33 @@ def calibrate(points: list[SweepPoint], device: dict, *, quick: bool = False, se
         timing["trials"] = trials
     if min_trial_ms is not None:
         timing["min_trial_ms"] = min_trial_ms
-    measurements = measure(points, progress=progress, seed=seed, **timing)
+    fp8 = {"kv_dtype": kv_dtype} if kv_dtype else {}
+    measurements = measure(points, progress=progress, seed=seed, **timing, **fp8)
     runtime_timing.release_cached_layers()
 
     sweep = {"name": "quick" if quick else "full", "seed": seed,
              "timing": timing or {"trials": runtime_timing.TRIALS,
-                                  "min_trial_ms": runtime_timing.MIN_TRIAL_MS}}
-    profile, report = fit_profile(measurements, device, seed=seed, sweep=sweep)
+                                  "min_trial_ms": runtime_timing.MIN_TRIAL_MS},
+             **fp8}
+    profile, report = fit_profile(measurements, device, seed=seed, sweep=sweep,
+                                  kv_bytes_per_element=1 if kv_dtype else 2)
     return profile, report, measurements
 
 
-def save(profile: Profile, measurements: list[Measurement], path=None) -> tuple[Path, Path]:
+def save(profile: Profile, measurements: list[Measurement], path=None,
+         kv_dtype: str | None = None) -> tuple[Path, Path]:
     """Write ``profile`` to ``path`` (default: the user cache, where ``load_profile`` finds it)
-    and the measurements, with the fitted model's predictions, to a CSV beside it. Returns
-    (profile path, CSV path)."""
+    and the measurements, with the predictions of the model they fitted (``kv_dtype``'s), to
+    a CSV beside it (``<name>.fp8.csv`` for fp8's). Returns (profile path, CSV path)."""
     path = Path(path) if path else user_profile_dir() / f"{device_slug(profile.device_name)}.yaml"
     profile.save(path)
-    return path, write_measurements(path.with_suffix(".csv"), measurements, profile.cost_model())
+    csv_path = path.with_suffix(".fp8.csv" if kv_dtype else ".csv")
+    return path, write_measurements(csv_path, measurements, profile.cost_model(kv_dtype))
 
 
-def example_plans(profile: Profile) -> list[tuple[str, Plan]]:
-    """(name, plan) for each of ``EXAMPLES``, as ``profile`` plans them (head_dim 128, page
-    size 16)."""
-    return [(name, choose_plan(DecodeProblem(np.array(lens), hq, hk, 128, 16), profile))
+def example_plans(profile: Profile, kv_dtype: str | None = None) -> list[tuple[str, Plan]]:
+    """(name, plan) for each of ``EXAMPLES``, as ``profile`` plans them for ``kv_dtype``
+    caches (head_dim 128, page size 16)."""
+    model = profile.cost_model(kv_dtype)
+    return [(name, choose_plan(DecodeProblem(np.array(lens), hq, hk, 128, 16), model))
             for name, lens, hq, hk in EXAMPLES]

@@ -93,9 +93,11 @@ def _relative_errors(model, measurements) -> np.ndarray:
 
 def fit_profile(measurements, device: dict, *, heldout_fraction: float = 0.2, seed: int = 0,
                 ctas_per_sm: int = 2, bandwidth_gbps: float | None = None,
-                sweep: dict | None = None) -> tuple[Profile, FitReport]:
+                sweep: dict | None = None, kv_bytes_per_element: int = 2
+                ) -> tuple[Profile, FitReport]:
     """Fit on ``measurements`` (from ``sweep.measure``) for the device ``device``
-    (``splitkv.runtime.device_info()``: name, num_sms, ...)."""
+    (``splitkv.runtime.device_info()``: name, num_sms, ...). ``kv_bytes_per_element``: 1 for
+    measurements over fp8 K/V, whose best bandwidth counts one-byte codes."""
     if bandwidth_gbps is None:
         bandwidth_gbps = guess_bandwidth_gbps(device["name"])
     # sm_90+ runs suitable fused plans as clusters (the wrapper's default): the model knows,
@@ -119,7 +121,8 @@ def fit_profile(measurements, device: dict, *, heldout_fraction: float = 0.2, se
                        heldout_mape, heldout_max, shape_decisions,
                        sorted({m.shape for m in heldout}))
 
-    best_bw = max(m.plan.problem.kv_bytes / m.measured_us / 1e3 for m in measurements)
+    best_bw = max(m.plan.problem.kv_bytes * kv_bytes_per_element / 2 / m.measured_us / 1e3
+                  for m in measurements)
     profile = Profile(device_name=device["name"], coef=model.coef_dict(),
                       measured_bandwidth_gbps=round(best_bw, 1), fit_error=model.fit_error_,
                       heldout_error=heldout_mape, date=datetime.date.today().isoformat(),

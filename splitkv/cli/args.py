@@ -155,3 +155,14 @@ def _library(check):
         return check()
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def fp8_kv_dtype(text: str) -> str:
+    """--kv-dtype: an fp8 format, by its ml_dtypes / torch name or vLLM's."""
+    from ..core.fp8 import fp8_format
+
+    try:
+        return fp8_format("--kv-dtype", text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected fp8_e4m3, fp8_e5m2, float8_e4m3fn or "
+                                         f"float8_e5m2; got {text!r}") from None

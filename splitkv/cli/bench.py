@@ -32,21 +32,11 @@ def _cases(text: str) -> str:
     return text
 
 
-def _kv_dtype(text: str) -> str:
-    from ..core.fp8 import fp8_format
-
-    try:
-        return fp8_format("--kv-dtype", text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected fp8_e4m3, fp8_e5m2, float8_e4m3fn or "
-                                         f"float8_e5m2; got {text!r}") from None
-
-
 def add_arguments(parser) -> None:
     parser.add_argument("--cases", type=_cases, default=None,
                         help="comma-separated case names (default: all)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--kv-dtype", default=None, type=_kv_dtype,
+    parser.add_argument("--kv-dtype", default=None, type=A.fp8_kv_dtype,
                         help="fp8 K/V: fp8_e4m3 (float8_e4m3fn) or fp8_e5m2 (float8_e5m2); "
                              "the floor then counts fp8 bytes")
     parser.add_argument("--min-total-mib", type=A.positive_int, default=1024,

@@ -4,6 +4,7 @@ where ``load_profile`` finds it.
     splitkv calibrate            # full sweep, a few minutes
     splitkv calibrate --quick    # a small sweep, about a minute
     splitkv calibrate --plot --out my-gpu.yaml --device 1
+    splitkv calibrate --kv-dtype fp8_e4m3     # the fp8 fit, added to the profile in use
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timing trials per plan (default 7, or 3 with --quick)")
     parser.add_argument("--min-trial-ms", type=A.positive_float, default=None,
                         help="milliseconds per trial (default 30, or 10 with --quick)")
+    parser.add_argument("--kv-dtype", type=A.fp8_kv_dtype, default=None, metavar="FP8",
+                        help="time over fp8 K/V (float8_e4m3fn, float8_e5m2, or vLLM's fp8_e4m3 "
+                             "/ fp8_e5m2) and add that fit to a profile as its kv_fp8 "
+                             "parameters, which fp8 caches plan with")
+    parser.add_argument("--base", type=A.existing_file, default=None, metavar="PATH",
+                        help="with --kv-dtype: the profile to add the fp8 fit to (default: the "
+                             "one splitkv plans with on this GPU)")
 
 
 def _select_device(n: int) -> str | None:
@@ -82,14 +90,30 @@ def run(args) -> int:
     from ..calibration.calibrate import calibrate, example_plans, save, sweep_for
 
     info = device_info()
+    if args.base is not None and args.kv_dtype is None:
+        return A.refuse("calibrate", "--base is the profile an fp8 fit is added to: give "
+                                     "--kv-dtype too")
+    base = None
+    if args.kv_dtype:
+        from ..planner.profiles import ProfileError, load_profile
+
+        try:
+            base = load_profile(path=args.base, device_name=info["name"],
+                                num_sms=info["num_sms"])
+        except ProfileError as exc:
+            return A.refuse("calibrate", str(exc))
     points = sweep_for(info, args.quick, args.seed)
     shapes = len({p.shape for p in points})
+    over = f" over {args.kv_dtype} K/V, for {base.origin}" if base else ""
     print(f"calibrating {info['name']} ({info['num_sms']} SMs): {len(points)} plans of "
-          f"{shapes} shapes ({'quick' if args.quick else 'full'} sweep)", flush=True)
+          f"{shapes} shapes ({'quick' if args.quick else 'full'} sweep){over}", flush=True)
     profile, report, measurements = calibrate(points, info, quick=args.quick, seed=args.seed,
                                               trials=args.trials, min_trial_ms=args.min_trial_ms,
-                                              progress=_progress)
-    out, csv_path = save(profile, measurements, args.out)
+                                              progress=_progress, kv_dtype=args.kv_dtype)
+    fitted = profile
+    if base is not None:
+        profile = base.with_kv_fp8(fitted)
+    out, csv_path = save(profile, measurements, args.out, kv_dtype=args.kv_dtype)
 
     print()
     for line in report.lines():
@@ -99,10 +123,11 @@ def run(args) -> int:
         if d.regret > 0:
             print(f"  {d.shape}: picks {d.chosen} ({d.chosen_us:.2f} us), best measured "
                   f"{d.best} ({d.best_us:.2f} us)")
-    print("parameters: " + ", ".join(f"{k}={v:.3g}" for k, v in profile.coef.items()))
-    print(f"best decode bandwidth measured: {profile.measured_bandwidth_gbps:,.0f} GB/s")
-    print("plans it now chooses:")
-    for name, plan in example_plans(profile):
+    print("parameters: " + ", ".join(f"{k}={v:.3g}" for k, v in fitted.coef.items()))
+    print(f"best decode bandwidth measured: {fitted.measured_bandwidth_gbps:,.0f} GB/s"
+          + (" (of one-byte codes)" if base else ""))
+    print("plans it now chooses" + (f" for {args.kv_dtype} caches:" if base else ":"))
+    for name, plan in example_plans(profile, args.kv_dtype):
         s = plan.summary()
         print(f"  {name:<12} {s['strategy']:<12} {s['num_splits']:>4} splits, "
               f"{s['num_work_items']:>5} work items, predicted {plan.predicted_us:8.2f} us")

@@ -1,7 +1,9 @@
 """Profiles: the fitted cost model of one kind of GPU, as a small YAML file.
 
 A profile holds the device name, SM count, the bandwidth the features are measured against,
-the fitted parameters, the fit error, the date, the splitkv version and the sweep it came from.
+the fitted parameters, the fit error, the date, the splitkv version and the sweep it came from;
+optionally (``kv_fp8``) a second fit of the same features, timed over fp8 K/V
+(``splitkv calibrate --kv-dtype``), which fp8 caches plan with.
 ``splitkv calibrate`` writes one to the user cache; a few ship with the package.
 
 ``load_profile`` looks in this order and takes the first that answers:
@@ -23,7 +25,7 @@ import math
 import os
 import re
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
@@ -42,6 +44,10 @@ PRIOR_SOURCE = "prior, not yet calibrated"
 BANDWIDTH_GUESS_GBPS = {"h200": 4460.0, "h100": 3000.0, "a100": 1800.0, "l40": 780.0}
 DEFAULT_BANDWIDTH_GBPS = 2000.0
 DEFAULT_NUM_SMS = 132
+
+
+# what a profile's kv_fp8 mapping may hold
+FP8_FIELDS = {"coef", "fit_error", "heldout_error", "measured_bandwidth_gbps", "date", "sweep"}
 
 
 class ProfileError(ValueError):
@@ -104,6 +110,9 @@ class Profile:
     splitkv_version: str = ""
     source: str = ""                        # 'calibrated' or PRIOR_SOURCE
     sweep: dict = field(default_factory=dict)
+    # the fit over fp8 K/V: {"coef", "fit_error", "heldout_error", "measured_bandwidth_gbps"
+    # (on one-byte codes), "date", "sweep"}; None: fp8 caches plan with `coef`
+    kv_fp8: dict | None = None
     origin: str = field(default="", compare=False)   # where it was loaded from
 
     @property
@@ -118,13 +127,37 @@ class Profile:
         model.fit_error_ = self.fit_error
         return model
 
-    def cost_model(self) -> CostModel:
+    @cached_property
+    def _fp8_model(self) -> CostModel:
+        model = CostModel.from_coef(self.kv_fp8["coef"], num_sms=self.num_sms,
+                                    ctas_per_sm=self.ctas_per_sm,
+                                    bandwidth_gbps=self.bandwidth_gbps, clusters=self.clusters)
+        model.fit_error_ = self.kv_fp8.get("fit_error")
+        return model
+
+    def cost_model(self, kv_dtype: str | None = None) -> CostModel:
+        """The model to plan with: for an fp8 ``kv_dtype``, the fp8 fit where the profile has
+        one (the features count 16-bit bytes either way; that fit's parameters absorb the
+        factor), else the 16-bit one."""
+        if kv_dtype and self.kv_fp8 is not None:
+            return self._fp8_model
         return self._model
+
+    def with_kv_fp8(self, fp8: "Profile") -> "Profile":
+        """This profile with ``fp8`` (a fit over fp8 K/V of the same device) as its kv_fp8."""
+        _check_device(fp8, self.device_name, self.num_sms)
+        return replace(self, kv_fp8={
+            "coef": {k: float(fp8.coef[k]) for k in FEATURE_NAMES}, "fit_error": fp8.fit_error,
+            "heldout_error": fp8.heldout_error,
+            "measured_bandwidth_gbps": fp8.measured_bandwidth_gbps, "date": fp8.date,
+            "sweep": fp8.sweep})
 
     def to_dict(self) -> dict:
         d = {"schema": SCHEMA, **asdict(self)}
         del d["origin"]
         d["coef"] = {k: float(self.coef[k]) for k in FEATURE_NAMES}
+        if self.kv_fp8 is None:
+            del d["kv_fp8"]
         return d
 
     def to_yaml(self) -> str:
@@ -180,23 +213,42 @@ class Profile:
         clusters = data.get("clusters", False)
         if not isinstance(clusters, bool):
             raise bad(f"clusters: expected true or false, got {clusters!r}")
-        coef = data["coef"]
-        if isinstance(coef, dict) and not clusters and "cluster_merges" not in coef:
-            # written before clusters: its model never predicts a cluster merge (the wrapper
-            # only ever turns a model's clusters off), so this parameter goes unused
-            coef = {**coef, "cluster_merges": 0.0}
-        if isinstance(coef, dict) and "lone_cta_us" not in coef:
-            # fitted before the feature existed: that fit is the model with this parameter 0
-            coef = {**coef, "lone_cta_us": 0.0}
-        if not isinstance(coef, dict) or set(coef) != set(FEATURE_NAMES):
-            got = sorted(coef) if isinstance(coef, dict) else coef
-            raise bad(f"coef: expected one parameter for each feature {list(FEATURE_NAMES)}, "
-                      f"got {got}; this profile was made by another splitkv version, "
-                      "re-run `splitkv calibrate`")
-        for k, v in coef.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                    or v < 0:
-                raise bad(f"coef.{k}: expected a finite non-negative number, got {v!r}")
+        def parameters(coef, where):
+            if isinstance(coef, dict) and not clusters and "cluster_merges" not in coef:
+                # written before clusters: its model never predicts a cluster merge (the
+                # wrapper only ever turns a model's clusters off), so it goes unused
+                coef = {**coef, "cluster_merges": 0.0}
+            if isinstance(coef, dict) and "lone_cta_us" not in coef:
+                # fitted before the feature existed: that fit is the model with it 0
+                coef = {**coef, "lone_cta_us": 0.0}
+            if not isinstance(coef, dict) or set(coef) != set(FEATURE_NAMES):
+                got = sorted(coef) if isinstance(coef, dict) else coef
+                raise bad(f"{where}: expected one parameter for each feature "
+                          f"{list(FEATURE_NAMES)}, got {got}; this profile was made by another "
+                          "splitkv version, re-run `splitkv calibrate`")
+            for k, v in coef.items():
+                if isinstance(v, bool) or not isinstance(v, (int, float)) \
+                        or not math.isfinite(v) or v < 0:
+                    raise bad(f"{where}.{k}: expected a finite non-negative number, got {v!r}")
+            return {k: float(coef[k]) for k in FEATURE_NAMES}
+
+        coef = parameters(data["coef"], "coef")
+        kv_fp8 = data.get("kv_fp8")
+        if kv_fp8 is not None:
+            if not isinstance(kv_fp8, dict) or "coef" not in kv_fp8:
+                raise bad(f"kv_fp8: expected a mapping with a 'coef' mapping, got {kv_fp8!r}")
+            extra = set(kv_fp8) - FP8_FIELDS
+            if extra:
+                raise bad(f"kv_fp8: unknown fields {sorted(extra)}; expected some of "
+                          f"{sorted(FP8_FIELDS)}")
+            for key in ("fit_error", "heldout_error", "measured_bandwidth_gbps"):
+                v = kv_fp8.get(key)
+                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                      or not math.isfinite(v) or v < 0):
+                    raise bad(f"kv_fp8.{key}: expected a finite non-negative number, got {v!r}")
+            date = kv_fp8.get("date") or ""
+            kv_fp8 = {**kv_fp8, "coef": parameters(kv_fp8["coef"], "kv_fp8.coef"),
+                      "date": date.isoformat() if isinstance(date, datetime.date) else str(date)}
         sweep = data.get("sweep") or {}
         if not isinstance(sweep, dict):
             raise bad(f"sweep: expected a mapping, got {type(sweep).__name__}")
@@ -210,7 +262,7 @@ class Profile:
             text[key] = v
         return cls(device_name=data["device_name"], num_sms=integer("num_sms"),
                    bandwidth_gbps=number("bandwidth_gbps", positive=True),
-                   coef={k: float(coef[k]) for k in FEATURE_NAMES},
+                   coef=coef, kv_fp8=kv_fp8,
                    ctas_per_sm=integer("ctas_per_sm") if "ctas_per_sm" in data else 2,
                    clusters=clusters,
                    measured_bandwidth_gbps=number("measured_bandwidth_gbps", optional=True),

@@ -162,9 +162,10 @@ def release_cached_layers() -> None:
 
 def time_plan_us(plan: Plan, page_table: PageTable, *, min_total_bytes: int = 1 << 30,
                  trials: int = TRIALS, min_trial_ms: float = MIN_TRIAL_MS, data: LayeredKV | None = None,
-                 experiments=None) -> float:
+                 experiments=None, kv_dtype: str | None = None) -> float:
     """Median microseconds per call of ``plan`` on random data, run by a wrapper with
-    ``experiments`` (a ``DecodeExperiments``; None: the shipped kernel).
+    ``experiments`` (a ``DecodeExperiments``; None: the shipped kernel), over fp8 K/V codes if
+    ``kv_dtype`` names an fp8 format.
 
     Without ``data``, the random KV layers (about ``min_total_bytes``) are built for the page
     table and kept for the next call with the same table and shapes, so timing several plans
@@ -175,14 +176,16 @@ def time_plan_us(plan: Plan, page_table: PageTable, *, min_total_bytes: int = 1 
 
     p = plan.problem
     if data is None:
-        key = (id(page_table), p.num_qo_heads, p.num_kv_heads, p.head_dim, p.dtype, min_total_bytes)
+        key = (id(page_table), p.num_qo_heads, p.num_kv_heads, p.head_dim, p.dtype, kv_dtype,
+               min_total_bytes)
         if key not in _LAST_LAYERS:
             _LAST_LAYERS.clear()
             _LAST_LAYERS[key] = (page_table, make_layers(page_table, p.num_qo_heads, p.num_kv_heads,
                                                          p.head_dim, p.dtype,
-                                                         min_total_bytes=min_total_bytes))
+                                                         min_total_bytes=min_total_bytes,
+                                                         kv_dtype=kv_dtype))
         data = _LAST_LAYERS[key][1]      # the entry holds the table too, so its id stays unique
     w = BatchDecodeWrapper(p.num_qo_heads, p.num_kv_heads, p.head_dim, p.page_size, p.dtype,
-                           experiments=experiments)
+                           experiments=experiments, kv_dtype=kv_dtype)
     w.plan(page_table, plan=plan)
     return time_wrapper_us(w, data, trials=trials, min_trial_ms=min_trial_ms)

@@ -170,3 +170,16 @@ def test_a_nan_in_q_makes_its_head_nan_only():
     rows = np.ones(o.shape[:2], bool)
     rows[1, 5] = False
     assert rel_err(o[rows], ref_o[rows]) < TOL["bfloat16"]
+
+
+def test_graph_stable_fp8_grids_are_not_spread():
+    """A graph-stable fp8 grid never spreads one CTA per SM (a lone fp8 CTA streams far below
+    an SM's share): a batch-1 capacity gets the two-CTAs-an-SM grid, where bf16 spreads."""
+    from splitkv.runtime import device_info
+
+    sms = device_info()["num_sms"]
+    kw = dict(use_cuda_graph=True, max_batch_size=1, max_num_pages=100)
+    fp8_w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", kv_dtype="float8_e4m3fn", **kw)
+    bf16_w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", **kw)
+    assert fp8_w.max_chunks == 4 * sms // 8
+    assert bf16_w.max_chunks == 2 * sms // 8

@@ -177,11 +177,17 @@ class BatchDecodeWrapper:
         ``features.spreads_one_per_sm``): decided once, for the capacity, since the captured
         launch holds it. Yes when even a full batch unsplit leaves SMs idle, so that plans
         split to fill them (and those split requests' CTAs, whatever else the grid holds,
-        must not land two to an SM); no for larger batches, whose plans fill the SMs twice."""
+        must not land two to an SM); no for larger batches, whose plans fill the SMs twice.
+        Never for fp8 K/V: a lone fp8 CTA streams far below an SM's share, so two to an SM on
+        half the SMs lose little, while a spread grid runs plans of more CTAs than SMs in two
+        rounds (H200: b8_n32k 187 us spread, 133 not, 133 per-shape; b1_n8k 12.7 vs 13.5;
+        benchmarks/ab_spread_fp8.py)."""
         from . import device_info
 
         if self.experiments.pdl_spread is not None:
             return self.experiments.pdl_spread
+        if self.kv_dtype:
+            return False
         items = self._capacity[0] * self.num_kv_heads * self.ctas_per_kv_head
         return items <= device_info()["num_sms"]
 

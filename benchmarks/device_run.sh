@@ -18,6 +18,16 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-$PWD/out}; RES=$(mktemp -d); mkdir -p "$OUT"
 trap 'tar -C "$RES" -czf "$OUT/results.tgz" .' EXIT
 PROFILE=splitkv/planner/profiles/nvidia-h200.yaml
+# FlashInfer as the benches' live peer, if it travelled: `bash ../shared/peers/prepare_flashinfer.sh
+# .peers` here, then name .peers in the device tool's carry (../shared/peers/README.md).
+FI=""
+if [ -f .peers/flashinfer_slim.tgz ]; then
+  S=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --target "$S/site" .peers/*.whl \
+    && tar xzf .peers/flashinfer_slim.tgz -C "$S" \
+    && export PYTHONPATH=$S/fi:$S/site:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=$S FLASHINFER_CUDA_ARCH_LIST=9.0 \
+    && FI=--flashinfer
+fi
 for phase in "$@"; do
   case $phase in
     tests)
@@ -39,11 +49,11 @@ for phase in "$@"; do
         | tee "$RES/eval.log" | tail -8 ;;
     bench)
       # a fresh CuPy kernel cache, so the first-call compile time is a cold one
-      CUPY_CACHE_DIR=$(mktemp -d) SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench --json "$RES/h200.json" --markdown "$RES/h200.md" 2>&1 \
+      CUPY_CACHE_DIR=$(mktemp -d) SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench $FI --json "$RES/h200.json" --markdown "$RES/h200.md" 2>&1 \
         | grep -v Warning | tee "$RES/bench.log" | tail -22 ;;
     bench_fp8)
       # fp8 K/V (e4m3, scale 1) through the same cases; the fp8 peers are issue 15's table
-      CUPY_CACHE_DIR=$(mktemp -d) SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench --kv-dtype fp8_e4m3 \
+      CUPY_CACHE_DIR=$(mktemp -d) SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench $FI --kv-dtype fp8_e4m3 \
         --json "$RES/h200-fp8.json" --markdown "$RES/h200-fp8.md" 2>&1 | grep -v Warning | tee "$RES/bench_fp8.log" | tail -22 ;;
     baseline)
       (cd .baseline && CUPY_CACHE_DIR=$(mktemp -d) PYTHONPATH=$PWD SPLITKV_PROFILE=$PWD/$PROFILE \

@@ -112,10 +112,23 @@ def test_bench_markdown_table():
                                   graph_stable_us=153.0, graph_stable_plan="fused/7")]}
     lines = markdown_table(result).splitlines()
     assert lines[0].startswith("read floor: 4,500 GB/s (the fastest streaming read of ")
-    assert lines[4] == ("| b1_n1k | 5.00 | 1700 | 40.0 | 1.2e-03 | fused/4 | 8.6 | 7.5 | n/a | "
-                        "<=peer, miss 4.5us, <=1.05 sdpa |")
-    assert lines[5] == ("| ragged_b32 | 150.00 | 1700 | 40.0 | 1.2e-03 | fused/4 | 8.6 | None | "
-                        "153.00 (fused/7, 1.020) | >peer |")
+    assert lines[4] == ("| b1_n1k | 5.00 | 1700 | 40.0 | 1.2e-03 | fused/4 | 8.6 | not run | 7.5 | "
+                        "n/a | <=peer, miss 4.5us, <=1.05 sdpa |")
+    assert lines[5] == ("| ragged_b32 | 150.00 | 1700 | 40.0 | 1.2e-03 | fused/4 | 8.6 | not run | "
+                        "None | 153.00 (fused/7, 1.020) | >peer |")
+
+
+def test_bench_markdown_table_with_the_live_flashinfer_peer():
+    """The live peer's paths (n/a where the shape has none) and a verdict against the fastest
+    of them, beside the recorded peer's."""
+    row = {"case": "b32_n8k", "us": 135.0, "gbps": 3976.0, "frac_read_bw": 0.87, "rel_err": 1.7e-3,
+           "strategy": "single", "num_splits": 1, "best_paged_peer_us": 133.1, "peer_us": None,
+           "flashinfer_us": {"xqa": 140.5, "tensor_core": 210.0, "cuda_core": None}}
+    result = {"read_gbps": 4500.0, "first_call_compile_s": 1.5, "plan_cpu_us_ragged_b32": 20.0,
+              "kv_dtype": "float8_e4m3fn", "cases": [row]}
+    line = markdown_table(result).splitlines()[4]
+    assert "| 133.1 | 140.50 / 210.00 / n/a | None |" in line
+    assert line.endswith("| >peer, <=live peer |")
 
 
 def test_bench_markdown_table_says_when_kv_is_fp8():

@@ -61,7 +61,7 @@ def _wrapper_plan_cpu_us(wrapper, page_table, repeats: int = 200, **plan_args) -
 def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
               num_splits: int | None = None, strategy: str | None = None, peer: bool = True,
               seed: int = 0, command: str = "", log=None, graph_stable: bool = True,
-              kv_dtype: str | None = None) -> dict:
+              kv_dtype: str | None = None, flashinfer: bool = False) -> dict:
     """Time each of ``cases`` (``cases.Case``) on the current GPU, as the planner plans it (or
     with ``num_splits``/``strategy`` forced), over layers that together hold at least
     ``min_total_mib`` MiB of KV, with PyTorch SDPA on contiguous KV as a peer where ``peer`` and
@@ -70,6 +70,8 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
     capacity: the case's batch and pages, the default max_chunks), the same way.
     ``kv_dtype`` (an fp8 format): fp8 K/V (random codes, scale 1), the floor on fp8 bytes, the
     fp8 peers of issue 15 (``cases.FP8_BEST_PEER_US``) and no SDPA peer (it has no fp8 KV).
+    ``flashinfer``: also time FlashInfer's paged paths (``flashinfer_peer``) on the same page
+    table and K/V in the same run; the best of them is the case's live peer.
 
     Returns the results as written to JSON: the device, date, ``command``, the read floor
     (probed before and after the cases), first-call compile time, the planner's CPU time and a
@@ -94,6 +96,13 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
     log(f"device: {info['name']} ({info['num_sms']} SMs); streaming read {read_gbps:,.0f} GB/s "
         f"(best of {probe_start})")
     use_peer = peer and torch_available()
+    if flashinfer:
+        from .flashinfer_peer import flashinfer_available, flashinfer_us
+
+        ok, version = flashinfer_available()
+        if not ok:
+            raise RuntimeError(f"flashinfer: {version}")
+        log(f"live peer: FlashInfer {version}")
     rows = []
     compile_s = None
     plan_us_ragged = wrapper_plan_us_ragged = None
@@ -124,6 +133,10 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
             graph_plan = stable.plan(pt, num_splits=num_splits, strategy=strategy)
             graph_us = time_wrapper_us(stable, data)
         err = _rel_err_subset(w, pt, data, kv_dtype=kv_dtype)
+        live = None
+        if flashinfer:
+            live = flashinfer_us(pt, data, case.num_qo_heads, case.num_kv_heads, case.head_dim,
+                                 dtype, kv_dtype, log=log)
         kv_bytes = problem.kv_bytes // 2 if kv_dtype else problem.kv_bytes   # fp8: one byte
         gbps = kv_bytes / (us * 1e-6) / 1e9
         peer_us = None
@@ -140,6 +153,8 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
                "best_paged_peer_us": (FP8_BEST_PEER_US.get(case.name) if kv_dtype
                                       else case.best_paged_peer_us),
                "kv_mib": kv_bytes / 2**20,
+               "flashinfer_us": (None if live is None else
+                                 {k: None if v is None else round(v, 2) for k, v in live.items()}),
                "graph_stable_us": None if graph_us is None else round(graph_us, 2),
                "graph_stable_plan": (None if graph_plan is None else
                                      f"{graph_plan.strategy}/{graph_plan.num_splits}")}
@@ -148,6 +163,8 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
         log(f"{case.name:>12}: {us:8.2f} us {gbps:7.0f} GB/s {100 * gbps / read_gbps:5.1f}% "
             f"{plan.strategy}/{plan.num_splits} err {err:.1e}"
             + (f" | sdpa {peer_us:.2f} us" if peer_us else "")
+            + (" | flashinfer " + ", ".join(f"{k} {'n/a' if v is None else f'{v:.2f}'}"
+                                            for k, v in live.items()) if live else "")
             + (f" | graph-stable {graph_us:.2f} us {graph_plan.strategy}/{graph_plan.num_splits}"
                if graph_us else ""))
         del data
@@ -201,14 +218,21 @@ def markdown_table(result: dict) -> str:
              f"{result.get('plan_cpu_us_ragged_b256')} us; the whole wrapper.plan() for ragged_b32 "
              f"{result.get('wrapper_plan_cpu_us_ragged_b32')} us, for 256 ragged requests "
              f"{result.get('wrapper_plan_cpu_us_ragged_b256')} us", "",
-             "| case | us | GB/s | % read bw | rel err | plan | best paged peer us | SDPA (contig.) us "
+             "| case | us | GB/s | % read bw | rel err | plan | best paged peer us | FlashInfer us, "
+             "this run (xqa / tensor core / CUDA core) | SDPA (contig.) us "
              "| graph-stable us (plan, x) | target |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["cases"]:
         target = LATENCY_TARGETS_US.get(r["case"])
         verdict = []
         if r["best_paged_peer_us"] is not None:
             verdict.append("<=peer" if r["us"] <= r["best_paged_peer_us"] else ">peer")
+        live = {k: v for k, v in (r.get("flashinfer_us") or {}).items() if v is not None}
+        if live:
+            verdict.append("<=live peer" if r["us"] <= min(live.values()) else ">live peer")
+        fi = r.get("flashinfer_us")
+        fi = " / ".join("n/a" if fi.get(k) is None else f"{fi[k]:.2f}"
+                        for k in ("xqa", "tensor_core", "cuda_core")) if fi else "not run"
         if target is not None:
             verdict.append(f"{'ok' if r['us'] <= target else 'miss'} {target}us")
         if r["peer_us"] is not None:
@@ -218,5 +242,6 @@ def markdown_table(result: dict) -> str:
                  if graph is not None else "n/a")
         lines.append(f"| {r['case']} | {r['us']:.2f} | {r['gbps']:.0f} | {100 * r['frac_read_bw']:.1f} | "
                      f"{r['rel_err']:.1e} | {r['strategy']}/{r['num_splits']} | "
-                     f"{r['best_paged_peer_us']} | {r['peer_us']} | {graph} | {', '.join(verdict)} |")
+                     f"{r['best_paged_peer_us']} | {fi} | {r['peer_us']} | {graph} | "
+                     f"{', '.join(verdict)} |")
     return "\n".join(lines)

@@ -43,6 +43,16 @@ def _sdpa_graph_us(batch, kv_len, num_qo_heads, num_kv_heads, head_dim, min_tota
         for k, v in zip(ks, vs):
             F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
 
+    return torch_graph_us(step, layers, trials, min_trial_ms)
+
+
+def torch_graph_us(step, layers: int, trials: int = TRIALS,
+                   min_trial_ms: float = MIN_TRIAL_MS) -> float:
+    """Median us per call of ``step`` (one PyTorch call per layer, ``layers`` of them): two
+    warm-up runs on a side stream (a first call may compile), then one CUDA graph of it,
+    replayed and timed with CUDA events, as splitkv's own timing does."""
+    import torch
+
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):

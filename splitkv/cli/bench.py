@@ -45,6 +45,10 @@ def add_arguments(parser) -> None:
                         help="force a split count")
     parser.add_argument("--strategy", default=None, choices=STRATEGIES)
     parser.add_argument("--no-peer", action="store_true", help="skip the PyTorch SDPA peer")
+    parser.add_argument("--flashinfer", action="store_true",
+                        help="also time FlashInfer's paged decode paths (XQA, tensor core, CUDA "
+                             "core) on the same pages and K/V in this run; needs flashinfer "
+                             "importable (../shared/peers/ prepares it for an offline machine)")
     parser.add_argument("--json", type=A.output_file, default=None,
                         help="write results to this JSON file")
     parser.add_argument("--markdown", type=A.output_file, default=None,
@@ -70,10 +74,18 @@ def run(args) -> int:
     from ..bench.cases import select
     from ..bench.harness import markdown_table, run_cases
 
+    if args.flashinfer:
+        from ..bench.flashinfer_peer import flashinfer_available
+
+        ok, why = flashinfer_available()
+        if not ok:
+            return A.refuse("bench", f"--flashinfer: {why}")
+
     result = run_cases(select(args.cases), dtype=args.dtype, min_total_mib=args.min_total_mib,
                        num_splits=args.num_splits, strategy=args.strategy, peer=not args.no_peer,
                        seed=args.seed, command=_command_line(), log=_log,
-                       graph_stable=not args.no_graph_stable, kv_dtype=args.kv_dtype)
+                       graph_stable=not args.no_graph_stable, kv_dtype=args.kv_dtype,
+                       flashinfer=args.flashinfer)
     table = markdown_table(result)
     print(table)
     for path in (args.json, args.markdown):

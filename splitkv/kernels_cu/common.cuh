@@ -28,14 +28,15 @@ __device__ __forceinline__ float fast_log2(float x) {
   return y;
 }
 
-// Two floats to a packed pair of 16-bit values of the storage type; `lo` lands in the low half.
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
+// Two floats to a packed pair of 16-bit values, bfloat16 or float16; `lo` lands in the low half.
+template <bool BF16>
+__device__ __forceinline__ u32 pack2_as(float lo, float hi) {
   u32 r;
-#if SPLITKV_BF16
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
+  if constexpr (BF16) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  }
   return r;
 }
 
@@ -44,15 +45,10 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 #ifndef SPLITKV_MMA_BF16
 #define SPLITKV_MMA_BF16 SPLITKV_BF16
 #endif
-// Two floats to a packed pair of MMA inputs.
+// Two floats as a pair of the storage type, and as a pair of MMA inputs.
+__device__ __forceinline__ u32 pack2(float lo, float hi) { return pack2_as<SPLITKV_BF16>(lo, hi); }
 __device__ __forceinline__ u32 pack2_mma(float lo, float hi) {
-  u32 r;
-#if SPLITKV_MMA_BF16
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-  return r;
+  return pack2_as<SPLITKV_MMA_BF16>(lo, hi);
 }
 
 // a * b as a 64-bit product of two 32-bit ints, in one instruction (NVVM does not always see

@@ -55,6 +55,11 @@ for phase in "$@"; do
       # fp8 K/V (e4m3, scale 1) through the same cases; the fp8 peers are issue 15's table
       CUPY_CACHE_DIR=$(mktemp -d) SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench $FI --kv-dtype fp8_e4m3 \
         --json "$RES/h200-fp8.json" --markdown "$RES/h200-fp8.md" 2>&1 | grep -v Warning | tee "$RES/bench_fp8.log" | tail -22 ;;
+    bench_classes)
+      # issue 18's classes (head_dim 64/256, pages 1/64, groups 16/32, short requests)
+      CUPY_CACHE_DIR=$(mktemp -d) SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench $FI --cases classes \
+        --json "$RES/h200-classes.json" --markdown "$RES/h200-classes.md" 2>&1 | grep -v Warning \
+        | tee "$RES/bench_classes.log" | tail -14 ;;
     baseline)
       (cd .baseline && CUPY_CACHE_DIR=$(mktemp -d) PYTHONPATH=$PWD SPLITKV_PROFILE=$PWD/$PROFILE \
         python3 -m splitkv.bench --no-peer --json "$RES/h200-baseline.json" 2>&1 | grep -v Warning \

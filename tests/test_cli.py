@@ -301,3 +301,21 @@ def test_a_pipe_closed_after_a_line_ends_the_command_quietly(tmp_path):
                           env=child_env(PYTHONUNBUFFERED="1"))
     assert done.stdout.startswith("problem:   DecodeProblem(") and done.stdout.count("\n") == 1
     assert (tmp_path / "err.txt").read_text() == ""
+
+
+def test_bench_cases_take_groups_and_names():
+    """`--cases` takes case names and the groups 'standard' and 'classes' (issue 18's shapes),
+    in the order given, each case once; a wrong name lists what exists."""
+    from splitkv.bench.cases import CLASS_CASES, STANDARD_CASES, select
+
+    assert select(None) == STANDARD_CASES
+    assert select("classes") == CLASS_CASES
+    both = select("b1_n1k,standard,d256_b8_n8k")
+    assert both[0].name == "b1_n1k" and len(both) == len(STANDARD_CASES) + 1
+    assert both[-1].head_dim == 256 and both[-1].num_kv_heads == 8
+    assert {c.page_size for c in CLASS_CASES} >= {1, 16, 64}
+    assert {c.head_dim for c in CLASS_CASES} == {64, 128, 256}
+    with pytest.raises(ValueError, match="unknown case.*'nope'.*groups \\['classes', 'standard'\\]"):
+        select("nope")
+    with pytest.raises(ValueError, match="unknown case"):
+        select(",")

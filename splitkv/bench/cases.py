@@ -28,8 +28,8 @@ class Case:
         return len(set(self.kv_lens)) == 1
 
 
-def _eq(name, b, n, peer, cudnn, hq=32, hk=8):
-    return Case(name, (n,) * b, hq, hk, best_paged_peer_us=peer, cudnn_us=cudnn)
+def _eq(name, b, n, peer, cudnn, hq=32, hk=8, d=128, page=16):
+    return Case(name, (n,) * b, hq, hk, d, page, best_paged_peer_us=peer, cudnn_us=cudnn)
 
 
 STANDARD_CASES = [
@@ -54,19 +54,41 @@ FP8_BEST_PEER_US = {"b1_n1k": 6.6, "b1_n8k": 14.9, "b1_n32k": 37.0, "b1_n128k": 
                     "b128_n2k": 133.0, "mha_b1_n32k": 86.2, "g8_b1_n32k": 37.3,
                     "ragged_b32": 151.8}
 
+# Issue 18's classes outside the standard set, where splitkv trailed (no published peer: SDPA
+# and, with --flashinfer, FlashInfer are measured in the run). `--cases classes` selects them.
+CLASS_CASES = [
+    _eq("d256_b8_n8k", 8, 8192, None, None, hq=16, hk=8, d=256),      # Gemma-like head_dim 256
+    _eq("d64_b64_n4k", 64, 4096, None, None, d=64),                    # head_dim 64, large batch
+    _eq("p1_b8_n8k", 8, 8192, None, None, page=1),                     # page size 1
+    _eq("p64_b8_n8k", 8, 8192, None, None, page=64),
+    _eq("g16_b8_n8k", 8, 8192, None, None, hq=128, hk=8),              # GQA group 16
+    _eq("g32_b32_n8k", 32, 8192, None, None, hq=64, hk=2),             # group 32 (MQA-like)
+    _eq("short_b256_n384", 256, 384, None, None),                      # hundreds of short requests
+    _eq("b1_n3k", 1, 3072, None, None),                                # batch 1, a few thousand
+]
+CASE_GROUPS = {"standard": STANDARD_CASES, "classes": CLASS_CASES}
+
 # Targets of ../shared/ANCHORS.md (microseconds) for the short cases.
 LATENCY_TARGETS_US = {"b1_n1k": 4.5, "b1_n8k": 12.0, "b1_n32k": 36.0}
 
 
 def select(names: str | None) -> list[Case]:
+    """The cases named (comma-separated case names, or a group: 'standard', 'classes'); the
+    standard cases by default."""
     if not names:
         return list(STANDARD_CASES)
     wanted = [n.strip() for n in names.split(",") if n.strip()]
-    by_name = {c.name: c for c in STANDARD_CASES}
-    unknown = [n for n in wanted if n not in by_name]
-    if unknown:
-        raise ValueError(f"--cases: unknown case(s) {unknown}; known: {sorted(by_name)}")
-    return [by_name[n] for n in wanted]
+    by_name = {c.name: c for c in STANDARD_CASES + CLASS_CASES}
+    unknown = [n for n in wanted if n not in by_name and n not in CASE_GROUPS]
+    if unknown or not wanted:
+        raise ValueError(f"--cases: unknown case(s) {unknown or [names]}; known: groups "
+                         f"{sorted(CASE_GROUPS)} and cases {sorted(by_name)}")
+    out = []
+    for n in wanted:
+        for case in CASE_GROUPS.get(n, [by_name.get(n)]):
+            if case not in out:
+                out.append(case)
+    return out
 
 
 def ragged_b256_lengths() -> np.ndarray:

@@ -22,7 +22,7 @@ def _command_line() -> str:
 
 
 def _cases(text: str) -> str:
-    """Case names, checked against the standard cases when parsed (not after the GPU starts)."""
+    """Case names or groups, checked when parsed (not after the GPU starts)."""
     from ..bench.cases import select
 
     try:
@@ -34,7 +34,9 @@ def _cases(text: str) -> str:
 
 def add_arguments(parser) -> None:
     parser.add_argument("--cases", type=_cases, default=None,
-                        help="comma-separated case names (default: all)")
+                        help="comma-separated case names, or groups: 'standard' (ANCHORS.md's "
+                             "cases, the default), 'classes' (issue 18's: head_dim 64/256, page "
+                             "1/64, groups 16/32, short requests)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--kv-dtype", default=None, type=A.fp8_kv_dtype,
                         help="fp8 K/V: fp8_e4m3 (float8_e4m3fn) or fp8_e5m2 (float8_e5m2); "

@@ -1,23 +1,52 @@
-"""Writes the SASS of decode variants (built as the runtime builds them, through NVRTC) to
-OUTDIR, for reading instruction counts of the main loop:
+"""Writes the SASS of decode variants to OUTDIR, for reading instruction counts of the main loop.
+
+NVRTC's own cubins do not disassemble here (nvdisasm calls them invalid ELF), so the variant's
+PTX (NVRTC, as the runtime builds it) goes through the toolkit's ptxas, then nvdisasm. Both are
+looked up on PATH, in /usr/local/cuda*/bin and in the nvidia-*-cu13 wheels' bin folders. The
+ptxas there may be newer than NVRTC's built-in one: counts are indicative, not exact.
 
     PYTHONPATH=$PWD python3 benchmarks/dump_sass.py OUTDIR [kv_dtype ...]
 """
+import glob
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
-from splitkv.runtime.kernel_source import DecodeVariant, compile_cubin
+from cupy_backends.cuda.libs import nvrtc
+
+from splitkv.runtime.kernel_source import NVRTC_OPTIONS, DecodeVariant
+
+
+def find(tool: str) -> str:
+    found = shutil.which(tool) or next(iter(sorted(
+        glob.glob(f"/usr/local/cuda*/bin/{tool}")
+        + glob.glob(f"{sysconfig.get_paths()['purelib']}/nvidia/cu*/bin/{tool}"))), None)
+    if found is None:
+        sys.exit(f"dump_sass.py: {tool} not found (PATH, /usr/local/cuda*/bin, nvidia wheels)")
+    return found
+
+
+def ptx_of(variant: DecodeVariant, arch: str = "compute_90") -> str:
+    prog = nvrtc.createProgram(variant.source(), variant.name, [], [])
+    try:
+        nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch={arch}"])
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    return (ptx.decode() if isinstance(ptx, bytes) else ptx).rstrip("\x00")
+
 
 out = Path(sys.argv[1])
-tool = shutil.which("nvdisasm") or "/usr/local/cuda/bin/nvdisasm"   # reads a bare cubin
+ptxas, nvdisasm = find("ptxas"), find("nvdisasm")
 for kv in ["", *sys.argv[2:]]:
     v = DecodeVariant("bfloat16", 128, 1, kv_dtype=kv)
-    cubin, _ = compile_cubin(v.source(), "sm_90", v.name)
-    path = out / f"{v.name}.cubin"
-    path.write_bytes(cubin)
-    sass = subprocess.run([tool, "-c", str(path)], capture_output=True, text=True)
-    (out / f"{v.name}.sass").write_text(sass.stdout + sass.stderr)
-    path.unlink()
-    print(v.name, len(sass.stdout.splitlines()), "lines")
+    ptx, cubin = out / f"{v.name}.ptx", out / f"{v.name}.cubin"
+    ptx.write_text(ptx_of(v))
+    subprocess.run([ptxas, "-arch=sm_90", "-o", str(cubin), str(ptx)], check=True)
+    sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True)
+    (out / f"{v.name}.sass").write_text(sass.stdout)
+    ptx.unlink()
+    cubin.unlink()
+    print(v.name, sum(";" in line for line in sass.stdout.splitlines()), "instructions")

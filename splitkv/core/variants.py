@@ -1,5 +1,6 @@
-"""Attention variants of today's models, as the host paths compute them (the GPU kernels will
-follow; issue 16), with the names FlashInfer and vLLM users know:
+"""Attention variants of today's models, as the host paths compute them (the GPU kernels run
+the window, the soft cap and the sinks too; multi-token decode is host-only so far: issue 16),
+with the names FlashInfer and vLLM users know:
 
 - ``window_left`` (sliding window, Mistral / Gemma / gpt-oss): a query at position p sees KV
   positions p - window_left .. p; -1 (the default): no window.

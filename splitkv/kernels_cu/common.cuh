@@ -15,6 +15,7 @@ typedef long long i64;
 
 #define SPLITKV_NEG_INF (-__int_as_float(0x7f800000))
 #define SPLITKV_LN2 0.6931471805599453f
+#define SPLITKV_LOG2E 1.4426950408889634f
 
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;

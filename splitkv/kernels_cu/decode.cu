@@ -161,7 +161,11 @@ __device__ __forceinline__ void ld_shared_words(u32 (&w)[WORDS], u32 addr) {
 // Writes the output (and lse) of a merged state: four dims at `dim` of output row `row`
 // (request x num_qo_heads + qo head).
 __device__ __forceinline__ void write_output_slot(const DecodeParams& p, i64 row, int dim,
-                                                  const SlotState& state) {
+                                                  SlotState state) {
+  if (p.sinks != nullptr) {   // the head's sink joins its softmax here, once, whatever merged
+    const int head = (int)(row % p.num_qo_heads);
+    state.add_logit(__uint_as_float(ld_after_wait_u32(p.sinks + head)) * SPLITKV_LOG2E);
+  }
   const float4 o = state.output();
   store4(p.out + row * HEAD_DIM + dim, o.x, o.y, o.z, o.w);
   if (p.lse != nullptr && dim == 0) p.lse[row] = state.lse2() * SPLITKV_LN2;
@@ -666,6 +670,25 @@ decode_partial(const __grid_constant__ DecodeParams params) {
       if (upper_rows) scale_scores(true, true); else scale_scores(true, false);
     } else {
       if (upper_rows) scale_scores(false, true); else scale_scores(false, false);
+    }
+    if (params.logits_soft_cap_log2 > 0.f) {   // Gemma-2's soft cap, after the scale
+      // cap * tanh(s / cap) is monotonic, so the tile's max is the cap of its max. A masked
+      // score stays -inf; +inf becomes NaN and NaN stays NaN, as without a cap (a non-finite
+      // raw score must not be capped into a finite one).
+      const float cap = params.logits_soft_cap_log2, to_exp2 = 2.f * SPLITKV_LOG2E / cap;
+      auto soft_cap = [&](float v) {
+        const float e2 = fast_exp2(v * to_exp2);   // exp(2 v / cap): tanh = 1 - 2 / (e2 + 1)
+        const float capped = cap * (1.f - 2.f / (e2 + 1.f));
+        return v == SPLITKV_NEG_INF ? v : v < -SPLITKV_NEG_INF ? capped : v - v;
+      };
+#pragma unroll
+      for (int st = 0; st < SUBTILES; ++st)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[st][nt][e] = soft_cap(s[st][nt][e]);
+      tile_max[0] = soft_cap(tile_max[0]);
+      tile_max[1] = soft_cap(tile_max[1]);
     }
     float alpha[2] = {1.f, 1.f}, m_use[2] = {0.f, 0.f};
     bool max_moved = false;

@@ -82,4 +82,10 @@ struct DecodeParams {
   float v_scale_value;
   int k_scale_stride;
   int v_scale_stride;
+  // Attention variants (core/variants.py). logits_soft_cap_log2: the cap times log2(e) (scores
+  // are base 2: s becomes cap * tanh(s / cap) in either base); 0: no cap. sinks: one logit per
+  // query head, natural log, that joins each head's softmax denominator (and its LSE) with no
+  // value; null: none.
+  float logits_soft_cap_log2;
+  const float* sinks;
 };

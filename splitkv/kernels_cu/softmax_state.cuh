@@ -60,6 +60,16 @@ struct SoftmaxState {
     for (int i = 0; i < DIMS; ++i) o[i] *= factor;
   }
 
+  // Admits one more score, base 2, that carries no value (an attention sink): it joins d, and
+  // so the LSE, and only rescales o. A score of -inf changes nothing.
+  __device__ __forceinline__ void add_logit(float s2) {
+    const float m_new = fmaxf(m, s2);
+    const float w = state_weight(m, m_new);
+    d = d * w + state_weight(s2, m_new);
+    scale_o(w);
+    m = m_new;
+  }
+
   // What scores are offset by before exp2.
   __device__ __forceinline__ float offset() const { return safe_max(m); }
 

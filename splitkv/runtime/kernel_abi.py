@@ -51,6 +51,8 @@ class DecodeParams(ctypes.Structure):
         ("v_scale_value", ctypes.c_float),
         ("k_scale_stride", ctypes.c_int32),
         ("v_scale_stride", ctypes.c_int32),
+        ("logits_soft_cap_log2", ctypes.c_float),
+        ("sinks", _POINTER),
     ]
 
 

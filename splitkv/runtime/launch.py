@@ -153,16 +153,18 @@ class DecodeLaunch:
 
     def __call__(self, q: int, k_cache: int, v_cache: int, page_stride: int, token_stride: int,
                  out: int, lse: int, stream_ptr: int, plain: bool = False,
-                 scales: tuple = (0, 1.0, 0, 0, 1.0, 0)) -> None:
+                 scales: tuple = (0, 1.0, 0, 0, 1.0, 0), variant: tuple = (0.0, 0)) -> None:
         """Launch on ``stream_ptr`` with these tensors (device pointers; strides in elements;
         ``lse`` 0 when not wanted); ``plain``: the partial kernel without PDL; ``scales``: fp8
-        K and V scales, (pointer, value, stride) each (``DecodeParams``)."""
+        K and V scales, (pointer, value, stride) each; ``variant``: (logits_soft_cap_log2,
+        sinks pointer) (``DecodeParams``)."""
         p = self.params
         with self._lock:
             p.q, p.k_cache, p.v_cache, p.out, p.lse = q, k_cache, v_cache, out, lse
             p.page_stride, p.token_stride = page_stride, token_stride
             (p.k_scale, p.k_scale_value, p.k_scale_stride,
              p.v_scale, p.v_scale_value, p.v_scale_stride) = scales
+            p.logits_soft_cap_log2, p.sinks = variant
             previous = current_context()
             if previous != self._context:    # the driver launches in the current context
                 _check(_driver().cuCtxSetCurrent(self._context), "cuCtxSetCurrent")

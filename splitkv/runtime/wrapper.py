@@ -34,6 +34,7 @@ from ..core.execution import check_launch_order, grid_order
 from ..core.geometry import RECORD_PAGES, THREADS_PER_CTA, ctas_per_kv_head
 from ..core.plan import Plan
 from ..core.problem import DecodeProblem, PageTable
+from ..core.variants import check_variant
 from . import require_gpu
 from .arrays import as_cupy_stream, as_device_array, cupy_storage_dtype, split_kv_arrays
 from .experiments import DecodeExperiments
@@ -121,6 +122,7 @@ class BatchDecodeWrapper:
         self._launch: DecodeLaunch | None = None
         self._upload = PlanUpload()
         self._workspace = Workspace(self.head_dim)
+        self._logits_soft_cap_log2 = 0.0      # plan()'s logits_soft_cap, as the kernels hold it
         self.use_cuda_graph = check_option("use_cuda_graph", use_cuda_graph) or False
         self._capacity = self._check_capacity(max_batch_size, max_num_pages, max_chunks)
         self._graph_upload: GraphPlanUpload | None = None
@@ -233,7 +235,7 @@ class BatchDecodeWrapper:
              kv_last_page_len=None, block_table=None, seq_lens=None,
              num_splits: int | None = None, strategy: str | None = None,
              plan: Plan | None = None, sm_scale: float | None = None, stream=None,
-             window_left: int | None = None) -> Plan:
+             window_left: int | None = None, logits_soft_cap: float | None = None) -> Plan:
         """Choose and upload the decomposition for this batch. Host work plus one upload.
 
         The batch's pages: a ``PageTable``, or FlashInfer's ``kv_indptr`` [batch + 1],
@@ -245,8 +247,10 @@ class BatchDecodeWrapper:
         a handle; default CuPy's current stream): the stream you run (or replay) on.
         ``window_left`` (sliding window, FlashInfer's name): each request's query sees its last
         window_left + 1 tokens, and the plan covers only those (its cost follows the window);
-        -1 or None: no window (with ``plan``, None takes the plan's). Returns the plan as it
-        runs.
+        -1 or None: no window (with ``plan``, None takes the plan's). ``logits_soft_cap``
+        (Gemma-2, FlashInfer's name): each score s = sm_scale q.k becomes cap * tanh(s / cap)
+        before the softmax, in the runs after this plan; None or 0: no cap. Returns the plan as
+        it runs.
         """
         require_gpu("BatchDecodeWrapper.plan()")
         import cupy
@@ -286,6 +290,7 @@ class BatchDecodeWrapper:
             chosen = choose_plan(problem, model, num_splits, strategy,
                                  launch_order=self.launch_order, max_chunks=self.max_chunks)
         sm_scale_log2 = float(np.float32(V.check_sm_scale(sm_scale, self.head_dim) * LOG2E))
+        soft_cap_log2 = self._soft_cap_log2(logits_soft_cap)
         if max_page >= 2**31:
             raise ValueError("page_table: page indices must be < 2**31")
 
@@ -293,6 +298,7 @@ class BatchDecodeWrapper:
         if self._foreign_pending:      # a run on another stream may still read the buffers
             s.wait_event(self._foreign_runs)
             self._foreign_pending = False
+        self._logits_soft_cap_log2 = soft_cap_log2
         if self.use_cuda_graph:
             return self._plan_graph(chosen, page_table, s, sm_scale_log2, max_page)
         kernels = get_decode_kernels(replace(self.variant, cluster=chosen.cluster_size))
@@ -357,7 +363,7 @@ class BatchDecodeWrapper:
 
     def plan_on_device(self, *, seq_lens=None, block_table=None, kv_indptr=None,
                        kv_indices=None, kv_last_page_len=None, sm_scale: float | None = None,
-                       stream=None) -> None:
+                       stream=None, logits_soft_cap: float | None = None) -> None:
         """Plan on the GPU (graph-stable wrappers): enqueue the planning kernel on ``stream``.
         When it runs, it reads the batch from these device int32 arrays, chooses the plan with
         the same cost model as ``plan()`` (the same plan, bit for bit: tests/test_device_plan.py)
@@ -373,7 +379,8 @@ class BatchDecodeWrapper:
         the launches: later calls must pass the same arrays) and must not be captured; page ids
         are not range-checked. A request whose values are invalid (a negative length, more pages
         than its row, a bad kv_indptr or kv_last_page_len) is planned as empty and the error is
-        kept on the device: ``device_plan_state()`` reads it.
+        kept on the device: ``device_plan_state()`` reads it. ``logits_soft_cap``: as in
+        ``plan()``.
         """
         require_gpu("BatchDecodeWrapper.plan_on_device()")
         import cupy
@@ -385,6 +392,7 @@ class BatchDecodeWrapper:
             raise RuntimeError("plan_on_device: this wrapper plans on the host (plan() was "
                                "called); a wrapper plans one way or the other")
         s = as_cupy_stream(stream)
+        soft_cap_log2 = self._soft_cap_log2(logits_soft_cap)
         inputs = (seq_lens, block_table, kv_indptr, kv_indices, kv_last_page_len)
         planner = self._device_planner
         # the very arrays of the first call (a decode loop's path) were checked then
@@ -396,6 +404,7 @@ class BatchDecodeWrapper:
             s.wait_event(self._foreign_runs)     # a run elsewhere may still read the records
             self._foreign_pending = False
         planner.launch(s.ptr)
+        self._logits_soft_cap_log2 = soft_cap_log2
         self._run_after_device_plan = True
         self._plan_stream = s
         if not s.is_capturing():
@@ -475,6 +484,33 @@ class BatchDecodeWrapper:
         if self._device_planner is None:
             raise RuntimeError("clear_device_plan_error: call plan_on_device() first")
         self._device_planner.clear_error(as_cupy_stream(stream))
+
+    @staticmethod
+    def _soft_cap_log2(logits_soft_cap) -> float:
+        """The soft cap as DecodeParams holds it: times log2(e), as a float32; 0: none."""
+        if logits_soft_cap is None:
+            return 0.0
+        cap = check_variant(1, logits_soft_cap=logits_soft_cap).logits_soft_cap
+        if cap is None:
+            return 0.0
+        with np.errstate(over="ignore"):
+            value = float(np.float32(cap * LOG2E))
+        if not np.isfinite(value) or value == 0:
+            raise ValueError(f"logits_soft_cap: {logits_soft_cap!r} is outside float32's range")
+        return value
+
+    def _sinks_pointer(self, sinks) -> int:
+        """The device pointer of ``run()``'s sinks (0: none), checked."""
+        if sinks is None:
+            return 0
+        arr = as_device_array("sinks", sinks)
+        if arr.dtype != "float32" or arr.shape != (self.num_qo_heads,) or not arr.is_contiguous:
+            raise ValueError(f"sinks: expected a contiguous float32 device array of "
+                             f"{self.num_qo_heads} logits (one per query head), got {arr.dtype} "
+                             f"of shape {list(arr.shape)}")
+        if arr.device is not None and self._device_id is not None and arr.device != self._device_id:
+            raise ValueError(f"sinks: is on device {arr.device}, the plan on {self._device_id}")
+        return arr.ptr
 
     def _scale(self, name: str, scale) -> tuple[int, float, int]:
         """An fp8 scale as DecodeParams holds it: (device pointer or 0, value, stride)."""
@@ -575,7 +611,7 @@ class BatchDecodeWrapper:
 
     # ------------------------------------------------------------------- run
     def run(self, q, k_cache, v_cache=None, *, out=None, lse=None, return_lse: bool = False,
-            stream=None, k_scale=None, v_scale=None):
+            stream=None, k_scale=None, v_scale=None, sinks=None):
         """Launch the planned kernels. Returns ``out`` or ``(out, lse)`` if ``return_lse`` or
         ``lse`` is given. Raises before any launch if an input does not match the plan.
 
@@ -586,7 +622,13 @@ class BatchDecodeWrapper:
         k_scale, v_scale (fp8 caches, ``kv_dtype``): K = code value x k_scale. None (1), a
         number (per tensor, held by a captured graph), or a device float32 array of 1 value
         (per tensor) or num_kv_heads values (per kv head), read when the kernel runs (so a
-        graph sees new values)."""
+        graph sees new values).
+
+        sinks (gpt-oss's attention sinks): a device float32 array of num_qo_heads logits
+        (natural log, like the scaled scores; -inf: none for that head), read when the kernel
+        runs. Each joins its head's softmax denominator with no value, once, whatever the plan
+        splits, and the LSE returned includes it (``core.variants``). The logits soft cap is
+        ``plan()``'s; a captured graph holds the cap and the sinks array of its capture."""
         require_gpu("BatchDecodeWrapper.run()")
         import cupy
 
@@ -602,6 +644,7 @@ class BatchDecodeWrapper:
                                      max_page=self._max_page, device=self._device_id,
                                      kv_dtype=self.kv_dtype)
         scales = (*self._scale("k_scale", k_scale), *self._scale("v_scale", v_scale))
+        variant = (self._logits_soft_cap_log2, self._sinks_pointer(sinks))
         want_lse = return_lse or lse is not None
         s = as_cupy_stream(stream)
         if out is None:
@@ -632,7 +675,7 @@ class BatchDecodeWrapper:
                 pool, self._graph_pool_pages)
         if batch:
             self._launch(qa.ptr, ka.ptr, va.ptr, ka.strides[0], ka.strides[1], oa.ptr, lse_ptr,
-                         s.ptr, plain=self._run_after_device_plan, scales=scales)
+                         s.ptr, plain=self._run_after_device_plan, scales=scales, variant=variant)
             self._run_after_device_plan = False
         if foreign:
             # the next plan()'s upload rewrites the buffers this run reads: it waits for this

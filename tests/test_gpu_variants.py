@@ -1,0 +1,123 @@
+"""Logits soft cap (``plan(logits_soft_cap=)``) and attention sinks (``run(sinks=)``) on the GPU,
+against the float64 reference (``core.variants``): every strategy (the cluster merge and
+graph-stable wrappers too), with fp8 K/V and a sliding window, the sink counted once whatever the
+plan splits and included in the LSE."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from splitkv import reference_decode
+from splitkv.core import fp8
+from splitkv.core.reference import to_float64
+from splitkv.runtime.testing import random_device_array, scattered_page_table
+from splitkv.runtime.wrapper import BatchDecodeWrapper
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+pytestmark = pytest.mark.gpu
+
+LENS = [1, 17, 1000, 0, 3000]
+TOL = {"bfloat16": 1e-2, "float16": 5e-3}
+PLANS = [("single", 1), ("split_merge", 3), ("fused", 5), ("fused", 2), ("split_merge", 16)]
+
+
+def rel_err(a, b) -> float:
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def make(rng, hq, hk, d, dtype, kv_dtype=None, scale=1.0):
+    pt, num_pages = scattered_page_table(LENS, 16, rng)
+    q = random_device_array((len(LENS), hq, d), dtype, rng)
+    shape = (num_pages, 16, hk, d)
+    if kv_dtype:
+        k, v = (fp8.quantize(np.clip(rng.standard_normal(shape) * 2, -12, 12), kv_dtype)
+                for _ in range(2))
+    else:
+        k, v = (random_device_array(shape, dtype, rng).get() for _ in range(2))
+    return pt, q, k, v
+
+
+def run_and_check(w, pt, q, k, v, dtype, kv_dtype, cap, sinks, window_left=None, **plan_kw):
+    ref_o, ref_lse = reference_decode(q.get(), k, v, pt, kv_dtype=kv_dtype,
+                                      window_left=-1 if window_left is None else window_left,
+                                      logits_soft_cap=cap,
+                                      sinks=None if sinks is None else sinks.astype(np.float64))
+    plan = w.plan(pt, logits_soft_cap=cap, window_left=window_left, **plan_kw)
+    out = cupy.empty(q.shape, cupy.float16 if dtype == "float16" else cupy.uint16)
+    out.view(cupy.uint16).fill(0xFFFF)            # poisoned: NaN in both 16-bit types
+    lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
+    w.run(q, cupy.asarray(k), cupy.asarray(v), out=out, lse=lse,
+          sinks=None if sinks is None else cupy.asarray(sinks))
+    cupy.cuda.runtime.deviceSynchronize()
+    o = to_float64(out.get())
+    assert not np.isnan(o).any(), f"unwritten or NaN outputs with {plan}"
+    err = rel_err(o, ref_o)
+    assert err < TOL[dtype], f"rel err {err:.2e} with {plan} (cap {cap}, sinks {sinks is not None})"
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse.get()), finite)
+    np.testing.assert_allclose(lse.get()[finite], ref_lse[finite], rtol=2e-3, atol=2e-3)
+    return plan
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("hq,hk,d", [(32, 8, 128), (8, 8, 64), (64, 2, 128)])
+def test_soft_cap_and_sinks_on_every_strategy(kv_dtype, dtype, hq, hk, d):
+    rng = np.random.default_rng(hash((kv_dtype, dtype, hq, d)) % 2**32)
+    pt, q, k, v = make(rng, hq, hk, d, dtype, kv_dtype)
+    sinks = rng.standard_normal(hq).astype(np.float32) * 3
+    sinks[1] = -np.inf                               # no sink for that head
+    w = BatchDecodeWrapper(hq, hk, d, 16, dtype, kv_dtype=kv_dtype)
+    for cap, with_sinks in ((5.0, False), (None, True), (3.0, True)):
+        for strategy, n in PLANS:
+            run_and_check(w, pt, q, k, v, dtype, kv_dtype, cap, sinks if with_sinks else None,
+                          num_splits=n, strategy=strategy)
+        run_and_check(w, pt, q, k, v, dtype, kv_dtype, cap, sinks if with_sinks else None)
+
+
+def test_with_a_window_and_graph_stable():
+    rng = np.random.default_rng(41)
+    pt, q, k, v = make(rng, 32, 8, 128, "bfloat16")
+    sinks = rng.standard_normal(32).astype(np.float32)
+    stable = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", use_cuda_graph=True,
+                                max_batch_size=len(LENS), max_num_pages=pt.kv_indices.size)
+    for strategy, n in (("fused", 5), ("split_merge", 3)):
+        run_and_check(stable, pt, q, k, v, "bfloat16", None, 4.0, sinks, window_left=300,
+                      num_splits=n, strategy=strategy)
+
+
+def test_a_cap_of_zero_or_none_is_the_plain_path_bit_for_bit():
+    rng = np.random.default_rng(42)
+    pt, q, k, v = make(rng, 32, 8, 128, "bfloat16")
+    kd, vd = cupy.asarray(k), cupy.asarray(v)
+    w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16")
+    w.plan(pt, num_splits=3, strategy="fused")
+    plain = w.run(q, kd, vd).get()
+    w.plan(pt, num_splits=3, strategy="fused", logits_soft_cap=0)
+    assert np.array_equal(w.run(q, kd, vd).get(), plain)
+    w.plan(pt, num_splits=3, strategy="fused", logits_soft_cap=1e6)    # a cap far above the scores
+    assert rel_err(to_float64(w.run(q, kd, vd).get()), to_float64(plain)) < 1e-3
+    with pytest.raises(ValueError, match="sinks: expected a contiguous float32 device array of 32"):
+        w.run(q, kd, vd, sinks=cupy.zeros(8, cupy.float32))
+    with pytest.raises(ValueError, match="logits_soft_cap: expected a finite value >= 0"):
+        w.plan(pt, logits_soft_cap=-1.0)
+
+
+def test_an_infinite_score_stays_nan_under_the_cap():
+    """cap * tanh(+inf / cap) would be a finite cap: the kernel keeps the plain path's rule
+    instead, so a +inf raw score makes its heads NaN, and only those."""
+    rng = np.random.default_rng(43)
+    pt, q, k, v = make(rng, 8, 2, 128, "bfloat16")
+    qh = q.get()
+    qh[4, 4:, 3] = 0x3F80                      # +1.0 at dim 3 for kv head 1's query heads
+    k[pt.kv_indices[pt.kv_indptr[4]], 2, 1, 3] = 0x7F80      # +inf at dim 3: scores of +inf
+    ref_o, _ = reference_decode(qh, k, v, pt, logits_soft_cap=4.0)
+    w = BatchDecodeWrapper(8, 2, 128, 16, "bfloat16")
+    for strategy, n in (("single", 1), ("fused", 3), ("split_merge", 3)):
+        w.plan(pt, num_splits=n, strategy=strategy, logits_soft_cap=4.0)
+        o = to_float64(w.run(cupy.asarray(qh), cupy.asarray(k), cupy.asarray(v)).get())
+        assert np.all(np.isnan(o[4, 4:])) and np.all(np.isnan(ref_o[4, 4:])), strategy
+        rest = np.ones(o.shape[:2], bool)
+        rest[4, 4:] = False
+        assert not np.isnan(o[rest]).any() and rel_err(o[rest], ref_o[rest]) < 1e-2, strategy

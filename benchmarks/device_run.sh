@@ -48,6 +48,9 @@ for phase in "$@"; do
     eval)
       python3 benchmarks/eval_planner.py --profile "$PROFILE" --json "$RES/h200-planner.json" 2>&1 \
         | tee "$RES/eval.log" | tail -8 ;;
+    eval_fp8)
+      python3 benchmarks/eval_planner.py --profile "$PROFILE" --kv-dtype fp8_e4m3 \
+        --json "$RES/h200-planner-fp8.json" 2>&1 | tee "$RES/eval_fp8.log" | tail -8 ;;
     bench)
       # a fresh CuPy kernel cache, so the first-call compile time is a cold one
       CUPY_CACHE_DIR=$(mktemp -d) SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench $FI --json "$RES/h200.json" --markdown "$RES/h200.md" 2>&1 \

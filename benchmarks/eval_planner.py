@@ -6,7 +6,10 @@ time the planner's plan and a grid of alternatives (no split; chunk sizes 64..16
 within 5%, the geometric mean, and the model's median absolute percentage error over every
 measured plan, and writes benchmarks/results/h200-planner.json's format.
 
-    python3 benchmarks/eval_planner.py --profile PATH --json OUT.json
+    python3 benchmarks/eval_planner.py --profile PATH --json OUT.json [--kv-dtype fp8_e4m3]
+
+With --kv-dtype the K/V are fp8 codes and the planner plans with the profile's fp8 fit
+(``Profile.cost_model(kv_dtype)``).
 """
 
 import argparse
@@ -17,6 +20,7 @@ import sys
 import numpy as np
 
 from splitkv.calibration.sweep import ragged_lengths
+from splitkv.core.fp8 import fp8_format
 from splitkv.core.plan import plan_chunk_tokens
 from splitkv.planner import choose_plan
 from splitkv.planner.profiles import load_profile
@@ -54,16 +58,19 @@ def main():
     ap.add_argument("--profile", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--kv-dtype", default=None, help="fp8 K/V: fp8_e4m3 or fp8_e5m2")
     args = ap.parse_args()
+    kv_dtype = fp8_format("--kv-dtype", args.kv_dtype)
     info = device_info()
     profile = load_profile(args.profile, device_name=info["name"], num_sms=info["num_sms"])
-    model = profile.cost_model()
+    model = profile.cost_model(kv_dtype)
     rows, abs_pct = [], []
     shapes = heldout_shapes()[: args.limit]
     for i, (name, prob) in enumerate(shapes):
         pt, _ = scattered_page_table(prob.kv_lens, prob.page_size, np.random.default_rng(i), 0)
-        data = make_layers(pt, prob.num_qo_heads, prob.num_kv_heads, prob.head_dim, prob.dtype)
-        chosen = choose_plan(prob, profile=profile)
+        data = make_layers(pt, prob.num_qo_heads, prob.num_kv_heads, prob.head_dim, prob.dtype,
+                           kv_dtype=kv_dtype)
+        chosen = choose_plan(prob, model)
         plans = {("planner",): chosen}
         plans[("single",)] = plan_chunk_tokens(prob, 1 << 30, "single")
         for chunk in GRID:
@@ -73,7 +80,7 @@ def main():
                     plans[(chunk, strategy)] = p
         measured, candidates = {}, []
         for key, p in plans.items():
-            us = time_plan_us(p, pt, data=data, trials=3, min_trial_ms=10.0)
+            us = time_plan_us(p, pt, data=data, trials=3, min_trial_ms=10.0, kv_dtype=kv_dtype)
             measured[key] = us
             pred = model.predict(p)
             abs_pct.append(abs(pred - us) / us)
@@ -99,6 +106,7 @@ def main():
     ratios = np.array([r["ratio"] for r in rows])
     result = {"device": info["name"], "date": datetime.date.today().isoformat(),
               "command": "python3 " + " ".join(sys.argv), "profile": profile.origin,
+              "kv_dtype": kv_dtype,
               "within_5pct_frac": round(float(np.mean(ratios <= 1.05)), 4),
               "geomean_ratio": round(float(np.exp(np.mean(np.log(ratios)))), 4),
               "mape": round(float(np.median(abs_pct)), 4),

@@ -79,3 +79,21 @@ def test_device_descriptors_of_combined_arrays_point_at_k_and_v(dtype):
             assert desc.ptr == view.__array_interface__["data"][0]
             assert desc.shape == view.shape
             assert desc.strides == tuple(s // item for s in view.strides)
+
+
+def test_an_hnd_descriptor_reads_as_the_nhd_view_the_kernels_take():
+    """``kv_layout='HND'`` on the GPU path: a [pages, heads, page, dim] descriptor becomes the NHD
+    view of the same memory (axes 1 and 2 swapped, no copy), which the checks accept."""
+    from splitkv.core import validation as V
+    from splitkv.runtime.arrays import DeviceArray, nhd_view
+
+    hnd = DeviceArray(4096, (5, 2, 16, 64), (2048, 1024, 64, 1), "bfloat16", 0, None)
+    nhd = nhd_view("k_cache", hnd)
+    assert nhd.shape == (5, 16, 2, 64) and nhd.strides == (2048, 64, 1024, 1)
+    assert nhd.ptr == hnd.ptr and not nhd.is_contiguous
+    q = DeviceArray(0, (2, 8, 64), (512, 64, 1), "bfloat16", 0, None)
+    V.check_device_decode_arrays(q, nhd, nhd, batch_size=2, num_qo_heads=8, num_kv_heads=2,
+                                 head_dim=64, page_size=16, dtype="bfloat16", max_page=4,
+                                 device=0)
+    with pytest.raises(ValueError, match="k_cache: an HND cache is \\[num_pages, num_kv_heads"):
+        nhd_view("k_cache", DeviceArray(0, (5, 2, 16), (32, 16, 1), "bfloat16", 0, None))

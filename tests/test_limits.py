@@ -323,6 +323,26 @@ def test_a_page_of_2_gib_or_more_is_refused_before_any_launch():
     huge_pages = replace(k, strides=(2**30, 128, 64, 1))          # 2 GiB of bf16 per page
     with pytest.raises(ValueError, match="k_cache: expected a page to span under 2 GiB"):
         V.check_device_decode_arrays(q, huge_pages, huge_pages, **kw)
-    huge_tokens = replace(k, strides=(2**16 * 16, 2**26, 64, 1))  # 16 tokens of 128 MiB
+    huge_tokens = replace(k, strides=(2**16 * 16, 2**27, 64, 1))  # 16 tokens of 256 MiB
     with pytest.raises(ValueError, match="k_cache: expected a page to span under 2 GiB"):
         V.check_device_decode_arrays(q, huge_tokens, huge_tokens, **kw)
+
+
+def test_head_strides_are_free_but_each_head_row_contiguous_and_aligned():
+    """K/V are NHD views with any head stride (an HND cache, or padded heads), as long as a
+    head's values are contiguous, rows are 16-byte aligned and V's strides are K's."""
+    from dataclasses import replace
+
+    q, k = device_array((2, 8, 64)), device_array((4, 16, 2, 64))
+    kw = dict(batch_size=2, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+              dtype="bfloat16", max_page=3, device=0)
+    hnd = replace(k, strides=(2048, 64, 1024, 1))           # [pages, heads, page, dim] seen as NHD
+    V.check_device_decode_arrays(q, hnd, hnd, **kw)
+    padded = replace(k, strides=(4096, 256, 72, 1))         # heads padded to 72 values
+    V.check_device_decode_arrays(q, padded, padded, **kw)
+    with pytest.raises(ValueError, match="k_cache: expected each head's 64 values to be contiguous"):
+        V.check_device_decode_arrays(q, replace(k, strides=(2048, 128, 1, 2)), k, **kw)
+    with pytest.raises(ValueError, match="k_cache: expected 16-byte aligned pages, tokens and heads"):
+        V.check_device_decode_arrays(q, replace(k, strides=(4096, 256, 68, 1)), k, **kw)
+    with pytest.raises(ValueError, match="v_cache: expected the same strides as k_cache"):
+        V.check_device_decode_arrays(q, k, hnd, **kw)

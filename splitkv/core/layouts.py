@@ -6,7 +6,7 @@ num_kv_heads, head_dim]`` each), zero-copy:
   ``[2, num_pages, page_size, heads, dim]``: told apart by which leading axis has size 2 (when
   both do, the call must pass K and V apart: nothing is guessed);
 - ``kv_layout="HND"`` (FlashInfer's name): pages of ``[heads, page_size, dim]``, read through a
-  transposed view (host paths; the GPU kernels read NHD).
+  transposed view (the GPU kernels take the view's head stride).
 """
 
 from __future__ import annotations

@@ -231,9 +231,11 @@ def check_device_decode_arrays(q, k_cache, v_cache, *, batch_size: int, num_qo_h
                                max_page: int, device: int | None,
                                kv_dtype: str | None = None) -> None:
     """Inputs of a GPU decode call, given as descriptors with .shape, .strides (elements),
-    .dtype, .ptr and .device. K and V may be views with any page and token strides, as long as
-    each token's heads are contiguous and every row starts on a 16-byte boundary. With
-    ``kv_dtype`` (an fp8 format) K and V are uint8 codes or that dtype (torch's float8)."""
+    .dtype, .ptr and .device. K and V are NHD views with any page, token and head strides (an
+    HND cache is such a view: ``core.layouts``), as long as each head's row of head_dim values
+    is contiguous, every row starts on a 16-byte boundary and a page spans under 2 GiB (the
+    kernels address within a page in 32 bits). With ``kv_dtype`` (an fp8 format) K and V are
+    uint8 codes or that dtype (torch's float8)."""
     check_shape("q", q.shape, (batch_size, num_qo_heads, head_dim))
     check_storage_dtype("q", q.dtype, dtype)
     if not q.is_contiguous:
@@ -247,20 +249,24 @@ def check_device_decode_arrays(q, k_cache, v_cache, *, batch_size: int, num_qo_h
                                 f"codes or {kv_dtype}, got {arr.dtype}")
         else:
             check_storage_dtype(name, arr.dtype, dtype)
-        if arr.strides[2:] != (head_dim, 1):
-            raise ValueError(f"{name}: expected each token's heads to be contiguous "
-                             f"(strides [*, *, {head_dim}, 1] in elements), got {list(arr.strides)}")
-        if arr.ptr % 16 or (arr.strides[0] * item) % 16 or (arr.strides[1] * item) % 16:
-            raise ValueError(f"{name}: expected 16-byte aligned pages and tokens")
-        if abs(arr.strides[0] * item) >= 2**31 or abs(arr.strides[1] * item) * page_size >= 2**31:
+        if arr.strides[3] != 1 and head_dim > 1:
+            raise ValueError(f"{name}: expected each head's {head_dim} values to be contiguous "
+                             f"(strides [*, *, *, 1] in elements), got {list(arr.strides)}")
+        if arr.ptr % 16 or any((st * item) % 16 for st in arr.strides[:3]):
+            raise ValueError(f"{name}: expected 16-byte aligned pages, tokens and heads, got "
+                             f"strides {list(arr.strides)} (elements of {item} bytes)")
+        in_page = (abs(arr.strides[1]) * (page_size - 1) + abs(arr.strides[2]) * (num_kv_heads - 1)
+                   + head_dim) * item
+        if abs(arr.strides[0] * item) >= 2**31 or in_page >= 2**31:
             raise ValueError(f"{name}: expected a page to span under 2 GiB (the kernels address "
-                             f"a page's tokens in 32 bits), got strides {list(arr.strides)} "
+                             f"within a page in 32 bits), got strides {list(arr.strides)} "
                              f"(elements of {item} bytes)")
         if arr.shape[0] <= max_page:
             raise ValueError(f"{name}: the plan's page table references page {max_page} "
                              f"but the cache has {arr.shape[0]} pages")
-    if v_cache.strides[:2] != k_cache.strides[:2]:
-        raise ValueError("v_cache: expected the same strides as k_cache")
+    if v_cache.strides[:3] != k_cache.strides[:3]:
+        raise ValueError(f"v_cache: expected the same strides as k_cache "
+                         f"({list(k_cache.strides)}), got {list(v_cache.strides)}")
     for name, arr in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if arr.device is not None and device is not None and arr.device != device:
             raise ValueError(f"{name}: is on device {arr.device}, the plan on device {device}")

@@ -426,7 +426,7 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   // a copy's address is one wide multiply of its page id, one multiply-add and a 64-bit add.
   const int page_bytes = (int)(params.page_stride * KV_BYTES);
   const int token_bytes = (int)(params.token_stride * KV_BYTES);
-  const int lane_bytes = kvh * HEAD_DIM * KV_BYTES + my_chunk * 16;
+  const int lane_bytes = kvh * (int)(params.head_stride * KV_BYTES) + my_chunk * 16;
   // This thread's first row of the next tile to fetch, as a page index and the offset in that
   // page, carried from tile to tile: no division per tile.
   const int tile_pages = TILE_N / page_size, tile_rest = TILE_N - tile_pages * page_size;

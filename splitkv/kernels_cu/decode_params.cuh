@@ -45,7 +45,8 @@ __device__ __forceinline__ ChunkHeader load_header(const ChunkRecord* __restrict
 }
 
 // Shapes: q, out [batch_size, num_qo_heads, HEAD_DIM]; k_cache, v_cache pages of page_size
-// tokens of num_kv_heads x HEAD_DIM (rows 16-byte aligned; the strides below, in elements);
+// tokens of num_kv_heads rows of HEAD_DIM (rows 16-byte aligned; the strides below, in
+// elements);
 // lse [batch_size, num_qo_heads]; the workspace's partial_o [num_chunks, num_qo_heads, HEAD_DIM]
 // and partial_lse [num_chunks, num_qo_heads]; counters [batch_size, num_kv_heads,
 // ctas_per_kv_head].
@@ -88,4 +89,6 @@ struct DecodeParams {
   // value; null: none.
   float logits_soft_cap_log2;
   const float* sinks;
+  i64 head_stride;                 // from one kv head of a token to the next (HND: page_size
+                                   //   x head_dim; NHD: head_dim, or more with padded heads)
 };

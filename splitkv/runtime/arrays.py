@@ -176,3 +176,15 @@ def split_kv_arrays(k_cache, v_cache) -> tuple[DeviceArray, DeviceArray]:
     k = DeviceArray(kv.ptr, shape, strides, kv.dtype, kv.device, kv.owner)
     v = DeviceArray(kv.ptr + kv.strides[axis] * item, shape, strides, kv.dtype, kv.device, kv.owner)
     return k, v
+
+
+def nhd_view(name: str, arr: DeviceArray) -> DeviceArray:
+    """An HND cache ([pages, heads, page_size, dim]) as the NHD view the kernels read: its
+    axes 1 and 2 swapped, zero-copy (``core.layouts.as_nhd`` for descriptors)."""
+    if len(arr.shape) != 4:
+        raise ValueError(f"{name}: an HND cache is [num_pages, num_kv_heads, page_size, "
+                         f"head_dim], got shape {list(arr.shape)}")
+    shape, strides = list(arr.shape), list(arr.strides)
+    shape[1], shape[2], strides[1], strides[2] = shape[2], shape[1], strides[2], strides[1]
+    return DeviceArray(arr.ptr, tuple(shape), tuple(strides), arr.dtype, arr.device, arr.owner)
+

@@ -53,6 +53,7 @@ class DecodeParams(ctypes.Structure):
         ("v_scale_stride", ctypes.c_int32),
         ("logits_soft_cap_log2", ctypes.c_float),
         ("sinks", _POINTER),
+        ("head_stride", ctypes.c_int64),
     ]
 
 

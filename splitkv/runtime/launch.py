@@ -152,7 +152,7 @@ class DecodeLaunch:
         return self.partial.pdl
 
     def __call__(self, q: int, k_cache: int, v_cache: int, page_stride: int, token_stride: int,
-                 out: int, lse: int, stream_ptr: int, plain: bool = False,
+                 head_stride: int, out: int, lse: int, stream_ptr: int, plain: bool = False,
                  scales: tuple = (0, 1.0, 0, 0, 1.0, 0), variant: tuple = (0.0, 0)) -> None:
         """Launch on ``stream_ptr`` with these tensors (device pointers; strides in elements;
         ``lse`` 0 when not wanted); ``plain``: the partial kernel without PDL; ``scales``: fp8
@@ -161,7 +161,7 @@ class DecodeLaunch:
         p = self.params
         with self._lock:
             p.q, p.k_cache, p.v_cache, p.out, p.lse = q, k_cache, v_cache, out, lse
-            p.page_stride, p.token_stride = page_stride, token_stride
+            p.page_stride, p.token_stride, p.head_stride = page_stride, token_stride, head_stride
             (p.k_scale, p.k_scale_value, p.k_scale_stride,
              p.v_scale, p.v_scale_value, p.v_scale_stride) = scales
             p.logits_soft_cap_log2, p.sinks = variant

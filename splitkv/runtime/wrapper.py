@@ -34,9 +34,11 @@ from ..core.execution import check_launch_order, grid_order
 from ..core.geometry import RECORD_PAGES, THREADS_PER_CTA, ctas_per_kv_head
 from ..core.plan import Plan
 from ..core.problem import DecodeProblem, PageTable
+from ..core.layouts import check_kv_layout
 from ..core.variants import check_variant
 from . import require_gpu
-from .arrays import as_cupy_stream, as_device_array, cupy_storage_dtype, split_kv_arrays
+from .arrays import (as_cupy_stream, as_device_array, cupy_storage_dtype, nhd_view,
+                     split_kv_arrays)
 from .experiments import DecodeExperiments
 from .features import check_option, one_per_sm_shared_bytes, sm90_option, spreads_one_per_sm
 from .kernel_abi import DecodeParams
@@ -86,6 +88,9 @@ class BatchDecodeWrapper:
         'float8_e5m2' (vLLM's 'fp8_e4m3' / 'fp8_e5m2' too; torch.float8_* dtypes): K and V are
         uint8 codes (or torch float8 tensors), dequantized in the kernel; ``run()`` takes their
         scales. q and the output stay ``dtype``.
+    kv_layout: 'NHD' (pages of [page_size, num_kv_heads, head_dim], the default) or 'HND'
+        (FlashInfer's name: pages of [num_kv_heads, page_size, head_dim]), read in place; either
+        may be a strided view (padded heads or tokens, a slice of a combined K/V array).
     max_chunks: chunks per plan (the fixed grid is max_chunks x num_kv_heads x
         ctas_per_kv_head CTAs, and CTAs past the plan's chunks exit at once); default: at least
         max_batch_size, and 2 x SMs CTAs for a small batch's grid (one CTA per SM, see
@@ -97,7 +102,7 @@ class BatchDecodeWrapper:
                  launch_order: str = "longest_chunks", pdl: bool | None = None,
                  experiments: DecodeExperiments | None = None, *, use_cuda_graph: bool = False,
                  max_batch_size: int | None = None, max_num_pages: int | None = None,
-                 max_chunks: int | None = None, kv_dtype=None):
+                 max_chunks: int | None = None, kv_dtype=None, kv_layout: str = "NHD"):
         self.num_qo_heads, self.num_kv_heads = V.check_heads(num_qo_heads, num_kv_heads)
         self.head_dim = V.check_head_dim(head_dim)
         self.page_size = V.check_int("page_size", page_size, 1)
@@ -111,6 +116,7 @@ class BatchDecodeWrapper:
         V.check_instance("experiments", experiments, DecodeExperiments)
         self.experiments = experiments
         self.kv_dtype = fp8.fp8_format("kv_dtype", kv_dtype)
+        self.kv_layout = check_kv_layout(kv_layout)
         self.variant = DecodeVariant.for_problem(self.dtype, self.head_dim, self.group_size,
                                                  experiments.stages or 0,
                                                  experiments.max_registers or 0,
@@ -615,9 +621,9 @@ class BatchDecodeWrapper:
         """Launch the planned kernels. Returns ``out`` or ``(out, lse)`` if ``return_lse`` or
         ``lse`` is given. Raises before any launch if an input does not match the plan.
 
-        K/V: ``k_cache`` and ``v_cache`` (NHD), or ``v_cache=None`` with a (k, v) pair or one
-        combined array, FlashInfer's [pages, 2, page_size, heads, dim] or vLLM's [2, pages,
-        page_size, heads, dim] (``core.layouts``), read in place.
+        K/V: ``k_cache`` and ``v_cache`` (in the wrapper's ``kv_layout``), or ``v_cache=None``
+        with a (k, v) pair or one combined array, FlashInfer's [pages, 2, ...] or vLLM's [2,
+        pages, ...] (``core.layouts``), read in place.
 
         k_scale, v_scale (fp8 caches, ``kv_dtype``): K = code value x k_scale. None (1), a
         number (per tensor, held by a captured graph), or a device float32 array of 1 value
@@ -638,6 +644,8 @@ class BatchDecodeWrapper:
         batch = self._capacity[0] if self.use_cuda_graph else plan.problem.batch_size
         qa = as_device_array("q", q)
         ka, va = split_kv_arrays(k_cache, v_cache)
+        if self.kv_layout == "HND":          # [pages, heads, page, dim]: read as an NHD view
+            ka, va = nhd_view("k_cache", ka), nhd_view("v_cache", va)
         V.check_device_decode_arrays(qa, ka, va, batch_size=batch, num_qo_heads=self.num_qo_heads,
                                      num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                      page_size=self.page_size, dtype=self.dtype,
@@ -674,7 +682,8 @@ class BatchDecodeWrapper:
             self._graph_pool_pages = pool if self._graph_pool_pages is None else min(
                 pool, self._graph_pool_pages)
         if batch:
-            self._launch(qa.ptr, ka.ptr, va.ptr, ka.strides[0], ka.strides[1], oa.ptr, lse_ptr,
+            self._launch(qa.ptr, ka.ptr, va.ptr, ka.strides[0], ka.strides[1], ka.strides[2],
+                         oa.ptr, lse_ptr,
                          s.ptr, plain=self._run_after_device_plan, scales=scales, variant=variant)
             self._run_after_device_plan = False
         if foreign:

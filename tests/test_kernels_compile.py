@@ -181,3 +181,23 @@ def test_decode_params_fill_by_name():
     params = kernel_abi.DecodeParams(q=1 << 40, page_stride=-3, sm_scale_log2=0.5, lse=0)
     assert (params.q, params.page_stride, params.sm_scale_log2, params.lse) == (1 << 40, -3, 0.5, None)
     assert kernel_abi.CHUNK_RECORD.itemsize == kernel_abi.SIZES["ChunkRecord"] == 128
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("variant", [DecodeVariant("bfloat16", 128, 1, num_warps=8),
+                                     DecodeVariant("bfloat16", 128, 1, kv_dtype="float8_e4m3fn",
+                                                   num_warps=8),
+                                     DecodeVariant("float16", 64, 4, kv_dtype="float8_e5m2",
+                                                   num_warps=8)],
+                         ids=lambda v: v.name)
+def test_eight_warp_experiment_compiles(variant):
+    """DecodeExperiments(warps=8): 128-token tiles, 256 threads; the 16-bit and fp8 paths build
+    without spills, and the host sizes follow the variant (tiles, threads, shared memory)."""
+    cubin, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
+    report = resource_report(log)
+    assert report["decode_partial"][1] == 0, log
+    assert variant.name.endswith("_w8") and variant.tile_tokens == 128 and variant.threads == 256
+    four = replace(variant, num_warps=4)
+    assert variant.shared_bytes >= four.shared_bytes
+    with pytest.raises(ValueError, match="num_warps: expected 4 or 8"):
+        replace(variant, num_warps=6)

@@ -286,3 +286,17 @@ def test_the_soft_cap_reaches_the_kernels_in_base_2_as_a_float32():
                       (True, TypeError), (1e39, ValueError), (1e-46, ValueError)):
         with pytest.raises(kind, match="logits_soft_cap"):
             to_kernel(bad)
+
+
+def test_the_warps_experiment_is_checked_and_reaches_the_variant():
+    from splitkv.runtime.experiments import DecodeExperiments
+    from splitkv.runtime.records import record_pages_needed
+    from splitkv.runtime.wrapper import BatchDecodeWrapper
+
+    w = BatchDecodeWrapper(8, 2, 128, 16, experiments=DecodeExperiments(warps=8))
+    assert w.variant.num_warps == 8 and w.variant.tile_tokens == 128
+    assert BatchDecodeWrapper(8, 2, 128, 16).variant.num_warps == 4
+    assert record_pages_needed(16, 3, 128) == 24 and record_pages_needed(16, 3) == 12
+    for bad in (6, True, 0):
+        with pytest.raises(ValueError, match="warps: expected 4 or 8"):
+            DecodeExperiments(warps=bad)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.execution import LAUNCH_ORDERS
-from ..core.geometry import RECORD_PAGES, ctas_per_kv_head
+from ..core.geometry import RECORD_PAGES, TILE_TOKENS, ctas_per_kv_head
 from ..planner.cost_model import FEATURE_NAMES, LONE_CTA_MIN_TOKENS, CostModel, feature_constants
 from .kernel_abi import CHUNK_RECORD
 from .kernel_source import NVRTC_OPTIONS, read_source
@@ -72,7 +72,7 @@ def scratch_ints(max_chunks: int, batch_size: int) -> int:
 
 def plan_params(model: CostModel, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                 page_size: int, stages: int, max_batch: int, max_chunks: int,
-                launch_order: str) -> DevicePlanParams:
+                launch_order: str, tile_tokens: int = TILE_TOKENS) -> DevicePlanParams:
     """The constants of a planning kernel's argument (no pointers, no batch): the model's
     coefficients and the shape's units, for a GPU without clusters (a graph-stable grid)."""
     ipc, slots, units = feature_constants(num_qo_heads, num_kv_heads, head_dim, model.num_sms,
@@ -85,7 +85,7 @@ def plan_params(model: CostModel, *, num_qo_heads: int, num_kv_heads: int, head_
     p.items_per_chunk = num_kv_heads * ctas_per_kv_head(num_qo_heads // num_kv_heads)
     assert p.items_per_chunk == ipc
     p.slots, p.num_sms, p.page_size = slots, model.num_sms, page_size
-    needed = record_pages_needed(page_size, stages)
+    needed = record_pages_needed(page_size, stages, tile_tokens)
     p.record_pages = needed if needed <= RECORD_PAGES else 0
     p.launch_order = LAUNCH_ORDERS.index(launch_order)
     return p

@@ -21,6 +21,8 @@ class DecodeExperiments:
         default for the head dim (``kernel_source.DEFAULT_STAGES``).
     max_registers: per-thread register cap of the partial kernel; None or 0: the compiler's
         choice.
+    warps: warps per CTA of the partial kernel, 4 (None: the default) or 8 (128-token tiles,
+        twice the warps on a lone CTA's SM: for fp8 K/V, whose CTAs are latency-bound).
     pdl_trigger: where a PDL partial kernel lets the next kernel launch (``PDL_TRIGGERS``):
         'late' (the default; neither wins everywhere, benchmarks/NOTES.md) or 'early'. Only
         with programmatic dependent launch (the wrapper's ``pdl``).
@@ -30,6 +32,7 @@ class DecodeExperiments:
 
     stages: int | None = None
     max_registers: int | None = None
+    warps: int | None = None
     pdl_trigger: str = "late"
     pdl_spread: bool | None = None
 
@@ -38,6 +41,8 @@ class DecodeExperiments:
             V.check_int("stages", self.stages, 2)
         if self.max_registers is not None:
             V.check_int("max_registers", self.max_registers, 0)
+        if self.warps is not None and (isinstance(self.warps, bool) or self.warps not in (4, 8)):
+            raise ValueError(f"warps: expected 4 or 8 (or None: 4), got {self.warps!r}")
         if self.pdl_trigger not in PDL_TRIGGERS:
             raise ValueError(f"pdl_trigger: expected one of {PDL_TRIGGERS}, "
                              f"got {self.pdl_trigger!r}")

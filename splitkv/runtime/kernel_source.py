@@ -10,7 +10,7 @@ from functools import lru_cache
 from importlib import resources
 
 from ..core.execution import CLUSTER_SIZES
-from ..core.geometry import MAX_HEADS_PER_CTA, RECORD_PAGES, TILE_TOKENS, WARPS_PER_CTA
+from ..core.geometry import MAX_HEADS_PER_CTA, RECORD_PAGES, WARPS_PER_CTA
 from .kernel_abi import layout_checks
 
 # KV_FP8 of each fp8 format (core/fp8.py's names)
@@ -53,6 +53,7 @@ class DecodeVariant:
     cluster: int = 0    # S > 1: the S chunks of each request run as one thread-block cluster
                         # and merge through distributed shared memory (sm_90+); 0 = no cluster
     kv_dtype: str = ""  # "" (K/V in dtype), or an fp8 format: K/V are fp8 codes (KV_FP8)
+    num_warps: int = WARPS_PER_CTA   # NUM_WARPS: 4, or 8 (an experiment: 128-token tiles)
 
     def __post_init__(self):
         if self.kv_dtype not in ("", *KV_FP8_CODES):
@@ -62,12 +63,23 @@ class DecodeVariant:
             # About 64-96 KiB of K+V in flight per CTA, so two or three CTAs fit on an SM.
             defaults = DEFAULT_FP8_STAGES if self.kv_dtype else DEFAULT_STAGES
             object.__setattr__(self, "stages", defaults[self.head_dim])
+        if self.num_warps not in (4, 8):
+            raise ValueError(f"num_warps: expected 4 or 8, got {self.num_warps}")
         if self.cluster not in (0, *CLUSTER_SIZES):
             raise ValueError(f"cluster: expected 0 or one of {CLUSTER_SIZES}, got {self.cluster}")
 
     @property
     def rows(self) -> int:
         return 16 * self.row_tiles
+
+    @property
+    def tile_tokens(self) -> int:
+        """Tokens per pipeline stage (TILE_N): 16 per warp."""
+        return 16 * self.num_warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
 
     @property
     def kv_bytes(self) -> int:
@@ -77,9 +89,9 @@ class DecodeVariant:
     @property
     def shared_bytes(self) -> int:
         # K and V tiles of every stage, then the record's page ids (decode.cu)
-        pipeline = (self.stages * TILE_TOKENS * self.head_dim * self.kv_bytes * 2
+        pipeline = (self.stages * self.tile_tokens * self.head_dim * self.kv_bytes * 2
                     + RECORD_PAGES * 4)
-        combine = WARPS_PER_CTA * 16 * (self.head_dim + 2) * 4   # reused after the pipeline
+        combine = self.num_warps * 16 * (self.head_dim + 2) * 4   # reused after the pipeline
         if self.cluster:
             combine += self.rows * (self.head_dim + 1) * 4          # the CTA's partial state
         return max(pipeline, combine)
@@ -87,7 +99,7 @@ class DecodeVariant:
     @property
     def defines(self) -> dict[str, int]:
         return {"SPLITKV_BF16": int(self.dtype == "bfloat16"), "HEAD_DIM": self.head_dim,
-                "ROW_TILES": self.row_tiles, "STAGES": self.stages, "NUM_WARPS": WARPS_PER_CTA,
+                "ROW_TILES": self.row_tiles, "STAGES": self.stages, "NUM_WARPS": self.num_warps,
                 "MAX_REGISTERS": self.max_registers, "CLUSTER": self.cluster,
                 "RECORD_PAGES": RECORD_PAGES, "KV_FP8": KV_FP8_CODES.get(self.kv_dtype, 0)}
 
@@ -96,6 +108,7 @@ class DecodeVariant:
         regs = f"_reg{self.max_registers}" if self.max_registers else ""
         cluster = f"_c{self.cluster}" if self.cluster else ""
         kv = f"_kv_{self.kv_dtype.split('_')[1]}" if self.kv_dtype else ""
+        kv += f"_w{self.num_warps}" if self.num_warps != WARPS_PER_CTA else ""
         return (f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}_s{self.stages}{regs}{cluster}"
                 f"{kv}")
 
@@ -108,11 +121,11 @@ class DecodeVariant:
     @staticmethod
     def for_problem(dtype: str, head_dim: int, group_size: int, stages: int = 0,
                     max_registers: int = 0, cluster: int = 0,
-                    kv_dtype: str = "") -> "DecodeVariant":
+                    kv_dtype: str = "", num_warps: int = WARPS_PER_CTA) -> "DecodeVariant":
         rows = min(group_size, MAX_HEADS_PER_CTA)
         row_tiles = 1 if rows <= 16 else 2 if rows <= 32 else 4
         return DecodeVariant(dtype, head_dim, row_tiles, stages, max_registers, cluster,
-                             kv_dtype or "")
+                             kv_dtype or "", num_warps)
 
 
 def all_variants() -> list[DecodeVariant]:

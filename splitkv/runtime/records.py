@@ -25,16 +25,18 @@ def first_pages(page_table: PageTable, chunk_request, chunk_start,
     return page_table.kv_indices[np.minimum(entries, last)]
 
 
-def record_pages_needed(page_size: int, stages: int) -> int:
-    """Pages the first ``stages`` tiles of a page-aligned chunk span."""
-    return -(-stages * TILE_TOKENS // page_size)
+def record_pages_needed(page_size: int, stages: int, tile_tokens: int = TILE_TOKENS) -> int:
+    """Pages the first ``stages`` tiles (of ``tile_tokens``, the kernel's) of a page-aligned
+    chunk span."""
+    return -(-stages * tile_tokens // page_size)
 
 
-def pages_fit_record(plan: Plan, page_size: int, stages: int) -> bool:
+def pages_fit_record(plan: Plan, page_size: int, stages: int,
+                     tile_tokens: int = TILE_TOKENS) -> bool:
     """Whether the kernel may take its first ``stages`` tiles' page ids from the chunk
     records: every chunk starts on a page boundary and those tiles span at most RECORD_PAGES
     pages."""
-    return (record_pages_needed(page_size, stages) <= RECORD_PAGES
+    return (record_pages_needed(page_size, stages, tile_tokens) <= RECORD_PAGES
             and not np.any(plan.chunk_start % page_size))
 
 

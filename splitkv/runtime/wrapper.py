@@ -31,7 +31,7 @@ import numpy as np
 from ..core import fp8
 from ..core import validation as V
 from ..core.execution import check_launch_order, grid_order
-from ..core.geometry import RECORD_PAGES, THREADS_PER_CTA, ctas_per_kv_head
+from ..core.geometry import RECORD_PAGES, WARPS_PER_CTA, ctas_per_kv_head
 from ..core.plan import Plan
 from ..core.problem import DecodeProblem, PageTable
 from ..core.layouts import check_kv_layout
@@ -120,7 +120,8 @@ class BatchDecodeWrapper:
         self.variant = DecodeVariant.for_problem(self.dtype, self.head_dim, self.group_size,
                                                  experiments.stages or 0,
                                                  experiments.max_registers or 0,
-                                                 kv_dtype=self.kv_dtype or "")
+                                                 kv_dtype=self.kv_dtype or "",
+                                                 num_warps=experiments.warps or WARPS_PER_CTA)
         self.ctas_per_kv_head = ctas_per_kv_head(self.group_size)
         self._profile = profile
         self._resolved_profile = None         # the Profile, once read
@@ -309,9 +310,10 @@ class BatchDecodeWrapper:
             return self._plan_graph(chosen, page_table, s, sm_scale_log2, max_page)
         kernels = get_decode_kernels(replace(self.variant, cluster=chosen.cluster_size))
         stages = kernels.variant.stages
-        in_record = pages_fit_record(chosen, self.page_size, stages)
+        tile = kernels.variant.tile_tokens
+        in_record = pages_fit_record(chosen, self.page_size, stages, tile)
         records = chunk_records(chosen, page_table, grid_order(chosen),
-                                record_pages_needed(self.page_size, stages) if in_record else 0)
+                                record_pages_needed(self.page_size, stages, tile) if in_record else 0)
         meta = self._upload.upload(records, page_table, chosen, s)
         self._workspace.ensure(chosen, self.ctas_per_kv_head, s)
         self._upload.ready.record(s)          # run() on another stream waits for the uploads
@@ -338,8 +340,9 @@ class BatchDecodeWrapper:
                              f"max_chunks={max_chunks}")
         kernels = get_decode_kernels(self.variant)
         stages = kernels.variant.stages
-        may_carry_pages = record_pages_needed(self.page_size, stages) <= RECORD_PAGES
-        in_record = pages_fit_record(chosen, self.page_size, stages)
+        tile = kernels.variant.tile_tokens
+        may_carry_pages = record_pages_needed(self.page_size, stages, tile) <= RECORD_PAGES
+        in_record = pages_fit_record(chosen, self.page_size, stages, tile)
         # the merge kernel always runs: rows past the batch, and every row of a plan that has
         # no merge kernel, have no chunks to merge
         merge_indptr = np.zeros(max_batch + 1, dtype=np.int32)
@@ -359,7 +362,7 @@ class BatchDecodeWrapper:
             raise ValueError("sm_scale: a graph-stable wrapper keeps the sm_scale of its first "
                              "plan (a captured launch holds it)")
         chunk_records(chosen, page_table, grid_order(chosen),
-                      record_pages_needed(self.page_size, stages) if in_record else 0,
+                      record_pages_needed(self.page_size, stages, tile) if in_record else 0,
                       out=self._graph_upload.next_records(chosen.num_chunks))
         self._graph_upload.upload(page_table.kv_indices, merge_indptr, s)
         self._pages_in_record = in_record
@@ -459,7 +462,8 @@ class BatchDecodeWrapper:
         params = plan_params(model, num_qo_heads=self.num_qo_heads,
                              num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                              page_size=self.page_size, stages=stages, max_batch=max_batch,
-                             max_chunks=max_chunks, launch_order=self.launch_order)
+                             max_chunks=max_chunks, launch_order=self.launch_order,
+                             tile_tokens=kernels.variant.tile_tokens)
         upload = GraphPlanUpload(max_chunks, 0, max_batch)
         self._workspace.ensure_size(max_chunks * self.num_qo_heads,
                                     max_batch * self.num_kv_heads * self.ctas_per_kv_head, s)
@@ -602,17 +606,16 @@ class BatchDecodeWrapper:
             spread = spreads_one_per_sm(grid, cluster_size)
         if pdl and spread:
             shared = kernels.one_per_sm_shared_bytes
-        partial = KernelLaunch(kernels.partial, grid, THREADS_PER_CTA, shared, pdl=pdl)
+        threads = kernels.variant.threads
+        partial = KernelLaunch(kernels.partial, grid, threads, shared, pdl=pdl)
         plain = None
         if pdl and device_planned:
-            plain = KernelLaunch(kernels.partial, grid, THREADS_PER_CTA,
-                                 kernels.variant.shared_bytes)
+            plain = KernelLaunch(kernels.partial, grid, threads, kernels.variant.shared_bytes)
         merge_launch = None
         if merge:
             # one thread per (request, qo head, 4 dims)
             slots = batch_size * self.num_qo_heads * (self.head_dim // 4)
-            merge_launch = KernelLaunch(kernels.merge, -(-slots // THREADS_PER_CTA),
-                                        THREADS_PER_CTA, 0, pdl=pdl)
+            merge_launch = KernelLaunch(kernels.merge, -(-slots // threads), threads, 0, pdl=pdl)
         return DecodeLaunch(params, partial, merge_launch, current_context(), plain)
 
     # ------------------------------------------------------------------- run

@@ -1,0 +1,55 @@
+"""``DecodeExperiments(warps=8)`` (128-token tiles, 256 threads a CTA) on the GPU: the same
+answers as the reference on every strategy, bf16 and fp8 K/V, graph-stable too. An experiment
+for fp8, whose lone CTAs are latency-bound (benchmarks/NOTES.md, issue 15)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from splitkv import reference_decode
+from splitkv.core import fp8
+from splitkv.core.reference import to_float64
+from splitkv.runtime.experiments import DecodeExperiments
+from splitkv.runtime.testing import random_device_array, scattered_page_table
+from splitkv.runtime.wrapper import BatchDecodeWrapper
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
+@pytest.mark.parametrize("hq,hk,d,page", [(32, 8, 128, 16), (64, 2, 64, 1), (16, 16, 256, 64)])
+def test_eight_warps_match_the_reference(kv_dtype, hq, hk, d, page):
+    rng = np.random.default_rng(hash((kv_dtype, hq, d)) % 2**32)
+    lens = [1, 130, 0, 2000, 5000]
+    pt, num_pages = scattered_page_table(lens, page, rng)
+    q = random_device_array((len(lens), hq, d), "bfloat16", rng)
+    shape = (num_pages, page, hk, d)
+    if kv_dtype:
+        k, v = (fp8.quantize(np.clip(rng.standard_normal(shape) * 2, -12, 12), kv_dtype)
+                for _ in range(2))
+    else:
+        k, v = (random_device_array(shape, "bfloat16", rng).get() for _ in range(2))
+    ref, ref_lse = reference_decode(q.get(), k, v, pt, kv_dtype=kv_dtype)
+    kd, vd = cupy.asarray(k), cupy.asarray(v)
+    eight = DecodeExperiments(warps=8)
+    wrappers = [BatchDecodeWrapper(hq, hk, d, page, "bfloat16", kv_dtype=kv_dtype,
+                                   experiments=eight),
+                BatchDecodeWrapper(hq, hk, d, page, "bfloat16", kv_dtype=kv_dtype,
+                                   experiments=eight, use_cuda_graph=True,
+                                   max_batch_size=len(lens), max_num_pages=pt.kv_indices.size)]
+    assert wrappers[0].variant.num_warps == 8
+    for w in wrappers:
+        for strategy, n in (("single", 1), ("split_merge", 3), ("fused", 4), ("fused", 2)):
+            plan = w.plan(pt, num_splits=n, strategy=strategy)
+            out = cupy.empty(q.shape, cupy.uint16)
+            out.fill(0xFFFF)
+            lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
+            w.run(q, kd, vd, out=out, lse=lse)
+            o = to_float64(out.get())
+            assert not np.isnan(o).any(), plan
+            err = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
+            assert err < 1e-2, f"rel err {err:.2e} with {plan} (graph-stable {w.use_cuda_graph})"
+            finite = np.isfinite(ref_lse)
+            np.testing.assert_allclose(lse.get()[finite], ref_lse[finite], rtol=2e-3, atol=2e-3)

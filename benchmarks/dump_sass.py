@@ -14,9 +14,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from cupy_backends.cuda.libs import nvrtc
-
-from splitkv.runtime.kernel_source import NVRTC_OPTIONS, DecodeVariant
+from splitkv.runtime.kernel_source import DecodeVariant, compile_ptx
 
 
 def find(tool: str) -> str:
@@ -28,22 +26,12 @@ def find(tool: str) -> str:
     return found
 
 
-def ptx_of(variant: DecodeVariant, arch: str = "compute_90") -> str:
-    prog = nvrtc.createProgram(variant.source(), variant.name, [], [])
-    try:
-        nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch={arch}"])
-        ptx = nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    return (ptx.decode() if isinstance(ptx, bytes) else ptx).rstrip("\x00")
-
-
 out = Path(sys.argv[1])
 ptxas, nvdisasm = find("ptxas"), find("nvdisasm")
 for kv in ["", *sys.argv[2:]]:
     v = DecodeVariant("bfloat16", 128, 1, kv_dtype=kv)
     ptx, cubin = out / f"{v.name}.ptx", out / f"{v.name}.cubin"
-    ptx.write_text(ptx_of(v))
+    ptx.write_text(compile_ptx(v.source(), v.name))
     subprocess.run([ptxas, "-arch=sm_90", "-o", str(cubin), str(ptx)], check=True)
     sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True)
     (out / f"{v.name}.sass").write_text(sass.stdout)

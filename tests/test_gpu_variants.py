@@ -11,7 +11,8 @@ import pytest
 from splitkv import reference_decode
 from splitkv.core import fp8
 from splitkv.core.reference import to_float64
-from splitkv.runtime.testing import random_device_array, scattered_page_table
+from splitkv.runtime.testing import (assert_matches_reference, random_device_array,
+                                     scattered_page_table)
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
@@ -50,13 +51,8 @@ def run_and_check(w, pt, q, k, v, dtype, kv_dtype, cap, sinks, window_left=None,
     w.run(q, cupy.asarray(k), cupy.asarray(v), out=out, lse=lse,
           sinks=None if sinks is None else cupy.asarray(sinks))
     cupy.cuda.runtime.deviceSynchronize()
-    o = to_float64(out.get())
-    assert not np.isnan(o).any(), f"unwritten or NaN outputs with {plan}"
-    err = rel_err(o, ref_o)
-    assert err < TOL[dtype], f"rel err {err:.2e} with {plan} (cap {cap}, sinks {sinks is not None})"
-    finite = np.isfinite(ref_lse)
-    assert np.array_equal(np.isfinite(lse.get()), finite)
-    np.testing.assert_allclose(lse.get()[finite], ref_lse[finite], rtol=2e-3, atol=2e-3)
+    assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse, TOL[dtype],
+                             f"{plan}, cap {cap}, sinks {sinks is not None}")
     return plan
 
 
@@ -121,3 +117,14 @@ def test_an_infinite_score_stays_nan_under_the_cap():
         rest = np.ones(o.shape[:2], bool)
         rest[4, 4:] = False
         assert not np.isnan(o[rest]).any() and rel_err(o[rest], ref_o[rest]) < 1e-2, strategy
+
+
+def test_a_graph_stable_wrapper_keeps_its_first_plans_cap_on_or_off():
+    rng = np.random.default_rng(44)
+    pt, q, k, v = make(rng, 32, 8, 128, "bfloat16")
+    stable = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", use_cuda_graph=True,
+                                max_batch_size=len(LENS), max_num_pages=pt.kv_indices.size)
+    stable.plan(pt, logits_soft_cap=4.0)
+    stable.plan(pt, logits_soft_cap=8.0)                     # another value: the same build
+    with pytest.raises(ValueError, match="keeps its first plan's soft cap on"):
+        stable.plan(pt)

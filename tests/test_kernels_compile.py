@@ -15,8 +15,8 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
                             reason="CuPy with NVRTC not installed (pip install -e '.[nvrtc]')")
 
 from splitkv.runtime import kernel_abi  # noqa: E402
-from splitkv.runtime.kernel_source import (NVRTC_OPTIONS, DecodeVariant, all_variants,  # noqa: E402
-                                           compile_cubin, fp8_variants, read_source)
+from splitkv.runtime.kernel_source import (DecodeVariant, all_variants,  # noqa: E402
+                                           compile_cubin, compile_ptx, fp8_variants, read_source)
 
 # The cluster-merge variants build for sm_90 only; a sample covers every cluster size, dtype,
 # head dim and row-tile count.
@@ -109,13 +109,7 @@ def test_cluster_variant_compiles_for_sm90_only(variant):
 
 
 def _ptx(source: str, name: str, arch: str = "compute_90") -> str:
-    prog = nvrtc.createProgram(source, name, [], [])
-    try:
-        nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch={arch}"])
-        ptx = nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    return (ptx.decode() if isinstance(ptx, bytes) else ptx).rstrip("\x00")
+    return compile_ptx(source, name, arch)
 
 
 def _params_source(defines: dict) -> str:
@@ -201,3 +195,17 @@ def test_eight_warp_experiment_compiles(variant):
     assert variant.shared_bytes >= four.shared_bytes
     with pytest.raises(ValueError, match="num_warps: expected 4 or 8"):
         replace(variant, num_warps=6)
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("variant", [DecodeVariant(dt, 128, rt, kv_dtype=kv, soft_cap=1)
+                                     for dt, rt, kv in (("bfloat16", 1, ""), ("float16", 2, ""),
+                                                        ("bfloat16", 1, "float8_e4m3fn"))],
+                         ids=lambda v: v.name)
+def test_soft_cap_builds_are_their_own(variant):
+    """The logits soft cap is a build of its own (SOFT_CAP): the plain kernels' main loop does
+    not carry it. Both build without spills for the main shapes."""
+    cubin, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
+    assert resource_report(log)["decode_partial"][1] == 0, log
+    assert variant.name.endswith("_softcap") and variant.defines["SOFT_CAP"] == 1
+    assert replace(variant, soft_cap=0).defines["SOFT_CAP"] == 0

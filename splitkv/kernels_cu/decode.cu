@@ -29,9 +29,13 @@
 // head).
 //
 // Compile-time parameters: SPLITKV_BF16, HEAD_DIM, ROW_TILES (1, 2, 4), STAGES, NUM_WARPS,
-// MAX_REGISTERS, CLUSTER, RECORD_PAGES, KV_FP8.
+// MAX_REGISTERS, CLUSTER, RECORD_PAGES, KV_FP8, SOFT_CAP (1: the logits soft cap, its value in
+// DecodeParams).
 #ifndef KV_FP8
 #define KV_FP8 0
+#endif
+#ifndef SOFT_CAP
+#define SOFT_CAP 0
 #endif
 #if KV_FP8
 #define SPLITKV_MMA_BF16 0     // fp8 K/V: float16 MMAs (common.cuh)
@@ -671,7 +675,8 @@ decode_partial(const __grid_constant__ DecodeParams params) {
     } else {
       if (upper_rows) scale_scores(false, true); else scale_scores(false, false);
     }
-    if (params.logits_soft_cap_log2 > 0.f) {   // Gemma-2's soft cap, after the scale
+#if SOFT_CAP
+    {   // Gemma-2's soft cap, after the scale (a build of its own: the plain loop stays small)
       // cap * tanh(s / cap) is monotonic, so the tile's max is the cap of its max. A masked
       // score stays -inf; +inf becomes NaN and NaN stays NaN, as without a cap (a non-finite
       // raw score must not be capped into a finite one).
@@ -690,6 +695,7 @@ decode_partial(const __grid_constant__ DecodeParams params) {
       tile_max[0] = soft_cap(tile_max[0]);
       tile_max[1] = soft_cap(tile_max[1]);
     }
+#endif
     float alpha[2] = {1.f, 1.f}, m_use[2] = {0.f, 0.f};
     bool max_moved = false;
 #pragma unroll

@@ -54,6 +54,7 @@ class DecodeVariant:
                         # and merge through distributed shared memory (sm_90+); 0 = no cluster
     kv_dtype: str = ""  # "" (K/V in dtype), or an fp8 format: K/V are fp8 codes (KV_FP8)
     num_warps: int = WARPS_PER_CTA   # NUM_WARPS: 4, or 8 (an experiment: 128-token tiles)
+    soft_cap: int = 0   # 1: the build that applies the logits soft cap (SOFT_CAP)
 
     def __post_init__(self):
         if self.kv_dtype not in ("", *KV_FP8_CODES):
@@ -101,7 +102,8 @@ class DecodeVariant:
         return {"SPLITKV_BF16": int(self.dtype == "bfloat16"), "HEAD_DIM": self.head_dim,
                 "ROW_TILES": self.row_tiles, "STAGES": self.stages, "NUM_WARPS": self.num_warps,
                 "MAX_REGISTERS": self.max_registers, "CLUSTER": self.cluster,
-                "RECORD_PAGES": RECORD_PAGES, "KV_FP8": KV_FP8_CODES.get(self.kv_dtype, 0)}
+                "RECORD_PAGES": RECORD_PAGES, "KV_FP8": KV_FP8_CODES.get(self.kv_dtype, 0),
+                "SOFT_CAP": self.soft_cap}
 
     @property
     def name(self) -> str:
@@ -109,6 +111,7 @@ class DecodeVariant:
         cluster = f"_c{self.cluster}" if self.cluster else ""
         kv = f"_kv_{self.kv_dtype.split('_')[1]}" if self.kv_dtype else ""
         kv += f"_w{self.num_warps}" if self.num_warps != WARPS_PER_CTA else ""
+        kv += "_softcap" if self.soft_cap else ""
         return (f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}_s{self.stages}{regs}{cluster}"
                 f"{kv}")
 
@@ -137,6 +140,19 @@ def fp8_variants() -> list[DecodeVariant]:
     """Every fp8-KV variant (both formats), as CI compiles them."""
     return [DecodeVariant(v.dtype, v.head_dim, v.row_tiles, kv_dtype=f) for v in all_variants()
             for f in KV_FP8_CODES]
+
+
+def compile_ptx(source: str, name: str = "kernel.cu", arch: str = "compute_90") -> str:
+    """Compile with NVRTC to PTX (no GPU needed): what the tests and ``dump_sass.py`` read."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source, name, [], [])
+    try:
+        nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch={arch}"])
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    return (ptx.decode() if isinstance(ptx, bytes) else ptx).rstrip("\x00")
 
 
 def compile_cubin(source: str, arch: str, name: str = "kernel.cu", verbose: bool = False):

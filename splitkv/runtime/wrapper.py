@@ -130,6 +130,7 @@ class BatchDecodeWrapper:
         self._upload = PlanUpload()
         self._workspace = Workspace(self.head_dim)
         self._logits_soft_cap_log2 = 0.0      # plan()'s logits_soft_cap, as the kernels hold it
+        self._launch_soft_cap = 0             # whether the bound launches are the cap's build
         self.use_cuda_graph = check_option("use_cuda_graph", use_cuda_graph) or False
         self._capacity = self._check_capacity(max_batch_size, max_num_pages, max_chunks)
         self._graph_upload: GraphPlanUpload | None = None
@@ -256,8 +257,9 @@ class BatchDecodeWrapper:
         window_left + 1 tokens, and the plan covers only those (its cost follows the window);
         -1 or None: no window (with ``plan``, None takes the plan's). ``logits_soft_cap``
         (Gemma-2, FlashInfer's name): each score s = sm_scale q.k becomes cap * tanh(s / cap)
-        before the softmax, in the runs after this plan; None or 0: no cap. Returns the plan as
-        it runs.
+        before the softmax, in the runs after this plan; None or 0: no cap. The cap runs in a
+        build of the kernels of its own; a graph-stable wrapper keeps its first plan's cap on or
+        off (its value may change). Returns the plan as it runs.
         """
         require_gpu("BatchDecodeWrapper.plan()")
         import cupy
@@ -305,10 +307,10 @@ class BatchDecodeWrapper:
         if self._foreign_pending:      # a run on another stream may still read the buffers
             s.wait_event(self._foreign_runs)
             self._foreign_pending = False
-        self._logits_soft_cap_log2 = soft_cap_log2
         if self.use_cuda_graph:
-            return self._plan_graph(chosen, page_table, s, sm_scale_log2, max_page)
-        kernels = get_decode_kernels(replace(self.variant, cluster=chosen.cluster_size))
+            return self._plan_graph(chosen, page_table, s, sm_scale_log2, max_page, soft_cap_log2)
+        kernels = get_decode_kernels(replace(self.variant, cluster=chosen.cluster_size,
+                                             soft_cap=int(soft_cap_log2 > 0)))
         stages = kernels.variant.stages
         tile = kernels.variant.tile_tokens
         in_record = pages_fit_record(chosen, self.page_size, stages, tile)
@@ -324,10 +326,22 @@ class BatchDecodeWrapper:
         self._pages_in_record = in_record
         self._plan_stream = s
         self._plan, self._max_page = chosen, max_page
+        self._logits_soft_cap_log2 = soft_cap_log2
         return chosen
 
+    def _graph_kernels(self, soft_cap_log2: float):
+        """A graph-stable wrapper's kernels: bound with its first plan (the captured launches
+        hold them), so later plans keep that plan's soft cap on or off."""
+        soft_cap = int(soft_cap_log2 > 0)
+        if self._launch is not None and self._launch_soft_cap != soft_cap:
+            raise ValueError(f"logits_soft_cap: a graph-stable wrapper keeps its first plan's "
+                             f"soft cap {'on' if self._launch_soft_cap else 'off'} (its captured "
+                             "launches hold that kernel); its value may change")
+        self._launch_soft_cap = soft_cap
+        return get_decode_kernels(replace(self.variant, soft_cap=soft_cap))
+
     def _plan_graph(self, chosen: Plan, page_table: PageTable, s, sm_scale_log2: float,
-                    max_page: int) -> Plan:
+                    max_page: int, soft_cap_log2: float) -> Plan:
         """plan() of a graph-stable wrapper: the records written straight into a pinned buffer
         whose rest of the capacity holds idle records, uploaded into the fixed buffers; the
         launches are built once, for the capacity."""
@@ -338,7 +352,7 @@ class BatchDecodeWrapper:
         if chosen.num_chunks > max_chunks:
             raise ValueError(f"plan: {chosen.num_chunks} chunks exceed the wrapper's "
                              f"max_chunks={max_chunks}")
-        kernels = get_decode_kernels(self.variant)
+        kernels = self._graph_kernels(soft_cap_log2)
         stages = kernels.variant.stages
         tile = kernels.variant.tile_tokens
         may_carry_pages = record_pages_needed(self.page_size, stages, tile) <= RECORD_PAGES
@@ -368,6 +382,7 @@ class BatchDecodeWrapper:
         self._pages_in_record = in_record
         self._plan_stream = s
         self._plan, self._max_page = chosen, max_page
+        self._logits_soft_cap_log2 = soft_cap_log2
         return chosen
 
     def plan_on_device(self, *, seq_lens=None, block_table=None, kv_indptr=None,
@@ -402,6 +417,7 @@ class BatchDecodeWrapper:
                                "called); a wrapper plans one way or the other")
         s = as_cupy_stream(stream)
         soft_cap_log2 = self._soft_cap_log2(logits_soft_cap)
+        self._graph_kernels(soft_cap_log2)       # the cap's build, or the refusal to switch
         inputs = (seq_lens, block_table, kv_indptr, kv_indices, kv_last_page_len)
         planner = self._device_planner
         # the very arrays of the first call (a decode loop's path) were checked then
@@ -456,7 +472,7 @@ class BatchDecodeWrapper:
         from .device_planner import DevicePlanner, plan_params
 
         max_batch, max_pages, max_chunks = self._capacity[0], self._capacity[1], self.max_chunks
-        kernels = get_decode_kernels(self.variant)
+        kernels = get_decode_kernels(replace(self.variant, soft_cap=self._launch_soft_cap))
         stages = kernels.variant.stages
         model = self.profile.cost_model(self.kv_dtype).with_clusters(False)
         params = plan_params(model, num_qo_heads=self.num_qo_heads,

@@ -15,6 +15,8 @@ def test_paths_follow_flashinfers_limits():
     assert supported_paths(32, 8, 1) == ["tensor_core", "cuda_core"]        # XQA: pages 16..128
     assert supported_paths(40, 8, 16) == ["xqa", "tensor_core"]             # group 5: no CUDA core
     assert supported_paths(128, 8, 64) == ["xqa", "tensor_core", "cuda_core"]   # group 16
+    assert supported_paths(32, 8, 16, "float8_e4m3fn")[0] == "xqa"
+    assert "xqa" not in supported_paths(32, 8, 16, "float8_e5m2")   # XQA builds e4m3 only
 
 
 def test_block_tables_hold_each_requests_pages_in_order():

@@ -11,7 +11,9 @@ Paths (FlashInfer's names, as its README and sources document them):
                kernel): any group size.
   cuda_core    ``BatchDecodeWithPagedKVCacheWrapper()``: groups of 1, 2, 3, 4, 6, 8 or 16.
 Each is timed as the bench times splitkv: one CUDA graph of one call per layer, replayed,
-the median of the trials (``peers.torch_graph_us``).
+the median of the trials (``peers.torch_graph_us``). The wrappers are planned for the exact
+shape (not FlashInfer's graph mode), so they compare with splitkv's per-shape time; FlashInfer
+launches with PDL on SM90 by default, as splitkv does.
 """
 
 from __future__ import annotations
@@ -42,10 +44,13 @@ def flashinfer_available() -> tuple[bool, str]:
     return True, getattr(flashinfer, "__version__", "unknown version")
 
 
-def supported_paths(num_qo_heads: int, num_kv_heads: int, page_size: int) -> list[str]:
-    """The paths FlashInfer offers for this shape (the rest it refuses or does not build)."""
+def supported_paths(num_qo_heads: int, num_kv_heads: int, page_size: int,
+                    kv_dtype: str | None = None) -> list[str]:
+    """The paths FlashInfer offers for this shape (the rest it refuses or does not build).
+    XQA's build knows e4m3 among the fp8 formats only: given e5m2 it would compile a 16-bit
+    cache kernel and read the codes as bf16 (its jit/xqa.py), so e5m2 gets no XQA."""
     paths = []
-    if page_size in XQA_PAGE_SIZES:
+    if page_size in XQA_PAGE_SIZES and kv_dtype in (None, "float8_e4m3fn"):
         paths.append("xqa")
     paths.append("tensor_core")
     if num_qo_heads // num_kv_heads in CUDA_CORE_GROUPS:
@@ -77,7 +82,7 @@ def flashinfer_us(page_table, data, num_qo_heads: int, num_kv_heads: int, head_d
 
     page = page_table.page_size
     wanted = list(PATHS if paths is None else paths)
-    offered = supported_paths(num_qo_heads, num_kv_heads, page)
+    offered = supported_paths(num_qo_heads, num_kv_heads, page, kv_dtype)
     kv_torch = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
                 None: q_torch}[kv_dtype]
     q = torch.from_dlpack(data.q).view(q_torch)

@@ -29,7 +29,6 @@ import numpy as np
 
 from splitkv import BatchDecodeWrapper
 from splitkv.bench.cases import select
-from splitkv.core.geometry import THREADS_PER_CTA
 from splitkv.core.plan import plan_chunk_tokens
 from splitkv.core.problem import DecodeProblem
 from splitkv.core import execution
@@ -149,7 +148,7 @@ def main():
                 if probe == "cluster_1sm":    # (probes may change what the wrapper never does)
                     kernel.max_dynamic_shared_size_bytes = ONE_PER_SM_BYTES
                     launch = w._launch.partial
-                    w._launch.partial = KernelLaunch(kernel, launch.grid, THREADS_PER_CTA,
+                    w._launch.partial = KernelLaunch(kernel, launch.grid, w.variant.threads,
                                                      ONE_PER_SM_BYTES)
                 times[probe] = time_wrapper_us(w, data, trials=5, min_trial_ms=10.0)
                 sizes[probe] = w.cluster_size

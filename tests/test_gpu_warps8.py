@@ -4,6 +4,8 @@ for fp8, whose lone CTAs are latency-bound (benchmarks/NOTES.md, issue 15)."""
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -18,10 +20,13 @@ cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
-@pytest.mark.parametrize("hq,hk,d,page", [(32, 8, 128, 16), (64, 2, 64, 1), (16, 16, 256, 64)])
+# bf16 at head_dim 256 needs 256 KiB of shared memory with 8 warps (2 stages of 128 tokens):
+# more than a block may have, so its plan() is refused; fp8 halves it.
+@pytest.mark.parametrize("kv_dtype,hq,hk,d,page", [
+    (None, 32, 8, 128, 16), ("float8_e4m3fn", 32, 8, 128, 16), (None, 64, 2, 64, 1),
+    ("float8_e4m3fn", 64, 2, 64, 1), ("float8_e4m3fn", 16, 16, 256, 64)])
 def test_eight_warps_match_the_reference(kv_dtype, hq, hk, d, page):
-    rng = np.random.default_rng(hash((kv_dtype, hq, d)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((kv_dtype, hq, d)).encode()))
     lens = [1, 130, 0, 2000, 5000]
     pt, num_pages = scattered_page_table(lens, page, rng)
     q = random_device_array((len(lens), hq, d), "bfloat16", rng)

@@ -283,7 +283,8 @@ def test_the_soft_cap_reaches_the_kernels_in_base_2_as_a_float32():
     assert to_kernel(None) == 0.0 and to_kernel(0) == 0.0
     assert to_kernel(30.0) == float(np.float32(30.0 * 1.4426950408889634))
     for bad, kind in ((-1.0, ValueError), (float("nan"), ValueError), ("30", TypeError),
-                      (True, TypeError), (1e39, ValueError), (1e-46, ValueError)):
+                      (True, TypeError), (1e39, ValueError), (1e-46, ValueError),
+                      (1e-39, ValueError)):     # cap x log2(e) a float32 subnormal
         with pytest.raises(kind, match="logits_soft_cap"):
             to_kernel(bad)
 
@@ -297,6 +298,10 @@ def test_the_warps_experiment_is_checked_and_reaches_the_variant():
     assert w.variant.num_warps == 8 and w.variant.tile_tokens == 128
     assert BatchDecodeWrapper(8, 2, 128, 16).variant.num_warps == 4
     assert record_pages_needed(16, 3, 128) == 24 and record_pages_needed(16, 3) == 12
-    for bad in (6, True, 0):
-        with pytest.raises(ValueError, match="warps: expected 4 or 8"):
+    with pytest.raises(ValueError, match="warps: expected 4 or 8"):
+        DecodeExperiments(warps=6)
+    with pytest.raises(ValueError, match="warps: expected an integer >= 4"):
+        DecodeExperiments(warps=0)
+    for bad in (True, 8.0):
+        with pytest.raises(TypeError, match="warps: expected an integer"):
             DecodeExperiments(warps=bad)

@@ -680,10 +680,11 @@ decode_partial(const __grid_constant__ DecodeParams params) {
       // cap * tanh(s / cap) is monotonic, so the tile's max is the cap of its max. A masked
       // score stays -inf; +inf becomes NaN and NaN stays NaN, as without a cap (a non-finite
       // raw score must not be capped into a finite one).
-      const float cap = params.logits_soft_cap_log2, to_exp2 = 2.f * SPLITKV_LOG2E / cap;
+      // tanhf, not 1 - 2 / (exp(2x) + 1): that cancels for small x, and a cap far above the
+      // scores would then lose their precision (cap x 2**-24 absolute).
+      const float cap = params.logits_soft_cap_log2, inv_cap = 1.f / cap;
       auto soft_cap = [&](float v) {
-        const float e2 = fast_exp2(v * to_exp2);   // exp(2 v / cap): tanh = 1 - 2 / (e2 + 1)
-        const float capped = cap * (1.f - 2.f / (e2 + 1.f));
+        const float capped = cap * tanhf(v * inv_cap);
         return v == SPLITKV_NEG_INF ? v : v < -SPLITKV_NEG_INF ? capped : v - v;
       };
 #pragma unroll

@@ -79,10 +79,11 @@ struct SoftmaxState {
     return d > 0.f || d != d ? safe_max(m) + fast_log2(d) : SPLITKV_NEG_INF;
   }
 
-  // The attention output o / d (0 for an empty state), four dims.
+  // The attention output o / d (0 for an empty state; NaN where d is NaN, which a NaN or +inf
+  // sink makes of a row whose o is finite), four dims.
   __device__ __forceinline__ float4 output() const {
     static_assert(DIMS == 4, "outputs are written four dims at a time");
-    const float inv = d > 0.f ? 1.f / d : 0.f;
+    const float inv = d > 0.f ? 1.f / d : d == 0.f ? 0.f : d;
     return make_float4(o[0] * inv, o[1] * inv, o[2] * inv, o[3] * inv);
   }
 

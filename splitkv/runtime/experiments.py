@@ -41,8 +41,10 @@ class DecodeExperiments:
             V.check_int("stages", self.stages, 2)
         if self.max_registers is not None:
             V.check_int("max_registers", self.max_registers, 0)
-        if self.warps is not None and (isinstance(self.warps, bool) or self.warps not in (4, 8)):
-            raise ValueError(f"warps: expected 4 or 8 (or None: 4), got {self.warps!r}")
+        if self.warps is not None:
+            V.check_int("warps", self.warps, 4, 8)
+            if self.warps not in (4, 8):
+                raise ValueError(f"warps: expected 4 or 8 (or None: 4), got {self.warps!r}")
         if self.pdl_trigger not in PDL_TRIGGERS:
             raise ValueError(f"pdl_trigger: expected one of {PDL_TRIGGERS}, "
                              f"got {self.pdl_trigger!r}")

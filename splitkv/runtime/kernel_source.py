@@ -63,7 +63,9 @@ class DecodeVariant:
         if self.stages == 0:
             # About 64-96 KiB of K+V in flight per CTA, so two or three CTAs fit on an SM.
             defaults = DEFAULT_FP8_STAGES if self.kv_dtype else DEFAULT_STAGES
-            object.__setattr__(self, "stages", defaults[self.head_dim])
+            # 8 warps: tiles of twice the tokens, so half the stages keep the bytes in flight
+            stages = max(2, defaults[self.head_dim] * WARPS_PER_CTA // self.num_warps)
+            object.__setattr__(self, "stages", stages)
         if self.num_warps not in (4, 8):
             raise ValueError(f"num_warps: expected 4 or 8, got {self.num_warps}")
         if self.cluster not in (0, *CLUSTER_SIZES):

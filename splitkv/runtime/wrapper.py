@@ -521,8 +521,9 @@ class BatchDecodeWrapper:
             return 0.0
         with np.errstate(over="ignore"):
             value = float(np.float32(cap * LOG2E))
-        if not np.isfinite(value) or value == 0:
-            raise ValueError(f"logits_soft_cap: {logits_soft_cap!r} is outside float32's range")
+        if not np.isfinite(value) or value < np.finfo(np.float32).tiny:
+            raise ValueError(f"logits_soft_cap: {logits_soft_cap!r} is outside float32's normal "
+                             "range")
         return value
 
     def _sinks_pointer(self, sinks) -> int:

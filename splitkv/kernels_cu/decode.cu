@@ -662,6 +662,9 @@ decode_partial(const __grid_constant__ DecodeParams params) {
 #pragma unroll
           for (int e = 0; e < (upper ? 4 : 2); ++e) {
             float v = s[st][nt][e] * row_score_scale[e >> 1];
+            // a raw score of -inf (an Inf in q or K, or past float's range) is non-finite, so
+            // NaN, as the host paths have it; only the mask below makes -inf
+            v = v == SPLITKV_NEG_INF ? __int_as_float(0x7fc00000) : v;
             if (masked) {
               const int tok = tile_tok0 + warp_n * TOK_PER_WARP + st * 16 + nt * 8 + 2 * t + (e & 1);
               v = tok < tok_end ? v : SPLITKV_NEG_INF;

@@ -34,8 +34,8 @@ for phase in "$@"; do
       python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/ 2>&1 | tee "$RES/gpu_tests.log" | tail -12
       compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
         tests/test_gpu_decode.py tests/test_gpu_device_plan.py tests/test_gpu_fp8.py tests/test_gpu_window.py \
-        tests/test_gpu_variants.py \
-        -k "zero_length or bad_inputs or every_split or mqa or cluster or first_pages or launch_order or pdl or invalid_device or eager_plan or writes_the_host or nan_code or windowed or nan_in_q or beyond or with_a_window or cap_of_zero" 2>&1 \
+        tests/test_gpu_variants.py tests/test_gpu_layouts.py tests/test_gpu_isolation.py tests/test_gpu_warps8.py \
+        -k "zero_length or bad_inputs or every_split or mqa or cluster or first_pages or launch_order or pdl or invalid_device or eager_plan or writes_the_host or nan_code or windowed or nan_in_q or beyond or with_a_window or cap_of_zero or hnd or (a_bad_q and fused) or eight_warps" 2>&1 \
         | tee "$RES/memcheck.log" | tail -4 ;;
     calibrate)
       python3 -m splitkv.cli calibrate --plot --trials 3 --min-trial-ms 10 --out "$RES/nvidia-h200.yaml" 2>&1 | tee "$RES/calibrate.log" | tail -25

@@ -3,8 +3,8 @@
 //
 // decode_partial: one CTA per work item (chunk, kv head, one of the kv head's ctas_per_kv_head
 // CTAs), flat grid, heads fastest. It streams the chunk's tokens of K and V for that kv head
-// through shared memory (cp.async, STAGES tiles of 64 tokens in flight, page-table lookups per
-// token) and computes attention for up to ROWS query heads of the GQA group at once on tensor
+// through shared memory (cp.async, STAGES tiles of TILE_N = 16 x NUM_WARPS tokens in flight,
+// page-table lookups per token) and computes attention for up to ROWS query heads of the GQA group at once on tensor
 // cores: S = Q K^T and O += P V with mma.m16n8k16, query heads packed into the 16 MMA rows
 // (ROW_TILES row tiles of 16), so every K/V byte is read once per group. It ends in one of four
 // epilogues: a request in one chunk writes its output (write_output); a split request writes an
@@ -21,12 +21,17 @@
 // merge_partials: one thread per (request, qo head, 4 dims) of a split request; merges its
 // partials.
 //
-// KV_FP8 = 1 (e4m3fn) or 2 (e5m2): K and V are fp8 codes, copied as they are (16 tokens' dims a
+// KV_FP8 = 1 (e4m3fn) or 2 (e5m2): K and V are fp8 codes, copied as they are (16 dims of a row a
 // 16-byte copy) into byte tiles, and widened in registers straight into the MMA B fragments
-// (fp8_fragments below): no second pass through shared memory. The MMAs then run in float16,
+// (fp8_tile_offset, fp8_q_dim, fp8_v_dim below): no second pass through shared memory. The MMAs then run in float16,
 // where every fp8 value is exact; a bfloat16 q is converted once, scaled by a power of two that
 // the score scale undoes. K's scale joins the score scale and V's the output (per CTA: one kv
 // head).
+//
+// Attention variants: the logits soft cap (a build of its own, SOFT_CAP) is applied to the scaled
+// scores of each tile; a sink joins each output row's softmax where every final output is
+// written (write_output_slot). Scores are NaN for any non-finite raw score (only the mask makes
+// -inf), so a NaN or Inf in q or K makes its head NaN on every path.
 //
 // Compile-time parameters: SPLITKV_BF16, HEAD_DIM, ROW_TILES (1, 2, 4), STAGES, NUM_WARPS,
 // MAX_REGISTERS, CLUSTER, RECORD_PAGES, KV_FP8, SOFT_CAP (1: the logits soft cap, its value in

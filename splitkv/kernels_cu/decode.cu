@@ -4,13 +4,13 @@
 // decode_partial: one CTA per work item (chunk, kv head, one of the kv head's ctas_per_kv_head
 // CTAs), flat grid, heads fastest. It streams the chunk's tokens of K and V for that kv head
 // through shared memory (cp.async, STAGES tiles of TILE_N = 16 x NUM_WARPS tokens in flight,
-// page-table lookups per token) and computes attention for up to ROWS query heads of the GQA group at once on tensor
-// cores: S = Q K^T and O += P V with mma.m16n8k16, query heads packed into the 16 MMA rows
-// (ROW_TILES row tiles of 16), so every K/V byte is read once per group. It ends in one of four
-// epilogues: a request in one chunk writes its output (write_output); a split request writes an
-// fp32 partial state to the workspace (write_partial), and with RECORD_TICKET_MERGE the last CTA of a
-// (request, kv head, CTA) to finish then merges all partials of that output itself
-// (ticket_merge).
+// page-table lookups per token) and computes attention for up to ROWS query heads of the GQA
+// group at once on tensor cores: S = Q K^T and O += P V with mma.m16n8k16, query heads packed
+// into the 16 MMA rows (ROW_TILES row tiles of 16), so every K/V byte is read once per group.
+// It ends in one of four epilogues: a request in one chunk writes its output (write_output); a
+// split request writes an fp32 partial state to the workspace (write_partial), and with
+// RECORD_TICKET_MERGE the last CTA of a (request, kv head, CTA) to finish then merges all
+// partials of that output itself (ticket_merge).
 //
 // With CLUSTER = S > 1 (sm_90+; every request cut into exactly S chunks), the S CTAs of one
 // (request, kv head, CTA) form a thread-block cluster: each leaves its partial state in its own
@@ -23,10 +23,10 @@
 //
 // KV_FP8 = 1 (e4m3fn) or 2 (e5m2): K and V are fp8 codes, copied as they are (16 dims of a row a
 // 16-byte copy) into byte tiles, and widened in registers straight into the MMA B fragments
-// (fp8_tile_offset, fp8_q_dim, fp8_v_dim below): no second pass through shared memory. The MMAs then run in float16,
-// where every fp8 value is exact; a bfloat16 q is converted once, scaled by a power of two that
-// the score scale undoes. K's scale joins the score scale and V's the output (per CTA: one kv
-// head).
+// (fp8_tile_offset, fp8_q_dim, fp8_v_dim below): no second pass through shared memory. The
+// MMAs then run in float16, where every fp8 value is exact; a bfloat16 q is converted once,
+// scaled by a power of two that the score scale undoes. K's scale joins the score scale and V's
+// the output (per CTA: one kv head).
 //
 // Attention variants: the logits soft cap (a build of its own, SOFT_CAP) is applied to the scaled
 // scores of each tile; a sink joins each output row's softmax where every final output is
@@ -96,8 +96,8 @@ __device__ __forceinline__ u32 tile_offset_bytes(int row, int chunk) {
 }
 
 #if KV_FP8
-// fp8 tile rows are HEAD_DIM bytes, in 16-byte chunks swizzled so that the lanes' loads in
-// fp8_fragments hit distinct banks: a K load reads chunks t + 4h of rows g (quarter-warp: rows 2q
+// fp8 tile rows are HEAD_DIM bytes, in 16-byte chunks swizzled so that the main loop's fragment
+// loads hit distinct banks: a K load reads chunks t + 4h of rows g (quarter-warp: rows 2q
 // and 2q + 1, four chunks each), a V load one lane-g piece of rows 2t (+1, +8, +9) (quarter-warp:
 // four rows, two chunks each).
 __device__ __forceinline__ u32 fp8_tile_offset(int row, int chunk) {

@@ -119,21 +119,19 @@ class Profile:
     def is_prior(self) -> bool:
         return self.source.startswith("prior")
 
-    @cached_property
-    def _model(self) -> CostModel:
-        model = CostModel.from_coef(self.coef, num_sms=self.num_sms,
-                                    ctas_per_sm=self.ctas_per_sm,
+    def _model_of(self, coef: dict, fit_error) -> CostModel:
+        model = CostModel.from_coef(coef, num_sms=self.num_sms, ctas_per_sm=self.ctas_per_sm,
                                     bandwidth_gbps=self.bandwidth_gbps, clusters=self.clusters)
-        model.fit_error_ = self.fit_error
+        model.fit_error_ = fit_error
         return model
 
     @cached_property
+    def _model(self) -> CostModel:
+        return self._model_of(self.coef, self.fit_error)
+
+    @cached_property
     def _fp8_model(self) -> CostModel:
-        model = CostModel.from_coef(self.kv_fp8["coef"], num_sms=self.num_sms,
-                                    ctas_per_sm=self.ctas_per_sm,
-                                    bandwidth_gbps=self.bandwidth_gbps, clusters=self.clusters)
-        model.fit_error_ = self.kv_fp8.get("fit_error")
-        return model
+        return self._model_of(self.kv_fp8["coef"], self.kv_fp8.get("fit_error"))
 
     def cost_model(self, kv_dtype: str | None = None) -> CostModel:
         """The model to plan with: for an fp8 ``kv_dtype``, the fp8 fit where the profile has

@@ -144,33 +144,34 @@ def fp8_variants() -> list[DecodeVariant]:
             for f in KV_FP8_CODES]
 
 
-def compile_ptx(source: str, name: str = "kernel.cu", arch: str = "compute_90") -> str:
-    """Compile with NVRTC to PTX (no GPU needed): what the tests and ``dump_sass.py`` read."""
+def _nvrtc_compile(source: str, arch: str, name: str, extra_options=(), read=None):
+    """Compile with NVRTC (no GPU needed) and return ``read(nvrtc, prog)``; a failure raises
+    with the compiler's log."""
     from cupy_backends.cuda.libs import nvrtc
 
     prog = nvrtc.createProgram(source, name, [], [])
     try:
-        nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch={arch}"])
-        ptx = nvrtc.getPTX(prog)
+        try:
+            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch={arch}", *extra_options])
+        except nvrtc.NVRTCError as exc:
+            log = nvrtc.getProgramLog(prog).rstrip("\x00")
+            raise RuntimeError(f"NVRTC failed to compile {name} for {arch}: {exc}\n{log}") from None
+        return read(nvrtc, prog)
     finally:
         nvrtc.destroyProgram(prog)
-    return (ptx.decode() if isinstance(ptx, bytes) else ptx).rstrip("\x00")
+
+
+def compile_ptx(source: str, name: str = "kernel.cu", arch: str = "compute_90") -> str:
+    """PTX of ``source``: what the tests and ``dump_sass.py`` read."""
+    def read(nvrtc, prog):
+        ptx = nvrtc.getPTX(prog)
+        return (ptx.decode() if isinstance(ptx, bytes) else ptx).rstrip("\x00")
+
+    return _nvrtc_compile(source, arch, name, read=read)
 
 
 def compile_cubin(source: str, arch: str, name: str = "kernel.cu", verbose: bool = False):
     """Compile with NVRTC to a CUBIN without touching a GPU. Returns (cubin bytes, log)."""
-    from cupy_backends.cuda.libs import nvrtc
-
-    options = [*NVRTC_OPTIONS, f"-arch={arch}"]
-    if verbose:
-        options += ["-Xptxas", "-v"]
-    prog = nvrtc.createProgram(source, name, [], [])
-    try:
-        try:
-            nvrtc.compileProgram(prog, options)
-        except nvrtc.NVRTCError as exc:
-            log = nvrtc.getProgramLog(prog).rstrip("\x00")
-            raise RuntimeError(f"NVRTC failed to compile {name} for {arch}: {exc}\n{log}") from None
-        return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog).rstrip("\x00")
-    finally:
-        nvrtc.destroyProgram(prog)
+    return _nvrtc_compile(
+        source, arch, name, ["-Xptxas", "-v"] if verbose else [],
+        read=lambda nvrtc, prog: (nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog).rstrip("\x00")))

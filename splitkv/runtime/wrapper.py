@@ -275,6 +275,7 @@ class BatchDecodeWrapper:
             raise ValueError(f"page_table: page_size {page_table.page_size} differs from the "
                              f"wrapper's page_size {self.page_size}")
         s = as_cupy_stream(stream)
+        soft_cap_log2 = self._soft_cap_log2(logits_soft_cap)
         max_page = int(page_table.kv_indices.max()) if page_table.kv_indices.size else -1
         if self.use_cuda_graph:
             self._check_fits(page_table, max_page, s)
@@ -299,7 +300,6 @@ class BatchDecodeWrapper:
             chosen = choose_plan(problem, model, num_splits, strategy,
                                  launch_order=self.launch_order, max_chunks=self.max_chunks)
         sm_scale_log2 = float(np.float32(V.check_sm_scale(sm_scale, self.head_dim) * LOG2E))
-        soft_cap_log2 = self._soft_cap_log2(logits_soft_cap)
         if max_page >= 2**31:
             raise ValueError("page_table: page indices must be < 2**31")
 
@@ -417,12 +417,12 @@ class BatchDecodeWrapper:
                                "called); a wrapper plans one way or the other")
         s = as_cupy_stream(stream)
         soft_cap_log2 = self._soft_cap_log2(logits_soft_cap)
-        self._graph_kernels(soft_cap_log2)       # the cap's build, or the refusal to switch
+        kernels = self._graph_kernels(soft_cap_log2)   # the cap's build, or the refusal to switch
         inputs = (seq_lens, block_table, kv_indptr, kv_indices, kv_last_page_len)
         planner = self._device_planner
         # the very arrays of the first call (a decode loop's path) were checked then
         if planner is None or not planner.same_inputs(inputs, sm_scale):
-            self._check_device_plan_inputs(inputs, sm_scale, s)
+            self._check_device_plan_inputs(inputs, sm_scale, s, kernels)
             planner = self._device_planner
         self._follow_previous_plan_stream(s)
         if self._foreign_pending and not s.is_capturing():
@@ -437,7 +437,7 @@ class BatchDecodeWrapper:
                 disable_timing=True)
             self._device_plan_ready.record(s)
 
-    def _check_device_plan_inputs(self, inputs, sm_scale, s) -> None:
+    def _check_device_plan_inputs(self, inputs, sm_scale, s, kernels) -> None:
         """plan_on_device()'s checks of its arguments; binds the planner on the first call."""
         import cupy
 
@@ -455,7 +455,7 @@ class BatchDecodeWrapper:
             if s.is_capturing():
                 raise RuntimeError("plan_on_device: the first call binds the arrays and "
                                    "allocates; make it before capturing")
-            planner = self._bind_device_planner(batch, arrays, sm_scale_log2, s)
+            planner = self._bind_device_planner(batch, arrays, sm_scale_log2, s, kernels)
             planner.remember(inputs, sm_scale)
         elif batch != planner.batch:
             raise ValueError("plan_on_device: the arrays differ from the first call's (a captured "
@@ -464,7 +464,7 @@ class BatchDecodeWrapper:
             raise ValueError("sm_scale: a graph-stable wrapper keeps the sm_scale of its first "
                              "plan (a captured launch holds it)")
 
-    def _bind_device_planner(self, batch, arrays, sm_scale_log2: float, s):
+    def _bind_device_planner(self, batch, arrays, sm_scale_log2: float, s, kernels):
         """The first plan_on_device(): the fixed buffers, the planning kernel bound to the
         arrays, and the decode launches, which read the caller's page table in place."""
         import cupy
@@ -472,7 +472,6 @@ class BatchDecodeWrapper:
         from .device_planner import DevicePlanner, plan_params
 
         max_batch, max_pages, max_chunks = self._capacity[0], self._capacity[1], self.max_chunks
-        kernels = get_decode_kernels(replace(self.variant, soft_cap=self._launch_soft_cap))
         stages = kernels.variant.stages
         model = self.profile.cost_model(self.kv_dtype).with_clusters(False)
         params = plan_params(model, num_qo_heads=self.num_qo_heads,
@@ -530,14 +529,22 @@ class BatchDecodeWrapper:
         """The device pointer of ``run()``'s sinks (0: none), checked."""
         if sinks is None:
             return 0
-        arr = as_device_array("sinks", sinks)
-        if arr.dtype != "float32" or arr.shape != (self.num_qo_heads,) or not arr.is_contiguous:
-            raise ValueError(f"sinks: expected a contiguous float32 device array of "
-                             f"{self.num_qo_heads} logits (one per query head), got {arr.dtype} "
-                             f"of shape {list(arr.shape)}")
+        return self._float32_device_array(
+            "sinks", sinks, (self.num_qo_heads,),
+            f"a contiguous float32 device array of {self.num_qo_heads} logits (one per query "
+            "head)").ptr
+
+    def _float32_device_array(self, name: str, value, sizes, expected: str):
+        """``value`` as a contiguous 1-d float32 device array of one of ``sizes`` values, on
+        the plan's device; else a ValueError naming ``name`` and saying ``expected``."""
+        arr = as_device_array(name, value)
+        if arr.dtype != "float32" or len(arr.shape) != 1 or arr.shape[0] not in sizes \
+                or not arr.is_contiguous:
+            raise ValueError(f"{name}: expected {expected}, got {arr.dtype} of shape "
+                             f"{list(arr.shape)}")
         if arr.device is not None and self._device_id is not None and arr.device != self._device_id:
-            raise ValueError(f"sinks: is on device {arr.device}, the plan on {self._device_id}")
-        return arr.ptr
+            raise ValueError(f"{name}: is on device {arr.device}, the plan on {self._device_id}")
+        return arr
 
     def _scale(self, name: str, scale) -> tuple[int, float, int]:
         """An fp8 scale as DecodeParams holds it: (device pointer or 0, value, stride)."""
@@ -552,14 +559,10 @@ class BatchDecodeWrapper:
                 raise ValueError(f"{name}: expected a finite value > 0 (as a float32), got "
                                  f"{scale!r}")
             return 0, value, 0
-        arr = as_device_array(name, scale)
-        if arr.dtype != "float32" or len(arr.shape) != 1 or arr.shape[0] not in (
-                1, self.num_kv_heads) or not arr.is_contiguous:
-            raise ValueError(f"{name}: expected a number, or a contiguous float32 device array "
-                             f"of 1 value (per tensor) or {self.num_kv_heads} (one per kv head); "
-                             f"got {arr.dtype} of shape {list(arr.shape)}")
-        if arr.device is not None and self._device_id is not None and arr.device != self._device_id:
-            raise ValueError(f"{name}: is on device {arr.device}, the plan on {self._device_id}")
+        arr = self._float32_device_array(
+            name, scale, (1, self.num_kv_heads),
+            f"a number, or a contiguous float32 device array of 1 value (per tensor) or "
+            f"{self.num_kv_heads} (one per kv head)")
         return arr.ptr, 1.0, int(arr.shape[0] > 1)
 
     def _follow_previous_plan_stream(self, s) -> None:

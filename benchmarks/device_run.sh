@@ -3,6 +3,7 @@
 #   bash benchmarks/device_run.sh tests calibrate      # GPU tests + memcheck, then calibration
 #   bash benchmarks/device_run.sh eval bench           # planner evaluation, then the benchmark
 #   bash benchmarks/device_run.sh bench_fp8            # the benchmark with fp8 K/V
+#   bash benchmarks/device_run.sh ab_warps_fp8         # A/B: fp8 with 8-warp CTAs against 4
 #   bash benchmarks/device_run.sh calibrate_fp8 bench_fp8   # fit fp8's cost model, then bench it
 #   bash benchmarks/device_run.sh device_plan plan_cost  # plan_on_device tests; planning's cost per step
 #   bash benchmarks/device_run.sh dissect              # what a short call spends its time on
@@ -64,6 +65,10 @@ for phase in "$@"; do
       CUPY_CACHE_DIR=$(mktemp -d) SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench $FI --cases classes \
         --json "$RES/h200-classes.json" --markdown "$RES/h200-classes.md" 2>&1 | grep -v Warning \
         | tee "$RES/bench_classes.log" | tail -14 ;;
+    ab_warps_fp8)
+      # A/B: fp8 with 8-warp CTAs (128-token tiles) against 4, on the bf16 wrapper's plans
+      python3 benchmarks/fp8_first_look.py --cases b1_n1k,b1_n8k,b1_n32k,b8_n8k,b8_n32k,b32_n8k,b128_n2k,ragged_b32 \
+        --warps 4,8 2>&1 | grep -v Warning | tee "$RES/ab_warps_fp8.log" ;;
     baseline)
       (cd .baseline && CUPY_CACHE_DIR=$(mktemp -d) PYTHONPATH=$PWD SPLITKV_PROFILE=$PWD/$PROFILE \
         python3 -m splitkv.bench --no-peer --json "$RES/h200-baseline.json" 2>&1 | grep -v Warning \

@@ -58,3 +58,38 @@ def test_eight_warps_match_the_reference(kv_dtype, hq, hk, d, page):
             assert err < 1e-2, f"rel err {err:.2e} with {plan} (graph-stable {w.use_cuda_graph})"
             finite = np.isfinite(ref_lse)
             np.testing.assert_allclose(lse.get()[finite], ref_lse[finite], rtol=2e-3, atol=2e-3)
+
+
+def test_fp8_plans_choose_their_warps_and_stay_exact():
+    """By default an fp8 plan whose grid gives no SM two CTAs runs 8 warps, a larger grid 4, a
+    graph-stable wrapper always 4 (``features.plan_warps``); each matches the reference."""
+    from splitkv.runtime import device_info
+
+    rng = np.random.default_rng(7)
+    hq, hk, d, page = 32, 8, 128, 16
+    sms = device_info()["num_sms"]
+    # (lengths, splits, strategy, warps a per-shape plan gets): 1 x 4 x 8 = 32 CTAs; then
+    # more requests than SMs / kv heads, unsplit: more CTAs than SMs
+    for lens, n, strategy, warps in (([3000], 4, "split_merge", 8), ([3000], 2, "fused", 8),
+                                     ([9000], 8, "fused", 8),
+                                     ([700] * (sms // hk + 1), 1, "single", 4)):
+        pt, num_pages = scattered_page_table(lens, page, rng)
+        shape = (num_pages, page, hk, d)
+        k, v = (fp8.quantize(rng.standard_normal(shape) * 2, "float8_e4m3fn") for _ in range(2))
+        kd, vd = cupy.asarray(k), cupy.asarray(v)
+        q = random_device_array((len(lens), hq, d), "bfloat16", rng)
+        ref, _ = reference_decode(q.get(), k, v, pt, kv_dtype="float8_e4m3fn")
+        per_shape = BatchDecodeWrapper(hq, hk, d, page, "bfloat16", kv_dtype="float8_e4m3fn")
+        stable = BatchDecodeWrapper(hq, hk, d, page, "bfloat16", kv_dtype="float8_e4m3fn",
+                                    use_cuda_graph=True, max_batch_size=len(lens),
+                                    max_num_pages=pt.kv_indices.size)
+        forced = BatchDecodeWrapper(hq, hk, d, page, "bfloat16", kv_dtype="float8_e4m3fn",
+                                    experiments=DecodeExperiments(warps=4))
+        for w, want in ((per_shape, warps), (stable, 4), (forced, 4)):
+            plan = w.plan(pt, num_splits=n, strategy=strategy)
+            assert w.kernel_variant.num_warps == want, (plan, w.use_cuda_graph)
+            out = cupy.full(q.shape, 0xFFFF, cupy.uint16)
+            w.run(q, kd, vd, out=out)
+            o = to_float64(out.get())
+            err = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
+            assert err < 1e-2, (plan, w.use_cuda_graph, err)

@@ -182,15 +182,20 @@ def test_decode_params_fill_by_name():
                                      DecodeVariant("bfloat16", 128, 1, kv_dtype="float8_e4m3fn",
                                                    num_warps=8),
                                      DecodeVariant("float16", 64, 4, kv_dtype="float8_e5m2",
-                                                   num_warps=8)],
+                                                   num_warps=8),
+                                     DecodeVariant("bfloat16", 128, 1, cluster=8,
+                                                   kv_dtype="float8_e4m3fn", num_warps=8),
+                                     DecodeVariant("bfloat16", 128, 4, kv_dtype="float8_e4m3fn",
+                                                   num_warps=8, soft_cap=1)],
                          ids=lambda v: v.name)
 def test_eight_warp_experiment_compiles(variant):
-    """DecodeExperiments(warps=8): 128-token tiles, 256 threads; the 16-bit and fp8 paths build
+    """8 warps (lone fp8 CTAs by default, ``features.plan_warps``; any build as an experiment):
+    128-token tiles, 256 threads; the 16-bit and fp8 paths, clusters and the soft cap build
     without spills, and the host sizes follow the variant (tiles, threads, shared memory)."""
     cubin, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
     report = resource_report(log)
     assert report["decode_partial"][1] == 0, log
-    assert variant.name.endswith("_w8") and variant.tile_tokens == 128 and variant.threads == 256
+    assert "_w8" in variant.name and variant.tile_tokens == 128 and variant.threads == 256
     four = replace(variant, num_warps=4)
     assert variant.shared_bytes >= four.shared_bytes
     with pytest.raises(ValueError, match="num_warps: expected 4 or 8"):

@@ -305,3 +305,15 @@ def test_the_warps_experiment_is_checked_and_reaches_the_variant():
     for bad in (True, 8.0):
         with pytest.raises(TypeError, match="warps: expected an integer"):
             DecodeExperiments(warps=bad)
+
+
+def test_fp8_plans_with_one_cta_an_sm_or_fewer_get_eight_warps(monkeypatch):
+    from splitkv.runtime import features
+
+    monkeypatch.setattr(features, "device_info", lambda: {"num_sms": 132})
+    assert features.plan_warps("float8_e4m3fn", 132) == 8
+    assert features.plan_warps("float8_e5m2", 1) == 8
+    assert features.plan_warps("float8_e4m3fn", 133) == 4
+    assert features.plan_warps(None, 8) == 4 and features.plan_warps("", 8) == 4
+    assert features.plan_warps("float8_e4m3fn", 8, forced=4) == 4
+    assert features.plan_warps(None, 1000, forced=8) == 8

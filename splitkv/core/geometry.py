@@ -2,7 +2,7 @@
 describes, named once. Must match the defines of ``kernels_cu/decode.cu`` (the runtime passes
 them to NVRTC)."""
 
-WARPS_PER_CTA = 4                   # NUM_WARPS (8 warps x 128-token tiles measured slower)
+WARPS_PER_CTA = 4                   # NUM_WARPS; 8 (128-token tiles) for lone fp8 CTAs only
 TILE_TOKENS = 16 * WARPS_PER_CTA    # tokens per pipeline stage (TILE_N)
 THREADS_PER_CTA = 32 * WARPS_PER_CTA
 MAX_HEADS_PER_CTA = 64              # query heads one CTA computes (16 x the largest ROW_TILES)

@@ -21,8 +21,9 @@ class DecodeExperiments:
         default for the head dim (``kernel_source.DEFAULT_STAGES``).
     max_registers: per-thread register cap of the partial kernel; None or 0: the compiler's
         choice.
-    warps: warps per CTA of the partial kernel, 4 (None: the default) or 8 (128-token tiles,
-        twice the warps on a lone CTA's SM: for fp8 K/V, whose CTAs are latency-bound).
+    warps: warps per CTA of the partial kernel, 4 or 8 (128-token tiles); None: the default,
+        ``features.plan_warps``: 8 for an fp8 plan whose grid gives no SM two CTAs, else 4
+        (a graph-stable wrapper: always 4 unless forced).
     pdl_trigger: where a PDL partial kernel lets the next kernel launch (``PDL_TRIGGERS``):
         'late' (the default; neither wins everywhere, benchmarks/NOTES.md) or 'early'. Only
         with programmatic dependent launch (the wrapper's ``pdl``).
@@ -44,7 +45,7 @@ class DecodeExperiments:
         if self.warps is not None:
             V.check_int("warps", self.warps, 4, 8)
             if self.warps not in (4, 8):
-                raise ValueError(f"warps: expected 4 or 8 (or None: 4), got {self.warps!r}")
+                raise ValueError(f"warps: expected 4 or 8 (or None: the default), got {self.warps!r}")
         if self.pdl_trigger not in PDL_TRIGGERS:
             raise ValueError(f"pdl_trigger: expected one of {PDL_TRIGGERS}, "
                              f"got {self.pdl_trigger!r}")

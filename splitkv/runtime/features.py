@@ -1,6 +1,6 @@
 """What the current GPU can do for a launch, decided in one place: the options that need compute
-capability 9.0 (thread-block clusters, programmatic dependent launch) and the shared-memory size
-that places one CTA per SM."""
+capability 9.0 (thread-block clusters, programmatic dependent launch), the shared-memory size
+that places one CTA per SM, and the warps a CTA of a grid gets."""
 
 from __future__ import annotations
 
@@ -41,3 +41,23 @@ def spreads_one_per_sm(num_ctas: int, cluster_size: int) -> bool:
     at once, and spread they wait for the previous grid to leave (clusters of 2 gain from
     spreading like plain grids). The measurements are in benchmarks/NOTES.md (session 6)."""
     return num_ctas <= device_info()["num_sms"] and cluster_size <= 2
+
+
+# Warps of a CTA that is alone on its SM, for fp8 K/V (``plan_warps``).
+LONE_CTA_WARPS = 8
+
+
+def plan_warps(kv_dtype: str | None, num_ctas: int, forced: int | None = None) -> int:
+    """Warps per CTA of a per-shape plan's partial kernel: ``forced`` when an experiment says
+    so; else 8 (128-token tiles) for fp8 K/V when the grid gives no SM two CTAs, 4 otherwise.
+    An fp8 CTA is issue- and latency-bound: alone on its SM with 4 warps it streams about half
+    its share, and 8 warps give it the warps two CTAs would have (H200: b1_n32k 29.6 -> 24.3 us,
+    b8_n8k 51.3 -> 40.4). Where CTAs already run two to an SM, 8 warps lose (b128_n2k 151 ->
+    166: one 8-warp CTA an SM, 193 registers a thread). bf16 measured slower with 8 warps
+    everywhere (benchmarks/NOTES.md). A graph-stable wrapper keeps 4: its one captured grid
+    serves every plan."""
+    if forced is not None:
+        return forced
+    if kv_dtype and num_ctas <= device_info()["num_sms"]:
+        return LONE_CTA_WARPS
+    return 4

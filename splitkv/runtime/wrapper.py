@@ -40,7 +40,8 @@ from . import require_gpu
 from .arrays import (as_cupy_stream, as_device_array, cupy_storage_dtype, nhd_view,
                      split_kv_arrays)
 from .experiments import DecodeExperiments
-from .features import check_option, one_per_sm_shared_bytes, sm90_option, spreads_one_per_sm
+from .features import (check_option, one_per_sm_shared_bytes, plan_warps, sm90_option,
+                       spreads_one_per_sm)
 from .kernel_abi import DecodeParams
 from .kernel_source import DecodeVariant
 from .launch import DecodeLaunch, KernelLaunch, current_context
@@ -127,6 +128,7 @@ class BatchDecodeWrapper:
         self._resolved_profile = None         # the Profile, once read
         self._plan: Plan | None = None
         self._launch: DecodeLaunch | None = None
+        self._bound_variant: DecodeVariant | None = None   # the variant _bind() launched
         self._upload = PlanUpload()
         self._workspace = Workspace(self.head_dim)
         self._logits_soft_cap_log2 = 0.0      # plan()'s logits_soft_cap, as the kernels hold it
@@ -210,6 +212,13 @@ class BatchDecodeWrapper:
     def cluster_size(self) -> int:
         """Cluster size the current plan's fused merge runs in; 0 when it uses none."""
         return self._plan.cluster_size if self._plan is not None else 0
+
+    @property
+    def kernel_variant(self) -> DecodeVariant | None:
+        """The build the current plan's partial kernel runs (its warps, stages, cluster size):
+        for fp8 K/V, a per-shape plan whose CTAs are one per SM or fewer runs 8 warps
+        (``features.plan_warps``); None before a plan."""
+        return self._bound_variant if self._launch is not None else None
 
     @property
     def pdl_active(self) -> bool:
@@ -309,8 +318,11 @@ class BatchDecodeWrapper:
             self._foreign_pending = False
         if self.use_cuda_graph:
             return self._plan_graph(chosen, page_table, s, sm_scale_log2, max_page, soft_cap_log2)
-        kernels = get_decode_kernels(replace(self.variant, cluster=chosen.cluster_size,
-                                             soft_cap=int(soft_cap_log2 > 0)))
+        ctas = chosen.num_work_items * self.ctas_per_kv_head
+        kernels = get_decode_kernels(replace(
+            self.variant, cluster=chosen.cluster_size, soft_cap=int(soft_cap_log2 > 0),
+            num_warps=plan_warps(self.kv_dtype, ctas, self.experiments.warps),
+            stages=self.experiments.stages or 0))
         stages = kernels.variant.stages
         tile = kernels.variant.tile_tokens
         in_record = pages_fit_record(chosen, self.page_size, stages, tile)
@@ -636,6 +648,7 @@ class BatchDecodeWrapper:
             # one thread per (request, qo head, 4 dims)
             slots = batch_size * self.num_qo_heads * (self.head_dim // 4)
             merge_launch = KernelLaunch(kernels.merge, -(-slots // threads), threads, 0, pdl=pdl)
+        self._bound_variant = kernels.variant
         return DecodeLaunch(params, partial, merge_launch, current_context(), plain)
 
     # ------------------------------------------------------------------- run

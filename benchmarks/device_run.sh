@@ -4,6 +4,7 @@
 #   bash benchmarks/device_run.sh eval bench           # planner evaluation, then the benchmark
 #   bash benchmarks/device_run.sh bench_fp8            # the benchmark with fp8 K/V
 #   bash benchmarks/device_run.sh ab_warps_fp8         # A/B: fp8 with 8-warp CTAs against 4
+#   bash benchmarks/device_run.sh bench_variants       # issue 16: soft cap, sinks, windows beside plain
 #   bash benchmarks/device_run.sh calibrate_fp8 bench_fp8   # fit fp8's cost model, then bench it
 #   bash benchmarks/device_run.sh device_plan plan_cost  # plan_on_device tests; planning's cost per step
 #   bash benchmarks/device_run.sh dissect              # what a short call spends its time on
@@ -65,6 +66,12 @@ for phase in "$@"; do
       CUPY_CACHE_DIR=$(mktemp -d) SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench $FI --cases classes \
         --json "$RES/h200-classes.json" --markdown "$RES/h200-classes.md" 2>&1 | grep -v Warning \
         | tee "$RES/bench_classes.log" | tail -14 ;;
+    bench_variants)
+      # issue 16's rows: soft cap, sinks, a 4k window over 128k, beside plain (bf16, then fp8)
+      python3 benchmarks/bench_variants.py --json "$RES/h200-variants.json" 2>&1 | grep -v Warning \
+        | tee "$RES/bench_variants.log"
+      python3 benchmarks/bench_variants.py --kv-dtype float8_e4m3fn --json "$RES/h200-variants-fp8.json" \
+        2>&1 | grep -v Warning | tee "$RES/bench_variants_fp8.log" ;;
     ab_warps_fp8)
       # A/B: fp8 with 8-warp CTAs (128-token tiles) against 4, on the bf16 wrapper's plans
       python3 benchmarks/fp8_first_look.py --cases b1_n1k,b1_n8k,b1_n32k,b8_n8k,b8_n32k,b32_n8k,b128_n2k,ragged_b32 \

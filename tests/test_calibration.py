@@ -248,6 +248,38 @@ def test_calibrate_kv_dtype_adds_an_fp8_fit_to_the_base_profile(monkeypatch, tmp
     assert not out.with_suffix(".csv").exists()
 
 
+def test_calibrate_graph_stable_times_four_warps_and_fills_its_own_fit(monkeypatch, tmp_path,
+                                                                       capsys):
+    """`--kv-dtype ... --graph-stable` times every plan with 4-warp CTAs (what a graph-stable
+    wrapper runs) and writes kv_fp8_graph_stable, leaving kv_fp8 as it was."""
+    import splitkv.runtime
+    import splitkv.runtime.timing
+
+    truth = CostModel.from_coef(dict(TRUE_COEF, waves=TRUE_COEF["waves"] * 2), clusters=True)
+    seen = []
+
+    def time_plan_us(plan, page_table, **timing):
+        seen.append((timing.get("kv_dtype"), timing["experiments"].warps))
+        return truth.predict(plan)
+
+    monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: (True, DEVICE["name"]))
+    monkeypatch.setattr(splitkv.runtime, "device_info", lambda: dict(DEVICE))
+    monkeypatch.setattr(splitkv.runtime.timing, "time_plan_us", time_plan_us)
+    base = prior_profile("NVIDIA H200", 132).with_kv_fp8(prior_profile("NVIDIA H200", 132))
+    base_path = base.save(tmp_path / "base.yaml")
+    out = tmp_path / "with-graph.yaml"
+    assert run_calibrate(["--quick", "--kv-dtype", "fp8_e4m3", "--graph-stable", "--base",
+                          str(base_path), "--out", str(out)]) == 0
+    assert "4-warp CTAs" in capsys.readouterr().out
+    assert set(seen) == {("float8_e4m3fn", 4)}
+    written = read_profile(out)
+    assert written.kv_fp8 == base.kv_fp8 and written.kv_fp8_graph_stable is not None
+    assert written.kv_fp8_graph_stable["sweep"]["graph_stable"] is True
+    assert out.with_suffix(".fp8-graph-stable.csv").read_text().startswith("shape,plan,")
+    assert run_calibrate(["--quick", "--graph-stable"]) == 2
+    assert "give --kv-dtype too" in capsys.readouterr().err
+
+
 def test_calibrate_base_needs_kv_dtype(monkeypatch, tmp_path, capsys):
     import splitkv.runtime
 

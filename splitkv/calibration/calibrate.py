@@ -9,11 +9,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ..core.geometry import WARPS_PER_CTA
 from ..core.plan import Plan
 from ..planner import Profile, choose_plan
 from ..planner.profiles import device_slug, prior_profile, user_profile_dir
 from ..core.problem import DecodeProblem
 from ..runtime import timing as runtime_timing
+from ..runtime.experiments import DecodeExperiments
 from .fit import FitReport, fit_profile
 from .sweep import Measurement, SweepPoint, measure, sweep_points, write_measurements
 
@@ -34,11 +36,12 @@ def sweep_for(device: dict, quick: bool = False, seed: int = 0) -> list[SweepPoi
 
 def calibrate(points: list[SweepPoint], device: dict, *, quick: bool = False, seed: int = 0,
               trials: int | None = None, min_trial_ms: float | None = None,
-              progress=None, kv_dtype: str | None = None
+              progress=None, kv_dtype: str | None = None, graph_stable: bool = False
               ) -> tuple[Profile, FitReport, list[Measurement]]:
     """Time ``points`` (from ``sweep_for``) and fit a profile for ``device``; over fp8 K/V
     codes if ``kv_dtype`` names an fp8 format (``Profile.with_kv_fp8`` adds that fit to a
-    16-bit profile).
+    16-bit profile); with ``graph_stable``, every CTA at 4 warps, as a graph-stable wrapper
+    runs them (``features.plan_warps``).
 
     Trials default to ``QUICK_TIMING`` for a quick sweep and to the runtime's otherwise;
     ``progress(i, n, point, us)`` is called after each point (``sweep.measure``). Returns
@@ -50,32 +53,38 @@ def calibrate(points: list[SweepPoint], device: dict, *, quick: bool = False, se
     if min_trial_ms is not None:
         timing["min_trial_ms"] = min_trial_ms
     fp8 = {"kv_dtype": kv_dtype} if kv_dtype else {}
-    measurements = measure(points, progress=progress, seed=seed, **timing, **fp8)
+    experiments = {"experiments": DecodeExperiments(warps=WARPS_PER_CTA)} if graph_stable else {}
+    measurements = measure(points, progress=progress, seed=seed, **timing, **fp8,
+                           **experiments)
     runtime_timing.release_cached_layers()
 
     sweep = {"name": "quick" if quick else "full", "seed": seed,
              "timing": timing or {"trials": runtime_timing.TRIALS,
                                   "min_trial_ms": runtime_timing.MIN_TRIAL_MS},
-             **fp8}
+             **fp8, **({"graph_stable": True} if graph_stable else {})}
     profile, report = fit_profile(measurements, device, seed=seed, sweep=sweep,
                                   kv_bytes_per_element=1 if kv_dtype else 2)
     return profile, report, measurements
 
 
 def save(profile: Profile, measurements: list[Measurement], path=None,
-         kv_dtype: str | None = None) -> tuple[Path, Path]:
+         kv_dtype: str | None = None, graph_stable: bool = False) -> tuple[Path, Path]:
     """Write ``profile`` to ``path`` (default: the user cache, where ``load_profile`` finds it)
-    and the measurements, with the predictions of the model they fitted (``kv_dtype``'s), to
-    a CSV beside it (``<name>.fp8.csv`` for fp8's). Returns (profile path, CSV path)."""
+    and the measurements, with the predictions of the model they fitted (``kv_dtype``'s,
+    ``graph_stable``'s), to a CSV beside it (``<name>.fp8.csv`` for fp8's,
+    ``<name>.fp8-graph-stable.csv``). Returns (profile path, CSV path)."""
     path = Path(path) if path else user_profile_dir() / f"{device_slug(profile.device_name)}.yaml"
     profile.save(path)
-    csv_path = path.with_suffix(".fp8.csv" if kv_dtype else ".csv")
-    return path, write_measurements(csv_path, measurements, profile.cost_model(kv_dtype))
+    suffix = ".fp8-graph-stable.csv" if kv_dtype and graph_stable else ".fp8.csv" if kv_dtype \
+        else ".csv"
+    return path, write_measurements(path.with_suffix(suffix), measurements,
+                                    profile.cost_model(kv_dtype, graph_stable))
 
 
-def example_plans(profile: Profile, kv_dtype: str | None = None) -> list[tuple[str, Plan]]:
+def example_plans(profile: Profile, kv_dtype: str | None = None,
+                  graph_stable: bool = False) -> list[tuple[str, Plan]]:
     """(name, plan) for each of ``EXAMPLES``, as ``profile`` plans them for ``kv_dtype``
-    caches (head_dim 128, page size 16)."""
-    model = profile.cost_model(kv_dtype)
+    caches (head_dim 128, page size 16), in a graph-stable wrapper if ``graph_stable``."""
+    model = profile.cost_model(kv_dtype, graph_stable)
     return [(name, choose_plan(DecodeProblem(np.array(lens), hq, hk, 128, 16), model))
             for name, lens, hq, hk in EXAMPLES]

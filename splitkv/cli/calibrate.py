@@ -5,6 +5,7 @@ where ``load_profile`` finds it.
     splitkv calibrate --quick    # a small sweep, about a minute
     splitkv calibrate --plot --out my-gpu.yaml --device 1
     splitkv calibrate --kv-dtype fp8_e4m3     # the fp8 fit, added to the profile in use
+    splitkv calibrate --kv-dtype fp8_e4m3 --graph-stable   # the fit graph-stable fp8 wrappers use
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time over fp8 K/V (float8_e4m3fn, float8_e5m2, or vLLM's fp8_e4m3 "
                              "/ fp8_e5m2) and add that fit to a profile as its kv_fp8 "
                              "parameters, which fp8 caches plan with")
+    parser.add_argument("--graph-stable", action="store_true",
+                        help="with --kv-dtype: time every plan with 4-warp CTAs, as graph-stable "
+                             "wrappers (use_cuda_graph=True) run fp8, and add that fit as the "
+                             "profile's kv_fp8_graph_stable parameters")
     parser.add_argument("--base", type=A.existing_file, default=None, metavar="PATH",
                         help="with --kv-dtype: the profile to add the fp8 fit to (default: the "
                              "one splitkv plans with on this GPU)")
@@ -93,6 +98,9 @@ def run(args) -> int:
     if args.base is not None and args.kv_dtype is None:
         return A.refuse("calibrate", "--base is the profile an fp8 fit is added to: give "
                                      "--kv-dtype too")
+    if args.graph_stable and args.kv_dtype is None:
+        return A.refuse("calibrate", "--graph-stable fits the model graph-stable fp8 wrappers "
+                                     "plan with: give --kv-dtype too")
     base = None
     if args.kv_dtype:
         from ..planner.profiles import ProfileError, load_profile
@@ -105,15 +113,18 @@ def run(args) -> int:
     points = sweep_for(info, args.quick, args.seed)
     shapes = len({p.shape for p in points})
     over = f" over {args.kv_dtype} K/V, for {base.origin}" if base else ""
+    over += ", 4-warp CTAs (graph-stable wrappers)" if args.graph_stable else ""
     print(f"calibrating {info['name']} ({info['num_sms']} SMs): {len(points)} plans of "
           f"{shapes} shapes ({'quick' if args.quick else 'full'} sweep){over}", flush=True)
     profile, report, measurements = calibrate(points, info, quick=args.quick, seed=args.seed,
                                               trials=args.trials, min_trial_ms=args.min_trial_ms,
-                                              progress=_progress, kv_dtype=args.kv_dtype)
+                                              progress=_progress, kv_dtype=args.kv_dtype,
+                                              graph_stable=args.graph_stable)
     fitted = profile
     if base is not None:
-        profile = base.with_kv_fp8(fitted)
-    out, csv_path = save(profile, measurements, args.out, kv_dtype=args.kv_dtype)
+        profile = base.with_kv_fp8(fitted, graph_stable=args.graph_stable)
+    out, csv_path = save(profile, measurements, args.out, kv_dtype=args.kv_dtype,
+                         graph_stable=args.graph_stable)
 
     print()
     for line in report.lines():
@@ -127,7 +138,7 @@ def run(args) -> int:
     print(f"best decode bandwidth measured: {fitted.measured_bandwidth_gbps:,.0f} GB/s"
           + (" (of one-byte codes)" if base else ""))
     print("plans it now chooses" + (f" for {args.kv_dtype} caches:" if base else ":"))
-    for name, plan in example_plans(profile, args.kv_dtype):
+    for name, plan in example_plans(profile, args.kv_dtype, args.graph_stable):
         s = plan.summary()
         print(f"  {name:<12} {s['strategy']:<12} {s['num_splits']:>4} splits, "
               f"{s['num_work_items']:>5} work items, predicted {plan.predicted_us:8.2f} us")

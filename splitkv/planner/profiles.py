@@ -3,7 +3,10 @@
 A profile holds the device name, SM count, the bandwidth the features are measured against,
 the fitted parameters, the fit error, the date, the splitkv version and the sweep it came from;
 optionally (``kv_fp8``) a second fit of the same features, timed over fp8 K/V
-(``splitkv calibrate --kv-dtype``), which fp8 caches plan with.
+(``splitkv calibrate --kv-dtype``), which fp8 caches plan with, and (``kv_fp8_graph_stable``) a
+third, timed with every CTA at 4 warps (``--kv-dtype ... --graph-stable``): the build a
+graph-stable fp8 wrapper's one captured grid runs, where per-shape plans of few CTAs run 8 warps
+(``runtime.features.plan_warps``).
 ``splitkv calibrate`` writes one to the user cache; a few ship with the package.
 
 ``load_profile`` looks in this order and takes the first that answers:
@@ -46,8 +49,9 @@ DEFAULT_BANDWIDTH_GBPS = 2000.0
 DEFAULT_NUM_SMS = 132
 
 
-# what a profile's kv_fp8 mapping may hold
+# what a profile's kv_fp8 and kv_fp8_graph_stable mappings may hold
 FP8_FIELDS = {"coef", "fit_error", "heldout_error", "measured_bandwidth_gbps", "date", "sweep"}
+FP8_FITS = ("kv_fp8", "kv_fp8_graph_stable")
 
 
 class ProfileError(ValueError):
@@ -113,6 +117,9 @@ class Profile:
     # the fit over fp8 K/V: {"coef", "fit_error", "heldout_error", "measured_bandwidth_gbps"
     # (on one-byte codes), "date", "sweep"}; None: fp8 caches plan with `coef`
     kv_fp8: dict | None = None
+    # the same, timed with 4-warp CTAs everywhere (graph-stable fp8 wrappers); None: they
+    # plan with kv_fp8
+    kv_fp8_graph_stable: dict | None = None
     origin: str = field(default="", compare=False)   # where it was loaded from
 
     @property
@@ -133,29 +140,39 @@ class Profile:
     def _fp8_model(self) -> CostModel:
         return self._model_of(self.kv_fp8["coef"], self.kv_fp8.get("fit_error"))
 
-    def cost_model(self, kv_dtype: str | None = None) -> CostModel:
+    @cached_property
+    def _fp8_graph_stable_model(self) -> CostModel:
+        fit = self.kv_fp8_graph_stable
+        return self._model_of(fit["coef"], fit.get("fit_error"))
+
+    def cost_model(self, kv_dtype: str | None = None, graph_stable: bool = False) -> CostModel:
         """The model to plan with: for an fp8 ``kv_dtype``, the fp8 fit where the profile has
         one (the features count 16-bit bytes either way; that fit's parameters absorb the
-        factor), else the 16-bit one."""
+        factor), else the 16-bit one; for a graph-stable fp8 wrapper (``graph_stable``), its
+        4-warp fit where the profile has one."""
+        if kv_dtype and graph_stable and self.kv_fp8_graph_stable is not None:
+            return self._fp8_graph_stable_model
         if kv_dtype and self.kv_fp8 is not None:
             return self._fp8_model
         return self._model
 
-    def with_kv_fp8(self, fp8: "Profile") -> "Profile":
-        """This profile with ``fp8`` (a fit over fp8 K/V of the same device) as its kv_fp8."""
+    def with_kv_fp8(self, fp8: "Profile", graph_stable: bool = False) -> "Profile":
+        """This profile with ``fp8`` (a fit over fp8 K/V of the same device) as its kv_fp8, or
+        with ``graph_stable`` as its kv_fp8_graph_stable (a fit timed with 4-warp CTAs)."""
         _check_device(fp8, self.device_name, self.num_sms)
-        return replace(self, kv_fp8={
-            "coef": {k: float(fp8.coef[k]) for k in FEATURE_NAMES}, "fit_error": fp8.fit_error,
-            "heldout_error": fp8.heldout_error,
-            "measured_bandwidth_gbps": fp8.measured_bandwidth_gbps, "date": fp8.date,
-            "sweep": fp8.sweep})
+        fit = {"coef": {k: float(fp8.coef[k]) for k in FEATURE_NAMES},
+               "fit_error": fp8.fit_error, "heldout_error": fp8.heldout_error,
+               "measured_bandwidth_gbps": fp8.measured_bandwidth_gbps, "date": fp8.date,
+               "sweep": fp8.sweep}
+        return replace(self, **{"kv_fp8_graph_stable" if graph_stable else "kv_fp8": fit})
 
     def to_dict(self) -> dict:
         d = {"schema": SCHEMA, **asdict(self)}
         del d["origin"]
         d["coef"] = {k: float(self.coef[k]) for k in FEATURE_NAMES}
-        if self.kv_fp8 is None:
-            del d["kv_fp8"]
+        for key in FP8_FITS:
+            if d[key] is None:
+                del d[key]
         return d
 
     def to_yaml(self) -> str:
@@ -230,23 +247,27 @@ class Profile:
                     raise bad(f"{where}.{k}: expected a finite non-negative number, got {v!r}")
             return {k: float(coef[k]) for k in FEATURE_NAMES}
 
-        coef = parameters(data["coef"], "coef")
-        kv_fp8 = data.get("kv_fp8")
-        if kv_fp8 is not None:
-            if not isinstance(kv_fp8, dict) or "coef" not in kv_fp8:
-                raise bad(f"kv_fp8: expected a mapping with a 'coef' mapping, got {kv_fp8!r}")
-            extra = set(kv_fp8) - FP8_FIELDS
+        def fp8_fit(name):
+            fit = data.get(name)
+            if fit is None:
+                return None
+            if not isinstance(fit, dict) or "coef" not in fit:
+                raise bad(f"{name}: expected a mapping with a 'coef' mapping, got {fit!r}")
+            extra = set(fit) - FP8_FIELDS
             if extra:
-                raise bad(f"kv_fp8: unknown fields {sorted(extra)}; expected some of "
+                raise bad(f"{name}: unknown fields {sorted(extra)}; expected some of "
                           f"{sorted(FP8_FIELDS)}")
             for key in ("fit_error", "heldout_error", "measured_bandwidth_gbps"):
-                v = kv_fp8.get(key)
+                v = fit.get(key)
                 if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
                                       or not math.isfinite(v) or v < 0):
-                    raise bad(f"kv_fp8.{key}: expected a finite non-negative number, got {v!r}")
-            date = kv_fp8.get("date") or ""
-            kv_fp8 = {**kv_fp8, "coef": parameters(kv_fp8["coef"], "kv_fp8.coef"),
-                      "date": date.isoformat() if isinstance(date, datetime.date) else str(date)}
+                    raise bad(f"{name}.{key}: expected a finite non-negative number, got {v!r}")
+            date = fit.get("date") or ""
+            return {**fit, "coef": parameters(fit["coef"], f"{name}.coef"),
+                    "date": date.isoformat() if isinstance(date, datetime.date) else str(date)}
+
+        coef = parameters(data["coef"], "coef")
+        fits = {name: fp8_fit(name) for name in FP8_FITS}
         sweep = data.get("sweep") or {}
         if not isinstance(sweep, dict):
             raise bad(f"sweep: expected a mapping, got {type(sweep).__name__}")
@@ -260,7 +281,7 @@ class Profile:
             text[key] = v
         return cls(device_name=data["device_name"], num_sms=integer("num_sms"),
                    bandwidth_gbps=number("bandwidth_gbps", positive=True),
-                   coef=coef, kv_fp8=kv_fp8,
+                   coef=coef, **fits,
                    ctas_per_sm=integer("ctas_per_sm") if "ctas_per_sm" in data else 2,
                    clusters=clusters,
                    measured_bandwidth_gbps=number("measured_bandwidth_gbps", optional=True),

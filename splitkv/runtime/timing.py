@@ -143,11 +143,13 @@ def make_layers(page_table: PageTable, num_qo_heads: int, num_kv_heads: int, hea
 
 
 def time_wrapper_us(wrapper, data: LayeredKV, *, trials: int = TRIALS,
-                    min_trial_ms: float = MIN_TRIAL_MS) -> float:
-    """Time ``wrapper.run`` (already planned) over the layers of ``data``."""
+                    min_trial_ms: float = MIN_TRIAL_MS, **run_args) -> float:
+    """Time ``wrapper.run`` (already planned) over the layers of ``data``; ``run_args`` go to
+    every run (``sinks=``, fp8 scales)."""
 
     def launch(layer, stream):
-        wrapper.run(data.q, data.k_layers[layer], data.v_layers[layer], out=data.out, stream=stream)
+        wrapper.run(data.q, data.k_layers[layer], data.v_layers[layer], out=data.out, stream=stream,
+                    **run_args)
 
     return time_graph_us(launch, data.num_layers, trials=trials, min_trial_ms=min_trial_ms)
 

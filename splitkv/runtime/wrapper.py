@@ -303,7 +303,7 @@ class BatchDecodeWrapper:
             problem = DecodeProblem.from_page_table(
                 page_table, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.dtype,
                 window_left=-1 if window_left is None else window_left)
-            model = self.profile.cost_model(self.kv_dtype)
+            model = self.profile.cost_model(self.kv_dtype, graph_stable=self.use_cuda_graph)
             if not clusters:                     # predict the ticket merge that will run
                 model = model.with_clusters(False)
             chosen = choose_plan(problem, model, num_splits, strategy,
@@ -485,7 +485,7 @@ class BatchDecodeWrapper:
 
         max_batch, max_pages, max_chunks = self._capacity[0], self._capacity[1], self.max_chunks
         stages = kernels.variant.stages
-        model = self.profile.cost_model(self.kv_dtype).with_clusters(False)
+        model = self.profile.cost_model(self.kv_dtype, graph_stable=True).with_clusters(False)
         params = plan_params(model, num_qo_heads=self.num_qo_heads,
                              num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                              page_size=self.page_size, stages=stages, max_batch=max_batch,

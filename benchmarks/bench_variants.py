@@ -1,0 +1,75 @@
+"""Issue 16's bench rows: what the attention variants cost beside the plain decode, each planned
+by the wrapper, timed like the bench (a graph over layers of >= 1 GiB of KV), in one run.
+
+- soft cap (``plan(logits_soft_cap=30)``), sinks (``run(sinks=)``), both: on memory-bound
+  standard cases, as a ratio to the plain call (target <= 1.03);
+- a sliding window (``plan(window_left=4095)``: 4,096 tokens seen) over a 128k context, beside a
+  plain 4k context (target <= 1.1x).
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_variants.py [--kv-dtype float8_e4m3fn] [--json F]
+"""
+import argparse
+import json
+
+import cupy
+import numpy as np
+
+from splitkv.bench.cases import select
+from splitkv.runtime.testing import scattered_page_table
+from splitkv.runtime.timing import make_layers, time_wrapper_us
+from splitkv.runtime.wrapper import BatchDecodeWrapper
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--cases", default="b1_n32k,b8_n32k,b32_n8k,b128_n2k,ragged_b32")
+parser.add_argument("--kv-dtype", default=None)
+parser.add_argument("--json", default=None)
+args = parser.parse_args()
+kv = args.kv_dtype
+rows = []
+
+
+def timed(pt, hq, hk, d, page, *, run_args=None, **plan_args):
+    w = BatchDecodeWrapper(hq, hk, d, page, "bfloat16", kv_dtype=kv)
+    plan = w.plan(pt, **plan_args)
+    data = make_layers(pt, hq, hk, d, "bfloat16", min_total_bytes=1 << 30, seed=0, kv_dtype=kv)
+    us = time_wrapper_us(w, data, **(run_args or {}))
+    del data
+    cupy.get_default_memory_pool().free_all_blocks()
+    return us, f"{plan.strategy}/{plan.num_splits}"
+
+
+print(f"K/V: {kv or 'bfloat16'}")
+print(f"{'case':>12} {'plain us':>9} {'soft cap':>13} {'sinks':>13} {'cap+sinks':>13}  plans")
+for case in select(args.cases):
+    pt, _ = scattered_page_table(case.kv_lens, case.page_size, np.random.default_rng(0),
+                                 extra_pages=0)
+    shape = (case.num_qo_heads, case.num_kv_heads, case.head_dim, case.page_size)
+    sinks = cupy.asarray(np.random.default_rng(1).standard_normal(case.num_qo_heads),
+                         cupy.float32)
+    plain, p0 = timed(pt, *shape)
+    cap, p1 = timed(pt, *shape, logits_soft_cap=30.0)
+    sink, p2 = timed(pt, *shape, run_args={"sinks": sinks})
+    both, p3 = timed(pt, *shape, logits_soft_cap=30.0, run_args={"sinks": sinks})
+    rows.append({"case": case.name, "plain_us": plain, "soft_cap_us": cap, "sinks_us": sink,
+                 "soft_cap_sinks_us": both, "plans": [p0, p1, p2, p3]})
+    print(f"{case.name:>12} {plain:9.2f} " + " ".join(
+        f"{t:7.2f} {t / plain:5.3f}" for t in (cap, sink, both)) + f"  {p0} {p1} {p2} {p3}",
+        flush=True)
+
+print(f"\n{'window case':>22} {'us':>8} {'plain 4k us':>12} {'x':>6}  plans")
+windows = []
+for batch in (1, 8):
+    pt4, _ = scattered_page_table([4096] * batch, 16, np.random.default_rng(0), extra_pages=0)
+    pt128, _ = scattered_page_table([131072] * batch, 16, np.random.default_rng(0),
+                                    extra_pages=0)
+    plain4, pa = timed(pt4, 32, 8, 128, 16)
+    win, pb = timed(pt128, 32, 8, 128, 16, window_left=4095)
+    windows.append({"batch": batch, "window_4k_over_128k_us": win, "plain_4k_us": plain4,
+                    "plans": [pb, pa]})
+    print(f"{f'b{batch} w4k over 128k':>22} {win:8.2f} {plain4:12.2f} {win / plain4:6.3f}  {pb} {pa}",
+          flush=True)
+
+if args.json:
+    with open(args.json, "w") as f:
+        json.dump({"kv_dtype": kv or "bfloat16", "variants": rows, "windows": windows}, f,
+                  indent=1)

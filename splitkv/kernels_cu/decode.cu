@@ -695,14 +695,18 @@ decode_partial(const __grid_constant__ DecodeParams params) {
         const float capped = cap * tanhf(v * inv_cap);
         return v == SPLITKV_NEG_INF ? v : v < -SPLITKV_NEG_INF ? capped : v - v;
       };
+      // rows g + 8 only where they hold a query head (upper_rows), as the scale above
+      auto cap_scores = [&](bool upper) {
 #pragma unroll
-      for (int st = 0; st < SUBTILES; ++st)
+        for (int st = 0; st < SUBTILES; ++st)
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+          for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[st][nt][e] = soft_cap(s[st][nt][e]);
+            for (int e = 0; e < (upper ? 4 : 2); ++e) s[st][nt][e] = soft_cap(s[st][nt][e]);
+      };
+      if (upper_rows) cap_scores(true); else cap_scores(false);
       tile_max[0] = soft_cap(tile_max[0]);
-      tile_max[1] = soft_cap(tile_max[1]);
+      if (upper_rows) tile_max[1] = soft_cap(tile_max[1]);
     }
 #endif
     float alpha[2] = {1.f, 1.f}, m_use[2] = {0.f, 0.f};

@@ -4,11 +4,14 @@ by the wrapper, timed like the bench (a graph over layers of >= 1 GiB of KV), in
 - soft cap (``plan(logits_soft_cap=30)``), sinks (``run(sinks=)``), both: on memory-bound
   standard cases, as a ratio to the plain call (target <= 1.03);
 - a sliding window (``plan(window_left=4095)``: 4,096 tokens seen) over a 128k context, beside a
-  plain 4k context (target <= 1.1x).
+  plain 4k context (target <= 1.1x);
+- multi-token decode (``plan(qo_indptr=)``), q_len 2, 4, 8, 16 beside q_len 1 (targets: q_len 4
+  <= 1.15x, 8 <= 1.3x on the memory-bound cases).
 
     PYTHONPATH=$PWD python3 benchmarks/bench_variants.py [--kv-dtype float8_e4m3fn] [--json F]
 """
 import argparse
+import dataclasses
 import json
 
 import cupy
@@ -23,15 +26,21 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--cases", default="b1_n32k,b8_n32k,b32_n8k,b128_n2k,ragged_b32")
 parser.add_argument("--kv-dtype", default=None)
 parser.add_argument("--json", default=None)
+parser.add_argument("--q-lens", default="2,4,8,16")
+parser.add_argument("--skip", default="", help="sections to skip: variants,windows,multi")
 args = parser.parse_args()
 kv = args.kv_dtype
 rows = []
 
 
-def timed(pt, hq, hk, d, page, *, run_args=None, **plan_args):
+def timed(pt, hq, hk, d, page, *, run_args=None, q_rows=None, **plan_args):
     w = BatchDecodeWrapper(hq, hk, d, page, "bfloat16", kv_dtype=kv)
     plan = w.plan(pt, **plan_args)
     data = make_layers(pt, hq, hk, d, "bfloat16", min_total_bytes=1 << 30, seed=0, kv_dtype=kv)
+    if q_rows is not None:     # multi-token decode: q and out have every query row
+        rows = cupy.zeros((q_rows, hq, d), data.q.dtype)
+        rows[:] = data.q[:1]
+        data = dataclasses.replace(data, q=rows, out=cupy.empty_like(rows))
     us = time_wrapper_us(w, data, **(run_args or {}))
     del data
     cupy.get_default_memory_pool().free_all_blocks()
@@ -39,8 +48,9 @@ def timed(pt, hq, hk, d, page, *, run_args=None, **plan_args):
 
 
 print(f"K/V: {kv or 'bfloat16'}")
+skip = set(args.skip.split(","))
 print(f"{'case':>12} {'plain us':>9} {'soft cap':>13} {'sinks':>13} {'cap+sinks':>13}  plans")
-for case in select(args.cases):
+for case in ([] if "variants" in skip else select(args.cases)):
     pt, _ = scattered_page_table(case.kv_lens, case.page_size, np.random.default_rng(0),
                                  extra_pages=0)
     shape = (case.num_qo_heads, case.num_kv_heads, case.head_dim, case.page_size)
@@ -58,7 +68,7 @@ for case in select(args.cases):
 
 print(f"\n{'window case':>22} {'us':>8} {'plain 4k us':>12} {'x':>6}  plans")
 windows = []
-for batch in (1, 8):
+for batch in (() if "windows" in skip else (1, 8)):
     pt4, _ = scattered_page_table([4096] * batch, 16, np.random.default_rng(0), extra_pages=0)
     pt128, _ = scattered_page_table([131072] * batch, 16, np.random.default_rng(0),
                                     extra_pages=0)
@@ -69,7 +79,31 @@ for batch in (1, 8):
     print(f"{f'b{batch} w4k over 128k':>22} {win:8.2f} {plain4:12.2f} {win / plain4:6.3f}  {pb} {pa}",
           flush=True)
 
+q_lens = [int(x) for x in args.q_lens.split(",")]
+print(f"\n{'case':>12} {'q_len 1 us':>10} " + " ".join(f"{f'q_len {n}':>14}" for n in q_lens)
+      + "  plans")
+multi = []
+for case in ([] if "multi" in skip else select(args.cases)):
+    pt, _ = scattered_page_table(case.kv_lens, case.page_size, np.random.default_rng(0),
+                                 extra_pages=0)
+    shape = (case.num_qo_heads, case.num_kv_heads, case.head_dim, case.page_size)
+    one, p1 = timed(pt, *shape)
+    cells, plans, row = [], [p1], {"case": case.name, "q_len_1_us": one}
+    for n in q_lens:
+        if min(case.kv_lens) < n:
+            continue
+        indptr = np.arange(len(case.kv_lens) + 1) * n
+        us, pn = timed(pt, *shape, qo_indptr=indptr, q_rows=int(indptr[-1]))
+        row[f"q_len_{n}_us"] = us
+        cells.append(f"{us:8.2f} {us / one:5.2f}")
+        plans.append(pn)
+    row["plans"] = plans
+    multi.append(row)
+    print(f"{case.name:>12} {one:10.2f} " + " ".join(f"{c:>14}" for c in cells)
+          + "  " + " ".join(plans), flush=True)
+
 if args.json:
     with open(args.json, "w") as f:
-        json.dump({"kv_dtype": kv or "bfloat16", "variants": rows, "windows": windows}, f,
+        json.dump({"kv_dtype": kv or "bfloat16", "variants": rows, "windows": windows,
+                   "multi_token": multi}, f,
                   indent=1)

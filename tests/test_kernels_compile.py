@@ -214,3 +214,22 @@ def test_soft_cap_builds_are_their_own(variant):
     assert resource_report(log)["decode_partial"][1] == 0, log
     assert variant.name.endswith("_softcap") and variant.defines["SOFT_CAP"] == 1
     assert replace(variant, soft_cap=0).defines["SOFT_CAP"] == 0
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("variant", [DecodeVariant("bfloat16", 128, 1, multi_token=1),
+                                     DecodeVariant("float16", 64, 4, multi_token=1, cluster=4),
+                                     DecodeVariant("bfloat16", 128, 2, multi_token=1,
+                                                   kv_dtype="float8_e4m3fn", soft_cap=1),
+                                     DecodeVariant("bfloat16", 128, 1, multi_token=1,
+                                                   kv_dtype="float8_e5m2", num_warps=8)],
+                         ids=lambda v: v.name)
+def test_multi_token_builds_are_their_own(variant):
+    """plan(qo_indptr=) runs a MULTI_TOKEN build (rows of query row x head, a causal end a
+    row): it builds without spills for 16-bit and fp8 K/V, clusters, the soft cap and 8 warps,
+    and the plain build does not change."""
+    cubin, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
+    assert resource_report(log)["decode_partial"][1] == 0, log
+    assert variant.name.endswith("_mt") and variant.defines["MULTI_TOKEN"] == 1
+    plain = replace(variant, multi_token=0)
+    assert plain.defines["MULTI_TOKEN"] == 0 and "_mt" not in plain.name

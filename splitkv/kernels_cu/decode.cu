@@ -33,14 +33,23 @@
 // written (write_output_slot). Scores are NaN for any non-finite raw score (only the mask makes
 // -inf), so a NaN or Inf in q or K makes its head NaN on every path.
 //
+// Multi-token decode (MULTI_TOKEN, a build of its own): a request's q_len query rows are the
+// last q_len positions of its KV, causal among themselves. A CTA's MMA rows are then (query row,
+// query head) pairs of its kv head, row-major ("virtual heads", DecodeParams::query_rows), so
+// every K/V byte is still read once for all of a request's rows; each row masks the tokens past
+// its own position, and every final output is written through query_row.
+//
 // Compile-time parameters: SPLITKV_BF16, HEAD_DIM, ROW_TILES (1, 2, 4), STAGES, NUM_WARPS,
 // MAX_REGISTERS, CLUSTER, RECORD_PAGES, KV_FP8, SOFT_CAP (1: the logits soft cap, its value in
-// DecodeParams).
+// DecodeParams), MULTI_TOKEN.
 #ifndef KV_FP8
 #define KV_FP8 0
 #endif
 #ifndef SOFT_CAP
 #define SOFT_CAP 0
+#endif
+#ifndef MULTI_TOKEN
+#define MULTI_TOKEN 0
 #endif
 #if KV_FP8
 #define SPLITKV_MMA_BF16 0     // fp8 K/V: float16 MMAs (common.cuh)
@@ -167,12 +176,35 @@ __device__ __forceinline__ void ld_shared_words(u32 (&w)[WORDS], u32 addr) {
 #define PARTIAL_CLUSTER
 #endif
 
+#if MULTI_TOKEN
+// A request's entry of DecodeParams::query_rows: {first query row, q_len, KV length, 0}.
+__device__ __forceinline__ int4 request_rows(const DecodeParams& p, int req) {
+  return __ldg(reinterpret_cast<const int4*>(p.query_rows) + req);
+}
+// The row of q and the output (query row x the model's heads + head) of virtual head `vhead`
+// of request `req`; -1 past the request's q_len (a ragged batch's shorter requests).
+__device__ __forceinline__ i64 query_row(const DecodeParams& p, int req, int vhead) {
+  const int per_kv_head = p.num_qo_heads / p.num_kv_heads;
+  const int kvh = vhead / per_kv_head, v = vhead - kvh * per_kv_head;
+  const int j = v / p.q_group, head = kvh * p.q_group + (v - j * p.q_group);
+  const int4 rows = request_rows(p, req);
+  return j < rows.y ? (i64)(rows.x + j) * (p.num_kv_heads * p.q_group) + head : -1;
+}
+#endif
+
 // Writes the output (and lse) of a merged state: four dims at `dim` of output row `row`
-// (request x num_qo_heads + qo head).
+// (request x num_qo_heads + qo head; with MULTI_TOKEN, a virtual head, mapped by query_row).
 __device__ __forceinline__ void write_output_slot(const DecodeParams& p, i64 row, int dim,
                                                   SlotState state) {
+#if MULTI_TOKEN
+  row = query_row(p, (int)(row / p.num_qo_heads), (int)(row % p.num_qo_heads));
+  if (row < 0) return;
+  const int num_heads = p.num_kv_heads * p.q_group;
+#else
+  const int num_heads = p.num_qo_heads;
+#endif
   if (p.sinks != nullptr) {   // the head's sink joins its softmax here, once, whatever merged
-    const int head = (int)(row % p.num_qo_heads);
+    const int head = (int)(row % num_heads);
     state.add_logit(__uint_as_float(ld_after_wait_u32(p.sinks + head)) * SPLITKV_LOG2E);
   }
   const float4 o = state.output();
@@ -529,6 +561,37 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   // Q as MMA A-fragments, one row tile per warp; rows past the group are zero. (Loaded with
   // ld_after_wait_u32: with PDL, q may be the previous kernel's output.)
   u32 qf[KSTEPS][4];
+#if MULTI_TOKEN
+  // Each of this lane's rows g, g + 8 is a query row's head (query_row), or nothing; a row sees
+  // the tokens before row_end: its own position + 1 (and the chunk's end)
+  int row_end[2];
+  const int4 req_rows = request_rows(params, req);
+  const int causal_start = req_rows.z - req_rows.y + 1;   // row 0's end: the first it masks
+  {
+    const int r0 = warp_m * 16 + g, r1 = r0 + 8;
+    const i64 qr0 = r0 < rows_valid ? query_row(params, req, head0 + r0) : -1;
+    const i64 qr1 = r1 < rows_valid ? query_row(params, req, head0 + r1) : -1;
+    const int j0 = (head0 - kvh * group + r0) / params.q_group;
+    const int j1 = (head0 - kvh * group + r1) / params.q_group;
+    row_end[0] = min(tok_end, causal_start + j0);
+    row_end[1] = min(tok_end, causal_start + j1);
+    const u16* q0 = params.q + (qr0 < 0 ? 0 : qr0) * HEAD_DIM;
+    const u16* q1 = params.q + (qr1 < 0 ? 0 : qr1) * HEAD_DIM;
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+#if KV_FP8
+      const int c0 = fp8_q_dim(ks, t), c1 = c0 + 2;
+#else
+      const int c0 = ks * 16 + 2 * t, c1 = c0 + 8;
+#endif
+      qf[ks][0] = qr0 >= 0 ? ld_after_wait_u32(q0 + c0) : 0u;
+      qf[ks][1] = qr1 >= 0 ? ld_after_wait_u32(q1 + c0) : 0u;
+      qf[ks][2] = qr0 >= 0 ? ld_after_wait_u32(q0 + c1) : 0u;
+      qf[ks][3] = qr1 >= 0 ? ld_after_wait_u32(q1 + c1) : 0u;
+    }
+  }
+  const int mask_from = min(tok_end, causal_start);   // tiles reaching it take the masked path
+#else
   {
     const int r0 = warp_m * 16 + g, r1 = r0 + 8;
     const u16* q_rows = params.q + ((i64)req * params.num_qo_heads + head0) * HEAD_DIM;
@@ -545,6 +608,8 @@ decode_partial(const __grid_constant__ DecodeParams params) {
       qf[ks][3] = r1 < rows_valid ? ld_after_wait_u32(q_rows + r1 * HEAD_DIM + c1) : 0u;
     }
   }
+  const int mask_from = tok_end;
+#endif
 #if KV_FP8 && SPLITKV_BF16
   // bfloat16 q to float16 for the float16 MMAs, each row times 2**e that brings its largest
   // finite |q| into [2**14, 2**15): exact wherever float16 is normal (bfloat16 has fewer
@@ -658,7 +723,8 @@ decode_partial(const __grid_constant__ DecodeParams params) {
 
     // Online softmax over the tile, in base 2; masked tokens get -inf.
     float tile_max[2] = {SPLITKV_NEG_INF, SPLITKV_NEG_INF};
-    const bool partial_tile = tile_tok0 + TILE_N > tok_end;   // only the last tile is masked
+    // only the last tile is masked (with MULTI_TOKEN, every tile that reaches row 0's end)
+    const bool partial_tile = tile_tok0 + TILE_N > mask_from;
     auto scale_scores = [&](bool masked, bool upper) {
 #pragma unroll
       for (int st = 0; st < SUBTILES; ++st)
@@ -672,7 +738,11 @@ decode_partial(const __grid_constant__ DecodeParams params) {
             v = v == SPLITKV_NEG_INF ? __int_as_float(0x7fc00000) : v;
             if (masked) {
               const int tok = tile_tok0 + warp_n * TOK_PER_WARP + st * 16 + nt * 8 + 2 * t + (e & 1);
+#if MULTI_TOKEN
+              v = tok < row_end[e >> 1] ? v : SPLITKV_NEG_INF;
+#else
               v = tok < tok_end ? v : SPLITKV_NEG_INF;
+#endif
             }
             s[st][nt][e] = v;
             tile_max[e >> 1] = fmaxf(tile_max[e >> 1], v);
@@ -858,5 +928,8 @@ merge_partials(const __grid_constant__ DecodeParams params) {
   const int req = row / params.num_qo_heads, head = row % params.num_qo_heads;
   const int lo = __ldg(params.merge_indptr + req), hi = __ldg(params.merge_indptr + req + 1);
   if (hi - lo <= 1) return;  // the partial kernel wrote this row directly
+#if MULTI_TOKEN
+  if (query_row(params, req, head) < 0) return;   // past the request's query rows
+#endif
   write_output_slot(params, row, dim, merge_workspace(params, lo, hi, head, dim));
 }

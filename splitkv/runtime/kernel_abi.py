@@ -54,6 +54,8 @@ class DecodeParams(ctypes.Structure):
         ("logits_soft_cap_log2", ctypes.c_float),
         ("sinks", _POINTER),
         ("head_stride", ctypes.c_int64),
+        ("query_rows", _POINTER),
+        ("q_group", ctypes.c_int),
     ]
 
 

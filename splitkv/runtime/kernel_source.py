@@ -53,8 +53,9 @@ class DecodeVariant:
     cluster: int = 0    # S > 1: the S chunks of each request run as one thread-block cluster
                         # and merge through distributed shared memory (sm_90+); 0 = no cluster
     kv_dtype: str = ""  # "" (K/V in dtype), or an fp8 format: K/V are fp8 codes (KV_FP8)
-    num_warps: int = WARPS_PER_CTA   # NUM_WARPS: 4, or 8 (an experiment: 128-token tiles)
+    num_warps: int = WARPS_PER_CTA   # NUM_WARPS: 4, or 8 (128-token tiles, lone fp8 CTAs)
     soft_cap: int = 0   # 1: the build that applies the logits soft cap (SOFT_CAP)
+    multi_token: int = 0   # 1: multi-token decode, rows of (query row, head) (MULTI_TOKEN)
 
     def __post_init__(self):
         if self.kv_dtype not in ("", *KV_FP8_CODES):
@@ -105,7 +106,7 @@ class DecodeVariant:
                 "ROW_TILES": self.row_tiles, "STAGES": self.stages, "NUM_WARPS": self.num_warps,
                 "MAX_REGISTERS": self.max_registers, "CLUSTER": self.cluster,
                 "RECORD_PAGES": RECORD_PAGES, "KV_FP8": KV_FP8_CODES.get(self.kv_dtype, 0),
-                "SOFT_CAP": self.soft_cap}
+                "SOFT_CAP": self.soft_cap, "MULTI_TOKEN": self.multi_token}
 
     @property
     def name(self) -> str:
@@ -114,6 +115,7 @@ class DecodeVariant:
         kv = f"_kv_{self.kv_dtype.split('_')[1]}" if self.kv_dtype else ""
         kv += f"_w{self.num_warps}" if self.num_warps != WARPS_PER_CTA else ""
         kv += "_softcap" if self.soft_cap else ""
+        kv += "_mt" if self.multi_token else ""
         return (f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}_s{self.stages}{regs}{cluster}"
                 f"{kv}")
 
@@ -127,10 +129,15 @@ class DecodeVariant:
     def for_problem(dtype: str, head_dim: int, group_size: int, stages: int = 0,
                     max_registers: int = 0, cluster: int = 0,
                     kv_dtype: str = "", num_warps: int = WARPS_PER_CTA) -> "DecodeVariant":
-        rows = min(group_size, MAX_HEADS_PER_CTA)
-        row_tiles = 1 if rows <= 16 else 2 if rows <= 32 else 4
-        return DecodeVariant(dtype, head_dim, row_tiles, stages, max_registers, cluster,
-                             kv_dtype or "", num_warps)
+        return DecodeVariant(dtype, head_dim, row_tiles_for(group_size), stages, max_registers,
+                             cluster, kv_dtype or "", num_warps)
+
+
+def row_tiles_for(group_size: int) -> int:
+    """ROW_TILES of a CTA whose kv head has ``group_size`` query heads (with multi-token
+    decode, q_len x the group): row tiles of 16 up to MAX_HEADS_PER_CTA rows."""
+    rows = min(group_size, MAX_HEADS_PER_CTA)
+    return 1 if rows <= 16 else 2 if rows <= 32 else 4
 
 
 def all_variants() -> list[DecodeVariant]:

@@ -89,13 +89,16 @@ class PlanUpload:
         self._capacity = 0          # int32 elements
         self._host = self._device = self.ready = None
 
-    def upload(self, records: np.ndarray, page_table: PageTable, plan: Plan, stream) -> dict:
+    def upload(self, records: np.ndarray, page_table: PageTable, plan: Plan, stream,
+               extra: dict | None = None) -> dict:
         """Copy on ``stream``; returns the device pointers {"records", "kv_indices",
-        "merge_indptr"}."""
+        "merge_indptr"} and one per ``extra`` part (name -> int32 host array)."""
         import cupy
 
         parts = {"records": records.view(np.int32), "kv_indices": page_table.kv_indices,
-                 "merge_indptr": plan.merge_indptr}
+                 "merge_indptr": plan.merge_indptr,
+                 **{name: np.ascontiguousarray(a, np.int32).ravel()
+                    for name, a in (extra or {}).items()}}
         sizes = [-(-max(1, a.size) // 4) * 4 for a in parts.values()]   # 16-byte aligned parts
         total = int(sum(sizes))
         if total > self._capacity:

@@ -35,6 +35,7 @@ from ..core.geometry import RECORD_PAGES, WARPS_PER_CTA, ctas_per_kv_head
 from ..core.plan import Plan
 from ..core.problem import DecodeProblem, PageTable
 from ..core.layouts import check_kv_layout
+from ..core import variants as VA
 from ..core.variants import check_variant
 from . import require_gpu
 from .arrays import (as_cupy_stream, as_device_array, cupy_storage_dtype, nhd_view,
@@ -43,7 +44,7 @@ from .experiments import DecodeExperiments
 from .features import (check_option, one_per_sm_shared_bytes, plan_warps, sm90_option,
                        spreads_one_per_sm)
 from .kernel_abi import DecodeParams
-from .kernel_source import DecodeVariant
+from .kernel_source import DecodeVariant, row_tiles_for
 from .launch import DecodeLaunch, KernelLaunch, current_context
 from .modules import get_decode_kernels
 from .records import (GraphPlanUpload, PlanUpload, chunk_records, first_pages,  # noqa: F401
@@ -129,6 +130,7 @@ class BatchDecodeWrapper:
         self._plan: Plan | None = None
         self._launch: DecodeLaunch | None = None
         self._bound_variant: DecodeVariant | None = None   # the variant _bind() launched
+        self._query_rows = None               # the current plan's multi-token rows, if any
         self._upload = PlanUpload()
         self._workspace = Workspace(self.head_dim)
         self._logits_soft_cap_log2 = 0.0      # plan()'s logits_soft_cap, as the kernels hold it
@@ -252,7 +254,8 @@ class BatchDecodeWrapper:
              kv_last_page_len=None, block_table=None, seq_lens=None,
              num_splits: int | None = None, strategy: str | None = None,
              plan: Plan | None = None, sm_scale: float | None = None, stream=None,
-             window_left: int | None = None, logits_soft_cap: float | None = None) -> Plan:
+             window_left: int | None = None, logits_soft_cap: float | None = None,
+             qo_indptr=None) -> Plan:
         """Choose and upload the decomposition for this batch. Host work plus one upload.
 
         The batch's pages: a ``PageTable``, or FlashInfer's ``kv_indptr`` [batch + 1],
@@ -268,7 +271,13 @@ class BatchDecodeWrapper:
         (Gemma-2, FlashInfer's name): each score s = sm_scale q.k becomes cap * tanh(s / cap)
         before the softmax, in the runs after this plan; None or 0: no cap. The cap runs in a
         build of the kernels of its own; a graph-stable wrapper keeps its first plan's cap on or
-        off (its value may change). Returns the plan as it runs.
+        off (its value may change). ``qo_indptr`` (multi-token decode, FlashInfer's name: a
+        host integer array [batch + 1]): request b has qo_indptr[b+1] - qo_indptr[b] query rows,
+        1 to 16, the last positions of its KV, causal among themselves; ``run()``'s q, out and
+        lse then have qo_indptr[-1] rows. Each request's KV is read once for all its rows: the
+        kernel packs (query row, head) pairs into its MMA rows, so the plan's problem counts
+        max_q_len x num_qo_heads query heads. Per-shape wrappers only, without a window, so far.
+        Returns the plan as it runs.
         """
         require_gpu("BatchDecodeWrapper.plan()")
         import cupy
@@ -285,6 +294,8 @@ class BatchDecodeWrapper:
                              f"wrapper's page_size {self.page_size}")
         s = as_cupy_stream(stream)
         soft_cap_log2 = self._soft_cap_log2(logits_soft_cap)
+        query_rows = self._check_query_rows(qo_indptr, page_table, plan, window_left)
+        heads = self.num_qo_heads * (query_rows.max_q_len if query_rows else 1)
         max_page = int(page_table.kv_indices.max()) if page_table.kv_indices.size else -1
         if self.use_cuda_graph:
             self._check_fits(page_table, max_page, s)
@@ -301,7 +312,7 @@ class BatchDecodeWrapper:
             from ..planner import choose_plan
 
             problem = DecodeProblem.from_page_table(
-                page_table, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.dtype,
+                page_table, heads, self.num_kv_heads, self.head_dim, self.dtype,
                 window_left=-1 if window_left is None else window_left)
             model = self.profile.cost_model(self.kv_dtype, graph_stable=self.use_cuda_graph)
             if not clusters:                     # predict the ticket merge that will run
@@ -318,28 +329,57 @@ class BatchDecodeWrapper:
             self._foreign_pending = False
         if self.use_cuda_graph:
             return self._plan_graph(chosen, page_table, s, sm_scale_log2, max_page, soft_cap_log2)
-        ctas = chosen.num_work_items * self.ctas_per_kv_head
+        group = heads // self.num_kv_heads     # with multi-token decode, q_len x the group
+        per_kv_head = ctas_per_kv_head(group)
+        ctas = chosen.num_work_items * per_kv_head
         kernels = get_decode_kernels(replace(
             self.variant, cluster=chosen.cluster_size, soft_cap=int(soft_cap_log2 > 0),
             num_warps=plan_warps(self.kv_dtype, ctas, self.experiments.warps),
-            stages=self.experiments.stages or 0))
+            stages=self.experiments.stages or 0, row_tiles=row_tiles_for(group),
+            multi_token=int(query_rows is not None)))
         stages = kernels.variant.stages
         tile = kernels.variant.tile_tokens
         in_record = pages_fit_record(chosen, self.page_size, stages, tile)
         records = chunk_records(chosen, page_table, grid_order(chosen),
                                 record_pages_needed(self.page_size, stages, tile) if in_record else 0)
-        meta = self._upload.upload(records, page_table, chosen, s)
-        self._workspace.ensure(chosen, self.ctas_per_kv_head, s)
+        extra = None
+        if query_rows is not None:   # {first row, q_len, KV length, 0} a request (decode.cu)
+            extra = {"query_rows": np.stack([query_rows.first, query_rows.count,
+                                             page_table.kv_lens, 0 * query_rows.count], 1)}
+        meta = self._upload.upload(records, page_table, chosen, s, extra)
+        self._workspace.ensure(chosen, per_kv_head, s)
         self._upload.ready.record(s)          # run() on another stream waits for the uploads
         self._launch = self._bind(kernels, meta, chosen.num_chunks, chosen.problem.batch_size,
                                   chosen.cluster_size, chosen.merge == "merge_kernel", in_record,
-                                  sm_scale_log2)
+                                  sm_scale_log2, heads=heads, per_kv_head=per_kv_head)
+        self._query_rows = query_rows
         self._device_id = cupy.cuda.runtime.getDevice()
         self._pages_in_record = in_record
         self._plan_stream = s
         self._plan, self._max_page = chosen, max_page
         self._logits_soft_cap_log2 = soft_cap_log2
         return chosen
+
+    def _check_query_rows(self, qo_indptr, page_table: PageTable, plan, window_left):
+        """plan()'s ``qo_indptr`` checked (``core.variants.query_rows``): None when every
+        request has one query row, else the QueryRows the kernels read."""
+        if qo_indptr is None:
+            return None
+        rows = VA.query_rows(qo_indptr, page_table.kv_lens)
+        if rows.max_q_len == 1:
+            return None
+        if self.use_cuda_graph:
+            raise ValueError("qo_indptr: multi-token decode runs on per-shape wrappers so far; "
+                             "a graph-stable wrapper (use_cuda_graph=True) has one query row a "
+                             "request")
+        if plan is not None:
+            raise ValueError("qo_indptr: pass num_splits / strategy rather than a plan; the "
+                             "planner sizes a multi-token plan's rows itself")
+        if window_left is not None and window_left >= 0:
+            raise ValueError("qo_indptr: a plan made with window_left covers each request's "
+                             "last window_left + 1 tokens, which rows before the last one need "
+                             "more of; multi-token decode takes no window so far")
+        return rows
 
     def _graph_kernels(self, soft_cap_log2: float):
         """A graph-stable wrapper's kernels: bound with its first plan (the captured launches
@@ -615,22 +655,29 @@ class BatchDecodeWrapper:
 
     def _bind(self, kernels, meta: dict, num_chunks: int, batch_size: int, cluster_size: int,
               merge: bool, pages_in_record: bool, sm_scale_log2: float,
-              spread: bool | None = None, device_planned: bool = False) -> DecodeLaunch:
+              spread: bool | None = None, device_planned: bool = False,
+              heads: int | None = None, per_kv_head: int | None = None) -> DecodeLaunch:
         """The launches of a grid of ``num_chunks`` chunks and their DecodeParams, all but the
         tensors; ``merge``: with the merge kernel, over ``batch_size`` requests; ``spread``:
-        one CTA per SM under PDL (None: the experiments' choice, else the grid's rule)."""
+        one CTA per SM under PDL (None: the experiments' choice, else the grid's rule).
+        ``heads`` and ``per_kv_head``: the kernels' query heads and CTAs per kv head (with
+        multi-token decode, virtual heads: ``meta["query_rows"]`` maps them); default: the
+        wrapper's."""
         pdl = sm90_option("pdl", self.pdl, "programmatic dependent launch")
+        heads = heads or self.num_qo_heads
+        per_kv_head = per_kv_head or self.ctas_per_kv_head
         ws = self._workspace
         params = DecodeParams(
             kv_indices=meta["kv_indices"], records=meta["records"],
             merge_indptr=meta["merge_indptr"], partial_o=ws.partial_o.data.ptr,
             partial_lse=ws.partial_lse.data.ptr, counters=ws.counters.data.ptr,
-            batch_size=batch_size, num_qo_heads=self.num_qo_heads,
-            num_kv_heads=self.num_kv_heads, ctas_per_kv_head=self.ctas_per_kv_head,
+            batch_size=batch_size, num_qo_heads=heads,
+            num_kv_heads=self.num_kv_heads, ctas_per_kv_head=per_kv_head,
             page_size=self.page_size, sm_scale_log2=sm_scale_log2,
             pages_in_record=int(pages_in_record),
-            pdl_early_trigger=int(pdl and self.experiments.pdl_trigger == "early"))
-        grid = num_chunks * self.num_kv_heads * self.ctas_per_kv_head
+            pdl_early_trigger=int(pdl and self.experiments.pdl_trigger == "early"),
+            query_rows=meta.get("query_rows", 0), q_group=self.group_size)
+        grid = num_chunks * self.num_kv_heads * per_kv_head
         shared = kernels.variant.shared_bytes
         if spread is None:
             spread = self.experiments.pdl_spread
@@ -646,7 +693,7 @@ class BatchDecodeWrapper:
         merge_launch = None
         if merge:
             # one thread per (request, qo head, 4 dims)
-            slots = batch_size * self.num_qo_heads * (self.head_dim // 4)
+            slots = batch_size * heads * (self.head_dim // 4)
             merge_launch = KernelLaunch(kernels.merge, -(-slots // threads), threads, 0, pdl=pdl)
         self._bound_variant = kernels.variant
         return DecodeLaunch(params, partial, merge_launch, current_context(), plain)
@@ -678,6 +725,8 @@ class BatchDecodeWrapper:
         if plan is None and self._device_planner is None:
             raise RuntimeError("run: call plan() (or, graph-stable, plan_on_device()) first")
         batch = self._capacity[0] if self.use_cuda_graph else plan.problem.batch_size
+        if self._query_rows is not None:      # multi-token decode: q has each query row
+            batch = self._query_rows.num_rows
         qa = as_device_array("q", q)
         ka, va = split_kv_arrays(k_cache, v_cache)
         if self.kv_layout == "HND":          # [pages, heads, page, dim]: read as an NHD view

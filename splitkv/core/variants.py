@@ -1,5 +1,5 @@
 """Attention variants of today's models, as the host paths compute them (the GPU kernels run
-the window, the soft cap and the sinks too; multi-token decode is host-only so far: issue 16),
+the window, the soft cap, the sinks and multi-token decode too, the last without a window),
 with the names FlashInfer and vLLM users know:
 
 - ``window_left`` (sliding window, Mistral / Gemma / gpt-oss): a query at position p sees KV

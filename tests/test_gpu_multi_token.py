@@ -1,7 +1,8 @@
 """Multi-token decode (``plan(qo_indptr=)``) on the GPU against the float64 reference: ragged
 and uniform query rows (1 to 16 a request, causal among themselves), every strategy (the
 cluster merge too), GQA groups whose q_len x group rows need one to several CTAs a kv head,
-fp8 K/V, the soft cap and sinks together; and the combinations not run yet refused by name."""
+fp8 K/V, the soft cap, sinks and a window per row together, graph-stable wrappers under a
+captured graph; and what is not supported refused by name."""
 
 from __future__ import annotations
 
@@ -37,11 +38,12 @@ def make(rng, lens, q_lens, hq, hk, d, kv_dtype=None):
     return pt, qo_indptr, q, k, v
 
 
-def check(w, pt, qo_indptr, q, k, v, kv_dtype=None, cap=None, sinks=None, **plan_kw):
+def check(w, pt, qo_indptr, q, k, v, kv_dtype=None, cap=None, sinks=None, window=-1,
+          **plan_kw):
     ref_o, ref_lse = reference_decode(q.get(), k, v, pt, kv_dtype=kv_dtype, qo_indptr=qo_indptr,
-                                      logits_soft_cap=cap,
+                                      logits_soft_cap=cap, window_left=window,
                                       sinks=None if sinks is None else sinks.astype(np.float64))
-    plan = w.plan(pt, qo_indptr=qo_indptr, logits_soft_cap=cap,
+    plan = w.plan(pt, qo_indptr=qo_indptr, logits_soft_cap=cap, window_left=window,
                   **{k_: v_ for k_, v_ in plan_kw.items() if v_ is not None})
     assert w.kernel_variant.multi_token == 1
     out = cupy.full(q.shape, 0xFFFF, cupy.uint16)     # poisoned: NaN
@@ -105,18 +107,84 @@ def test_one_row_each_is_the_plain_decode_and_plans_switch_back():
     assert err < 1e-2
 
 
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
+def test_each_row_sees_its_own_window(kv_dtype):
+    """window_left with query rows: the plan covers every row's window (window_left + max_q_len
+    - 1 back) and each row masks its own, with sinks and the soft cap, on every strategy."""
+    rng = np.random.default_rng(zlib.crc32(repr(kv_dtype).encode()))
+    lens, q_lens = [3000, 90, 1, 700, 5000], [4, 8, 1, 16, 2]
+    pt, qo_indptr, q, k, v = make(rng, lens, q_lens, 32, 8, 128, kv_dtype)
+    sinks = rng.standard_normal(32).astype(np.float32)
+    w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", kv_dtype=kv_dtype)
+    for window in (0, 5, 100, 1000, 10000):
+        for strategy, n in PLANS[:4]:
+            plan = check(w, pt, qo_indptr, q, k, v, kv_dtype, 4.0, sinks, window=window,
+                         strategy=strategy, num_splits=n)
+            assert plan.problem.window_left == window + 15
+
+
+def test_a_graph_stable_wrapper_replays_changing_multi_token_plans():
+    """max_q_len: one captured graph replays plans of changing batches, query rows (1 to
+    max_q_len, or no qo_indptr) and windows, each equal to the reference; rows past the plan's
+    are left alone."""
+    rng = np.random.default_rng(77)
+    hq, hk, d, max_batch, max_q = 32, 8, 128, 6, 8
+    pt0, _, _, k, v = make(rng, [4000] * max_batch, [1] * max_batch, hq, hk, d)
+    pool = pt0.kv_indices.size
+    kd, vd = cupy.asarray(k), cupy.asarray(v)
+    g = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", use_cuda_graph=True,
+                           max_batch_size=max_batch, max_num_pages=pool, max_q_len=max_q)
+    q = cupy.zeros((max_batch * max_q, hq, d), cupy.uint16)
+    out = cupy.full(q.shape, 0xFFFF, cupy.uint16)
+    lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    graph = None
+    for step in range(12):
+        batch = int(rng.integers(1, max_batch + 1))
+        lens = rng.integers(1, 4000, batch)
+        q_lens = np.minimum(rng.integers(1, max_q + 1, batch), lens)
+        table = scattered_page_table(lens, 16, rng, extra_pages=0)[0]   # pages < the pool's
+        indptr = None if step % 4 == 3 else np.concatenate([[0], np.cumsum(q_lens)])
+        rows = batch if indptr is None else int(indptr[-1])
+        window = [-1, 300, 2000][step % 3]
+        g.plan(table, qo_indptr=indptr, window_left=window, stream=stream,
+               **([{}, {"num_splits": 3, "strategy": "split_merge"},
+                   {"num_splits": 2, "strategy": "fused"}][step % 3]))
+        with stream:
+            q[:rows] = random_device_array((rows, hq, d), "bfloat16", rng)
+            out.fill(0xFFFF)
+        if graph is None:
+            stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeGlobal)
+            g.run(q, kd, vd, out=out, lse=lse, stream=stream)
+            graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        ref_o, ref_lse = reference_decode(q[:rows].get(), k, v, table, qo_indptr=indptr,
+                                          window_left=window)
+        assert_matches_reference(to_float64(out[:rows].get()), lse[:rows].get(), ref_o, ref_lse,
+                                 1e-2, f"step {step}: {g.current_plan}")
+        assert (out[rows:].get() == 0xFFFF).all(), f"step {step}: rows past the plan written"
+
+
 def test_what_multi_token_decode_does_not_take_yet_is_refused_by_name():
     rng = np.random.default_rng(6)
     pt, qo_indptr, q, k, v = make(rng, [900, 40], [3, 2], 32, 8, 128)
     w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16")
-    with pytest.raises(ValueError, match="qo_indptr: a plan made with window_left"):
-        w.plan(pt, qo_indptr=qo_indptr, window_left=100)
     with pytest.raises(ValueError, match="qo_indptr: pass num_splits"):
         w.plan(pt, qo_indptr=qo_indptr, plan=w.plan(pt))
+    with pytest.raises(ValueError, match="max_q_len: a capacity is for a graph-stable"):
+        BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", max_q_len=4)
     g = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", use_cuda_graph=True, max_batch_size=2,
                            max_num_pages=pt.kv_indices.size)
-    with pytest.raises(ValueError, match="qo_indptr: multi-token decode runs on per-shape"):
+    with pytest.raises(ValueError, match="qo_indptr: request 0 has 3 query rows; this "
+                                         "graph-stable wrapper's captured launch holds "
+                                         "max_q_len=1"):
         g.plan(pt, qo_indptr=qo_indptr)
+    g4 = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", use_cuda_graph=True, max_batch_size=2,
+                            max_num_pages=pt.kv_indices.size, max_q_len=4)
+    with pytest.raises(ValueError, match="plan_on_device: plans one query row"):
+        g4.plan_on_device(seq_lens=cupy.asarray(pt.kv_lens, cupy.int32),
+                          block_table=cupy.zeros((2, 60), cupy.int32))
     with pytest.raises(ValueError, match="qo_indptr: request 1 has 17 query rows"):
         w.plan(pt, qo_indptr=[0, 3, 20])
     with pytest.raises(ValueError, match="qo_indptr: expected 3 elements"):

@@ -77,8 +77,12 @@ def test_windowed_plans_refuse_what_they_cannot_serve(rng):
     with pytest.raises(ValueError, match="window_left: the plan was made for window_left=50"):
         execute_plan_cpu(plan, b.q, b.k_cache, b.v_cache, b.page_table, window_left=10)
     q = rng.standard_normal((4, 8, 64))
-    with pytest.raises(ValueError, match="qo_indptr: a plan made with window_left"):
+    with pytest.raises(ValueError, match="window_left: a plan made for window_left=50 runs "
+                                         "query rows"):
         execute_plan_cpu(plan, q, b.k_cache, b.v_cache, b.page_table, qo_indptr=[0, 2, 4])
+    with pytest.raises(ValueError, match="qo_indptr: 2 query rows with window_left=50 need"):
+        execute_plan_cpu(plan, q, b.k_cache, b.v_cache, b.page_table, qo_indptr=[0, 2, 4],
+                         window_left=50)
     with pytest.raises(ValueError, match="window_left"):
         DecodeProblem([10], 8, 2, 64, 16, window_left=-5)
     plain = plan_fixed_splits(DecodeProblem.from_page_table(b.page_table, 8, 2, 64, "float16"),
@@ -87,3 +91,31 @@ def test_windowed_plans_refuse_what_they_cannot_serve(rng):
                                          "at token 249 \\(its window\\)"):
         type(plan)(problem, "split_merge", plain.chunk_request, plain.chunk_start,
                    plain.chunk_end, plain.merge_indptr)
+
+
+@pytest.mark.parametrize("strategy,splits", [("single", 1), ("split_merge", 3), ("fused", 5)])
+def test_multi_token_rows_run_on_a_plan_that_covers_every_rows_window(rng, strategy, splits):
+    """Query rows under a window: the plan covers window_left + max_q_len - 1 tokens back
+    (``covering_window_left``, what the GPU wrapper plans) and each row masks its own window;
+    a plan of the bare window is refused by name, as is one without the call's window."""
+    from splitkv.core.variants import covering_window_left
+
+    b = build_batch(rng, [300, 1, 129, 0, 700], num_qo_heads=8, num_kv_heads=2, head_dim=64)
+    qo_indptr = np.array([0, 4, 5, 8, 9, 13])
+    q = rng.standard_normal((13, 8, 64))
+    assert covering_window_left(50, 4) == 53 and covering_window_left(-1, 4) == -1
+    covering = DecodeProblem.from_page_table(b.page_table, 8, 2, 64, "float16", window_left=53)
+    plan = plan_fixed_splits(covering, splits, strategy)
+    out, lse = execute_plan_cpu(plan, q, b.k_cache, b.v_cache, b.page_table, window_left=50,
+                                qo_indptr=qo_indptr, logits_soft_cap=3.0)
+    want_o, want_lse = reference_decode(q, b.k_cache, b.v_cache, b.page_table, window_left=50,
+                                        qo_indptr=qo_indptr, logits_soft_cap=3.0)
+    np.testing.assert_allclose(out, want_o, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+    bare = plan_fixed_splits(DecodeProblem.from_page_table(b.page_table, 8, 2, 64, "float16",
+                                                           window_left=50), splits, strategy)
+    with pytest.raises(ValueError, match="need a plan that covers window_left=53"):
+        execute_plan_cpu(bare, q, b.k_cache, b.v_cache, b.page_table, window_left=50,
+                         qo_indptr=qo_indptr)
+    with pytest.raises(ValueError, match="give it"):
+        execute_plan_cpu(plan, q, b.k_cache, b.v_cache, b.page_table, qo_indptr=qo_indptr)

@@ -33,13 +33,22 @@ def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
                              kv_dtype=fmt)
     sm_scale = V.check_sm_scale(sm_scale, p.head_dim)
     variant = VA.check_variant(p.num_qo_heads, window_left, logits_soft_cap)
-    if p.windowed:      # a plan over windows: its chunks are the window, as on the GPU
+    if p.windowed and rows.max_q_len > 1:
+        # several rows: the plan covers every row's window and each row masks its own, as the
+        # GPU's multi-token build does
+        if variant.window_left < 0:
+            raise ValueError(f"window_left: a plan made for window_left={p.window_left} runs "
+                             "query rows of the window they were planned for; give it")
+        need = VA.covering_window_left(variant.window_left, rows.max_q_len)
+        if p.window_left < need:
+            raise ValueError(f"qo_indptr: {rows.max_q_len} query rows with window_left="
+                             f"{variant.window_left} need a plan that covers window_left={need} "
+                             f"(variants.covering_window_left); the plan covers "
+                             f"{p.window_left}")
+    elif p.windowed:    # a plan over windows: its chunks are the window, as on the GPU
         if variant.window_left not in (-1, p.window_left):
             raise ValueError(f"window_left: the plan was made for window_left={p.window_left}, "
                              f"this call has {variant.window_left}")
-        if rows.max_q_len > 1:
-            raise ValueError("qo_indptr: a plan made with window_left covers each request's last "
-                             "window_left + 1 tokens, which rows before the last one need more of")
         # no mask: the chunks alone say what is read (a plan that read more would be wrong here
         # as it would be on the GPU, whose kernels mask nothing before a chunk)
         variant = VA.Variant(-1, variant.logits_soft_cap)

@@ -15,7 +15,8 @@ with the names FlashInfer and vLLM users know:
   - qo_indptr[b] query rows (1 to ``MAX_Q_LEN``), the last q_len_b positions of its KV, causal
   among themselves: row j sees positions up to kv_len - q_len_b + j. q is then [qo_indptr[-1],
   num_qo_heads, head_dim]. A request with no KV has one query row (its output is zeros, or
-  only its sink).
+  only its sink). With a window, each row sees its own (position - window_left .. position);
+  a plan then covers every row's window (``covering_window_left``) and masks per row.
 
 The non-finite rule of the plain path holds: a NaN or Inf in q or K (a non-finite raw score,
 before the cap) makes that row and head NaN.
@@ -117,6 +118,13 @@ def query_rows(qo_indptr, kv_lens: np.ndarray) -> QueryRows:
         raise ValueError(f"qo_indptr: request {b} has {counts[b]} query rows but {kv_lens[b]} "
                          f"KV tokens; its new tokens are the last q_len of its KV")
     return QueryRows(indptr[:-1].astype(np.int64), counts.astype(np.int64), int(indptr[-1]))
+
+
+def covering_window_left(window_left: int, max_q_len: int) -> int:
+    """The window a plan must cover so that each of up to ``max_q_len`` query rows finds its
+    own window in the plan's chunks: the last row's window_left + 1 tokens and the rows before
+    it (-1: no window)."""
+    return -1 if window_left < 0 else window_left + max_q_len - 1
 
 
 def visible(position: int, kv_len: int, window_left: int) -> tuple[int, int]:

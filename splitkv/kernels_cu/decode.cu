@@ -177,7 +177,8 @@ __device__ __forceinline__ void ld_shared_words(u32 (&w)[WORDS], u32 addr) {
 #endif
 
 #if MULTI_TOKEN
-// A request's entry of DecodeParams::query_rows: {first query row, q_len, KV length, 0}.
+// A request's entry of DecodeParams::query_rows: {first query row, q_len, KV length,
+// window_left}.
 __device__ __forceinline__ int4 request_rows(const DecodeParams& p, int req) {
   return __ldg(reinterpret_cast<const int4*>(p.query_rows) + req);
 }
@@ -563,10 +564,12 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   u32 qf[KSTEPS][4];
 #if MULTI_TOKEN
   // Each of this lane's rows g, g + 8 is a query row's head (query_row), or nothing; a row sees
-  // the tokens before row_end: its own position + 1 (and the chunk's end)
-  int row_end[2];
+  // the tokens from row_lo (its window's first, 0 without one) to before row_end: its own
+  // position + 1 (and the chunk's end)
+  int row_end[2], row_lo[2];
   const int4 req_rows = request_rows(params, req);
   const int causal_start = req_rows.z - req_rows.y + 1;   // row 0's end: the first it masks
+  const int window = req_rows.w;
   {
     const int r0 = warp_m * 16 + g, r1 = r0 + 8;
     const i64 qr0 = r0 < rows_valid ? query_row(params, req, head0 + r0) : -1;
@@ -575,6 +578,8 @@ decode_partial(const __grid_constant__ DecodeParams params) {
     const int j1 = (head0 - kvh * group + r1) / params.q_group;
     row_end[0] = min(tok_end, causal_start + j0);
     row_end[1] = min(tok_end, causal_start + j1);
+    row_lo[0] = window < 0 ? 0 : causal_start - 1 + j0 - window;
+    row_lo[1] = window < 0 ? 0 : causal_start - 1 + j1 - window;
     const u16* q0 = params.q + (qr0 < 0 ? 0 : qr0) * HEAD_DIM;
     const u16* q1 = params.q + (qr1 < 0 ? 0 : qr1) * HEAD_DIM;
 #pragma unroll
@@ -591,6 +596,8 @@ decode_partial(const __grid_constant__ DecodeParams params) {
     }
   }
   const int mask_from = min(tok_end, causal_start);   // tiles reaching it take the masked path
+  // and so do tiles before the last row's window start (the latest of the rows')
+  const int mask_below = window < 0 ? 0 : req_rows.z - 1 - window;
 #else
   {
     const int r0 = warp_m * 16 + g, r1 = r0 + 8;
@@ -723,8 +730,13 @@ decode_partial(const __grid_constant__ DecodeParams params) {
 
     // Online softmax over the tile, in base 2; masked tokens get -inf.
     float tile_max[2] = {SPLITKV_NEG_INF, SPLITKV_NEG_INF};
-    // only the last tile is masked (with MULTI_TOKEN, every tile that reaches row 0's end)
+    // only the last tile is masked (with MULTI_TOKEN, every tile that reaches row 0's end, or
+    // starts before the last row's window)
+#if MULTI_TOKEN
+    const bool partial_tile = tile_tok0 + TILE_N > mask_from || tile_tok0 < mask_below;
+#else
     const bool partial_tile = tile_tok0 + TILE_N > mask_from;
+#endif
     auto scale_scores = [&](bool masked, bool upper) {
 #pragma unroll
       for (int st = 0; st < SUBTILES; ++st)
@@ -739,7 +751,7 @@ decode_partial(const __grid_constant__ DecodeParams params) {
             if (masked) {
               const int tok = tile_tok0 + warp_n * TOK_PER_WARP + st * 16 + nt * 8 + 2 * t + (e & 1);
 #if MULTI_TOKEN
-              v = tok < row_end[e >> 1] ? v : SPLITKV_NEG_INF;
+              v = tok < row_end[e >> 1] && tok >= row_lo[e >> 1] ? v : SPLITKV_NEG_INF;
 #else
               v = tok < tok_end ? v : SPLITKV_NEG_INF;
 #endif

@@ -92,10 +92,13 @@ struct DecodeParams {
   i64 head_stride;                 // from one kv head of a token to the next (HND: page_size
                                    //   x head_dim; NHD: head_dim, or more with padded heads)
   // Multi-token decode (the MULTI_TOKEN build; unused otherwise): query_rows holds four ints a
-  // request, {first query row in q, its query rows q_len, its KV length, 0}; q_group is the
-  // model's query heads per kv head. num_qo_heads above then counts "virtual heads": each kv
-  // head has max_q_len x q_group of them, row j's heads after row j - 1's, so the kernels'
-  // rows, workspace and merges work as for a group that large (query_row maps them back).
+  // request, {first query row in q, its query rows q_len, its KV length, window_left}; q_group
+  // is the model's query heads per kv head. num_qo_heads above then counts "virtual heads":
+  // each kv head has max_q_len x q_group of them, row j's heads after row j - 1's, so the
+  // kernels' rows, workspace and merges work as for a group that large (query_row maps them
+  // back). window_left (-1: none): each row sees its own window, which the plan's chunks
+  // (covering every row's window) do not say alone; per request, so a graph-stable wrapper's
+  // plans may change it.
   const int* query_rows;
   int q_group;
 };

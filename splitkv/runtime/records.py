@@ -79,6 +79,14 @@ def idle_records(count: int) -> np.ndarray:
     return records
 
 
+def query_rows_array(rows, kv_lens: np.ndarray, window_left: int) -> np.ndarray:
+    """The multi-token build's DecodeParams::query_rows for ``rows`` (a ``QueryRows``):
+    {first row in q, q_len, KV length, window_left (-1: none)} a request, int32 [batch, 4]."""
+    out = np.empty((rows.count.size, 4), np.int32)
+    out[:, 0], out[:, 1], out[:, 2], out[:, 3] = rows.first, rows.count, kv_lens, window_left
+    return out
+
+
 class PlanUpload:
     """The device copy of each plan's records, page table and merge_indptr. Both buffers keep
     their capacity across plans; before the pinned one is rewritten, the previous copy out of it
@@ -125,12 +133,16 @@ class GraphPlanUpload:
     copied with one async copy on the plan's stream; before a host buffer is rewritten, the copy
     out of it two plans ago must have finished (a host wait on that small copy only)."""
 
-    def __init__(self, max_chunks: int, max_num_pages: int, max_batch_size: int):
+    def __init__(self, max_chunks: int, max_num_pages: int, max_batch_size: int,
+                 query_rows: bool = False):
         import cupy
 
-        # the page table last: a plan copies only as much of it as it has entries
+        # the page table last: a plan copies only as much of it as it has entries; with
+        # ``query_rows`` (a multi-token grid), four ints a request before it
         self.capacity = {"records": max_chunks * CHUNK_RECORD.itemsize // 4,
-                         "merge_indptr": max_batch_size + 1, "kv_indices": max_num_pages}
+                         "merge_indptr": max_batch_size + 1,
+                         **({"query_rows": 4 * max_batch_size} if query_rows else {}),
+                         "kv_indices": max_num_pages}
         self._sizes = [-(-max(1, n) // 4) * 4 for n in self.capacity.values()]
         total = int(sum(self._sizes))
         self._device = cupy.empty(total, dtype=np.int32)
@@ -164,15 +176,23 @@ class GraphPlanUpload:
         self._filled[i] = num_chunks
         return records[:num_chunks]
 
-    def upload(self, kv_indices: np.ndarray, merge_indptr: np.ndarray, stream) -> None:
-        """Write the page table and merge_indptr next to the records ``next_records`` gave
-        (each within its capacity: the caller checks) and copy all on ``stream``; ``ready`` is
-        then the event after the copy."""
+    def upload(self, kv_indices: np.ndarray, merge_indptr: np.ndarray, stream,
+               query_rows: np.ndarray | None = None) -> None:
+        """Write the page table and merge_indptr (and a multi-token grid's ``query_rows``, the
+        whole capacity's) next to the records ``next_records`` gave (each within its capacity:
+        the caller checks) and copy all on ``stream``; ``ready`` is then the event after the
+        copy."""
         i = self._next
         self._next ^= 1
         host = self._int_views[i]
         indptr_at = self._sizes[0]
         pages_at = indptr_at + self._sizes[1]
+        if "query_rows" in self.capacity:
+            if query_rows is None or query_rows.size != self.capacity["query_rows"]:
+                raise ValueError("query_rows: a multi-token grid's upload needs its capacity's "
+                                 "rows")
+            host[pages_at:pages_at + query_rows.size] = query_rows.ravel()
+            pages_at += self._sizes[2]
         host[indptr_at:indptr_at + merge_indptr.size] = merge_indptr
         host[pages_at:pages_at + kv_indices.size] = kv_indices
         # the rest of the page table is never read (a chunk reads its own request's entries)

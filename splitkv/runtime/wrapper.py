@@ -48,7 +48,7 @@ from .kernel_source import DecodeVariant, row_tiles_for
 from .launch import DecodeLaunch, KernelLaunch, current_context
 from .modules import get_decode_kernels
 from .records import (GraphPlanUpload, PlanUpload, chunk_records, first_pages,  # noqa: F401
-                      pages_fit_record, record_pages_needed)
+                      pages_fit_record, query_rows_array, record_pages_needed)
 from .workspace import Workspace
 
 LOG2E = 1.4426950408889634
@@ -97,6 +97,11 @@ class BatchDecodeWrapper:
         ctas_per_kv_head CTAs, and CTAs past the plan's chunks exit at once); default: at least
         max_batch_size, and 2 x SMs CTAs for a small batch's grid (one CTA per SM, see
         ``_graph_spreads``), 4 x SMs else.
+    max_q_len: a graph-stable wrapper's query rows a request for multi-token decode (1 to 16;
+        default 1): its captured launch runs the multi-token build sized for it, every plan
+        takes ``qo_indptr`` of up to that many rows a request (or none: one row each), and q,
+        out and lse have max_batch_size x max_q_len rows (rows past qo_indptr[-1] are not
+        written). Per-shape wrappers take any ``qo_indptr`` without it.
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -104,7 +109,8 @@ class BatchDecodeWrapper:
                  launch_order: str = "longest_chunks", pdl: bool | None = None,
                  experiments: DecodeExperiments | None = None, *, use_cuda_graph: bool = False,
                  max_batch_size: int | None = None, max_num_pages: int | None = None,
-                 max_chunks: int | None = None, kv_dtype=None, kv_layout: str = "NHD"):
+                 max_chunks: int | None = None, kv_dtype=None, kv_layout: str = "NHD",
+                 max_q_len: int | None = None):
         self.num_qo_heads, self.num_kv_heads = V.check_heads(num_qo_heads, num_kv_heads)
         self.head_dim = V.check_head_dim(head_dim)
         self.page_size = V.check_int("page_size", page_size, 1)
@@ -137,6 +143,9 @@ class BatchDecodeWrapper:
         self._launch_soft_cap = 0             # whether the bound launches are the cap's build
         self.use_cuda_graph = check_option("use_cuda_graph", use_cuda_graph) or False
         self._capacity = self._check_capacity(max_batch_size, max_num_pages, max_chunks)
+        self._max_q_len = self._check_max_q_len(max_q_len)
+        # a graph-stable multi-token grid: CTAs for max_q_len x the group a kv head
+        self.ctas_per_kv_head = ctas_per_kv_head(self.group_size * self._max_q_len)
         self._graph_upload: GraphPlanUpload | None = None
         self._graph_pool_pages: int | None = None    # pages of the K/V pool a run was given
         # the last run on another stream than its plan's, which the next upload must follow
@@ -170,6 +179,14 @@ class BatchDecodeWrapper:
                 raise ValueError(f"max_chunks: {max_chunks} cannot hold a batch of "
                                  f"max_batch_size={batch} (one chunk per request at the least)")
         return batch, pages, max_chunks
+
+    def _check_max_q_len(self, max_q_len) -> int:
+        if max_q_len is None:
+            return 1
+        if not self.use_cuda_graph:
+            raise ValueError("max_q_len: a capacity is for a graph-stable wrapper (pass "
+                             "use_cuda_graph=True); per-shape wrappers take any qo_indptr")
+        return V.check_int("max_q_len", max_q_len, 1, VA.MAX_Q_LEN, "MAX_Q_LEN")
 
     @property
     def max_chunks(self) -> int | None:
@@ -276,7 +293,9 @@ class BatchDecodeWrapper:
         1 to 16, the last positions of its KV, causal among themselves; ``run()``'s q, out and
         lse then have qo_indptr[-1] rows. Each request's KV is read once for all its rows: the
         kernel packs (query row, head) pairs into its MMA rows, so the plan's problem counts
-        max_q_len x num_qo_heads query heads. Per-shape wrappers only, without a window, so far.
+        max_q_len x num_qo_heads query heads (a graph-stable wrapper's: its max_q_len's). With
+        ``window_left`` each row sees its own window, and the plan covers every row's: window_left
+        + max_q_len - 1 tokens back (``core.variants.covering_window_left``).
         Returns the plan as it runs.
         """
         require_gpu("BatchDecodeWrapper.plan()")
@@ -294,8 +313,17 @@ class BatchDecodeWrapper:
                              f"wrapper's page_size {self.page_size}")
         s = as_cupy_stream(stream)
         soft_cap_log2 = self._soft_cap_log2(logits_soft_cap)
-        query_rows = self._check_query_rows(qo_indptr, page_table, plan, window_left)
-        heads = self.num_qo_heads * (query_rows.max_q_len if query_rows else 1)
+        query_rows = self._check_query_rows(qo_indptr, page_table, plan)
+        if self.use_cuda_graph:               # the captured launch's rows, whatever the plan
+            heads = self.num_qo_heads * self._max_q_len
+        else:
+            heads = self.num_qo_heads * (query_rows.max_q_len if query_rows else 1)
+        window = -1 if window_left is None else window_left
+        # several query rows: the plan covers every row's window, and each row masks its own
+        plan_window = (VA.covering_window_left(
+            V.check_int("window_left", window, -1, V.MAX_KV_LEN, "MAX_KV_LEN"),
+            query_rows.max_q_len)
+                       if query_rows is not None else window)
         max_page = int(page_table.kv_indices.max()) if page_table.kv_indices.size else -1
         if self.use_cuda_graph:
             self._check_fits(page_table, max_page, s)
@@ -313,7 +341,7 @@ class BatchDecodeWrapper:
 
             problem = DecodeProblem.from_page_table(
                 page_table, heads, self.num_kv_heads, self.head_dim, self.dtype,
-                window_left=-1 if window_left is None else window_left)
+                window_left=plan_window)
             model = self.profile.cost_model(self.kv_dtype, graph_stable=self.use_cuda_graph)
             if not clusters:                     # predict the ticket merge that will run
                 model = model.with_clusters(False)
@@ -327,8 +355,11 @@ class BatchDecodeWrapper:
         if self._foreign_pending:      # a run on another stream may still read the buffers
             s.wait_event(self._foreign_runs)
             self._foreign_pending = False
+        rows_array = (None if query_rows is None
+                      else query_rows_array(query_rows, page_table.kv_lens, window))
         if self.use_cuda_graph:
-            return self._plan_graph(chosen, page_table, s, sm_scale_log2, max_page, soft_cap_log2)
+            return self._plan_graph(chosen, page_table, s, sm_scale_log2, max_page, soft_cap_log2,
+                                    rows_array)
         group = heads // self.num_kv_heads     # with multi-token decode, q_len x the group
         per_kv_head = ctas_per_kv_head(group)
         ctas = chosen.num_work_items * per_kv_head
@@ -342,10 +373,7 @@ class BatchDecodeWrapper:
         in_record = pages_fit_record(chosen, self.page_size, stages, tile)
         records = chunk_records(chosen, page_table, grid_order(chosen),
                                 record_pages_needed(self.page_size, stages, tile) if in_record else 0)
-        extra = None
-        if query_rows is not None:   # {first row, q_len, KV length, 0} a request (decode.cu)
-            extra = {"query_rows": np.stack([query_rows.first, query_rows.count,
-                                             page_table.kv_lens, 0 * query_rows.count], 1)}
+        extra = None if rows_array is None else {"query_rows": rows_array}
         meta = self._upload.upload(records, page_table, chosen, s, extra)
         self._workspace.ensure(chosen, per_kv_head, s)
         self._upload.ready.record(s)          # run() on another stream waits for the uploads
@@ -360,40 +388,42 @@ class BatchDecodeWrapper:
         self._logits_soft_cap_log2 = soft_cap_log2
         return chosen
 
-    def _check_query_rows(self, qo_indptr, page_table: PageTable, plan, window_left):
-        """plan()'s ``qo_indptr`` checked (``core.variants.query_rows``): None when every
-        request has one query row, else the QueryRows the kernels read."""
-        if qo_indptr is None:
+    def _check_query_rows(self, qo_indptr, page_table: PageTable, plan):
+        """plan()'s ``qo_indptr`` checked (``core.variants.query_rows``): the QueryRows the
+        multi-token build reads, or None where the plain build runs (one query row a request,
+        and not a graph-stable wrapper made for more)."""
+        cap = self._max_q_len
+        if qo_indptr is None and cap == 1:
             return None
         rows = VA.query_rows(qo_indptr, page_table.kv_lens)
-        if rows.max_q_len == 1:
+        if self.use_cuda_graph and rows.max_q_len > cap:
+            b = int(np.argmax(rows.count))
+            raise ValueError(f"qo_indptr: request {b} has {rows.count[b]} query rows; this "
+                             f"graph-stable wrapper's captured launch holds max_q_len={cap} "
+                             "(BatchDecodeWrapper(..., max_q_len=))")
+        if max(cap, rows.max_q_len) == 1:
             return None
-        if self.use_cuda_graph:
-            raise ValueError("qo_indptr: multi-token decode runs on per-shape wrappers so far; "
-                             "a graph-stable wrapper (use_cuda_graph=True) has one query row a "
-                             "request")
         if plan is not None:
             raise ValueError("qo_indptr: pass num_splits / strategy rather than a plan; the "
                              "planner sizes a multi-token plan's rows itself")
-        if window_left is not None and window_left >= 0:
-            raise ValueError("qo_indptr: a plan made with window_left covers each request's "
-                             "last window_left + 1 tokens, which rows before the last one need "
-                             "more of; multi-token decode takes no window so far")
         return rows
 
     def _graph_kernels(self, soft_cap_log2: float):
         """A graph-stable wrapper's kernels: bound with its first plan (the captured launches
         hold them), so later plans keep that plan's soft cap on or off."""
         soft_cap = int(soft_cap_log2 > 0)
+        multi = self._max_q_len > 1
         if self._launch is not None and self._launch_soft_cap != soft_cap:
             raise ValueError(f"logits_soft_cap: a graph-stable wrapper keeps its first plan's "
                              f"soft cap {'on' if self._launch_soft_cap else 'off'} (its captured "
                              "launches hold that kernel); its value may change")
         self._launch_soft_cap = soft_cap
-        return get_decode_kernels(replace(self.variant, soft_cap=soft_cap))
+        return get_decode_kernels(replace(
+            self.variant, soft_cap=soft_cap, multi_token=int(multi),
+            row_tiles=row_tiles_for(self.group_size * self._max_q_len)))
 
     def _plan_graph(self, chosen: Plan, page_table: PageTable, s, sm_scale_log2: float,
-                    max_page: int, soft_cap_log2: float) -> Plan:
+                    max_page: int, soft_cap_log2: float, rows_array=None) -> Plan:
         """plan() of a graph-stable wrapper: the records written straight into a pinned buffer
         whose rest of the capacity holds idle records, uploaded into the fixed buffers; the
         launches are built once, for the capacity."""
@@ -415,13 +445,15 @@ class BatchDecodeWrapper:
         if chosen.merge == "merge_kernel":
             merge_indptr[:batch + 1] = chosen.merge_indptr
             merge_indptr[batch + 1:] = chosen.merge_indptr[-1]
+        heads = self.num_qo_heads * self._max_q_len
         if self._graph_upload is None:
-            upload = GraphPlanUpload(max_chunks, max_pages, max_batch)
-            self._workspace.ensure_size(max_chunks * self.num_qo_heads,
+            upload = GraphPlanUpload(max_chunks, max_pages, max_batch,
+                                     query_rows=self._max_q_len > 1)
+            self._workspace.ensure_size(max_chunks * heads,
                                         max_batch * self.num_kv_heads * self.ctas_per_kv_head, s)
             self._launch = self._bind(kernels, upload.pointers, max_chunks, max_batch,
                                       0, True, may_carry_pages, sm_scale_log2,
-                                      spread=self._graph_spreads())
+                                      spread=self._graph_spreads(), heads=heads)
             self._device_id = cupy.cuda.runtime.getDevice()
             self._graph_upload = upload         # only once the launches are built
         elif sm_scale_log2 != self._launch.params.sm_scale_log2:
@@ -430,7 +462,11 @@ class BatchDecodeWrapper:
         chunk_records(chosen, page_table, grid_order(chosen),
                       record_pages_needed(self.page_size, stages, tile) if in_record else 0,
                       out=self._graph_upload.next_records(chosen.num_chunks))
-        self._graph_upload.upload(page_table.kv_indices, merge_indptr, s)
+        if rows_array is not None:      # rows past the batch: none (q_len 0)
+            full = np.zeros((max_batch, 4), np.int32)
+            full[:batch] = rows_array
+            rows_array = full
+        self._graph_upload.upload(page_table.kv_indices, merge_indptr, s, query_rows=rows_array)
         self._pages_in_record = in_record
         self._plan_stream = s
         self._plan, self._max_page = chosen, max_page
@@ -467,6 +503,9 @@ class BatchDecodeWrapper:
         if self._plan is not None:
             raise RuntimeError("plan_on_device: this wrapper plans on the host (plan() was "
                                "called); a wrapper plans one way or the other")
+        if self._max_q_len > 1:
+            raise ValueError("plan_on_device: plans one query row a request; a wrapper made "
+                             "with max_q_len > 1 plans multi-token batches with plan()")
         s = as_cupy_stream(stream)
         soft_cap_log2 = self._soft_cap_log2(logits_soft_cap)
         kernels = self._graph_kernels(soft_cap_log2)   # the cap's build, or the refusal to switch
@@ -725,7 +764,9 @@ class BatchDecodeWrapper:
         if plan is None and self._device_planner is None:
             raise RuntimeError("run: call plan() (or, graph-stable, plan_on_device()) first")
         batch = self._capacity[0] if self.use_cuda_graph else plan.problem.batch_size
-        if self._query_rows is not None:      # multi-token decode: q has each query row
+        if self.use_cuda_graph:               # capacity rows, for every query row of a request
+            batch *= self._max_q_len
+        elif self._query_rows is not None:    # multi-token decode: q has each query row
             batch = self._query_rows.num_rows
         qa = as_device_array("q", q)
         ka, va = split_kv_arrays(k_cache, v_cache)

@@ -562,6 +562,8 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   // Q as MMA A-fragments, one row tile per warp; rows past the group are zero. (Loaded with
   // ld_after_wait_u32: with PDL, q may be the previous kernel's output.)
   u32 qf[KSTEPS][4];
+  const u16* q_row[2];      // this lane's rows g and g + 8 of q; null: rows past the group
+  const int r0 = warp_m * 16 + g, r1 = r0 + 8;
 #if MULTI_TOKEN
   // Each of this lane's rows g, g + 8 is a query row's head (query_row), or nothing; a row sees
   // the tokens from row_lo (its window's first, 0 without one) to before row_end: its own
@@ -570,53 +572,38 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   const int4 req_rows = request_rows(params, req);
   const int causal_start = req_rows.z - req_rows.y + 1;   // row 0's end: the first it masks
   const int window = req_rows.w;
-  {
-    const int r0 = warp_m * 16 + g, r1 = r0 + 8;
-    const i64 qr0 = r0 < rows_valid ? query_row(params, req, head0 + r0) : -1;
-    const i64 qr1 = r1 < rows_valid ? query_row(params, req, head0 + r1) : -1;
-    const int j0 = (head0 - kvh * group + r0) / params.q_group;
-    const int j1 = (head0 - kvh * group + r1) / params.q_group;
-    row_end[0] = min(tok_end, causal_start + j0);
-    row_end[1] = min(tok_end, causal_start + j1);
-    row_lo[0] = window < 0 ? 0 : causal_start - 1 + j0 - window;
-    row_lo[1] = window < 0 ? 0 : causal_start - 1 + j1 - window;
-    const u16* q0 = params.q + (qr0 < 0 ? 0 : qr0) * HEAD_DIM;
-    const u16* q1 = params.q + (qr1 < 0 ? 0 : qr1) * HEAD_DIM;
 #pragma unroll
-    for (int ks = 0; ks < KSTEPS; ++ks) {
-#if KV_FP8
-      const int c0 = fp8_q_dim(ks, t), c1 = c0 + 2;
-#else
-      const int c0 = ks * 16 + 2 * t, c1 = c0 + 8;
-#endif
-      qf[ks][0] = qr0 >= 0 ? ld_after_wait_u32(q0 + c0) : 0u;
-      qf[ks][1] = qr1 >= 0 ? ld_after_wait_u32(q1 + c0) : 0u;
-      qf[ks][2] = qr0 >= 0 ? ld_after_wait_u32(q0 + c1) : 0u;
-      qf[ks][3] = qr1 >= 0 ? ld_after_wait_u32(q1 + c1) : 0u;
-    }
+  for (int r = 0; r < 2; ++r) {
+    const int row = r ? r1 : r0;
+    const i64 qr = row < rows_valid ? query_row(params, req, head0 + row) : -1;
+    q_row[r] = qr < 0 ? nullptr : params.q + qr * HEAD_DIM;
+    const int j = (head0 - kvh * group + row) / params.q_group;   // its query row
+    row_end[r] = min(tok_end, causal_start + j);
+    row_lo[r] = window < 0 ? 0 : causal_start - 1 + j - window;
   }
   const int mask_from = min(tok_end, causal_start);   // tiles reaching it take the masked path
   // and so do tiles before the last row's window start (the latest of the rows')
   const int mask_below = window < 0 ? 0 : req_rows.z - 1 - window;
 #else
   {
-    const int r0 = warp_m * 16 + g, r1 = r0 + 8;
     const u16* q_rows = params.q + ((i64)req * params.num_qo_heads + head0) * HEAD_DIM;
-#pragma unroll
-    for (int ks = 0; ks < KSTEPS; ++ks) {
-#if KV_FP8
-      const int c0 = fp8_q_dim(ks, t), c1 = c0 + 2;
-#else
-      const int c0 = ks * 16 + 2 * t, c1 = c0 + 8;
-#endif
-      qf[ks][0] = r0 < rows_valid ? ld_after_wait_u32(q_rows + r0 * HEAD_DIM + c0) : 0u;
-      qf[ks][1] = r1 < rows_valid ? ld_after_wait_u32(q_rows + r1 * HEAD_DIM + c0) : 0u;
-      qf[ks][2] = r0 < rows_valid ? ld_after_wait_u32(q_rows + r0 * HEAD_DIM + c1) : 0u;
-      qf[ks][3] = r1 < rows_valid ? ld_after_wait_u32(q_rows + r1 * HEAD_DIM + c1) : 0u;
-    }
+    q_row[0] = r0 < rows_valid ? q_rows + r0 * HEAD_DIM : nullptr;
+    q_row[1] = r1 < rows_valid ? q_rows + r1 * HEAD_DIM : nullptr;
   }
   const int mask_from = tok_end;
 #endif
+#pragma unroll
+  for (int ks = 0; ks < KSTEPS; ++ks) {
+#if KV_FP8
+    const int c0 = fp8_q_dim(ks, t), c1 = c0 + 2;
+#else
+    const int c0 = ks * 16 + 2 * t, c1 = c0 + 8;
+#endif
+    qf[ks][0] = q_row[0] ? ld_after_wait_u32(q_row[0] + c0) : 0u;
+    qf[ks][1] = q_row[1] ? ld_after_wait_u32(q_row[1] + c0) : 0u;
+    qf[ks][2] = q_row[0] ? ld_after_wait_u32(q_row[0] + c1) : 0u;
+    qf[ks][3] = q_row[1] ? ld_after_wait_u32(q_row[1] + c1) : 0u;
+  }
 #if KV_FP8 && SPLITKV_BF16
   // bfloat16 q to float16 for the float16 MMAs, each row times 2**e that brings its largest
   // finite |q| into [2**14, 2**15): exact wherever float16 is normal (bfloat16 has fewer

@@ -317,3 +317,20 @@ def test_fp8_plans_with_one_cta_an_sm_or_fewer_get_eight_warps(monkeypatch):
     assert features.plan_warps(None, 8) == 4 and features.plan_warps("", 8) == 4
     assert features.plan_warps("float8_e4m3fn", 8, forced=4) == 4
     assert features.plan_warps(None, 1000, forced=8) == 8
+
+
+def test_max_q_len_is_a_checked_graph_stable_capacity():
+    from splitkv.runtime.wrapper import BatchDecodeWrapper
+
+    graph = dict(use_cuda_graph=True, max_batch_size=4, max_num_pages=100)
+    # CTAs a kv head for max_q_len x the group rows, 64 a CTA
+    assert BatchDecodeWrapper(32, 8, 128, 16, max_q_len=16, **graph).ctas_per_kv_head == 1
+    assert BatchDecodeWrapper(64, 2, 128, 16, max_q_len=4, **graph).ctas_per_kv_head == 2
+    assert BatchDecodeWrapper(64, 2, 128, 16, max_q_len=16, **graph).ctas_per_kv_head == 8
+    assert BatchDecodeWrapper(32, 8, 128, 16, **graph).ctas_per_kv_head == 1
+    with pytest.raises(ValueError, match="max_q_len: a capacity is for a graph-stable"):
+        BatchDecodeWrapper(32, 8, 128, 16, max_q_len=4)
+    for bad, kind in ((0, ValueError), (17, ValueError), (2.0, TypeError), (True, TypeError),
+                      ("4", TypeError)):
+        with pytest.raises(kind, match="max_q_len"):
+            BatchDecodeWrapper(32, 8, 128, 16, max_q_len=bad, **graph)

@@ -126,7 +126,20 @@ def test_summary():
     s = plan_fixed_splits(make_problem([100, 40]), 4, "fused").summary()
     assert s == {"strategy": "fused", "num_splits": 4, "num_chunks": 8, "num_work_items": 16,
                  "chunk_tokens_max": 25, "chunk_tokens_min": 10, "merge": "ticket",
-                 "cluster_size": 0, "launch_order": "longest_chunks", "predicted_us": None}
+                 "cluster_size": 0, "launch_order": "longest_chunks",
+                 "workspace_bytes": 8 * 8 * 65 * 4, "predicted_us": None}
+
+
+def test_workspace_bytes_count_the_partials_a_plan_merges_in_memory():
+    """Partials (num_chunks x heads x (head_dim + 1) floats) for merge-kernel and ticket
+    merges; nothing for unsplit plans or cluster merges (shared memory)."""
+    problem = make_problem([100, 40])
+    assert plan_fixed_splits(problem, 1, "single").workspace_bytes == 0
+    assert plan_fixed_splits(problem, 3, "split_merge").workspace_bytes == 6 * 8 * 65 * 4
+    fused = plan_fixed_splits(make_problem([1024, 1024]), 2, "fused")
+    clustered = fused.with_execution(clusters=True)
+    assert clustered.merge == "cluster" and clustered.workspace_bytes == 0
+    assert fused.workspace_bytes == 4 * 8 * 65 * 4
 
 
 def test_with_prediction_keeps_the_decomposition():

@@ -94,6 +94,17 @@ class Plan:
         return self.execution.merge
 
     @property
+    def workspace_bytes(self) -> int:
+        """Device bytes of the float32 partial states the plan writes when it merges through
+        memory (partial_o and partial_lse: num_chunks x num_qo_heads x (head_dim + 1) x 4); 0
+        when every request is one chunk or the chunks merge in clusters. The fused merge's
+        arrival counters add 4 bytes a (request, kv head, CTA), once a wrapper has them."""
+        if self.merge not in ("merge_kernel", "ticket"):
+            return 0
+        p = self.problem
+        return self.num_chunks * p.num_qo_heads * (p.head_dim + 1) * 4
+
+    @property
     def cluster_size(self) -> int:
         """S when the plan merges in thread-block clusters of S, else 0."""
         return self.execution.cluster_size
@@ -148,6 +159,7 @@ class Plan:
             "merge": self.merge,
             "cluster_size": self.cluster_size,
             "launch_order": self.launch_order,
+            "workspace_bytes": self.workspace_bytes,
             "predicted_us": self.predicted_us,
         }
 

@@ -79,6 +79,37 @@ def idle_records(count: int) -> np.ndarray:
     return records
 
 
+class ForeignRuns:
+    """The last run on each stream other than the plan's since the last plan, as events: the
+    next plan's upload (on its own stream) waits for all of them before it rewrites what they
+    read. One event a stream, so runs on two other streams are both followed (one shared event
+    would keep only the later one); a lock, since run() may be called from several threads."""
+
+    def __init__(self):
+        import threading
+
+        self._events: dict[int, object] = {}
+        self._pending: set[int] = set()
+        self._lock = threading.Lock()
+
+    def record(self, stream) -> None:
+        import cupy
+
+        with self._lock:
+            event = self._events.get(stream.ptr)
+            if event is None:
+                event = self._events[stream.ptr] = cupy.cuda.Event(disable_timing=True)
+            event.record(stream)
+            self._pending.add(stream.ptr)
+
+    def follow(self, stream) -> None:
+        """Make ``stream`` wait for every pending run, then forget them."""
+        with self._lock:
+            for ptr in self._pending:
+                stream.wait_event(self._events[ptr])
+            self._pending.clear()
+
+
 def query_rows_array(rows, kv_lens: np.ndarray, window_left: int) -> np.ndarray:
     """The multi-token build's DecodeParams::query_rows for ``rows`` (a ``QueryRows``):
     {first row in q, q_len, KV length, window_left (-1: none)} a request, int32 [batch, 4]."""

@@ -18,6 +18,11 @@ class Workspace:
         self.partial_o = self.partial_lse = self.counters = None
         self._rows = self._counters = 0
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held: the partial states and the counters."""
+        return self._rows * (self.head_dim + 1) * 4 + self._counters * 4
+
     def ensure(self, plan: Plan, ctas_per_kv_head: int, stream) -> None:
         """Grow to fit ``plan``; any fill is enqueued on ``stream`` (the kernels' stream)."""
         # a cluster merge keeps its partials in shared memory: no workspace

@@ -47,8 +47,8 @@ from .kernel_abi import DecodeParams
 from .kernel_source import DecodeVariant, row_tiles_for
 from .launch import DecodeLaunch, KernelLaunch, current_context
 from .modules import get_decode_kernels
-from .records import (GraphPlanUpload, PlanUpload, chunk_records, first_pages,  # noqa: F401
-                      pages_fit_record, query_rows_array, record_pages_needed)
+from .records import (ForeignRuns, GraphPlanUpload, PlanUpload, chunk_records,  # noqa: F401
+                      first_pages, pages_fit_record, query_rows_array, record_pages_needed)
 from .workspace import Workspace
 
 LOG2E = 1.4426950408889634
@@ -148,9 +148,10 @@ class BatchDecodeWrapper:
         self.ctas_per_kv_head = ctas_per_kv_head(self.group_size * self._max_q_len)
         self._graph_upload: GraphPlanUpload | None = None
         self._graph_pool_pages: int | None = None    # pages of the K/V pool a run was given
-        # the last run on another stream than its plan's, which the next upload must follow
-        self._foreign_runs = None
-        self._foreign_pending = False
+        # the last run on each stream other than its plan's since the last plan: the next
+        # upload must follow them all (an event a stream, under a lock: run() may be called
+        # from several threads)
+        self._foreign_runs = ForeignRuns()
         self._pages_in_record = False
         self._plan_stream = None              # the stream of the last plan (or plan_on_device)
         self._device_planner = None           # plan_on_device()'s kernel, once bound
@@ -231,6 +232,13 @@ class BatchDecodeWrapper:
     def cluster_size(self) -> int:
         """Cluster size the current plan's fused merge runs in; 0 when it uses none."""
         return self._plan.cluster_size if self._plan is not None else 0
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Device bytes this wrapper's workspace holds (partial states and ticket counters):
+        it grows to the largest plan's needs (``Plan.workspace_bytes``) and is kept; run()
+        allocates nothing when its outputs are given."""
+        return self._workspace.nbytes
 
     @property
     def kernel_variant(self) -> DecodeVariant | None:
@@ -352,9 +360,7 @@ class BatchDecodeWrapper:
             raise ValueError("page_table: page indices must be < 2**31")
 
         self._follow_previous_plan_stream(s)
-        if self._foreign_pending:      # a run on another stream may still read the buffers
-            s.wait_event(self._foreign_runs)
-            self._foreign_pending = False
+        self._foreign_runs.follow(s)   # runs on other streams may still read the buffers
         rows_array = (None if query_rows is None
                       else query_rows_array(query_rows, page_table.kv_lens, window))
         if self.use_cuda_graph:
@@ -516,9 +522,8 @@ class BatchDecodeWrapper:
             self._check_device_plan_inputs(inputs, sm_scale, s, kernels)
             planner = self._device_planner
         self._follow_previous_plan_stream(s)
-        if self._foreign_pending and not s.is_capturing():
-            s.wait_event(self._foreign_runs)     # a run elsewhere may still read the records
-            self._foreign_pending = False
+        if not s.is_capturing():
+            self._foreign_runs.follow(s)         # runs elsewhere may still read the records
         planner.launch(s.ptr)
         self._logits_soft_cap_log2 = soft_cap_log2
         self._run_after_device_plan = True
@@ -814,9 +819,6 @@ class BatchDecodeWrapper:
             self._run_after_device_plan = False
         if foreign:
             # the next plan()'s upload rewrites the buffers this run reads: it waits for this
-            if self._foreign_runs is None:
-                self._foreign_runs = cupy.cuda.Event(disable_timing=True)
             self._foreign_runs.record(s)
-            self._foreign_pending = True
         return (out, lse) if want_lse else out
 

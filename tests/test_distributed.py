@@ -428,3 +428,12 @@ def test_a_rank_that_raises_fails_every_rank(tmp_path):
     # rank 0 was stopped by the launcher, or NCCL noticed the abort first and it failed itself
     assert re.search(r"rank 0 \(pid \d+\): (stopped by the launcher|exited with status [1-9])",
                      proc.stderr), proc.stderr
+
+
+def test_context_parallel_refuses_query_rows_by_name():
+    """A rank's shard does not know the request's positions: several query rows are refused
+    before anything is built (plan() refuses qo_indptr and window_left the same way)."""
+    from splitkv.distributed.context_parallel import ContextParallelDecode
+
+    with pytest.raises(ValueError, match="max_q_len: context-parallel decode has one query row"):
+        ContextParallelDecode(None, 32, 8, 128, 16, max_q_len=4, use_cuda_graph=True)

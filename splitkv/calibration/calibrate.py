@@ -47,13 +47,18 @@ def calibrate(points: list[SweepPoint], device: dict, *, quick: bool = False, se
     ``progress(i, n, point, us)`` is called after each point (``sweep.measure``). Returns
     (profile, ``FitReport``, measurements).
     """
+    if graph_stable and not kv_dtype:
+        raise ValueError("graph_stable: the graph-stable fit is fp8's (its 16-bit builds are "
+                         "the per-shape ones); give kv_dtype too")
     timing = dict(QUICK_TIMING) if quick else {}
     if trials is not None:
         timing["trials"] = trials
     if min_trial_ms is not None:
         timing["min_trial_ms"] = min_trial_ms
     fp8 = {"kv_dtype": kv_dtype} if kv_dtype else {}
-    experiments = {"experiments": DecodeExperiments(warps=WARPS_PER_CTA)} if graph_stable else {}
+    # 4 warps and no one-CTA-an-SM spreading, as a graph-stable fp8 wrapper runs its grid
+    experiments = ({"experiments": DecodeExperiments(warps=WARPS_PER_CTA, pdl_spread=False)}
+                   if graph_stable else {})
     measurements = measure(points, progress=progress, seed=seed, **timing, **fp8,
                            **experiments)
     runtime_timing.release_cached_layers()
@@ -86,5 +91,7 @@ def example_plans(profile: Profile, kv_dtype: str | None = None,
     """(name, plan) for each of ``EXAMPLES``, as ``profile`` plans them for ``kv_dtype``
     caches (head_dim 128, page size 16), in a graph-stable wrapper if ``graph_stable``."""
     model = profile.cost_model(kv_dtype, graph_stable)
+    if graph_stable:                  # as a graph-stable wrapper plans: no clusters
+        model = model.with_clusters(False)
     return [(name, choose_plan(DecodeProblem(np.array(lens), hq, hk, 128, 16), model))
             for name, lens, hq, hk in EXAMPLES]

@@ -146,6 +146,9 @@ def run(args) -> int:
     if args.plot:
         from ..calibration.plots import write_plots
 
-        for line in write_plots(out.parent, out.stem, measurements, profile, report):
+        # the fit these measurements made (fp8's, or the graph-stable one), not the profile's
+        # 16-bit model; named as the CSV beside it
+        stem = csv_path.name[:-len(".csv")]
+        for line in write_plots(out.parent, stem, measurements, fitted, report):
             print(line)
     return 0

@@ -1,5 +1,5 @@
 """Attention variants of today's models, as the host paths compute them (the GPU kernels run
-the window, the soft cap, the sinks and multi-token decode too, the last without a window),
+the window, the soft cap, the sinks and multi-token decode too),
 with the names FlashInfer and vLLM users know:
 
 - ``window_left`` (sliding window, Mistral / Gemma / gpt-oss): a query at position p sees KV
@@ -123,8 +123,8 @@ def query_rows(qo_indptr, kv_lens: np.ndarray) -> QueryRows:
 def covering_window_left(window_left: int, max_q_len: int) -> int:
     """The window a plan must cover so that each of up to ``max_q_len`` query rows finds its
     own window in the plan's chunks: the last row's window_left + 1 tokens and the rows before
-    it (-1: no window)."""
-    return -1 if window_left < 0 else window_left + max_q_len - 1
+    it (-1: no window); at most ``MAX_KV_LEN``, a window that covers any request whole."""
+    return -1 if window_left < 0 else min(window_left + max_q_len - 1, V.MAX_KV_LEN)
 
 
 def visible(position: int, kv_len: int, window_left: int) -> tuple[int, int]:

@@ -46,6 +46,10 @@ class ContextParallelDecode:
                  dtype="bfloat16", **wrapper_kwargs):
         from ..runtime.wrapper import BatchDecodeWrapper
 
+        if "max_q_len" in wrapper_kwargs:
+            raise ValueError("max_q_len: context-parallel decode has one query row a request "
+                             "(a row's causal end is a position in the whole KV, which a "
+                             "rank's shard does not hold)")
         self.group = group
         self.wrapper = BatchDecodeWrapper(num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
                                           **wrapper_kwargs)
@@ -64,6 +68,13 @@ class ContextParallelDecode:
         collective: it checks that every rank has the same batch size, and raises on all
         ranks if not, rather than leaving the all-gather to hang."""
         V.check_instance("page_table", page_table, PageTable)
+        # Positions are the request's: a rank's shard ends wherever its tokens end, so a
+        # causal end or a window measured from it would be wrong.
+        for name in ("qo_indptr", "window_left"):
+            if plan_kwargs.get(name) not in (None, -1):
+                raise ValueError(f"{name}: context-parallel decode takes one query row a "
+                                 "request and no window (positions are the whole KV's, which "
+                                 "a rank's shard does not hold)")
         sizes = self.group.gather_host([page_table.batch_size], stream)[:, 0].astype(int)
         if (sizes != sizes[0]).any():
             raise ValueError(f"page_table: the ranks' batch sizes differ ({sizes.tolist()}); every "

@@ -570,6 +570,10 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   // position + 1 (and the chunk's end)
   int row_end[2], row_lo[2];
   const int4 req_rows = request_rows(params, req);
+  // Every row of this CTA past the request's q_len (a ragged batch's shorter request): it has
+  // no output and no partial, and so do this (request, kv head, CTA)'s CTAs of every chunk,
+  // which leave its ticket counter alone.
+  if (head_cta * ROWS >= req_rows.y * params.q_group) return;
   const int causal_start = req_rows.z - req_rows.y + 1;   // row 0's end: the first it masks
   const int window = req_rows.w;
 #pragma unroll

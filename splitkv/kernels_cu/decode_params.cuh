@@ -44,7 +44,9 @@ __device__ __forceinline__ ChunkHeader load_header(const ChunkRecord* __restrict
   return {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 }
 
-// Shapes: q, out [batch_size, num_qo_heads, HEAD_DIM]; k_cache, v_cache pages of page_size
+// Shapes (one query row a request; with MULTI_TOKEN q, out and lse have a row per query row,
+// and num_qo_heads, the workspace and the merges count virtual heads, see query_rows below):
+// q, out [batch_size, num_qo_heads, HEAD_DIM]; k_cache, v_cache pages of page_size
 // tokens of num_kv_heads rows of HEAD_DIM (rows 16-byte aligned; the strides below, in
 // elements);
 // lse [batch_size, num_qo_heads]; the workspace's partial_o [num_chunks, num_qo_heads, HEAD_DIM]

@@ -159,7 +159,8 @@ class PlanUpload:
 
 class GraphPlanUpload:
     """A graph-stable wrapper's plan buffers: fixed device addresses, sized once for the
-    capacity (records, merge_indptr, page-table entries), so a captured launch reads whatever
+    capacity (records, merge_indptr, a multi-token grid's query_rows, page-table entries), so
+    a captured launch reads whatever
     plan was uploaded last; each plan copies the records, merge_indptr and its own entries. Each plan is written to one of two pinned host buffers in turn and
     copied with one async copy on the plan's stream; before a host buffer is rewritten, the copy
     out of it two plans ago must have finished (a host wait on that small copy only)."""

@@ -83,7 +83,7 @@ class BatchDecodeWrapper:
         ``plan()``. Call ``plan()`` on the stream the graph replays on (its upload must come
         after the previous replay and before the next). The planner then chooses among plans
         that fit the capacity and merge without clusters; q, out and lse have
-        ``max_batch_size`` rows (rows past the plan's batch are not written).
+        ``max_batch_size`` rows (x ``max_q_len``; rows past the plan's are not written).
     max_batch_size, max_num_pages: the capacity of a graph-stable wrapper: requests per plan,
         and page-table entries (``kv_indices``) per plan. Required with ``use_cuda_graph``.
     kv_dtype: None (K/V in ``dtype``), or an fp8 format for the caches: 'float8_e4m3fn' or
@@ -101,7 +101,8 @@ class BatchDecodeWrapper:
         default 1): its captured launch runs the multi-token build sized for it, every plan
         takes ``qo_indptr`` of up to that many rows a request (or none: one row each), and q,
         out and lse have max_batch_size x max_q_len rows (rows past qo_indptr[-1] are not
-        written). Per-shape wrappers take any ``qo_indptr`` without it.
+        written). Per-shape wrappers take any ``qo_indptr`` without it. Its plans are the
+        planner's own (``plan()`` refuses a ``plan=``).
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -130,7 +131,6 @@ class BatchDecodeWrapper:
                                                  experiments.max_registers or 0,
                                                  kv_dtype=self.kv_dtype or "",
                                                  num_warps=experiments.warps or WARPS_PER_CTA)
-        self.ctas_per_kv_head = ctas_per_kv_head(self.group_size)
         self._profile = profile
         self._resolved_profile = None         # the Profile, once read
         self._plan: Plan | None = None
@@ -409,6 +409,10 @@ class BatchDecodeWrapper:
                              "(BatchDecodeWrapper(..., max_q_len=))")
         if max(cap, rows.max_q_len) == 1:
             return None
+        if plan is not None and cap > 1:
+            raise ValueError("plan: a wrapper made with max_q_len > 1 plans its own rows (its "
+                             "plans count max_q_len x num_qo_heads query heads); pass "
+                             "num_splits / strategy instead")
         if plan is not None:
             raise ValueError("qo_indptr: pass num_splits / strategy rather than a plan; the "
                              "planner sizes a multi-token plan's rows itself")

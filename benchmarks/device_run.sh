@@ -5,6 +5,7 @@
 #   bash benchmarks/device_run.sh bench_fp8            # the benchmark with fp8 K/V
 #   bash benchmarks/device_run.sh ab_warps_fp8         # A/B: fp8 with 8-warp CTAs against 4
 #   bash benchmarks/device_run.sh bench_variants       # issue 16: soft cap, sinks, windows beside plain
+#   bash benchmarks/device_run.sh sanitize             # issue 17: racecheck and synccheck
 #   bash benchmarks/device_run.sh calibrate_fp8 bench_fp8   # fit fp8's cost model, then bench it
 #   bash benchmarks/device_run.sh device_plan plan_cost  # plan_on_device tests; planning's cost per step
 #   bash benchmarks/device_run.sh dissect              # what a short call spends its time on
@@ -39,6 +40,15 @@ for phase in "$@"; do
         tests/test_gpu_variants.py tests/test_gpu_layouts.py tests/test_gpu_isolation.py tests/test_gpu_warps8.py \
         -k "zero_length or bad_inputs or every_split or mqa or cluster or first_pages or launch_order or pdl or invalid_device or eager_plan or writes_the_host or nan_code or windowed or nan_in_q or beyond or with_a_window or cap_of_zero or hnd or (a_bad_q and fused) or eight_warps" 2>&1 \
         | tee "$RES/memcheck.log" | tail -4 ;;
+    sanitize)
+      # issue 17: racecheck and synccheck (shared-memory hazards, barrier misuse) over a matrix
+      # of builds: 16-bit and fp8, clusters, 8 warps, multi-token, windows, graph-stable
+      for tool in racecheck synccheck; do
+        timeout 280 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+          tests/test_gpu_decode.py tests/test_gpu_fp8.py tests/test_gpu_multi_token.py tests/test_gpu_warps8.py \
+          -k "every_split or mqa or cluster or windowed or ragged and 32 or own_window and None or graph_stable or eight_warps" 2>&1 \
+          | tee "$RES/$tool.log" | tail -4
+      done ;;
     calibrate)
       python3 -m splitkv.cli calibrate --plot --trials 3 --min-trial-ms 10 --out "$RES/nvidia-h200.yaml" 2>&1 | tee "$RES/calibrate.log" | tail -25
       [ -f "$RES/nvidia-h200.yaml" ] && PROFILE="$RES/nvidia-h200.yaml" ;;

@@ -74,6 +74,7 @@ class Written:
     merge_indptr: np.ndarray
     state: dict
     predicted_us: float
+    query_rows: np.ndarray | None = None   # [max_batch, 4] with max_q_len > 1
 
 
 def layout_arrays(page_table: PageTable, layout: str, rng=None, spare_columns: int = 0):
@@ -117,16 +118,22 @@ def bind_host(params: DevicePlanParams, layout: str, arrays) -> tuple[DevicePlan
 class HostRun:
     """The buffers of a planner run on the host, kept across plans like the device's."""
 
-    def __init__(self, params: DevicePlanParams):
+    def __init__(self, params: DevicePlanParams, max_q_len: int = 1):
         self.params = params
+        params.max_q_len = max_q_len
+        # multi-token decode: the query rows buffer (poisoned: every entry must be written)
+        self.query_rows = np.full((params.max_batch, 4), -9, np.int32) if max_q_len > 1 else None
+        params.query_rows = None if self.query_rows is None else self.query_rows.ctypes.data
         self.records = idle_records(params.max_chunks)
         self.merge_indptr = np.full(params.max_batch + 1, -7, np.int32)
         self.state = np.zeros(len(STATE_FIELDS), np.int32)
         self.predicted = np.zeros(1)
         self.scratch = None
 
-    def plan(self, layout: str, arrays) -> Written:
+    def plan(self, layout: str, arrays, qo_indptr=None) -> Written:
         p, keep = bind_host(self.params, layout, arrays)
+        qo = None if qo_indptr is None else np.ascontiguousarray(qo_indptr, np.int32)
+        p.qo_indptr = None if qo is None else qo.ctypes.data
         self.scratch = np.full(scratch_ints(p.max_chunks, p.batch_size), -5, np.int32)
         p.records = self.records.ctypes.data
         p.merge_indptr = self.merge_indptr.ctypes.data
@@ -134,9 +141,10 @@ class HostRun:
         p.state = self.state.ctypes.data
         p.predicted_us = self.predicted.ctypes.data
         host_library().splitkv_plan_on_host(ctypes.byref(p))
-        del keep
+        del keep, qo
         return Written(self.records.copy(), self.merge_indptr.copy(),
-                       dict(zip(STATE_FIELDS, self.state.tolist())), float(self.predicted[0]))
+                       dict(zip(STATE_FIELDS, self.state.tolist())), float(self.predicted[0]),
+                       None if self.query_rows is None else self.query_rows.copy())
 
 
 def expected(page_table: PageTable, model, *, num_qo_heads, num_kv_heads, head_dim, stages,

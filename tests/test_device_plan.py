@@ -244,3 +244,57 @@ def test_plan_on_device_arrays_are_checked_on_the_host():
         device_batch(**dict(fi, kv_indptr=FakeDeviceArray((3,))), **ok)
     with pytest.raises(TypeError, match="device array"):
         device_batch(seq_lens=np.zeros(3, np.int32), block_table=table, **ok)
+
+
+def test_multi_token_query_rows_and_plans_match_the_host_wrappers():
+    """A graph-stable wrapper made with max_q_len: the device planner plans the virtual heads
+    (max_q_len x num_qo_heads) as plan() does, and writes query_rows as plan() uploads them
+    (records.query_rows_array, no window; rows past the batch: none); without qo_indptr, one
+    row a request."""
+    from splitkv.core import variants as VA
+    from splitkv.runtime.records import query_rows_array
+
+    rng = np.random.default_rng(11)
+    for trial in range(40):
+        hq, hk, d = SHAPES[trial % 3]
+        max_q = int(rng.choice([2, 4, 8, 16]))
+        lens = random_lengths(rng, trial % 5)
+        max_batch = lens.size + int(rng.integers(0, 4))
+        q_lens = np.minimum(rng.integers(1, max_q + 1, lens.size), np.maximum(lens, 1))
+        qo_indptr = None if trial % 4 == 3 else np.concatenate([[0], np.cumsum(q_lens)])
+        heads = hq * max_q
+        run = HostRun(plan_params(MODEL, num_qo_heads=heads, num_kv_heads=hk, head_dim=d,
+                                  page_size=16, stages=STAGES[d], max_batch=max_batch,
+                                  max_chunks=4096, launch_order="longest_chunks"), max_q)
+        table, _ = scattered_page_table(lens, 16, rng, 2)
+        got = run.plan("flashinfer", layout_arrays(table, "flashinfer"), qo_indptr)
+        plan, want, merge_indptr = expected(table, MODEL, num_qo_heads=heads, num_kv_heads=hk,
+                                            head_dim=d, stages=STAGES[d], max_batch=max_batch,
+                                            max_chunks=4096, launch_order="longest_chunks")
+        assert got.state["error"] == 0 and got.state["num_chunks"] == plan.num_chunks
+        assert records_equal(got.records[:plan.num_chunks], want)
+        rows = query_rows_array(VA.query_rows(qo_indptr, table.kv_lens), table.kv_lens, -1)
+        full = np.zeros((max_batch, 4), np.int32)
+        full[:, 3] = -1
+        full[:lens.size] = rows
+        np.testing.assert_array_equal(got.query_rows, full, err_msg=f"trial {trial}")
+
+
+def test_bad_query_rows_are_kept_as_an_error_and_write_no_rows():
+    rng = np.random.default_rng(12)
+    lens = np.array([100, 5, 300])
+    table, _ = scattered_page_table(lens, 16, rng, 2)
+    params = plan_params(MODEL, num_qo_heads=32 * 4, num_kv_heads=8, head_dim=128,
+                         page_size=16, stages=3, max_batch=3, max_chunks=64,
+                         launch_order="longest_chunks")
+    for qo, bad in (([0, 4, 10, 11], 1),        # 6 rows: past max_q_len
+                    ([0, 2, 2, 3], 1),          # no rows
+                    ([1, 2, 3, 4], 0),          # qo_indptr[0] != 0
+                    ([0, 2, 4, 13], 2),         # past q's 3 x 4 rows
+                    ([0, 1, 7, 8], 1)):         # 6 rows, but also > 5 tokens
+        run = HostRun(params, 4)
+        got = run.plan("flashinfer", layout_arrays(table, "flashinfer"), np.array(qo))
+        assert got.state["error"] == 5 and got.state["error_request"] == bad, qo
+        assert got.query_rows[bad, 1] == 0, qo
+        from splitkv.runtime.device_planner import ERRORS
+        assert ERRORS[5].startswith("qo_indptr:")

@@ -180,11 +180,21 @@ def test_what_multi_token_decode_does_not_take_yet_is_refused_by_name():
                                          "graph-stable wrapper's captured launch holds "
                                          "max_q_len=1"):
         g.plan(pt, qo_indptr=qo_indptr)
+    with pytest.raises(ValueError, match="qo_indptr: this graph-stable wrapper's captured "
+                                         "launch holds one query row"):
+        g.plan_on_device(seq_lens=cupy.asarray(pt.kv_lens, cupy.int32),
+                         block_table=cupy.zeros((2, 60), cupy.int32),
+                         qo_indptr=cupy.asarray(qo_indptr, cupy.int32))
     g4 = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", use_cuda_graph=True, max_batch_size=2,
                             max_num_pages=pt.kv_indices.size, max_q_len=4)
-    with pytest.raises(ValueError, match="plan_on_device: plans one query row"):
+    with pytest.raises(TypeError, match="qo_indptr: expected an int32 device array"):
         g4.plan_on_device(seq_lens=cupy.asarray(pt.kv_lens, cupy.int32),
-                          block_table=cupy.zeros((2, 60), cupy.int32))
+                          block_table=cupy.zeros((2, 60), cupy.int32),
+                          qo_indptr=cupy.asarray(qo_indptr, cupy.int64))
+    with pytest.raises(ValueError, match="qo_indptr: expected a contiguous \\[batch \\+ 1\\]"):
+        g4.plan_on_device(seq_lens=cupy.asarray(pt.kv_lens, cupy.int32),
+                          block_table=cupy.zeros((2, 60), cupy.int32),
+                          qo_indptr=cupy.zeros(2, cupy.int32))
     with pytest.raises(ValueError, match="qo_indptr: request 1 has 17 query rows"):
         w.plan(pt, qo_indptr=[0, 3, 20])
     with pytest.raises(ValueError, match="qo_indptr: expected 3 elements"):
@@ -192,3 +202,62 @@ def test_what_multi_token_decode_does_not_take_yet_is_refused_by_name():
     w.plan(pt, qo_indptr=qo_indptr)
     with pytest.raises(ValueError, match="q"):
         w.run(q[:3], cupy.asarray(k), cupy.asarray(v))
+
+
+def test_plan_on_device_with_query_rows_in_one_graph():
+    """A graph-stable wrapper made with max_q_len plans on the device from qo_indptr (device
+    int32, updated in place with the lengths): one graph of plan_on_device() then run()
+    replayed over changing batches equals the reference; a bad qo_indptr is kept as the
+    device error and writes none of that request's rows."""
+    rng = np.random.default_rng(88)
+    hq, hk, d, max_batch, max_q, width = 32, 8, 128, 4, 4, 300
+    pool = max_batch * width
+    k = random_device_array((pool, 16, hk, d), "bfloat16", rng)
+    v = random_device_array((pool, 16, hk, d), "bfloat16", rng)
+    g = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", use_cuda_graph=True,
+                           max_batch_size=max_batch, max_num_pages=pool, max_q_len=max_q)
+    seq_lens = cupy.zeros(max_batch, cupy.int32)
+    table = cupy.asarray(rng.permutation(pool)[:max_batch * width].reshape(max_batch, width),
+                         cupy.int32)
+    qo = cupy.zeros(max_batch + 1, cupy.int32)
+    q = cupy.zeros((max_batch * max_q, hq, d), cupy.uint16)
+    out = cupy.full(q.shape, 0xFFFF, cupy.uint16)
+    lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    graph = None
+    from splitkv import PageTable
+
+    for step in range(8):
+        lens = rng.integers(1, width * 16, max_batch)
+        q_lens = np.minimum(rng.integers(1, max_q + 1, max_batch), lens)
+        indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        rows = int(indptr[-1])
+        with stream:
+            seq_lens.set(lens.astype(np.int32), stream=stream)
+            qo.set(indptr, stream=stream)
+            q[:rows] = random_device_array((rows, hq, d), "bfloat16", rng)
+            out.fill(0xFFFF)
+        if graph is None:
+            g.plan_on_device(seq_lens=seq_lens, block_table=table, qo_indptr=qo, stream=stream)
+            stream.synchronize()
+            stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeGlobal)
+            g.plan_on_device(seq_lens=seq_lens, block_table=table, qo_indptr=qo, stream=stream)
+            g.run(q, k, v, out=out, lse=lse, stream=stream)
+            graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        host_table = table.get()
+        pt = PageTable.from_block_table(host_table, lens, 16)
+        ref_o, ref_lse = reference_decode(q[:rows].get(), k.get(), v.get(), pt, qo_indptr=indptr)
+        assert_matches_reference(to_float64(out[:rows].get()), lse[:rows].get(), ref_o, ref_lse,
+                                 1e-2, f"step {step}: {g.device_plan_state()}")
+        assert g.device_plan_state()["error"] is None
+        assert (out[rows:].get() == 0xFFFF).all()
+    with stream:                                     # request 1 with more rows than max_q_len
+        qo.set(np.array([0, 1, 1 + max_q + 1, max_q + 3, max_q + 4], np.int32), stream=stream)
+        out.fill(0xFFFF)
+    graph.launch(stream)
+    stream.synchronize()
+    state = g.device_plan_state()
+    assert state["error"].startswith("qo_indptr:") and state["error_request"] == 1, state
+    assert (out[1:1 + max_q + 1].get() == 0xFFFF).all()     # none of its rows written

@@ -79,6 +79,12 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
     longest = r.len > longest ? r.len : longest;
     empty += r.len == 0;
   }
+  if (p.query_rows != nullptr) {   // multi-token decode: each request's rows (after its length)
+    for (int b = tid; b < p.max_batch; b += PLAN_THREADS) {
+      const int error = write_query_rows(p, b, b < n ? sc.lens[b] : 0);
+      if (error && atomicCAS(&st.error, 0, error) == 0) st.error_request = b;
+    }
+  }
   tokens = warp_sum(tokens); tiles = warp_sum(tiles); pages = warp_sum(pages);
   longest = warp_max(longest); empty = warp_sum(empty);
   if (lane == 0) {

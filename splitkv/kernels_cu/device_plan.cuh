@@ -46,8 +46,10 @@ enum { F_CONST, F_LAUNCHES, F_KV_US, F_CRIT_US, F_CRIT_TILES, F_CRIT_TILE_ROWS, 
 
 // Error codes in DevicePlanState::error (the first error a plan met; 0: none). A request with
 // an error is planned as empty, and nothing past its own page-table entries is read.
+// A request whose query rows are bad (ERR_BAD_QO_INDPTR) is planned as usual but gets no
+// query row: none of its outputs is written.
 enum { ERR_NONE = 0, ERR_NEGATIVE_LENGTH = 1, ERR_PAGES_PAST_TABLE = 2, ERR_BAD_INDPTR = 3,
-       ERR_BAD_LAST_PAGE_LEN = 4 };
+       ERR_BAD_LAST_PAGE_LEN = 4, ERR_BAD_QO_INDPTR = 5 };
 
 struct Record {            // kernels_cu/decode_params.cuh ChunkRecord, field by field
   int request, token_begin, token_end, page_table_begin, chunk_begin, chunk_end, plan_index,
@@ -85,6 +87,12 @@ struct DevicePlanParams {
                                     // (records.record_pages_needed), else 0
   int launch_order;
   int scratch_in_shared;            // 1: the kernel keeps its scratch in dynamic shared memory
+  // Multi-token decode (a graph-stable wrapper made with max_q_len > 1): query_rows
+  // [max_batch x 4] is written for the decode kernels (records.query_rows_array, no window),
+  // from qo_indptr [batch + 1] (null: one row a request); null query_rows: one row a request.
+  const int* qo_indptr;
+  int* query_rows;
+  int max_q_len;
 };
 
 // Persistent state, int32 each.
@@ -341,6 +349,34 @@ DEVICE_PLAN_HD inline Request read_request(const DevicePlanParams& p, int b) {
   return r;
 }
 
+// Request b's entry of query_rows (b < max_batch): {first row in q, q_len, its length, -1 (no
+// window)}; past the batch, no rows. Rows not 1..max_q_len, more than its tokens (at least 1),
+// past q's max_batch x max_q_len rows, or a qo_indptr[0] other than 0: ERR_BAD_QO_INDPTR and no
+// rows. Returns the error.
+DEVICE_PLAN_HD inline int write_query_rows(const DevicePlanParams& p, int b, int len) {
+  int first = 0, count = 0, error = ERR_NONE;
+  if (b < p.batch_size) {
+    first = b;
+    count = 1;
+    if (p.qo_indptr != nullptr) {
+      first = p.qo_indptr[b];
+      count = p.qo_indptr[b + 1] - first;
+      const i64 end = (i64)first + count, rows = (i64)p.max_batch * p.max_q_len;
+      if (p.qo_indptr[0] != 0 || count < 1 || count > p.max_q_len || count > (len > 1 ? len : 1)
+          || first < 0 || end > rows) {
+        error = ERR_BAD_QO_INDPTR;
+        count = 0;
+      }
+    }
+  }
+  int* e = p.query_rows + 4 * (i64)b;
+  e[0] = first;
+  e[1] = count;
+  e[2] = b < p.batch_size ? len : 0;
+  e[3] = -1;
+  return error;
+}
+
 // The chunks of one request under the chosen row: count and units (its length in align units).
 struct Cut {
   i64 count;
@@ -498,6 +534,12 @@ inline void plan_on_host(const DevicePlanParams& p) {
     total_units += ceil_div(r.len, TILE);
     if (r.len > max_len) max_len = r.len;
     num_empty += r.len == 0;
+  }
+  if (p.query_rows != nullptr) {
+    for (int b = 0; b < p.max_batch; ++b) {
+      const int error = write_query_rows(p, b, b < n ? sc.lens[b] : 0);
+      if (error && !st.error) { st.error = error; st.error_request = b; }
+    }
   }
   Candidates c;
   enumerate_rows(c, n, max_len, total, p.items_per_chunk, p.slots);

@@ -51,7 +51,8 @@ class DevicePlanParams(ctypes.Structure):
         ("max_chunks", ctypes.c_int32), ("items_per_chunk", ctypes.c_int32),
         ("slots", ctypes.c_int32), ("num_sms", ctypes.c_int32), ("page_size", ctypes.c_int32),
         ("record_pages", ctypes.c_int32), ("launch_order", ctypes.c_int32),
-        ("scratch_in_shared", ctypes.c_int32),
+        ("scratch_in_shared", ctypes.c_int32), ("qo_indptr", _POINTER),
+        ("query_rows", _POINTER), ("max_q_len", ctypes.c_int32),
     ]
 
 
@@ -62,7 +63,9 @@ ROW_KINDS = ("no split", "chunk tokens", "num splits")
 MERGES = ("none", "merge_kernel", "ticket")
 ERRORS = {1: "a negative sequence length", 2: "more pages than its block-table row holds",
           3: "kv_indptr not non-decreasing, negative, or past kv_indices",
-          4: "kv_last_page_len outside 1..page_size (0 for a request without pages)"}
+          4: "kv_last_page_len outside 1..page_size (0 for a request without pages)",
+          5: "qo_indptr: query rows not 1..max_q_len, more than the request's tokens, past q's "
+             "rows, or qo_indptr[0] != 0 (the request's outputs are not written)"}
 
 
 def scratch_ints(max_chunks: int, batch_size: int) -> int:
@@ -104,13 +107,15 @@ class BatchArrays:
     batch_size: int
     block_table_stride: int
     page_table_entries: int
+    qo_indptr: int = 0          # multi-token decode's qo_indptr [batch + 1]; 0: none
 
 
 def device_batch(*, max_batch: int, device: int,
                  seq_lens=None, block_table=None, kv_indptr=None, kv_indices=None,
-                 kv_last_page_len=None) -> tuple[BatchArrays, list]:
+                 kv_last_page_len=None, qo_indptr=None) -> tuple[BatchArrays, list]:
     """The batch arrays of ``plan_on_device`` checked on the host (shapes, dtypes, device,
-    layout; their values are the kernel's to check), and the arrays themselves (to keep)."""
+    layout; their values are the kernel's to check), and the arrays themselves (to keep);
+    ``qo_indptr`` (multi-token decode) a device int32 [batch + 1] too."""
     from .arrays import as_device_array
 
     vllm, flashinfer = (seq_lens, block_table), (kv_indptr, kv_indices, kv_last_page_len)
@@ -159,8 +164,21 @@ def device_batch(*, max_batch: int, device: int,
     # (max_num_pages sizes plan()'s upload; the kernel reads this table in place, any size)
     if entries >= 2**31:
         raise ValueError(f"{names[1]}: at most 2**31 - 1 page-table entries")
+    qo_ptr = 0
+    if qo_indptr is not None:
+        qo = as_device_array("qo_indptr", qo_indptr)
+        if qo.dtype != "int32":
+            raise TypeError(f"qo_indptr: expected an int32 device array, got {qo.dtype}")
+        if qo.device is not None and qo.device != device:
+            raise ValueError(f"qo_indptr: on device {qo.device}, the wrapper's plans are on "
+                             f"{device}")
+        if len(qo.shape) != 1 or qo.shape[0] != batch + 1 or not qo.is_contiguous:
+            raise ValueError(f"qo_indptr: expected a contiguous [batch + 1] = [{batch + 1}] "
+                             f"array, got shape {qo.shape}")
+        arrays.append(qo)
+        qo_ptr = qo.ptr
     layout = "block_table" if len(names) == 2 else "flashinfer"
-    return BatchArrays(layout, pointers, batch, stride, entries), arrays
+    return BatchArrays(layout, pointers, batch, stride, entries, qo_ptr), arrays
 
 
 class DevicePlanner:
@@ -168,7 +186,7 @@ class DevicePlanner:
     device; ``launch`` enqueues it (capturable: no allocation, no host wait)."""
 
     def __init__(self, params: DevicePlanParams, batch: BatchArrays, records_ptr: int,
-                 merge_indptr_ptr: int, stream):
+                 merge_indptr_ptr: int, stream, query_rows_ptr: int = 0, max_q_len: int = 1):
         import cupy
 
         from .launch import KernelLaunch
@@ -187,6 +205,9 @@ class DevicePlanner:
         shared = 4 * scratch_ints(params.max_chunks, batch.batch_size)
         p.scratch_in_shared = int(shared <= MAX_SHARED_SCRATCH_BYTES)
         p.records, p.merge_indptr = records_ptr, merge_indptr_ptr
+        # multi-token decode: the query rows the decode kernels read, from qo_indptr (or one
+        # row a request)
+        p.qo_indptr, p.query_rows, p.max_q_len = batch.qo_indptr, query_rows_ptr, max_q_len
         p.scratch, p.state = self._scratch.data.ptr, self._state.data.ptr
         p.predicted_us = self._predicted.data.ptr
         self.params = p

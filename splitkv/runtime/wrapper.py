@@ -472,8 +472,9 @@ class BatchDecodeWrapper:
         chunk_records(chosen, page_table, grid_order(chosen),
                       record_pages_needed(self.page_size, stages, tile) if in_record else 0,
                       out=self._graph_upload.next_records(chosen.num_chunks))
-        if rows_array is not None:      # rows past the batch: none (q_len 0)
+        if rows_array is not None:      # rows past the batch: none (q_len 0), as on the device
             full = np.zeros((max_batch, 4), np.int32)
+            full[:, 3] = -1
             full[:batch] = rows_array
             rows_array = full
         self._graph_upload.upload(page_table.kv_indices, merge_indptr, s, query_rows=rows_array)
@@ -485,7 +486,8 @@ class BatchDecodeWrapper:
 
     def plan_on_device(self, *, seq_lens=None, block_table=None, kv_indptr=None,
                        kv_indices=None, kv_last_page_len=None, sm_scale: float | None = None,
-                       stream=None, logits_soft_cap: float | None = None) -> None:
+                       stream=None, logits_soft_cap: float | None = None,
+                       qo_indptr=None) -> None:
         """Plan on the GPU (graph-stable wrappers): enqueue the planning kernel on ``stream``.
         When it runs, it reads the batch from these device int32 arrays, chooses the plan with
         the same cost model as ``plan()`` (the same plan, bit for bit: tests/test_device_plan.py)
@@ -502,7 +504,9 @@ class BatchDecodeWrapper:
         are not range-checked. A request whose values are invalid (a negative length, more pages
         than its row, a bad kv_indptr or kv_last_page_len) is planned as empty and the error is
         kept on the device: ``device_plan_state()`` reads it. ``logits_soft_cap``: as in
-        ``plan()``.
+        ``plan()``. ``qo_indptr`` (a wrapper made with ``max_q_len``): multi-token decode's
+        device int32 [batch + 1], bound like the others (None: one row a request); a request
+        whose rows are bad gets none of its outputs written, and the error is kept likewise.
         """
         require_gpu("BatchDecodeWrapper.plan_on_device()")
         import cupy
@@ -513,13 +517,13 @@ class BatchDecodeWrapper:
         if self._plan is not None:
             raise RuntimeError("plan_on_device: this wrapper plans on the host (plan() was "
                                "called); a wrapper plans one way or the other")
-        if self._max_q_len > 1:
-            raise ValueError("plan_on_device: plans one query row a request; a wrapper made "
-                             "with max_q_len > 1 plans multi-token batches with plan()")
+        if qo_indptr is not None and self._max_q_len == 1:
+            raise ValueError("qo_indptr: this graph-stable wrapper's captured launch holds one "
+                             "query row a request; make it with max_q_len= for more")
         s = as_cupy_stream(stream)
         soft_cap_log2 = self._soft_cap_log2(logits_soft_cap)
         kernels = self._graph_kernels(soft_cap_log2)   # the cap's build, or the refusal to switch
-        inputs = (seq_lens, block_table, kv_indptr, kv_indices, kv_last_page_len)
+        inputs = (seq_lens, block_table, kv_indptr, kv_indices, kv_last_page_len, qo_indptr)
         planner = self._device_planner
         # the very arrays of the first call (a decode loop's path) were checked then
         if planner is None or not planner.same_inputs(inputs, sm_scale):
@@ -543,12 +547,12 @@ class BatchDecodeWrapper:
 
         from .device_planner import device_batch
 
-        seq_lens, block_table, kv_indptr, kv_indices, kv_last_page_len = inputs
+        seq_lens, block_table, kv_indptr, kv_indices, kv_last_page_len, qo_indptr = inputs
         device = cupy.cuda.runtime.getDevice()
         batch, arrays = device_batch(max_batch=self._capacity[0], device=device,
                                      seq_lens=seq_lens, block_table=block_table,
                                      kv_indptr=kv_indptr, kv_indices=kv_indices,
-                                     kv_last_page_len=kv_last_page_len)
+                                     kv_last_page_len=kv_last_page_len, qo_indptr=qo_indptr)
         sm_scale_log2 = float(np.float32(V.check_sm_scale(sm_scale, self.head_dim) * LOG2E))
         planner = self._device_planner
         if planner is None:
@@ -574,21 +578,26 @@ class BatchDecodeWrapper:
         max_batch, max_pages, max_chunks = self._capacity[0], self._capacity[1], self.max_chunks
         stages = kernels.variant.stages
         model = self.profile.cost_model(self.kv_dtype, graph_stable=True).with_clusters(False)
-        params = plan_params(model, num_qo_heads=self.num_qo_heads,
+        heads = self.num_qo_heads * self._max_q_len   # virtual heads with max_q_len > 1
+        params = plan_params(model, num_qo_heads=heads,
                              num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                              page_size=self.page_size, stages=stages, max_batch=max_batch,
                              max_chunks=max_chunks, launch_order=self.launch_order,
                              tile_tokens=kernels.variant.tile_tokens)
-        upload = GraphPlanUpload(max_chunks, 0, max_batch)
-        self._workspace.ensure_size(max_chunks * self.num_qo_heads,
+        multi = self._max_q_len > 1
+        upload = GraphPlanUpload(max_chunks, 0, max_batch, query_rows=multi)
+        self._workspace.ensure_size(max_chunks * heads,
                                     max_batch * self.num_kv_heads * self.ctas_per_kv_head, s)
         planner = DevicePlanner(params, batch, upload.pointers["records"],
-                                upload.pointers["merge_indptr"], s)
+                                upload.pointers["merge_indptr"], s,
+                                query_rows_ptr=upload.pointers["query_rows"] if multi else 0,
+                                max_q_len=self._max_q_len)
         planner.arrays = arrays                  # kept alive while the kernel reads them
         meta = dict(upload.pointers, kv_indices=batch.pointers[3])
         self._launch = self._bind(kernels, meta, max_chunks, max_batch, 0, True,
                                   params.record_pages > 0, sm_scale_log2,
-                                  spread=self._graph_spreads(), device_planned=True)
+                                  spread=self._graph_spreads(), device_planned=True,
+                                  heads=heads)
         self._device_id = cupy.cuda.runtime.getDevice()
         self._graph_upload = upload
         self._max_page = -1                      # page ids are the caller's (not checked)

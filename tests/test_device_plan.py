@@ -298,3 +298,58 @@ def test_bad_query_rows_are_kept_as_an_error_and_write_no_rows():
         assert got.query_rows[bad, 1] == 0, qo
         from splitkv.runtime.device_planner import ERRORS
         assert ERRORS[5].startswith("qo_indptr:")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_windowed_plans_match_the_host_planners(seed):
+    """window_left on the device: each request's chunks cover its window, moved to the
+    window's first token, as DecodeProblem(window_left=) plans them (with query rows, the
+    covering window, and the rows' own window in query_rows)."""
+    from splitkv.core import variants as VA
+    from splitkv.runtime.records import query_rows_array
+
+    rng = np.random.default_rng(100 + seed)
+    for trial in range(30):
+        hq, hk, d = SHAPES[trial % len(SHAPES)]
+        lens = random_lengths(rng, trial % 5)
+        window = int(rng.choice([0, 1, 63, 500, 4095, 30000]))
+        max_q = int(rng.choice([1, 1, 4, 8]))
+        page = int(rng.choice([1, 16, 64]))
+        max_batch = lens.size + int(rng.integers(0, 3))
+        launch_order = LAUNCH_ORDERS[trial % 3]
+        covering = VA.covering_window_left(window, max_q) if max_q > 1 else window
+        heads = hq * max_q
+        params = plan_params(MODEL, num_qo_heads=heads, num_kv_heads=hk, head_dim=d,
+                             page_size=page, stages=STAGES[d], max_batch=max_batch,
+                             max_chunks=4096, launch_order=launch_order)
+        params.window_left, params.rows_window_left = covering, window
+        run = HostRun(params, max_q)
+        table, _ = scattered_page_table(lens, page, rng, 2)
+        q_lens = np.minimum(rng.integers(1, max_q + 1, lens.size), np.maximum(lens, 1))
+        qo_indptr = np.concatenate([[0], np.cumsum(q_lens)]) if max_q > 1 else None
+        layout = ("flashinfer", "block_table")[trial % 2]
+        arrays = layout_arrays(table, layout, rng)
+        got = run.plan(layout, arrays, qo_indptr)
+        plan, want, merge_indptr = expected(table, MODEL, num_qo_heads=heads, num_kv_heads=hk,
+                                            head_dim=d, stages=STAGES[d], max_batch=max_batch,
+                                            max_chunks=4096, launch_order=launch_order,
+                                            window_left=covering)
+        n = plan.num_chunks
+        have = got.records[:n].copy()
+        if layout == "block_table":
+            want = as_block_table_records(want, arrays[1].shape[1])
+            empty = empty_request_mask(want, table)
+            want["first_pages"][empty] = 0
+            have["first_pages"][empty] = 0
+        what = f"trial {trial}: window {window}, q {max_q}, page {page}, {layout}"
+        assert got.state["error"] == 0 and got.state["num_chunks"] == n, what
+        assert got.predicted_us == plan.predicted_us, what
+        assert records_equal(have, want), what
+        assert np.array_equal(got.merge_indptr, merge_indptr), what
+        if max_q > 1:
+            rows = query_rows_array(VA.query_rows(qo_indptr, table.kv_lens), table.kv_lens,
+                                    window)
+            full = np.zeros((max_batch, 4), np.int32)
+            full[:, 3] = -1
+            full[:lens.size] = rows
+            np.testing.assert_array_equal(got.query_rows, full, err_msg=what)

@@ -206,9 +206,9 @@ def test_what_multi_token_decode_does_not_take_yet_is_refused_by_name():
 
 def test_plan_on_device_with_query_rows_in_one_graph():
     """A graph-stable wrapper made with max_q_len plans on the device from qo_indptr (device
-    int32, updated in place with the lengths): one graph of plan_on_device() then run()
-    replayed over changing batches equals the reference; a bad qo_indptr is kept as the
-    device error and writes none of that request's rows."""
+    int32, updated in place with the lengths) under a window: one graph of plan_on_device()
+    then run() replayed over changing batches equals the reference; a bad qo_indptr is kept as
+    the device error and writes none of that request's rows."""
     rng = np.random.default_rng(88)
     hq, hk, d, max_batch, max_q, width = 32, 8, 128, 4, 4, 300
     pool = max_batch * width
@@ -238,17 +238,20 @@ def test_plan_on_device_with_query_rows_in_one_graph():
             q[:rows] = random_device_array((rows, hq, d), "bfloat16", rng)
             out.fill(0xFFFF)
         if graph is None:
-            g.plan_on_device(seq_lens=seq_lens, block_table=table, qo_indptr=qo, stream=stream)
+            g.plan_on_device(seq_lens=seq_lens, block_table=table, qo_indptr=qo, stream=stream,
+                             window_left=700)
             stream.synchronize()
             stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeGlobal)
-            g.plan_on_device(seq_lens=seq_lens, block_table=table, qo_indptr=qo, stream=stream)
+            g.plan_on_device(seq_lens=seq_lens, block_table=table, qo_indptr=qo, stream=stream,
+                             window_left=700)
             g.run(q, k, v, out=out, lse=lse, stream=stream)
             graph = stream.end_capture()
         graph.launch(stream)
         stream.synchronize()
         host_table = table.get()
         pt = PageTable.from_block_table(host_table, lens, 16)
-        ref_o, ref_lse = reference_decode(q[:rows].get(), k.get(), v.get(), pt, qo_indptr=indptr)
+        ref_o, ref_lse = reference_decode(q[:rows].get(), k.get(), v.get(), pt, qo_indptr=indptr,
+                                          window_left=700)
         assert_matches_reference(to_float64(out[:rows].get()), lse[:rows].get(), ref_o, ref_lse,
                                  1e-2, f"step {step}: {g.device_plan_state()}")
         assert g.device_plan_state()["error"] is None

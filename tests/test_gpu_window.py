@@ -1,6 +1,7 @@
 """Sliding windows on the GPU: ``plan(window_left=)`` plans only each request's last
 window_left + 1 tokens, and the kernels (unchanged: they read a chunk's token range) give the
-windowed reference, on every strategy and through a graph-stable wrapper."""
+windowed reference, on every strategy and through a graph-stable wrapper; planned on the
+device (``plan_on_device(window_left=)``), the graph-stable wrapper's bits."""
 
 from __future__ import annotations
 
@@ -44,3 +45,15 @@ def test_windowed_plans_match_the_windowed_reference(window_left, page):
         assert err < 1e-2, f"rel err {err:.2e} for {plan}"
         finite = np.isfinite(ref_lse)
         np.testing.assert_allclose(lse.get()[finite], ref_lse[finite], rtol=2e-3, atol=2e-3)
+        if options:                  # the same window planned on the device: the same bits
+            d = BatchDecodeWrapper(32, 8, 128, page, "bfloat16", **options)
+            d.plan_on_device(kv_indptr=cupy.asarray(pt.kv_indptr, cupy.int32),
+                             kv_indices=cupy.asarray(pt.kv_indices, cupy.int32),
+                             kv_last_page_len=cupy.asarray(pt.kv_last_page_len, cupy.int32),
+                             window_left=window_left)
+            out_d, lse_d = d.run(q, k, v, return_lse=True)
+            cupy.cuda.runtime.deviceSynchronize()
+            state = d.device_plan_state()
+            assert state["error"] is None and state["num_chunks"] == plan.num_chunks, state
+            np.testing.assert_array_equal(out_d.get(), out.get())
+            np.testing.assert_array_equal(lse_d.get(), lse.get())

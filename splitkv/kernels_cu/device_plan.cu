@@ -70,18 +70,20 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   for (int b = tid; b < n; b += PLAN_THREADS) {
     const Request r = read_request(p, b);
     if (r.error && atomicCAS(&st.error, 0, r.error) == 0) st.error_request = b;
-    sc.lens[b] = r.len;
+    const int len = read_len(p, r.len);   // the window's tokens, with a window
+    sc.lens[b] = len;
+    sc.kv_begin[b] = r.len - len;
     sc.table_begin[b] = (int)r.table_begin;
     sc.table_last[b] = r.error ? -1 : (int)r.table_last;
-    tokens += r.len;
-    tiles += ceil_div(r.len, TILE);
+    tokens += len;
+    tiles += ceil_div(len, TILE);
     pages += r.pages;
-    longest = r.len > longest ? r.len : longest;
-    empty += r.len == 0;
+    longest = len > longest ? len : longest;
+    empty += len == 0;
   }
-  if (p.query_rows != nullptr) {   // multi-token decode: each request's rows (after its length)
-    for (int b = tid; b < p.max_batch; b += PLAN_THREADS) {
-      const int error = write_query_rows(p, b, b < n ? sc.lens[b] : 0);
+  if (p.query_rows != nullptr) {   // multi-token decode: each request's rows (the same thread
+    for (int b = tid; b < p.max_batch; b += PLAN_THREADS) {   // wrote its length above)
+      const int error = write_query_rows(p, b, b < n ? sc.lens[b] + sc.kv_begin[b] : 0);
       if (error && atomicCAS(&st.error, 0, error) == 0) st.error_request = b;
     }
   }
@@ -149,11 +151,11 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
     }
     const Cut cut = cut_request(row, sc.lens[b]);
     const int i = c - sc.offsets[b];
-    const int begin = chunk_start(i, cut.units, cut.count, row.align);
+    const int begin = sc.kv_begin[b] + chunk_start(i, cut.units, cut.count, row.align);
     sc.chunk_request[c] = b;
     sc.chunk_begin[c] = begin;
-    sc.chunk_end[c] = i + 1 < cut.count ? chunk_start(i + 1, cut.units, cut.count, row.align)
-                                        : sc.lens[b];
+    sc.chunk_end[c] = sc.kv_begin[b] + (i + 1 < cut.count
+                          ? chunk_start(i + 1, cut.units, cut.count, row.align) : sc.lens[b]);
     aligned &= begin % p.page_size == 0;
   }
   if (!aligned) misaligned = 1;
@@ -163,7 +165,8 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   int* keys = sc.keys;
   for (int i = tid; i < num_chunks; i += PLAN_THREADS)
     keys[i] = p.launch_order == LONGEST_CHUNKS ? sc.chunk_end[i] - sc.chunk_begin[i]
-            : p.launch_order == LONGEST_REQUESTS ? sc.lens[sc.chunk_request[i]] : 0;
+            : p.launch_order == LONGEST_REQUESTS
+            ? sc.lens[sc.chunk_request[i]] + sc.kv_begin[sc.chunk_request[i]] : 0;
   __syncthreads();
   if (num_chunks <= 64) {                // few: a thread per chunk
     for (int i = tid; i < num_chunks; i += PLAN_THREADS)

@@ -93,6 +93,11 @@ struct DevicePlanParams {
   const int* qo_indptr;
   int* query_rows;
   int max_q_len;
+  // A sliding window (DecodeProblem's window_left): each request's plan covers its last
+  // window_left + 1 tokens (-1: all); with query rows, the window that covers every row's
+  // (variants.covering_window_left), and rows_window_left the rows' own, for query_rows.
+  int window_left;
+  int rows_window_left;
 };
 
 // Persistent state, int32 each.
@@ -349,8 +354,8 @@ DEVICE_PLAN_HD inline Request read_request(const DevicePlanParams& p, int b) {
   return r;
 }
 
-// Request b's entry of query_rows (b < max_batch): {first row in q, q_len, its length, -1 (no
-// window)}; past the batch, no rows. Rows not 1..max_q_len, more than its tokens (at least 1),
+// Request b's entry of query_rows (b < max_batch): {first row in q, q_len, its length, the rows'
+// window}; past the batch, no rows (and no window). Rows not 1..max_q_len, more than its tokens (at least 1),
 // past q's max_batch x max_q_len rows, or a qo_indptr[0] other than 0: ERR_BAD_QO_INDPTR and no
 // rows. Returns the error.
 DEVICE_PLAN_HD inline int write_query_rows(const DevicePlanParams& p, int b, int len) {
@@ -373,8 +378,13 @@ DEVICE_PLAN_HD inline int write_query_rows(const DevicePlanParams& p, int b, int
   e[0] = first;
   e[1] = count;
   e[2] = b < p.batch_size ? len : 0;
-  e[3] = -1;
+  e[3] = b < p.batch_size ? p.rows_window_left : -1;
   return error;
+}
+
+// The tokens a call reads of a request of `len` (DecodeProblem.read_lens): its window's, or all.
+DEVICE_PLAN_HD inline int read_len(const DevicePlanParams& p, int len) {
+  return p.window_left >= 0 && len > p.window_left + 1 ? p.window_left + 1 : len;
 }
 
 // The chunks of one request under the chosen row: count and units (its length in align units).
@@ -486,10 +496,13 @@ DEVICE_PLAN_HD inline void record_plan(const DevicePlanParams& p, DevicePlanStat
   st.plans += 1;
 }
 
-// Scratch (int32 each): per request its length, first page-table entry, last entry (-1: an
-// error, read nothing) and chunk offset [batch + 1]; per chunk its request, start, end, sort key
-// and grid order [max_chunks each]. (Entries fit an int: the host checks < 2**31.)
+// Scratch (int32 each): per request the tokens a call reads (read_len), first page-table entry,
+// last entry (-1: an error, read nothing), chunk offset [batch + 1] and first token read (its
+// window's; 0 without one); per chunk its request, start, end (tokens of the request, a
+// window's moved to it), sort key and grid order [max_chunks each]. (Entries fit an int: the
+// host checks < 2**31.)
 struct Scratch {
+  int* kv_begin;
   int* lens;
   int* table_begin;
   int* table_last;
@@ -507,6 +520,7 @@ DEVICE_PLAN_HD inline Scratch scratch_at(int* s, const DevicePlanParams& p) {
   out.table_begin = s + p.batch_size;
   out.table_last = s + 2 * p.batch_size;
   out.offsets = s + 3 * p.batch_size;
+  out.kv_begin = s + 4 * p.batch_size + 4;      // [batch], before the chunks at 5 batch + 8
   int* chunks = s + 5 * p.batch_size + 8;
   out.chunk_request = chunks;
   out.chunk_begin = chunks + p.max_chunks;
@@ -528,16 +542,18 @@ inline void plan_on_host(const DevicePlanParams& p) {
   for (int b = 0; b < n; ++b) {
     const Request r = read_request(p, b);
     if (r.error && !st.error) { st.error = r.error; st.error_request = b; }
-    sc.lens[b] = r.len;
+    const int len = read_len(p, r.len);
+    sc.lens[b] = len;
+    sc.kv_begin[b] = r.len - len;
     total_pages += r.pages;
-    total += r.len;
-    total_units += ceil_div(r.len, TILE);
-    if (r.len > max_len) max_len = r.len;
-    num_empty += r.len == 0;
+    total += len;
+    total_units += ceil_div(len, TILE);
+    if (len > max_len) max_len = len;
+    num_empty += len == 0;
   }
   if (p.query_rows != nullptr) {
     for (int b = 0; b < p.max_batch; ++b) {
-      const int error = write_query_rows(p, b, b < n ? sc.lens[b] : 0);
+      const int error = write_query_rows(p, b, b < n ? sc.lens[b] + sc.kv_begin[b] : 0);
       if (error && !st.error) { st.error = error; st.error_request = b; }
     }
   }
@@ -560,11 +576,11 @@ inline void plan_on_host(const DevicePlanParams& p) {
     const Cut cut = cut_request(row, sc.lens[b]);
     sc.offsets[b] = num_chunks;
     for (int i = 0; i < cut.count; ++i, ++num_chunks) {
-      const int begin = chunk_start(i, cut.units, cut.count, row.align);
+      const int begin = sc.kv_begin[b] + chunk_start(i, cut.units, cut.count, row.align);
       sc.chunk_request[num_chunks] = b;
       sc.chunk_begin[num_chunks] = begin;
-      sc.chunk_end[num_chunks] = i + 1 < cut.count
-          ? chunk_start(i + 1, cut.units, cut.count, row.align) : sc.lens[b];
+      sc.chunk_end[num_chunks] = sc.kv_begin[b] + (i + 1 < cut.count
+          ? chunk_start(i + 1, cut.units, cut.count, row.align) : sc.lens[b]);
       aligned &= begin % p.page_size == 0;
     }
   }
@@ -572,7 +588,8 @@ inline void plan_on_host(const DevicePlanParams& p) {
   const int merge = merge_mode(best.strategy, num_chunks, n);
   for (int i = 0; i < num_chunks; ++i)
     sc.keys[i] = p.launch_order == LONGEST_CHUNKS ? sc.chunk_end[i] - sc.chunk_begin[i]
-               : p.launch_order == LONGEST_REQUESTS ? sc.lens[sc.chunk_request[i]] : 0;
+               : p.launch_order == LONGEST_REQUESTS
+               ? sc.lens[sc.chunk_request[i]] + sc.kv_begin[sc.chunk_request[i]] : 0;
   for (int i = 0; i < num_chunks; ++i) sc.order[grid_rank(sc.keys, num_chunks, i)] = i;
   const int record_pages = aligned ? p.record_pages : 0;
   const int flags = (merge == MERGE_TICKET ? 1 : 0) | (record_pages ? 2 : 0);

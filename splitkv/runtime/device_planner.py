@@ -53,6 +53,7 @@ class DevicePlanParams(ctypes.Structure):
         ("record_pages", ctypes.c_int32), ("launch_order", ctypes.c_int32),
         ("scratch_in_shared", ctypes.c_int32), ("qo_indptr", _POINTER),
         ("query_rows", _POINTER), ("max_q_len", ctypes.c_int32),
+        ("window_left", ctypes.c_int32), ("rows_window_left", ctypes.c_int32),
     ]
 
 
@@ -91,6 +92,7 @@ def plan_params(model: CostModel, *, num_qo_heads: int, num_kv_heads: int, head_
     needed = record_pages_needed(page_size, stages, tile_tokens)
     p.record_pages = needed if needed <= RECORD_PAGES else 0
     p.launch_order = LAUNCH_ORDERS.index(launch_order)
+    p.window_left = p.rows_window_left = -1
     return p
 
 

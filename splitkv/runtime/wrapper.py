@@ -328,9 +328,10 @@ class BatchDecodeWrapper:
             heads = self.num_qo_heads * (query_rows.max_q_len if query_rows else 1)
         window = -1 if window_left is None else window_left
         # several query rows: the plan covers every row's window, and each row masks its own
+        # (a graph-stable wrapper's: every row its capacity allows, as plan_on_device plans)
         plan_window = (VA.covering_window_left(
             V.check_int("window_left", window, -1, V.MAX_KV_LEN, "MAX_KV_LEN"),
-            query_rows.max_q_len)
+            self._max_q_len if self.use_cuda_graph else query_rows.max_q_len)
                        if query_rows is not None else window)
         max_page = int(page_table.kv_indices.max()) if page_table.kv_indices.size else -1
         if self.use_cuda_graph:
@@ -487,7 +488,7 @@ class BatchDecodeWrapper:
     def plan_on_device(self, *, seq_lens=None, block_table=None, kv_indptr=None,
                        kv_indices=None, kv_last_page_len=None, sm_scale: float | None = None,
                        stream=None, logits_soft_cap: float | None = None,
-                       qo_indptr=None) -> None:
+                       qo_indptr=None, window_left: int | None = None) -> None:
         """Plan on the GPU (graph-stable wrappers): enqueue the planning kernel on ``stream``.
         When it runs, it reads the batch from these device int32 arrays, chooses the plan with
         the same cost model as ``plan()`` (the same plan, bit for bit: tests/test_device_plan.py)
@@ -507,6 +508,8 @@ class BatchDecodeWrapper:
         ``plan()``. ``qo_indptr`` (a wrapper made with ``max_q_len``): multi-token decode's
         device int32 [batch + 1], bound like the others (None: one row a request); a request
         whose rows are bad gets none of its outputs written, and the error is kept likewise.
+        ``window_left``: as in ``plan()`` (each row its own window); a captured graph holds the
+        window of its capture (the planning kernel's argument).
         """
         require_gpu("BatchDecodeWrapper.plan_on_device()")
         import cupy
@@ -532,6 +535,11 @@ class BatchDecodeWrapper:
         self._follow_previous_plan_stream(s)
         if not s.is_capturing():
             self._foreign_runs.follow(s)         # runs elsewhere may still read the records
+        window = -1 if window_left is None else V.check_int(
+            "window_left", window_left, -1, V.MAX_KV_LEN, "MAX_KV_LEN")
+        planner.params.rows_window_left = window
+        planner.params.window_left = (VA.covering_window_left(window, self._max_q_len)
+                                      if self._max_q_len > 1 else window)
         planner.launch(s.ptr)
         self._logits_soft_cap_log2 = soft_cap_log2
         self._run_after_device_plan = True

@@ -280,24 +280,45 @@ def test_multi_token_query_rows_and_plans_match_the_host_wrappers():
         np.testing.assert_array_equal(got.query_rows, full, err_msg=f"trial {trial}")
 
 
-def test_bad_query_rows_are_kept_as_an_error_and_write_no_rows():
+def test_bad_query_rows_are_kept_as_an_error_and_leave_no_rows():
+    """Any bad entry: the error (its first request) and no request with rows, since past a
+    decreasing entry the others' rows may overlap."""
+    from splitkv.runtime.device_planner import ERRORS
+
     rng = np.random.default_rng(12)
-    lens = np.array([100, 5, 300])
+    lens = np.array([100, 2, 300])
     table, _ = scattered_page_table(lens, 16, rng, 2)
     params = plan_params(MODEL, num_qo_heads=32 * 4, num_kv_heads=8, head_dim=128,
                          page_size=16, stages=3, max_batch=3, max_chunks=64,
                          launch_order="longest_chunks")
-    for qo, bad in (([0, 4, 10, 11], 1),        # 6 rows: past max_q_len
+    for qo, bad in (([0, 4, 6, 11], 2),         # 5 rows: past max_q_len=4
                     ([0, 2, 2, 3], 1),          # no rows
                     ([1, 2, 3, 4], 0),          # qo_indptr[0] != 0
-                    ([0, 2, 4, 13], 2),         # past q's 3 x 4 rows
-                    ([0, 1, 7, 8], 1)):         # 6 rows, but also > 5 tokens
+                    ([0, 1, 4, 5], 1),          # 3 rows for 2 tokens
+                    ([0, 3, 1, 2], 1)):         # decreasing: request 2 would overlap request 0
         run = HostRun(params, 4)
         got = run.plan("flashinfer", layout_arrays(table, "flashinfer"), np.array(qo))
         assert got.state["error"] == 5 and got.state["error_request"] == bad, qo
-        assert got.query_rows[bad, 1] == 0, qo
-        from splitkv.runtime.device_planner import ERRORS
-        assert ERRORS[5].startswith("qo_indptr:")
+        assert (got.query_rows[:, 1] == 0).all(), (qo, got.query_rows)
+    good = HostRun(params, 4).plan("flashinfer", layout_arrays(table, "flashinfer"),
+                                   np.array([0, 4, 6, 10]))
+    assert good.state["error"] == 0 and good.query_rows[:, 1].tolist() == [4, 2, 4]
+    assert ERRORS[5].startswith("qo_indptr:")
+
+
+def test_plan_on_device_checks_qo_indptr_on_the_host():
+    pytest.importorskip("cupy")
+    ok = dict(max_batch=8, device=0, seq_lens=FakeDeviceArray((4,)),
+              block_table=FakeDeviceArray((4, 8)))
+    for bad, kind, message in ((FakeDeviceArray((5,), "<u4"), TypeError, "int32"),
+                               (FakeDeviceArray((4,)), ValueError, "\\[batch \\+ 1\\]"),
+                               (FakeDeviceArray((5,), strides=(8,)), ValueError, "contiguous"),
+                               (np.zeros(5, np.int32), TypeError, "device array")):
+        with pytest.raises(kind, match="qo_indptr: .*" + message):
+            device_batch(qo_indptr=bad, **ok)
+    batch, arrays = device_batch(qo_indptr=FakeDeviceArray((5,)), **ok)
+    assert batch.qo_indptr == 4096 and len(arrays) == 3
+    assert device_batch(**ok)[0].qo_indptr == 0
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -1,6 +1,8 @@
 """Issue 17 on the GPU: streams, threads, memory. Two wrappers on two streams at once are each
-correct; one wrapper's run() called from two threads at once (its launches take a lock) is
-correct; runs on two other streams are both followed by the next plan's upload; run() with
+correct; one wrapper's run() called from two threads at once, with different inputs and a
+fused (ticket) plan, is correct (its runs share the workspace, so runs on two streams are
+ordered one after the other: ``records.StreamChain``); runs on two other streams are both
+followed by the next plan's upload; run() with
 its outputs given allocates nothing, and the wrapper reports the workspace it holds; a K/V
 pool past 2**31 elements, read near its end, gives the reference's answer; 1,000 random
 ragged batches (every strategy the planner picks, the variants mixed in) all match the
@@ -8,6 +10,7 @@ float64 reference."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import numpy as np
@@ -39,7 +42,10 @@ def check(out, lse, ref, what):
 
 
 def poisoned(q):
-    return (cupy.full(q.shape, 0xFFFF, cupy.uint16), cupy.full(q.shape[:2], np.nan, cupy.float32))
+    """Poisoned out and lse, filled before any later stream's work (a synchronize)."""
+    out = (cupy.full(q.shape, 0xFFFF, cupy.uint16), cupy.full(q.shape[:2], np.nan, cupy.float32))
+    cupy.cuda.runtime.deviceSynchronize()
+    return out
 
 
 def test_two_wrappers_on_two_streams_at_once():
@@ -57,23 +63,26 @@ def test_two_wrappers_on_two_streams_at_once():
         check(o, lse, c[4], "two wrappers, two streams")
 
 
-def test_one_wrapper_run_from_two_threads_at_once():
+@pytest.mark.parametrize("strategy,splits", [("fused", 4), ("split_merge", 4)])
+def test_one_wrapper_run_from_two_threads_at_once(strategy, splits):
+    """Different q in each thread (the same pages): each thread's output is its own q's."""
     rng = np.random.default_rng(2)
     pt, q, k, v, ref = batch(rng, [3000, 700, 9, 4100])
-    w = BatchDecodeWrapper(HQ, HK, D, 16, "bfloat16")
-    w.plan(pt, num_splits=4, strategy="split_merge")
-    cupy.cuda.runtime.deviceSynchronize()
-    results, errors = {}, []
+    q2 = random_device_array(q.shape, "bfloat16", rng)
+    ref2 = reference_decode(q2.get(), k.get(), v.get(), pt)
+    w = BatchDecodeWrapper(HQ, HK, D, 16, "bfloat16", use_clusters=False)
+    plan = w.plan(pt, num_splits=splits, strategy=strategy)
+    assert plan.merge == ("ticket" if strategy == "fused" else "merge_kernel")
+    outs = [poisoned(q), poisoned(q2)]
+    errors = []
 
     def worker(i):
         try:
             with cupy.cuda.Device(0):
                 s = cupy.cuda.Stream(non_blocking=True)
-                o, lse = poisoned(q)
                 for _ in range(200):
-                    w.run(q, k, v, out=o, lse=lse, stream=s)
+                    w.run((q, q2)[i], k, v, out=outs[i][0], lse=outs[i][1], stream=s)
                 s.synchronize()
-                results[i] = (o, lse)
         except Exception as exc:       # surfaced below, with the thread's traceback lost
             errors.append(exc)
 
@@ -83,8 +92,8 @@ def test_one_wrapper_run_from_two_threads_at_once():
     for t in threads:
         t.join()
     assert not errors, errors
-    for o, lse in results.values():
-        check(o, lse, ref, "one wrapper, two threads")
+    check(*outs[0], ref, f"thread 0, {plan}")
+    check(*outs[1], ref2, f"thread 1, {plan}")
 
 
 def test_the_next_plan_follows_runs_on_two_other_streams():
@@ -98,7 +107,8 @@ def test_the_next_plan_follows_runs_on_two_other_streams():
     w.plan(big[0], stream=plan_stream)
     o_a, lse_a = poisoned(big[1])
     o_b, lse_b = poisoned(big[1])
-    w.run(big[1], big[2], big[3], out=o_a, lse=lse_a, stream=a)
+    for _ in range(20):              # A is busy long after B's one run
+        w.run(big[1], big[2], big[3], out=o_a, lse=lse_a, stream=a)
     w.run(big[1], big[2], big[3], out=o_b, lse=lse_b, stream=b)
     w.plan(small[0], stream=plan_stream)
     check(o_a, lse_a, big[4], "the run on stream A")
@@ -115,6 +125,7 @@ def test_run_with_outputs_given_allocates_nothing():
         o, lse = poisoned(q)
         w.run(q, k, v, out=o, lse=lse)
         cupy.cuda.runtime.deviceSynchronize()
+        gc.collect()                 # the previous wrapper's buffers, freed before measuring
         used, total = pool.used_bytes(), pool.total_bytes()
         for _ in range(20):
             w.run(q, k, v, out=o, lse=lse)

@@ -208,7 +208,7 @@ def test_plan_on_device_with_query_rows_in_one_graph():
     """A graph-stable wrapper made with max_q_len plans on the device from qo_indptr (device
     int32, updated in place with the lengths) under a window: one graph of plan_on_device()
     then run() replayed over changing batches equals the reference; a bad qo_indptr is kept as
-    the device error and writes none of that request's rows."""
+    the device error and leaves every row unwritten."""
     rng = np.random.default_rng(88)
     hq, hk, d, max_batch, max_q, width = 32, 8, 128, 4, 4, 300
     pool = max_batch * width
@@ -263,4 +263,4 @@ def test_plan_on_device_with_query_rows_in_one_graph():
     stream.synchronize()
     state = g.device_plan_state()
     assert state["error"].startswith("qo_indptr:") and state["error_request"] == 1, state
-    assert (out[1:1 + max_q + 1].get() == 0xFFFF).all()     # none of its rows written
+    assert (out.get() == 0xFFFF).all()         # no row of the batch written

@@ -55,6 +55,7 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   __shared__ Choice best;
   __shared__ double predicted[2 * MAX_ROWS];
   __shared__ int misaligned;
+  __shared__ int bad_rows;                    // some query_rows entry was bad
   extern __shared__ int shared_scratch[];     // the scratch, when it fits (scratch_in_shared)
   DevicePlanState& st = *reinterpret_cast<DevicePlanState*>(p.state);
   const Scratch sc = scratch_at(p.scratch_in_shared ? shared_scratch : p.scratch, p);
@@ -62,7 +63,7 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   const int n = p.batch_size;
   const int filled = st.filled;               // read by every thread before thread 0 rewrites it
   if (tid < 5) reduced[tid] = 0;
-  if (tid == 0) misaligned = 0;
+  if (tid == 0) misaligned = bad_rows = 0;
   __syncthreads();
 
   // 1. the requests: lengths, errors, sums and maxima
@@ -85,6 +86,7 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
     for (int b = tid; b < p.max_batch; b += PLAN_THREADS) {   // wrote its length above)
       const int error = write_query_rows(p, b, b < n ? sc.lens[b] + sc.kv_begin[b] : 0);
       if (error && atomicCAS(&st.error, 0, error) == 0) st.error_request = b;
+      if (error) bad_rows = 1;
     }
   }
   tokens = warp_sum(tokens); tiles = warp_sum(tiles); pages = warp_sum(pages);
@@ -97,6 +99,8 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
     atomicAdd(&reduced[4], (unsigned long long)empty);
   }
   __syncthreads();
+  if (bad_rows)                     // past a bad entry the rows may overlap: none has rows
+    for (int b = tid; b < p.max_batch; b += PLAN_THREADS) clear_query_rows(p, b);
   const i64 total = (i64)reduced[0], total_pages = (i64)reduced[2];
   const int max_len = (int)reduced[3], num_empty = (int)reduced[4];
 

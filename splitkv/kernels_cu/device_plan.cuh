@@ -46,8 +46,8 @@ enum { F_CONST, F_LAUNCHES, F_KV_US, F_CRIT_US, F_CRIT_TILES, F_CRIT_TILE_ROWS, 
 
 // Error codes in DevicePlanState::error (the first error a plan met; 0: none). A request with
 // an error is planned as empty, and nothing past its own page-table entries is read.
-// A request whose query rows are bad (ERR_BAD_QO_INDPTR) is planned as usual but gets no
-// query row: none of its outputs is written.
+// Bad query rows (ERR_BAD_QO_INDPTR) leave the plan as it is but give no request a query row:
+// no output of the batch is written.
 enum { ERR_NONE = 0, ERR_NEGATIVE_LENGTH = 1, ERR_PAGES_PAST_TABLE = 2, ERR_BAD_INDPTR = 3,
        ERR_BAD_LAST_PAGE_LEN = 4, ERR_BAD_QO_INDPTR = 5 };
 
@@ -355,9 +355,10 @@ DEVICE_PLAN_HD inline Request read_request(const DevicePlanParams& p, int b) {
 }
 
 // Request b's entry of query_rows (b < max_batch): {first row in q, q_len, its length, the rows'
-// window}; past the batch, no rows (and no window). Rows not 1..max_q_len, more than its tokens (at least 1),
-// past q's max_batch x max_q_len rows, or a qo_indptr[0] other than 0: ERR_BAD_QO_INDPTR and no
-// rows. Returns the error.
+// window}; past the batch, no rows (and no window). Rows not 1..max_q_len, more than its tokens
+// (at least 1), past q's max_batch x max_q_len rows, or a qo_indptr[0] other than 0:
+// ERR_BAD_QO_INDPTR. Returns the error; the caller then takes every request's rows away
+// (clear_query_rows): past a bad entry, the others' rows may overlap.
 DEVICE_PLAN_HD inline int write_query_rows(const DevicePlanParams& p, int b, int len) {
   int first = 0, count = 0, error = ERR_NONE;
   if (b < p.batch_size) {
@@ -365,12 +366,13 @@ DEVICE_PLAN_HD inline int write_query_rows(const DevicePlanParams& p, int b, int
     count = 1;
     if (p.qo_indptr != nullptr) {
       first = p.qo_indptr[b];
-      count = p.qo_indptr[b + 1] - first;
-      const i64 end = (i64)first + count, rows = (i64)p.max_batch * p.max_q_len;
-      if (p.qo_indptr[0] != 0 || count < 1 || count > p.max_q_len || count > (len > 1 ? len : 1)
-          || first < 0 || end > rows) {
+      const i64 rows = (i64)p.qo_indptr[b + 1] - first, end = (i64)first + rows;
+      if (p.qo_indptr[0] != 0 || rows < 1 || rows > p.max_q_len || rows > (len > 1 ? len : 1)
+          || first < 0 || end > (i64)p.max_batch * p.max_q_len) {
         error = ERR_BAD_QO_INDPTR;
         count = 0;
+      } else {
+        count = (int)rows;
       }
     }
   }
@@ -380,6 +382,11 @@ DEVICE_PLAN_HD inline int write_query_rows(const DevicePlanParams& p, int b, int
   e[2] = b < p.batch_size ? len : 0;
   e[3] = b < p.batch_size ? p.rows_window_left : -1;
   return error;
+}
+
+// After a bad query-rows entry: no request has rows (no output of the batch is written).
+DEVICE_PLAN_HD inline void clear_query_rows(const DevicePlanParams& p, int b) {
+  p.query_rows[4 * (i64)b + 1] = 0;
 }
 
 // The tokens a call reads of a request of `len` (DecodeProblem.read_lens): its window's, or all.
@@ -552,10 +559,14 @@ inline void plan_on_host(const DevicePlanParams& p) {
     num_empty += len == 0;
   }
   if (p.query_rows != nullptr) {
+    bool bad = false;
     for (int b = 0; b < p.max_batch; ++b) {
       const int error = write_query_rows(p, b, b < n ? sc.lens[b] + sc.kv_begin[b] : 0);
       if (error && !st.error) { st.error = error; st.error_request = b; }
+      bad |= error != 0;
     }
+    if (bad)
+      for (int b = 0; b < p.max_batch; ++b) clear_query_rows(p, b);
   }
   Candidates c;
   enumerate_rows(c, n, max_len, total, p.items_per_chunk, p.slots);

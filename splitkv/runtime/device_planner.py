@@ -66,7 +66,7 @@ ERRORS = {1: "a negative sequence length", 2: "more pages than its block-table r
           3: "kv_indptr not non-decreasing, negative, or past kv_indices",
           4: "kv_last_page_len outside 1..page_size (0 for a request without pages)",
           5: "qo_indptr: query rows not 1..max_q_len, more than the request's tokens, past q's "
-             "rows, or qo_indptr[0] != 0 (the request's outputs are not written)"}
+             "rows, or qo_indptr[0] != 0 (no output of the batch is written)"}
 
 
 def scratch_ints(max_chunks: int, batch_size: int) -> int:

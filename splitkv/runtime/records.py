@@ -79,35 +79,55 @@ def idle_records(count: int) -> np.ndarray:
     return records
 
 
-class ForeignRuns:
-    """The last run on each stream other than the plan's since the last plan, as events: the
-    next plan's upload (on its own stream) waits for all of them before it rewrites what they
-    read. One event a stream, so runs on two other streams are both followed (one shared event
-    would keep only the later one); a lock, since run() may be called from several threads."""
+class StreamChain:
+    """Orders the uses of one wrapper's buffers (a plan's upload, a run: they share the records
+    and the workspace, the partials and the ticket counters) across streams. A use on a stream
+    other than the last use's first waits for everything queued on that last stream (an event
+    recorded there then), so two runs on two streams never overlap on the GPU and a plan never
+    rewrites what a run on another stream still reads; uses on one stream cost nothing. Held
+    across a run's launch (``use``), under a lock: run() may be called from several threads.
+    Streams are told apart by handle, so threads sharing a wrapper each pass their own stream
+    (not the per-thread default stream, whose one handle names a different stream in each
+    thread)."""
 
     def __init__(self):
         import threading
 
-        self._events: dict[int, object] = {}
-        self._pending: set[int] = set()
+        self._last = None               # the stream of the last use
         self._lock = threading.Lock()
 
-    def record(self, stream) -> None:
+    def _after_last(self, stream) -> None:
         import cupy
 
-        with self._lock:
-            event = self._events.get(stream.ptr)
-            if event is None:
-                event = self._events[stream.ptr] = cupy.cuda.Event(disable_timing=True)
-            event.record(stream)
-            self._pending.add(stream.ptr)
+        last = self._last
+        if last is not None and last.ptr != stream.ptr:
+            event = cupy.cuda.Event(disable_timing=True)
+            event.record(last)
+            stream.wait_event(event)
+        self._last = stream
 
     def follow(self, stream) -> None:
-        """Make ``stream`` wait for every pending run, then forget them."""
+        """A use about to be queued on ``stream`` (a plan's upload): after the last one."""
         with self._lock:
-            for ptr in self._pending:
-                stream.wait_event(self._events[ptr])
-            self._pending.clear()
+            self._after_last(stream)
+
+    def use(self, stream):
+        """The same, held until the use is queued: ``with chain.use(s): launch()``."""
+        chain = self
+
+        class _Use:
+            def __enter__(self):
+                chain._lock.acquire()
+                try:
+                    chain._after_last(stream)
+                except BaseException:
+                    chain._lock.release()
+                    raise
+
+            def __exit__(self, *exc):
+                chain._lock.release()
+
+        return _Use()
 
 
 def query_rows_array(rows, kv_lens: np.ndarray, window_left: int) -> np.ndarray:
@@ -160,10 +180,11 @@ class PlanUpload:
 class GraphPlanUpload:
     """A graph-stable wrapper's plan buffers: fixed device addresses, sized once for the
     capacity (records, merge_indptr, a multi-token grid's query_rows, page-table entries), so
-    a captured launch reads whatever
-    plan was uploaded last; each plan copies the records, merge_indptr and its own entries. Each plan is written to one of two pinned host buffers in turn and
-    copied with one async copy on the plan's stream; before a host buffer is rewritten, the copy
-    out of it two plans ago must have finished (a host wait on that small copy only)."""
+    a captured launch reads whatever plan was uploaded last; each plan copies the records,
+    merge_indptr (and query_rows) and its own entries. Each plan is written to one of two
+    pinned host buffers in turn and copied with one async copy on the plan's stream; before a
+    host buffer is rewritten, the copy out of it two plans ago must have finished (a host wait
+    on that small copy only)."""
 
     def __init__(self, max_chunks: int, max_num_pages: int, max_batch_size: int,
                  query_rows: bool = False):

@@ -24,6 +24,7 @@ kernels' argument structs).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import numpy as np
@@ -47,9 +48,11 @@ from .kernel_abi import DecodeParams
 from .kernel_source import DecodeVariant, row_tiles_for
 from .launch import DecodeLaunch, KernelLaunch, current_context
 from .modules import get_decode_kernels
-from .records import (ForeignRuns, GraphPlanUpload, PlanUpload, chunk_records,  # noqa: F401
+from .records import (GraphPlanUpload, PlanUpload, StreamChain, chunk_records,  # noqa: F401
                       first_pages, pages_fit_record, query_rows_array, record_pages_needed)
 from .workspace import Workspace
+
+_NO_CHAIN = contextlib.nullcontext()     # a captured run: no ordering across streams
 
 LOG2E = 1.4426950408889634
 
@@ -148,10 +151,8 @@ class BatchDecodeWrapper:
         self.ctas_per_kv_head = ctas_per_kv_head(self.group_size * self._max_q_len)
         self._graph_upload: GraphPlanUpload | None = None
         self._graph_pool_pages: int | None = None    # pages of the K/V pool a run was given
-        # the last run on each stream other than its plan's since the last plan: the next
-        # upload must follow them all (an event a stream, under a lock: run() may be called
-        # from several threads)
-        self._foreign_runs = ForeignRuns()
+        # every use of the buffers (plan uploads, runs), ordered across streams
+        self._chain = StreamChain()
         self._pages_in_record = False
         self._plan_stream = None              # the stream of the last plan (or plan_on_device)
         self._device_planner = None           # plan_on_device()'s kernel, once bound
@@ -361,7 +362,7 @@ class BatchDecodeWrapper:
             raise ValueError("page_table: page indices must be < 2**31")
 
         self._follow_previous_plan_stream(s)
-        self._foreign_runs.follow(s)   # runs on other streams may still read the buffers
+        self._chain.follow(s)          # runs on other streams may still read the buffers
         rows_array = (None if query_rows is None
                       else query_rows_array(query_rows, page_table.kv_lens, window))
         if self.use_cuda_graph:
@@ -506,8 +507,9 @@ class BatchDecodeWrapper:
         than its row, a bad kv_indptr or kv_last_page_len) is planned as empty and the error is
         kept on the device: ``device_plan_state()`` reads it. ``logits_soft_cap``: as in
         ``plan()``. ``qo_indptr`` (a wrapper made with ``max_q_len``): multi-token decode's
-        device int32 [batch + 1], bound like the others (None: one row a request); a request
-        whose rows are bad gets none of its outputs written, and the error is kept likewise.
+        device int32 [batch + 1], bound like the others (None: one row a request); a bad
+        entry leaves every output of the batch unwritten (past it, rows may overlap), and the
+        error is kept likewise.
         ``window_left``: as in ``plan()`` (each row its own window); a captured graph holds the
         window of its capture (the planning kernel's argument).
         """
@@ -534,7 +536,7 @@ class BatchDecodeWrapper:
             planner = self._device_planner
         self._follow_previous_plan_stream(s)
         if not s.is_capturing():
-            self._foreign_runs.follow(s)         # runs elsewhere may still read the records
+            self._chain.follow(s)                # runs elsewhere may still read the records
         window = -1 if window_left is None else V.check_int(
             "window_left", window_left, -1, V.MAX_KV_LEN, "MAX_KV_LEN")
         planner.params.rows_window_left = window
@@ -834,12 +836,13 @@ class BatchDecodeWrapper:
             self._graph_pool_pages = pool if self._graph_pool_pages is None else min(
                 pool, self._graph_pool_pages)
         if batch:
-            self._launch(qa.ptr, ka.ptr, va.ptr, ka.strides[0], ka.strides[1], ka.strides[2],
-                         oa.ptr, lse_ptr,
-                         s.ptr, plain=self._run_after_device_plan, scales=scales, variant=variant)
+            # Runs share the workspace (partials, ticket counters) and plans rewrite the
+            # records: a run on another stream than the last use's waits for it. Not inside a
+            # capture (as above): the replay's order is the caller's.
+            with (self._chain.use(s) if not s.is_capturing() else _NO_CHAIN):
+                self._launch(qa.ptr, ka.ptr, va.ptr, ka.strides[0], ka.strides[1],
+                             ka.strides[2], oa.ptr, lse_ptr, s.ptr,
+                             plain=self._run_after_device_plan, scales=scales, variant=variant)
             self._run_after_device_plan = False
-        if foreign:
-            # the next plan()'s upload rewrites the buffers this run reads: it waits for this
-            self._foreign_runs.record(s)
         return (out, lse) if want_lse else out
 

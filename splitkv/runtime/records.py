@@ -80,52 +80,57 @@ def idle_records(count: int) -> np.ndarray:
 
 
 class StreamChain:
-    """Orders the uses of one wrapper's buffers (a plan's upload, a run: they share the records
-    and the workspace, the partials and the ticket counters) across streams. A use on a stream
-    other than the last use's first waits for everything queued on that last stream (an event
-    recorded there then), so two runs on two streams never overlap on the GPU and a plan never
-    rewrites what a run on another stream still reads; uses on one stream cost nothing. Held
-    across a run's launch (``use``), under a lock: run() may be called from several threads.
-    Streams are told apart by handle, so threads sharing a wrapper each pass their own stream
-    (not the per-thread default stream, whose one handle names a different stream in each
-    thread)."""
+    """Orders the uses of one wrapper's buffers across streams: its runs share the workspace
+    (partials, ticket counters) and its plans rewrite the records. After each run an event is
+    recorded on the run's stream; a later run, or a plan's upload, on another stream first
+    waits for it. So two runs on two streams never overlap on the GPU and a plan never rewrites
+    what a run elsewhere still reads. (An event per run, on the stream in use: a stream given
+    earlier may be gone by the next call.) Held across a run's launch (``use``), under a lock:
+    run() may be called from several threads. Streams are told apart by handle, so threads
+    sharing a wrapper each pass their own stream, not the per-thread default stream (one handle
+    for a different stream in each thread)."""
 
     def __init__(self):
         import threading
 
-        self._last = None               # the stream of the last use
+        self._event = None              # recorded after the last run, on its stream
+        self._last = None               # that stream's handle
         self._lock = threading.Lock()
 
-    def _after_last(self, stream) -> None:
-        import cupy
-
-        last = self._last
-        if last is not None and last.ptr != stream.ptr:
-            event = cupy.cuda.Event(disable_timing=True)
-            event.record(last)
-            stream.wait_event(event)
-        self._last = stream
+    def _wait(self, stream) -> None:
+        if self._event is not None and self._last != stream.ptr:
+            stream.wait_event(self._event)
 
     def follow(self, stream) -> None:
-        """A use about to be queued on ``stream`` (a plan's upload): after the last one."""
+        """A plan's upload about to be queued on ``stream``: after the last run."""
         with self._lock:
-            self._after_last(stream)
+            self._wait(stream)
 
     def use(self, stream):
-        """The same, held until the use is queued: ``with chain.use(s): launch()``."""
+        """A run: ``with chain.use(s): launch()`` queues it after the last run (on another
+        stream) and records the event after it."""
         chain = self
 
         class _Use:
             def __enter__(self):
                 chain._lock.acquire()
                 try:
-                    chain._after_last(stream)
+                    chain._wait(stream)
                 except BaseException:
                     chain._lock.release()
                     raise
 
-            def __exit__(self, *exc):
-                chain._lock.release()
+            def __exit__(self, kind, *rest):
+                import cupy
+
+                try:
+                    if kind is None:
+                        if chain._event is None:
+                            chain._event = cupy.cuda.Event(disable_timing=True)
+                        chain._event.record(stream)
+                        chain._last = stream.ptr
+                finally:
+                    chain._lock.release()
 
         return _Use()
 

@@ -153,8 +153,32 @@ def test_plan_with_a_window_plans_only_its_tokens(capsys):
     assert predicted(windowed) == predicted(plain)
 
 
+def test_plan_with_query_rows_and_fp8(capsys):
+    """--q-len: the kernel's rows are q_len x the heads (the problem counts them), the same plan
+    the wrapper makes; --kv-dtype: the profile's fp8 fit and one-byte K/V."""
+    from splitkv import DecodeProblem
+    from splitkv.planner import choose_plan
+    from splitkv.planner.profiles import load_profile
+
+    assert cli.main(["plan", "--batch", "8", "--q-len", "4", "--kv-dtype", "fp8_e4m3"]) == 0
+    out = capsys.readouterr().out
+    assert "heads=128/8" in out and "4 query rows a request" in out
+    assert "128.0 MiB of K and V" in out and "float8_e4m3fn" in out
+    model = load_profile(device_name="NVIDIA H200", num_sms=132).cost_model("float8_e4m3fn")
+    want = choose_plan(DecodeProblem([8192] * 8, 128, 8, 128, 16), model)
+    assert f"predicted: {want.predicted_us:.2f} us" in out
+    assert cli.main(["plan", "--kv-len", "20000", "--q-len", "4", "--window-left", "100"]) == 0
+    assert "window_left=103" in capsys.readouterr().out      # every row's window covered
+    assert cli.main(["plan", "--lens", "2,100", "--q-len", "4"]) == 2
+    assert capsys.readouterr().err == ("splitkv plan: --q-len 4: a request has fewer tokens "
+                                       "(2) than query rows; its new tokens are the last q_len "
+                                       "of its KV\n")
+
+
 # ------------------------------------------------- bad arguments: one line, exit 2, no work
 BAD_ARGUMENTS = [
+    (["plan", "--q-len", "17"], "argument --q-len: expected an integer from 1 to 16, got 17"),
+    (["plan", "--kv-dtype", "int8"], "argument --kv-dtype"),
     # (argv, what the one line on stderr says)
     (["plan", "--batch", "-1"], "argument --batch: expected an integer from 1 to 1,048,576, got -1"),
     (["plan", "--window-left", "-2"], "argument --window-left: expected an integer from -1"),

@@ -5,6 +5,7 @@ default.
     splitkv plan --batch 8 --kv-len 8192 --heads 32/8 --head-dim 128 --page-size 16
     splitkv plan --lens 100,2000,30000 --profile my-gpu.yaml --top 8
     splitkv plan --kv-len 131072 --window-left 4095        # a sliding window: its tokens only
+    splitkv plan --batch 8 --q-len 4 --kv-dtype fp8_e4m3   # 4 query rows a request, fp8 K/V
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 
 from ..core import validation as V
 from ..core.geometry import TILE_TOKENS
+from ..core.variants import MAX_Q_LEN, covering_window_left
 from . import args as A
 
 
@@ -36,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window-left", type=A.int_range(-1, V.MAX_KV_LEN), default=-1,
                         metavar="N", help="sliding window: each query sees its last N + 1 tokens "
                                           "and the plan covers only those (default -1: none)")
+    parser.add_argument("--q-len", type=A.int_range(1, MAX_Q_LEN), default=1, metavar="N",
+                        help=f"query rows a request (multi-token decode, 1 to {MAX_Q_LEN}; "
+                             "default 1): the kernel computes N x the query heads a kv head")
+    parser.add_argument("--kv-dtype", type=A.fp8_kv_dtype, default=None, metavar="FP8",
+                        help="plan for fp8 K/V (float8_e4m3fn, float8_e5m2, fp8_e4m3, fp8_e5m2) "
+                             "with the profile's fp8 fit")
     parser.add_argument("--profile", type=A.existing_file, metavar="PATH",
                         help="a profile YAML (default: looked up)")
     parser.add_argument("--device-name", type=A.name, metavar="NAME",
@@ -76,31 +84,47 @@ def run(args) -> int:
 
     lens = np.asarray(args.lens if args.lens is not None else [args.kv_len] * args.batch,
                       dtype=np.int64)
-    read = lens if args.window_left < 0 else np.minimum(lens, args.window_left + 1)
+    # several query rows: the kernel's rows are q_len x the heads, and the plan covers every
+    # row's window (as BatchDecodeWrapper.plan plans them)
+    window = (covering_window_left(args.window_left, args.q_len) if args.q_len > 1
+              else args.window_left)
+    read = lens if window < 0 else np.minimum(lens, window + 1)
     chunks = _forced_chunks(read, args.num_splits) if args.num_splits else 0
     if chunks > MAX_CHUNKS:
         return A.refuse("plan", f"--num-splits {args.num_splits}: the plan would have "
                                 f"{chunks:,} chunks; the command line plans at most {MAX_CHUNKS:,}")
     try:
-        problem = DecodeProblem(lens, args.heads[0], args.heads[1], args.head_dim,
-                                args.page_size, window_left=args.window_left)
+        if args.q_len > 1 and (lens < args.q_len).any():
+            raise ValueError(f"--q-len {args.q_len}: a request has fewer tokens "
+                             f"({int(lens.min())}) than query rows; its new tokens are the last "
+                             "q_len of its KV")
+        problem = DecodeProblem(lens, args.heads[0] * args.q_len, args.heads[1],
+                                args.head_dim, args.page_size, window_left=window)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             profile = load_profile(args.profile, device_name=args.device_name,
                                    num_sms=args.num_sms)
-        ranked = rank_candidates(problem, profile, args.num_splits, args.strategy)
-        plan = ranked[0].build(problem, clusters=profile.cost_model().clusters)
+        model = profile.cost_model(args.kv_dtype)
+        ranked = rank_candidates(problem, model, args.num_splits, args.strategy)
+        plan = ranked[0].build(problem, clusters=model.clusters)
     except (TypeError, ValueError, ProfileError) as exc:
         return A.refuse("plan", exc)
     for w in caught:
         print(f"note: {A.one_line(w.message)}", file=sys.stderr)
 
     print(f"problem:   {problem!r}")
+    if args.q_len > 1:
+        print(f"rows:      {args.q_len} query rows a request: the kernel computes "
+              f"{args.q_len} x {args.heads[0]} query heads (the problem's heads)")
+    if args.kv_dtype:
+        print(f"kv dtype:  {args.kv_dtype} (one byte a value; planned with the profile's "
+              "fp8 fit)")
     print(f"profile:   {profile.device_name}, {profile.num_sms} SMs "
           f"({profile.source or 'unknown'}; {profile.origin})")
     print(f"plan:      {plan!r}")
-    kv_mib = problem.kv_bytes / 2**20
-    rate = problem.kv_bytes / plan.predicted_us / 1e3 if plan.predicted_us else 0.0
+    kv_bytes = problem.kv_bytes // 2 if args.kv_dtype else problem.kv_bytes   # fp8: a byte
+    kv_mib = kv_bytes / 2**20
+    rate = kv_bytes / plan.predicted_us / 1e3 if plan.predicted_us else 0.0
     print(f"predicted: {plan.predicted_us:.2f} us for {kv_mib:,.1f} MiB of K and V "
           f"({rate:,.0f} GB/s)")
     print(f"merge:     {plan.execution.describe()}")

@@ -58,6 +58,7 @@ for phase in "$@"; do
         --out "$RES/nvidia-h200-fp8.yaml" 2>&1 | tee "$RES/calibrate_fp8.log" | tail -25
       [ -f "$RES/nvidia-h200-fp8.yaml" ] && PROFILE="$RES/nvidia-h200-fp8.yaml" ;;
     eval)
+      # the 44 standard held-out shapes and issue 18's 24 class shapes (--shapes all)
       python3 benchmarks/eval_planner.py --profile "$PROFILE" --json "$RES/h200-planner.json" 2>&1 \
         | tee "$RES/eval.log" | tail -8 ;;
     eval_fp8)

@@ -1,12 +1,15 @@
 """Does the planner choose well on shapes the fit never saw?
 
-For each held-out shape (batch 1..256, lengths 16..128k, equal and ragged, GQA groups 1..8),
-time the planner's plan and a grid of alternatives (no split; chunk sizes 64..16k tokens, each
+For each held-out shape (batch 1..256, lengths 16..128k, equal and ragged, GQA groups 1..8;
+and with ``--shapes classes`` or ``all``, issue 18's classes: head_dim 64 and 256, pages of 1
+and 64 tokens, groups 16 and 32, hundreds of short requests, batch-1 requests of a few
+thousand tokens), time the planner's plan and a grid of alternatives (no split; chunk sizes 64..16k tokens, each
 'split_merge' and 'fused'); the oracle is the fastest measured. Reports plan/oracle, the share
 within 5%, the geometric mean, and the model's median absolute percentage error over every
 measured plan, and writes benchmarks/results/h200-planner.json's format.
 
-    python3 benchmarks/eval_planner.py --profile PATH --json OUT.json [--kv-dtype fp8_e4m3]
+    python3 benchmarks/eval_planner.py --profile PATH --json OUT.json [--kv-dtype fp8_e4m3] \
+        [--shapes standard|classes|all]
 
 With --kv-dtype the K/V are fp8 codes and the planner plans with the profile's fp8 fit
 (``Profile.cost_model(kv_dtype)``).
@@ -53,19 +56,54 @@ def heldout_shapes(seed: int = 12345):
     return shapes
 
 
+def heldout_class_shapes(seed: int = 54321):
+    """24 shapes of issue 18's classes (4 of each), drawn with their own seed."""
+    rng = np.random.default_rng(seed)
+
+    def lengths(b, lo, hi):          # a mean drawn log-uniformly; ragged around it or equal
+        mean = int(np.exp(rng.uniform(np.log(lo), np.log(hi))))
+        return ragged_lengths(b, mean, rng) if b > 1 and rng.random() < 0.4 else np.full(b, mean)
+
+    classes = [  # (name, kv lengths, qo heads, kv heads, head_dim, page size)
+        ("d64", lambda: lengths(int(rng.choice([8, 64, 256])), 512, 16384), 32, 8, 64, 16),
+        ("d256", lambda: lengths(int(rng.choice([1, 8, 32])), 1024, 32768), 16, 8, 256, 16),
+        ("page1", lambda: lengths(int(rng.choice([1, 8, 32])), 1024, 16384), 32, 8, 128, 1),
+        ("page64", lambda: lengths(int(rng.choice([1, 8, 32])), 1024, 32768), 32, 8, 128, 64),
+        ("g16", lambda: lengths(int(rng.choice([1, 8, 32])), 1024, 32768),
+         int(rng.choice([32, 64])), None, 128, 16),
+        ("short", lambda: lengths(int(rng.choice([200, 400])), 100, 600), 32, 8, 128, 16),
+        ("b1_few_k", lambda: np.array([int(rng.integers(1500, 6000))]), 32, 8, 128, 16),
+    ]
+    shapes = []
+    while len(shapes) < 24:
+        name, lens_of, hq, hk, d, page = classes[len(shapes) % len(classes)]
+        lens = lens_of()
+        if hk is None:                       # groups of 16 or 32
+            hk = hq // int(rng.choice([16, 32]))
+        problem = DecodeProblem(lens, hq, hk, d, page, "bfloat16")
+        if not (1 << 18) <= problem.kv_bytes <= (1 << 30):
+            continue
+        tag = "r" if len(set(lens.tolist())) > 1 else "b"
+        shapes.append((f"{name}_{tag}{lens.size}_n{int(lens.mean())}_h{hq}/{hk}", problem))
+    return shapes
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--kv-dtype", default=None, help="fp8 K/V: fp8_e4m3 or fp8_e5m2")
+    ap.add_argument("--shapes", default="all", choices=["standard", "classes", "all"],
+                    help="the 44 standard held-out shapes, issue 18's 24 class shapes, or both")
     args = ap.parse_args()
     kv_dtype = fp8_format("--kv-dtype", args.kv_dtype)
     info = device_info()
     profile = load_profile(args.profile, device_name=info["name"], num_sms=info["num_sms"])
     model = profile.cost_model(kv_dtype)
     rows, abs_pct = [], []
-    shapes = heldout_shapes()[: args.limit]
+    shapes = ((heldout_shapes() if args.shapes != "classes" else [])
+              + (heldout_class_shapes() if args.shapes != "standard" else []))[: args.limit]
     for i, (name, prob) in enumerate(shapes):
         pt, _ = scattered_page_table(prob.kv_lens, prob.page_size, np.random.default_rng(i), 0)
         data = make_layers(pt, prob.num_qo_heads, prob.num_kv_heads, prob.head_dim, prob.dtype,
@@ -106,7 +144,7 @@ def main():
     ratios = np.array([r["ratio"] for r in rows])
     result = {"device": info["name"], "date": datetime.date.today().isoformat(),
               "command": "python3 " + " ".join(sys.argv), "profile": profile.origin,
-              "kv_dtype": kv_dtype,
+              "kv_dtype": kv_dtype, "shape_set": args.shapes,
               "within_5pct_frac": round(float(np.mean(ratios <= 1.05)), 4),
               "geomean_ratio": round(float(np.exp(np.mean(np.log(ratios)))), 4),
               "mape": round(float(np.median(abs_pct)), 4),

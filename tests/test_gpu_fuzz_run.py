@@ -133,3 +133,63 @@ def test_run_answers_right_or_names_the_argument(call, names, strategy):
                                       cupy.asnumpy(args["v_cache"]), pt, **host)
     assert_matches_reference(to_float64(cupy.asnumpy(args["out"])), cupy.asnumpy(args["lse"]),
                              ref_o, ref_lse, 1e-2, f"{names}, {strategy}")
+
+
+PLAN_ARGS = ("page_table", "kv_indptr", "kv_indices", "kv_last_page_len", "block_table",
+             "seq_lens", "num_splits", "strategy", "plan", "sm_scale", "stream", "window_left",
+             "logits_soft_cap", "qo_indptr", "num_qo_heads")
+# Each change of a valid plan() call: (argument, value or function of the page table).
+PLAN_CHANGES = {
+    "num_splits 0": ("num_splits", 0), "num_splits -1": ("num_splits", -1),
+    "num_splits 2.0": ("num_splits", 2.0), "num_splits 10**9": ("num_splits", 10**9),
+    "num_splits 5": ("num_splits", 5),
+    "strategy bad": ("strategy", "fast"), "strategy single": ("strategy", "single"),
+    "strategy fused": ("strategy", "fused"),
+    "window -2": ("window_left", -2), "window 1.5": ("window_left", 1.5),
+    "window 50": ("window_left", 50), "window 2**40": ("window_left", 2**40),
+    "cap -1": ("logits_soft_cap", -1.0), "cap nan": ("logits_soft_cap", float("nan")),
+    "cap str": ("logits_soft_cap", "30"), "cap 5": ("logits_soft_cap", 5.0),
+    "sm_scale 0": ("sm_scale", 0.0), "sm_scale nan": ("sm_scale", float("nan")),
+    "sm_scale 0.2": ("sm_scale", 0.2),
+    "qo bad length": ("qo_indptr", lambda pt: np.arange(pt.batch_size)),
+    "qo too many rows": ("qo_indptr", lambda pt: np.arange(pt.batch_size + 1) * 17),
+    "qo floats": ("qo_indptr", lambda pt: np.arange(pt.batch_size + 1) * 1.0),
+    "qo 2 rows, short request": ("qo_indptr", lambda pt: np.arange(pt.batch_size + 1) * 2),
+    "qo one each": ("qo_indptr", lambda pt: np.arange(pt.batch_size + 1)),
+    "stream str": ("stream", "s"),
+    "plan str": ("plan", "plan"),
+    "table None": ("page_table", lambda pt: None),
+    "indptr as well": ("kv_indptr", lambda pt: pt.kv_indptr),
+    "table of another page size": ("page_table", lambda pt: type(pt).from_block_table(
+        np.zeros((pt.batch_size, 4), np.int64), pt.kv_lens.clip(0, 32), 8)),
+}
+
+
+@FUZZ
+@given(names=st.lists(st.sampled_from(sorted(PLAN_CHANGES)), min_size=1, max_size=2,
+                      unique=True))
+def test_plan_answers_right_or_names_the_argument(call, names):
+    """plan()'s arguments changed one or two at a time: a plan whose run gives the reference's
+    answer for those options, or a TypeError/ValueError naming an argument before any upload."""
+    w, pt, base = call
+    kwargs = {"page_table": pt}
+    for name in names:
+        arg, value = PLAN_CHANGES[name]
+        kwargs[arg] = value(pt) if callable(value) else value
+    try:
+        w.plan(**kwargs)
+    except (TypeError, ValueError) as exc:
+        first = re.split(r"[:\s]", str(exc), maxsplit=1)[0]
+        assert first in PLAN_ARGS, f"{names}: the message does not start with an argument: {exc}"
+        return
+    qo = kwargs.get("qo_indptr")
+    rows = base["q"].shape[0] if qo is None else int(np.asarray(qo)[-1])
+    rng = np.random.default_rng(len(names))
+    q = random_device_array((rows, HQ, D), "bfloat16", rng)
+    out, lse = w.run(q, base["k_cache"], base["v_cache"], return_lse=True)
+    cupy.cuda.runtime.deviceSynchronize()
+    ref_o, ref_lse = reference_decode(q.get(), base["k_cache"].get(), base["v_cache"].get(), pt,
+                                      sm_scale=kwargs.get("sm_scale"), qo_indptr=qo,
+                                      window_left=kwargs.get("window_left", -1),
+                                      logits_soft_cap=kwargs.get("logits_soft_cap"))
+    assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse, 1e-2, str(names))

@@ -6,6 +6,7 @@
 #   bash benchmarks/device_run.sh ab_warps_fp8         # A/B: fp8 with 8-warp CTAs against 4
 #   bash benchmarks/device_run.sh bench_variants       # issue 16: soft cap, sinks, windows beside plain
 #   bash benchmarks/device_run.sh sanitize             # issue 17: racecheck and synccheck
+#   bash benchmarks/device_run.sh tests_only; then memcheck sanitize  # two calls, each < 10 min
 #   bash benchmarks/device_run.sh calibrate_fp8 bench_fp8   # fit fp8's cost model, then bench it
 #   bash benchmarks/device_run.sh device_plan plan_cost  # plan_on_device tests; planning's cost per step
 #   bash benchmarks/device_run.sh dissect              # what a short call spends its time on
@@ -33,12 +34,16 @@ if [ -f .peers/flashinfer_slim.tgz ]; then
 fi
 for phase in "$@"; do
   case $phase in
-    tests)
-      python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/ 2>&1 | tee "$RES/gpu_tests.log" | tail -12
+    tests|memcheck)
+      # tests: every GPU test, then memcheck over a subset; memcheck: the subset alone (with
+      # tests_only first, for two calls under the device tool's 10-minute limit)
+      [ "$phase" = tests ] && python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/ 2>&1 \
+        | tee "$RES/gpu_tests.log" | tail -12
       compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
         tests/test_gpu_decode.py tests/test_gpu_device_plan.py tests/test_gpu_fp8.py tests/test_gpu_window.py \
         tests/test_gpu_variants.py tests/test_gpu_layouts.py tests/test_gpu_isolation.py tests/test_gpu_warps8.py \
-        -k "zero_length or bad_inputs or every_split or mqa or cluster or first_pages or launch_order or pdl or invalid_device or eager_plan or writes_the_host or nan_code or windowed or nan_in_q or beyond or with_a_window or cap_of_zero or hnd or (a_bad_q and fused) or eight_warps" 2>&1 \
+        tests/test_gpu_multi_token.py \
+        -k "zero_length or bad_inputs or every_split or mqa or cluster or first_pages or launch_order or pdl or invalid_device or eager_plan or writes_the_host or nan_code or windowed or nan_in_q or beyond or with_a_window or cap_of_zero or hnd or (a_bad_q and fused) or eight_warps or ragged_query or own_window or replays_changing or query_rows_in_one_graph" 2>&1 \
         | tee "$RES/memcheck.log" | tail -4 ;;
     sanitize)
       # issue 17: racecheck and synccheck (shared-memory hazards, barrier misuse) over a matrix

@@ -334,3 +334,17 @@ def test_max_q_len_is_a_checked_graph_stable_capacity():
                       ("4", TypeError)):
         with pytest.raises(kind, match="max_q_len"):
             BatchDecodeWrapper(32, 8, 128, 16, max_q_len=bad, **graph)
+
+
+def test_host_integer_arrays_refuse_strings_and_bools_among_integers():
+    """NumPy reads [0, True, 2] as integers and 'abc' as a 0-d array: both are mistakes, named
+    as such (issue 17's review)."""
+    from splitkv.core import validation as V
+
+    with pytest.raises(TypeError, match="qo_indptr: expected integers, got a bool among them"):
+        V.host_int_array("qo_indptr", [0, True, 2], 1)
+    with pytest.raises(TypeError, match="seq_lens: expected integers, got a bool"):
+        V.host_int_array("seq_lens", [[1, 2], [np.True_, 3]], 2)
+    with pytest.raises(TypeError, match="kv_indptr: expected a 1-d integer array, got str"):
+        V.host_int_array("kv_indptr", "abc", 1)
+    assert V.host_int_array("kv_indptr", (0, 3, 5), 1).tolist() == [0, 3, 5]

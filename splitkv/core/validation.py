@@ -96,11 +96,24 @@ def check_strategy(strategy) -> str:
     return strategy
 
 
+def _holds_a_bool(items) -> bool:
+    """Whether nested lists / tuples hold a bool (Python's or NumPy's) anywhere."""
+    for x in items:
+        if isinstance(x, (bool, np.bool_)) or (isinstance(x, (list, tuple)) and _holds_a_bool(x)):
+            return True
+    return False
+
+
 def host_int_array(name: str, value, ndim: int) -> np.ndarray:
     """A host integer array of the given rank, as int64 (exact for every int dtype given)."""
     if hasattr(value, "__cuda_array_interface__") or type(value).__module__.startswith("cupy"):
         raise TypeError(f"{name}: expected a host (NumPy) array; got a device array. "
                         "Plans are made on the host: pass a NumPy array (e.g. x.get()).")
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name}: expected a {ndim}-d integer array, got {type(value).__name__}")
+    if isinstance(value, (list, tuple)) and _holds_a_bool(value):
+        # NumPy reads [0, True, 2] as integers: a bool among them is a mistake, not a 1
+        raise TypeError(f"{name}: expected integers, got a bool among them")
     try:
         arr = np.asarray(value)
     except (ValueError, TypeError, OverflowError) as e:    # ragged nesting, unconvertible items

@@ -39,7 +39,7 @@ for phase in "$@"; do
       # tests_only first, for two calls under the device tool's 10-minute limit)
       [ "$phase" = tests ] && python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/ 2>&1 \
         | tee "$RES/gpu_tests.log" | tail -12
-      compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+      timeout 540 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
         tests/test_gpu_decode.py tests/test_gpu_device_plan.py tests/test_gpu_fp8.py tests/test_gpu_window.py \
         tests/test_gpu_variants.py tests/test_gpu_layouts.py tests/test_gpu_isolation.py tests/test_gpu_warps8.py \
         tests/test_gpu_multi_token.py \

@@ -57,7 +57,8 @@ def heldout_shapes(seed: int = 12345):
 
 
 def heldout_class_shapes(seed: int = 54321):
-    """24 shapes of issue 18's classes (4 of each), drawn with their own seed."""
+    """24 shapes of issue 18's classes (3 or 4 of each, in turn), drawn with their own seed;
+    the group class alternates groups of 16 and 32."""
     rng = np.random.default_rng(seed)
 
     def lengths(b, lo, hi):          # a mean drawn log-uniformly; ragged around it or equal
@@ -78,8 +79,8 @@ def heldout_class_shapes(seed: int = 54321):
     while len(shapes) < 24:
         name, lens_of, hq, hk, d, page = classes[len(shapes) % len(classes)]
         lens = lens_of()
-        if hk is None:                       # groups of 16 or 32
-            hk = hq // int(rng.choice([16, 32]))
+        if hk is None:                       # groups of 16 and 32 in turn
+            hk = hq // (16, 32)[len(shapes) // len(classes) % 2]
         problem = DecodeProblem(lens, hq, hk, d, page, "bfloat16")
         if not (1 << 18) <= problem.kv_bytes <= (1 << 30):
             continue

@@ -169,6 +169,11 @@ def test_plan_with_query_rows_and_fp8(capsys):
     assert f"predicted: {want.predicted_us:.2f} us" in out
     assert cli.main(["plan", "--kv-len", "20000", "--q-len", "4", "--window-left", "100"]) == 0
     assert "window_left=103" in capsys.readouterr().out      # every row's window covered
+    assert cli.main(["plan", "--q-len", "16", "--heads", "65535/1"]) == 2
+    assert "--q-len 16: 16 x 65535 query heads = 1,048,560 exceed" in capsys.readouterr().err
+    assert cli.main(["plan", "--kv-dtype", "fp8_e4m3", "--device-name", "NVIDIA A100-SXM4-80GB",
+                     "--num-sms", "108"]) == 0
+    assert "the profile's 16-bit fit: it has no fp8 fit" in capsys.readouterr().out
     assert cli.main(["plan", "--lens", "2,100", "--q-len", "4"]) == 2
     assert capsys.readouterr().err == ("splitkv plan: --q-len 4: a request has fewer tokens "
                                        "(2) than query rows; its new tokens are the last q_len "

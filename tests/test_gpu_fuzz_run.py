@@ -156,6 +156,7 @@ PLAN_CHANGES = {
     "qo floats": ("qo_indptr", lambda pt: np.arange(pt.batch_size + 1) * 1.0),
     "qo 2 rows, short request": ("qo_indptr", lambda pt: np.arange(pt.batch_size + 1) * 2),
     "qo one each": ("qo_indptr", lambda pt: np.arange(pt.batch_size + 1)),
+    "qo ragged": ("qo_indptr", lambda pt: np.array([0, 2, 5, 6, 10])),   # 2, 3, 1 (no KV), 4
     "stream str": ("stream", "s"),
     "plan str": ("plan", "plan"),
     "table None": ("page_table", lambda pt: None),

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default 1): the kernel computes N x the query heads a kv head")
     parser.add_argument("--kv-dtype", type=A.fp8_kv_dtype, default=None, metavar="FP8",
                         help="plan for fp8 K/V (float8_e4m3fn, float8_e5m2, fp8_e4m3, fp8_e5m2) "
-                             "with the profile's fp8 fit")
+                             "with the profile's fp8 fit, where it has one")
     parser.add_argument("--profile", type=A.existing_file, metavar="PATH",
                         help="a profile YAML (default: looked up)")
     parser.add_argument("--device-name", type=A.name, metavar="NAME",
@@ -94,6 +94,9 @@ def run(args) -> int:
         return A.refuse("plan", f"--num-splits {args.num_splits}: the plan would have "
                                 f"{chunks:,} chunks; the command line plans at most {MAX_CHUNKS:,}")
     try:
+        if args.heads[0] * args.q_len > V.MAX_HEADS:
+            raise ValueError(f"--q-len {args.q_len}: {args.q_len} x {args.heads[0]} query heads "
+                             f"= {args.heads[0] * args.q_len:,} exceed MAX_HEADS={V.MAX_HEADS:,}")
         if args.q_len > 1 and (lens < args.q_len).any():
             raise ValueError(f"--q-len {args.q_len}: a request has fewer tokens "
                              f"({int(lens.min())}) than query rows; its new tokens are the last "
@@ -114,11 +117,14 @@ def run(args) -> int:
 
     print(f"problem:   {problem!r}")
     if args.q_len > 1:
+        covers = (f"; the window it covers is every row's, window_left={window}"
+                  if args.window_left >= 0 else "")
         print(f"rows:      {args.q_len} query rows a request: the kernel computes "
-              f"{args.q_len} x {args.heads[0]} query heads (the problem's heads)")
+              f"{args.q_len} x {args.heads[0]} query heads (the problem's heads){covers}")
     if args.kv_dtype:
-        print(f"kv dtype:  {args.kv_dtype} (one byte a value; planned with the profile's "
-              "fp8 fit)")
+        fit = ("the profile's fp8 fit" if profile.kv_fp8 is not None
+               else "the profile's 16-bit fit: it has no fp8 fit (splitkv calibrate --kv-dtype)")
+        print(f"kv dtype:  {args.kv_dtype} (one byte a value; planned with {fit})")
     print(f"profile:   {profile.device_name}, {profile.num_sms} SMs "
           f"({profile.source or 'unknown'}; {profile.origin})")
     print(f"plan:      {plan!r}")

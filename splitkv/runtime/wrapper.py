@@ -323,6 +323,10 @@ class BatchDecodeWrapper:
         s = as_cupy_stream(stream)
         soft_cap_log2 = self._soft_cap_log2(logits_soft_cap)
         query_rows = self._check_query_rows(qo_indptr, page_table, plan)
+        if query_rows is not None and self.num_qo_heads * query_rows.max_q_len > V.MAX_HEADS:
+            raise ValueError(f"qo_indptr: {query_rows.max_q_len} query rows x "
+                             f"{self.num_qo_heads} heads exceed MAX_HEADS={V.MAX_HEADS} rows a "
+                             "kv head can hold")
         if self.use_cuda_graph:               # the captured launch's rows, whatever the plan
             heads = self.num_qo_heads * self._max_q_len
         else:

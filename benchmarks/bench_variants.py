@@ -6,7 +6,7 @@ by the wrapper, timed like the bench (a graph over layers of >= 1 GiB of KV), in
 - a sliding window (``plan(window_left=4095)``: 4,096 tokens seen) over a 128k context, beside a
   plain 4k context (target <= 1.1x);
 - multi-token decode (``plan(qo_indptr=)``), q_len 2, 4, 8, 16 beside q_len 1 (targets: q_len 4
-  <= 1.15x, 8 <= 1.3x on the memory-bound cases).
+  <= 1.15x, 8 <= 1.3x on the memory-bound cases); ``--warps 4,8`` A/Bs the CTA's warps there.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_variants.py [--kv-dtype float8_e4m3fn] [--json F]
 """
@@ -18,6 +18,7 @@ import cupy
 import numpy as np
 
 from splitkv.bench.cases import select
+from splitkv.runtime.experiments import DecodeExperiments
 from splitkv.runtime.testing import scattered_page_table
 from splitkv.runtime.timing import make_layers, time_wrapper_us
 from splitkv.runtime.wrapper import BatchDecodeWrapper
@@ -28,13 +29,16 @@ parser.add_argument("--kv-dtype", default=None)
 parser.add_argument("--json", default=None)
 parser.add_argument("--q-lens", default="2,4,8,16")
 parser.add_argument("--skip", default="", help="sections to skip: variants,windows,multi")
+parser.add_argument("--warps", default="", help="multi-token A/B: warps per CTA to force (4,8); "
+                    "default: the wrapper's choice")
 args = parser.parse_args()
 kv = args.kv_dtype
 rows = []
 
 
-def timed(pt, hq, hk, d, page, *, run_args=None, q_rows=None, **plan_args):
-    w = BatchDecodeWrapper(hq, hk, d, page, "bfloat16", kv_dtype=kv)
+def timed(pt, hq, hk, d, page, *, run_args=None, q_rows=None, warps=None, **plan_args):
+    w = BatchDecodeWrapper(hq, hk, d, page, "bfloat16", kv_dtype=kv,
+                           experiments=DecodeExperiments(warps=warps))
     plan = w.plan(pt, **plan_args)
     data = make_layers(pt, hq, hk, d, "bfloat16", min_total_bytes=1 << 30, seed=0, kv_dtype=kv)
     if q_rows is not None:     # multi-token decode: q and out have every query row
@@ -80,27 +84,36 @@ for batch in (() if "windows" in skip else (1, 8)):
           flush=True)
 
 q_lens = [int(x) for x in args.q_lens.split(",")]
-print(f"\n{'case':>12} {'q_len 1 us':>10} " + " ".join(f"{f'q_len {n}':>14}" for n in q_lens)
-      + "  plans")
-multi = []
-for case in ([] if "multi" in skip else select(args.cases)):
-    pt, _ = scattered_page_table(case.kv_lens, case.page_size, np.random.default_rng(0),
-                                 extra_pages=0)
-    shape = (case.num_qo_heads, case.num_kv_heads, case.head_dim, case.page_size)
-    one, p1 = timed(pt, *shape)
-    cells, plans, row = [], [p1], {"case": case.name, "q_len_1_us": one}
-    for n in q_lens:
-        if min(case.kv_lens) < n:
-            continue
-        indptr = np.arange(len(case.kv_lens) + 1) * n
-        us, pn = timed(pt, *shape, qo_indptr=indptr, q_rows=int(indptr[-1]))
-        row[f"q_len_{n}_us"] = us
-        cells.append(f"{us:8.2f} {us / one:5.2f}")
-        plans.append(pn)
-    row["plans"] = plans
-    multi.append(row)
-    print(f"{case.name:>12} {one:10.2f} " + " ".join(f"{c:>14}" for c in cells)
-          + "  " + " ".join(plans), flush=True)
+
+
+def multi_token_rows(warps):
+    """q_len rows a request beside q_len 1, per case; ``warps``: forced (None: the default)."""
+    print(f"\n{'case':>12} {'q_len 1 us':>10} " + " ".join(f"{f'q_len {n}':>14}" for n in q_lens)
+          + f"  plans (warps: {warps or 'the default'})")
+    rows = []
+    for case in ([] if "multi" in skip else select(args.cases)):
+        pt, _ = scattered_page_table(case.kv_lens, case.page_size, np.random.default_rng(0),
+                                     extra_pages=0)
+        shape = (case.num_qo_heads, case.num_kv_heads, case.head_dim, case.page_size)
+        one, p1 = timed(pt, *shape, warps=warps)
+        cells, plans, row = [], [p1], {"case": case.name, "warps": warps, "q_len_1_us": one}
+        for n in q_lens:
+            if min(case.kv_lens) < n:
+                continue
+            indptr = np.arange(len(case.kv_lens) + 1) * n
+            us, pn = timed(pt, *shape, qo_indptr=indptr, q_rows=int(indptr[-1]), warps=warps)
+            row[f"q_len_{n}_us"] = us
+            cells.append(f"{us:8.2f} {us / one:5.2f}")
+            plans.append(pn)
+        row["plans"] = plans
+        rows.append(row)
+        print(f"{case.name:>12} {one:10.2f} " + " ".join(f"{c:>14}" for c in cells)
+              + "  " + " ".join(plans), flush=True)
+    return rows
+
+
+multi = [row for warps in ([int(w) for w in args.warps.split(",")] if args.warps else [None])
+         for row in multi_token_rows(warps)]
 
 if args.json:
     with open(args.json, "w") as f:

@@ -88,6 +88,13 @@ for phase in "$@"; do
         | tee "$RES/bench_variants.log"
       python3 benchmarks/bench_variants.py --kv-dtype float8_e4m3fn --json "$RES/h200-variants-fp8.json" \
         2>&1 | grep -v Warning | tee "$RES/bench_variants_fp8.log" ;;
+    ab_multi_warps)
+      # A/B: multi-token plans with 8-warp CTAs against 4 (bf16, then fp8)
+      python3 benchmarks/bench_variants.py --skip variants,windows --cases b1_n32k,b8_n32k,b32_n8k,b128_n2k \
+        --q-lens 4,8,16 --warps 4,8 2>&1 | grep -v Warning | tee "$RES/ab_multi_warps.log"
+      python3 benchmarks/bench_variants.py --kv-dtype float8_e4m3fn --skip variants,windows \
+        --cases b1_n32k,b8_n32k,b32_n8k --q-lens 4,8 --warps 4,8 2>&1 | grep -v Warning \
+        | tee -a "$RES/ab_multi_warps.log" ;;
     ab_warps_fp8)
       # A/B: fp8 with 8-warp CTAs (128-token tiles) against 4, on the bf16 wrapper's plans
       python3 benchmarks/fp8_first_look.py --cases b1_n1k,b1_n8k,b1_n32k,b8_n8k,b8_n32k,b32_n8k,b128_n2k,ragged_b32 \

@@ -14,7 +14,12 @@ layer. A captured graph holds the plan's grid and buffers: capture again after t
 ``plan()`` -- unless the wrapper is graph-stable (``use_cuda_graph=True``): then ``run()``
 launches a fixed grid sized for a capacity, reading the current plan from buffers whose
 addresses never change, and ``plan()`` rewrites those buffers, so one graph captured once
-replays every later plan.
+replays every later plan. Runs of one wrapper on several streams (or threads) are ordered one
+after another (they share its workspace: ``records.StreamChain``).
+
+``plan(qo_indptr=)`` is multi-token decode (1-16 query rows a request, causal among the new
+tokens; ``max_q_len=`` sizes a graph-stable wrapper for it); ``window_left``,
+``logits_soft_cap`` and ``run(sinks=)`` are the attention variants (``core.variants``).
 
 The plan says how it runs (``Plan.execution``: merge mode, cluster size, launch order); the
 wrapper executes that. Its parts: ``records`` (chunk records and the upload), ``workspace``,

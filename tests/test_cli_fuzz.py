@@ -30,8 +30,9 @@ SHIPPED_PROFILE = str(Path(splitkv.__file__).parent / "planner" / "profiles" / "
 # argument its check names ("num_splits: ...", "profile ...: ...").
 NAMES_AN_ARGUMENT = re.compile(
     r"^splitkv( plan| demo)?: (error: (argument --[a-z-]+: |unrecognized arguments: |"
-    r"the following arguments are required: )|--num-splits \d+: |(num_splits|strategy|kv_lens|"
-    r"page_size|head_dim|num_qo_heads|num_kv_heads|max_chunks): |profile )")
+    r"the following arguments are required: )|--(num-splits|q-len) \d+: |"
+    r"(num_splits|strategy|kv_lens|page_size|head_dim|num_qo_heads|num_kv_heads|max_chunks): |"
+    r"profile )")
 
 EDGE_INTS = ["0", "-1", "1", "2147483647", "2147483648", "-2147483649", "1048576", "1048577",
              "10" * 20, "1e3", "0x10", " 7", "+8", "1_000", "", " ", "nan", "inf", "\u0663",
@@ -68,6 +69,9 @@ PLAN_VALUES = {
                             st.one_of(st.sampled_from(["", " "]), junk)),
     "--num-sms": int_text, "--num-splits": int_text,
     "--strategy": mostly(st.sampled_from(STRATEGIES), junk), "--top": int_text,
+    "--window-left": mostly(st.sampled_from(["-1", "0", "63", "4095"]), int_text),
+    "--q-len": mostly(st.sampled_from(["1", "2", "4", "16"]), st.one_of(st.just("17"), int_text)),
+    "--kv-dtype": mostly(st.sampled_from(["fp8_e4m3", "float8_e5m2"]), junk),
 }
 
 

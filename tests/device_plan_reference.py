@@ -179,5 +179,19 @@ def empty_request_mask(records: np.ndarray, page_table: PageTable) -> np.ndarray
     return page_table.kv_lens[np.maximum(records["request"], 0)] == 0
 
 
+def comparable_records(have: np.ndarray, want: np.ndarray, page_table: PageTable, layout: str,
+                       arrays) -> tuple[np.ndarray, np.ndarray]:
+    """A planner's first records ``have`` and the host's ``want``, made comparable: for a block
+    table, want's page_table_begin as its rows give it, and the empty requests' first_pages
+    (never read) zeroed on both sides. Returns copies."""
+    have, want = have.copy(), want.copy()
+    if layout == "block_table":
+        want = as_block_table_records(want, arrays[1].shape[1])
+        empty = empty_request_mask(want, page_table)
+        want["first_pages"][empty] = 0
+        have["first_pages"][empty] = 0
+    return have, want
+
+
 def records_equal(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == CHUNK_RECORD and b.dtype == CHUNK_RECORD and a.tobytes() == b.tobytes()

@@ -19,8 +19,8 @@ from splitkv.runtime.device_planner import DevicePlanParams, device_batch, plan_
 from splitkv.runtime.records import idle_records
 from splitkv.testing import scattered_page_table
 
-from device_plan_reference import (HostRun, as_block_table_records, compiler, empty_request_mask,
-                                   expected, host_library, layout_arrays, records_equal)
+from device_plan_reference import (HostRun, comparable_records, compiler, expected, host_library,
+                                   layout_arrays, records_equal)
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no host C++ compiler (g++)")
 
@@ -60,12 +60,7 @@ def compare(rng, lens, *, shape, page_size, layout, max_batch, max_chunks, launc
                                         head_dim=d, stages=STAGES[d], max_batch=max_batch,
                                         max_chunks=max_chunks, launch_order=launch_order)
     n = plan.num_chunks
-    have = got.records[:n].copy()
-    if layout == "block_table":
-        want = as_block_table_records(want, arrays[1].shape[1])
-        empty = empty_request_mask(want, table)     # their first_pages are never read
-        want["first_pages"][empty] = 0
-        have["first_pages"][empty] = 0
+    have, want = comparable_records(got.records[:n], want, table, layout, arrays)
     what = f"{layout} lens={lens.tolist()[:8]}... page={page_size} shape={shape} {launch_order}"
     assert got.state["error"] == 0, what
     assert got.state["num_chunks"] == n, what
@@ -356,12 +351,7 @@ def test_windowed_plans_match_the_host_planners(seed):
                                             max_chunks=4096, launch_order=launch_order,
                                             window_left=covering)
         n = plan.num_chunks
-        have = got.records[:n].copy()
-        if layout == "block_table":
-            want = as_block_table_records(want, arrays[1].shape[1])
-            empty = empty_request_mask(want, table)
-            want["first_pages"][empty] = 0
-            have["first_pages"][empty] = 0
+        have, want = comparable_records(got.records[:n], want, table, layout, arrays)
         what = f"trial {trial}: window {window}, q {max_q}, page {page}, {layout}"
         assert got.state["error"] == 0 and got.state["num_chunks"] == n, what
         assert got.predicted_us == plan.predicted_us, what

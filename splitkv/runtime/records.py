@@ -4,6 +4,8 @@ uploaded together from one pinned buffer with one async copy."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from ..core.geometry import RECORD_PAGES, TILE_TOKENS
@@ -106,33 +108,19 @@ class StreamChain:
         with self._lock:
             self._wait(stream)
 
+    @contextlib.contextmanager
     def use(self, stream):
         """A run: ``with chain.use(s): launch()`` queues it after the last run (on another
-        stream) and records the event after it."""
-        chain = self
+        stream) and, if the launch raised nothing, records the event after it."""
+        import cupy
 
-        class _Use:
-            def __enter__(self):
-                chain._lock.acquire()
-                try:
-                    chain._wait(stream)
-                except BaseException:
-                    chain._lock.release()
-                    raise
-
-            def __exit__(self, kind, *rest):
-                import cupy
-
-                try:
-                    if kind is None:
-                        if chain._event is None:
-                            chain._event = cupy.cuda.Event(disable_timing=True)
-                        chain._event.record(stream)
-                        chain._last = stream.ptr
-                finally:
-                    chain._lock.release()
-
-        return _Use()
+        with self._lock:
+            self._wait(stream)
+            yield
+            if self._event is None:
+                self._event = cupy.cuda.Event(disable_timing=True)
+            self._event.record(stream)
+            self._last = stream.ptr
 
 
 def query_rows_array(rows, kv_lens: np.ndarray, window_left: int) -> np.ndarray:

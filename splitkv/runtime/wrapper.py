@@ -328,21 +328,19 @@ class BatchDecodeWrapper:
         s = as_cupy_stream(stream)
         soft_cap_log2 = self._soft_cap_log2(logits_soft_cap)
         query_rows = self._check_query_rows(qo_indptr, page_table, plan)
-        if query_rows is not None and self.num_qo_heads * query_rows.max_q_len > V.MAX_HEADS:
-            raise ValueError(f"qo_indptr: {query_rows.max_q_len} query rows x "
-                             f"{self.num_qo_heads} heads exceed MAX_HEADS={V.MAX_HEADS} rows a "
-                             "kv head can hold")
-        if self.use_cuda_graph:               # the captured launch's rows, whatever the plan
-            heads = self.num_qo_heads * self._max_q_len
-        else:
-            heads = self.num_qo_heads * (query_rows.max_q_len if query_rows else 1)
+        # query rows a request the kernels are sized for: a graph-stable wrapper's captured
+        # launch holds its capacity's, whatever the plan
+        rows = (self._max_q_len if self.use_cuda_graph
+                else query_rows.max_q_len if query_rows is not None else 1)
+        heads = self.num_qo_heads * rows
+        if heads > V.MAX_HEADS:
+            raise ValueError(f"qo_indptr: {rows} query rows x {self.num_qo_heads} heads exceed "
+                             f"MAX_HEADS={V.MAX_HEADS} rows a kv head can hold")
         window = -1 if window_left is None else window_left
-        # several query rows: the plan covers every row's window, and each row masks its own
-        # (a graph-stable wrapper's: every row its capacity allows, as plan_on_device plans)
-        plan_window = (VA.covering_window_left(
-            V.check_int("window_left", window, -1, V.MAX_KV_LEN, "MAX_KV_LEN"),
-            self._max_q_len if self.use_cuda_graph else query_rows.max_q_len)
-                       if query_rows is not None else window)
+        plan_window = window
+        if query_rows is not None:   # the plan covers every row's window; each row masks its own
+            plan_window = VA.covering_window_left(
+                V.check_int("window_left", window, -1, V.MAX_KV_LEN, "MAX_KV_LEN"), rows)
         max_page = int(page_table.kv_indices.max()) if page_table.kv_indices.size else -1
         if self.use_cuda_graph:
             self._check_fits(page_table, max_page, s)

@@ -264,3 +264,78 @@ def test_plan_on_device_with_query_rows_in_one_graph():
     state = g.device_plan_state()
     assert state["error"].startswith("qo_indptr:") and state["error_request"] == 1, state
     assert (out.get() == 0xFFFF).all()         # no row of the batch written
+
+
+def test_torch_tensors_and_torch_cuda_graph_with_query_rows():
+    """As an engine calls it from PyTorch: torch tensors in (zero-copy), qo_indptr a torch int32
+    CUDA tensor updated in place, plan_on_device() then run() captured by torch.cuda.graph on a
+    torch stream and replayed over changing batches and query rows under a window; the host
+    path takes a torch CPU qo_indptr too. Each replay equals the reference."""
+    torch = pytest.importorskip("torch")
+    from splitkv import PageTable
+
+    rng = np.random.default_rng(99)
+    hq, hk, d, max_batch, max_q, width, window = 32, 8, 128, 3, 4, 200, 900
+    pool = max_batch * width
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    k = torch.randn(pool, 16, hk, d, device="cuda", generator=gen).to(torch.bfloat16)
+    v = torch.randn(pool, 16, hk, d, device="cuda", generator=gen).to(torch.bfloat16)
+    k64, v64 = (x.float().cpu().numpy().astype(np.float64) for x in (k, v))   # bf16 -> f32: exact
+    table = torch.from_numpy(rng.permutation(pool).reshape(max_batch, width).astype(np.int32))
+    table = table.cuda()
+    seq_lens = torch.zeros(max_batch, dtype=torch.int32, device="cuda")
+    qo = torch.zeros(max_batch + 1, dtype=torch.int32, device="cuda")
+    q = torch.zeros(max_batch * max_q, hq, d, dtype=torch.bfloat16, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], hq), float("nan"), device="cuda")
+    g = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", use_cuda_graph=True,
+                           max_batch_size=max_batch, max_num_pages=pool, max_q_len=max_q)
+    stream = torch.cuda.Stream()
+    graph = None
+
+    def reference(lens, indptr):
+        pt = PageTable.from_block_table(table.cpu().numpy(), lens, 16)
+        rows = int(indptr[-1])
+        q64 = q[:rows].float().cpu().numpy().astype(np.float64)
+        return reference_decode(q64, k64, v64, pt, qo_indptr=indptr, window_left=window)
+
+    for step in range(6):
+        lens = rng.integers(1, width * 16, max_batch)
+        q_lens = np.minimum(rng.integers(1, max_q + 1, max_batch), lens)
+        indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        rows = int(indptr[-1])
+        with torch.cuda.stream(stream):
+            seq_lens.copy_(torch.from_numpy(lens.astype(np.int32)))
+            qo.copy_(torch.from_numpy(indptr))
+            q[:rows] = torch.randn(rows, hq, d, device="cuda", generator=gen).to(torch.bfloat16)
+            out.fill_(float("nan"))
+        if graph is None:
+            g.plan_on_device(seq_lens=seq_lens, block_table=table, qo_indptr=qo, stream=stream,
+                             window_left=window)
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                g.plan_on_device(seq_lens=seq_lens, block_table=table, qo_indptr=qo,
+                                 stream=stream, window_left=window)
+                g.run(q, k, v, out=out, lse=lse, stream=stream)
+        with torch.cuda.stream(stream):
+            graph.replay()
+        stream.synchronize()
+        ref_o, ref_lse = reference(lens, indptr)
+        got = out[:rows].float().cpu().numpy().astype(np.float64)
+        assert_matches_reference(got, lse[:rows].cpu().numpy(), ref_o, ref_lse, 1e-2,
+                                 f"step {step}: {g.device_plan_state()}")
+        assert torch.isnan(out[rows:].float()).all(), f"step {step}: rows past the batch written"
+
+    # the host path from torch: a CPU int32 qo_indptr, torch q/k/v/out, torch's current stream
+    w = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16")
+    lens = np.array([3000, 17, 700])
+    indptr = torch.tensor([0, 4, 5, 8], dtype=torch.int32)
+    pt = PageTable.from_block_table(table.cpu().numpy(), lens, 16)
+    w.plan(pt, qo_indptr=indptr, window_left=window)
+    out.fill_(float("nan"))
+    w.run(q[:8], k, v, out=out[:8], lse=lse[:8], stream=torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    ref_o, ref_lse = reference(lens, indptr.numpy())
+    got = out[:8].float().cpu().numpy().astype(np.float64)
+    assert_matches_reference(got, lse[:8].cpu().numpy(), ref_o, ref_lse, 1e-2, "host plan")

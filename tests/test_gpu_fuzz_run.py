@@ -37,10 +37,11 @@ ARGS = ("q", "k_cache", "v_cache", "out", "lse", "sinks", "k_scale", "v_scale", 
 
 
 def padded(arr, axis, pad=8):
-    """The same values as a strided view into a larger buffer (``axis`` padded)."""
+    """The same values as a strided view into a larger buffer (``axis`` padded), on the host
+    for a host array (two changes may compose: a host out, then strided)."""
     shape = list(arr.shape)
     shape[axis] += pad
-    big = cupy.zeros(shape, arr.dtype)
+    big = cupy.get_array_module(arr).zeros(shape, arr.dtype)
     index = [slice(None)] * arr.ndim
     index[axis] = slice(0, arr.shape[axis])
     big[tuple(index)] = arr
@@ -49,7 +50,7 @@ def padded(arr, axis, pad=8):
 
 def misaligned(arr):
     """The same values in a buffer 8 bytes off 16-byte alignment."""
-    buf = cupy.empty(arr.size + 8, arr.dtype)
+    buf = cupy.get_array_module(arr).empty(arr.size + 8, arr.dtype)
     view = buf[4:4 + arr.size].reshape(arr.shape)
     view[...] = arr
     return view

@@ -49,7 +49,7 @@ for phase in "$@"; do
       # issue 17: racecheck and synccheck (shared-memory hazards, barrier misuse) over a matrix
       # of builds: 16-bit and fp8, clusters, 8 warps, multi-token, windows, graph-stable
       for tool in racecheck synccheck; do
-        timeout 280 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+        timeout $([ $tool = racecheck ] && echo 420 || echo 160) compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
           tests/test_gpu_decode.py tests/test_gpu_fp8.py tests/test_gpu_multi_token.py tests/test_gpu_warps8.py \
           -k "every_split or mqa or cluster or windowed or ragged and 32 or own_window and None or graph_stable or eight_warps" 2>&1 \
           | tee "$RES/$tool.log" | tail -4

@@ -6,6 +6,7 @@
 #   bash benchmarks/device_run.sh ab_warps_fp8         # A/B: fp8 with 8-warp CTAs against 4
 #   bash benchmarks/device_run.sh bench_variants       # issue 16: soft cap, sinks, windows beside plain
 #   bash benchmarks/device_run.sh sanitize             # issue 17: racecheck and synccheck
+#   bash benchmarks/device_run.sh unified              # issue 18: the unified max's tests and A/B
 #   bash benchmarks/device_run.sh tests_only; then memcheck sanitize  # two calls, each < 10 min
 #   bash benchmarks/device_run.sh calibrate_fp8 bench_fp8   # fit fp8's cost model, then bench it
 #   bash benchmarks/device_run.sh device_plan plan_cost  # plan_on_device tests; planning's cost per step
@@ -109,6 +110,14 @@ for phase in "$@"; do
     plan_cost)
       python3 benchmarks/device_plan_cost.py --json "$RES/h200-device-plan.json" 2>&1 | grep -v Warning \
         | tee "$RES/device_plan_cost.log" ;;
+    unified)
+      # issue 18: the unified max's GPU tests, then its A/B (bf16 and fp8 K/V) with the fallback rate
+      python3 -m pytest -q -p no:cacheprovider tests/test_gpu_unified_max.py tests/test_gpu_fuzz_run.py 2>&1 \
+        | tee "$RES/unified_tests.log" | tail -15
+      python3 benchmarks/ab_unified_max.py --json "$RES/h200-unified-max.json" 2>&1 | grep -v Warning \
+        | tee "$RES/ab_unified.log"
+      python3 benchmarks/ab_unified_max.py --kv-dtype fp8_e4m3 --json "$RES/h200-unified-max-fp8.json" 2>&1 \
+        | grep -v Warning | tee "$RES/ab_unified_fp8.log" ;;
     tests_only)
       python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/ 2>&1 | tee "$RES/gpu_tests.log" | tail -12 ;;
     dissect)

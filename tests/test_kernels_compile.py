@@ -233,3 +233,24 @@ def test_multi_token_builds_are_their_own(variant):
     assert variant.name.endswith("_mt") and variant.defines["MULTI_TOKEN"] == 1
     plain = replace(variant, multi_token=0)
     assert plain.defines["MULTI_TOKEN"] == 0 and "_mt" not in plain.name
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("variant", [DecodeVariant("bfloat16", 128, 1, unified_max=1),
+                                     DecodeVariant("float16", 64, 2, unified_max=1, cluster=4),
+                                     DecodeVariant("bfloat16", 128, 1, unified_max=1,
+                                                   kv_dtype="float8_e4m3fn"),
+                                     DecodeVariant("bfloat16", 128, 1, unified_max=1,
+                                                   kv_dtype="float8_e5m2", num_warps=8),
+                                     DecodeVariant("bfloat16", 128, 2, unified_max=1,
+                                                   multi_token=1, soft_cap=1)],
+                         ids=lambda v: v.name)
+def test_unified_max_builds_are_their_own(variant):
+    """plan(unified_max=) runs a UNIFIED_MAX build (a fixed offset, the band check and the
+    running-max fallback pass): it builds without spills with clusters, fp8, 8 warps,
+    multi-token rows and the soft cap, and the plain build has none of it."""
+    cubin, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
+    assert resource_report(log)["decode_partial"][1] == 0, log
+    assert variant.name.endswith("_umax") and variant.defines["UNIFIED_MAX"] == 1
+    plain = replace(variant, unified_max=0)
+    assert plain.defines["UNIFIED_MAX"] == 0 and "_umax" not in plain.name

@@ -41,7 +41,7 @@
 //
 // Compile-time parameters: SPLITKV_BF16, HEAD_DIM, ROW_TILES (1, 2, 4), STAGES, NUM_WARPS,
 // MAX_REGISTERS, CLUSTER, RECORD_PAGES, KV_FP8, SOFT_CAP (1: the logits soft cap, its value in
-// DecodeParams), MULTI_TOKEN.
+// DecodeParams), MULTI_TOKEN, UNIFIED_MAX (1: the FlashDecoding++ unified max, below).
 #ifndef KV_FP8
 #define KV_FP8 0
 #endif
@@ -51,11 +51,30 @@
 #ifndef MULTI_TOKEN
 #define MULTI_TOKEN 0
 #endif
+#ifndef UNIFIED_MAX
+#define UNIFIED_MAX 0
+#endif
 #if KV_FP8
 #define SPLITKV_MMA_BF16 0     // fp8 K/V: float16 MMAs (common.cuh)
 #endif
 #include "decode_params.cuh"
 #include "softmax_state.cuh"
+
+// The unified max (FlashDecoding++): scores are offset by a fixed phi (params.unified_max_log2,
+// base 2) instead of the running max, so a tile needs no max across lanes and O no rescaling;
+// the CTA's states then have max phi and its warps combine by plain sums. Exact where every
+// row's largest score m (over the CTA's tokens) keeps exp2(m - phi) in [2**-UNIFIED_LO,
+// 2**UNIFIED_HI]: P fits its MMA type (float16 holds 2**15), is as precise as the running max
+// gives it (float16's subnormals start 2**-14 down: a max at most 2**3 below 1 loses at most 3
+// bits on tokens 2**-11 below it; bfloat16 has float's range) and O cannot overflow where the
+// running max's would not. A CTA with a row outside (or a non-finite d or o) streams its tokens
+// again with the running max: the fallback (core/unified_max.py is the host's side).
+#define UNIFIED_HI 15
+#if SPLITKV_MMA_BF16
+#define UNIFIED_LO 60
+#else
+#define UNIFIED_LO 3
+#endif
 #if KV_FP8
 #include "fp8.cuh"
 #endif
@@ -380,6 +399,44 @@ struct ReadOnlyPageIds {
   __device__ __forceinline__ int operator[](int i) const { return __ldg(ids + i); }
 };
 
+#if UNIFIED_MAX
+// Whether every query row of the CTA kept the unified max's band (UNIFIED_HI, UNIFIED_LO):
+// each row's largest score over all the CTA's tokens (its lanes', then its warps' through
+// `scratch`, NUM_WARPS x 16 floats of the free pipeline buffers), and a finite d and o in
+// every lane. A row with no query head (q_row null) or no token seen (-inf) is in band. One
+// answer for the whole CTA (a barrier): all its threads stream again, or none.
+__device__ __forceinline__ bool unified_rows_in_band(float* scratch, const RowState (&state)[2],
+                                                     const float (&seen_max)[2],
+                                                     const u16* const (&q_row)[2], float phi,
+                                                     int warp, int warp_m, int g, int t,
+                                                     bool upper_rows) {
+  float m[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    m[r] = fmaxf(seen_max[r], __shfl_xor_sync(0xffffffffu, seen_max[r], 1));
+    m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 2));
+    if (t == 0) scratch[warp * 16 + g + 8 * r] = m[r];
+  }
+  __syncthreads();
+  bool out_of_band = false;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (q_row[r] == nullptr || (r == 1 && !upper_rows)) continue;
+    float row_max = SPLITKV_NEG_INF;
+#pragma unroll
+    for (int wn = 0; wn < WARPS_N; ++wn)
+      row_max = fmaxf(row_max, scratch[(warp_m * WARPS_N + wn) * 16 + g + 8 * r]);
+    const float x = row_max - phi;
+    out_of_band |= row_max != SPLITKV_NEG_INF && !(x >= -UNIFIED_LO && x <= UNIFIED_HI);
+    bool finite = isfinite(state[r].d);
+#pragma unroll
+    for (int i = 0; i < 2 * DTILES; ++i) finite &= isfinite(state[r].o[i]);
+    out_of_band |= !finite;
+  }
+  return !__syncthreads_or(out_of_band);
+}
+#endif
+
 extern "C" __global__ void PARTIAL_BOUNDS PARTIAL_CLUSTER
 decode_partial(const __grid_constant__ DecodeParams params) {
   // The K/V tiles start at the very beginning of shared memory, 128-byte aligned: no static
@@ -650,6 +707,17 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   // The first tiles' page ids: from the record (in shared memory) if it has them.
   const PageIds first_table = {record_pages_used ? record_pages : pages};
   const int first_base = record_pages_used ? tok_begin / page_size : 0;
+#if UNIFIED_MAX
+  // pass 1 (the unified max) and, where a row falls outside its band, pass 2 (the running max)
+  const float phi = params.unified_max_log2;
+  const int first_page = next_page, first_off = next_off;
+  bool unified = true;
+  float seen_max[2] = {SPLITKV_NEG_INF, SPLITKV_NEG_INF};   // this lane's largest scores
+  for (;;) {
+#else
+  constexpr bool unified = false;
+  constexpr float phi = 0.f;
+#endif
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     fetch_pages(s, first_table, first_base);
@@ -782,22 +850,30 @@ decode_partial(const __grid_constant__ DecodeParams params) {
       if (upper_rows) tile_max[1] = soft_cap(tile_max[1]);
     }
 #endif
-    float alpha[2] = {1.f, 1.f}, m_use[2] = {0.f, 0.f};
-    bool max_moved = false;
+    float m_use[2] = {phi, phi};
+    if (unified) {              // a fixed offset: no max across lanes, no rescaling
+#if UNIFIED_MAX
+      seen_max[0] = fmaxf(seen_max[0], tile_max[0]);
+      seen_max[1] = fmaxf(seen_max[1], tile_max[1]);
+#endif
+    } else {
+      float alpha[2] = {1.f, 1.f};
+      bool max_moved = false;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (r == 1 && !upper_rows) break;
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-      const float m_before = state[r].m;
-      alpha[r] = state[r].raise_max(tile_max[r]);
-      max_moved |= state[r].m != m_before;
-      m_use[r] = state[r].offset();
-    }
-    // Rescaling O is needed only when some row's max moved; after the first tiles it rarely does.
-    if (__any_sync(0xffffffffu, max_moved)) {
-      state[0].scale_o(alpha[0]);
-      if (upper_rows) state[1].scale_o(alpha[1]);
+      for (int r = 0; r < 2; ++r) {
+        if (r == 1 && !upper_rows) break;
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+        const float m_before = state[r].m;
+        alpha[r] = state[r].raise_max(tile_max[r]);
+        max_moved |= state[r].m != m_before;
+        m_use[r] = state[r].offset();
+      }
+      // Rescaling O is needed only when some row's max moved; after the first tiles it rarely does.
+      if (__any_sync(0xffffffffu, max_moved)) {
+        state[0].scale_o(alpha[0]);
+        if (upper_rows) state[1].scale_o(alpha[1]);
+      }
     }
 
     // O += P V. The S accumulators of two 8-token n-tiles are exactly the A fragment of P.
@@ -858,9 +934,26 @@ decode_partial(const __grid_constant__ DecodeParams params) {
 #endif
     }
   }
-  if (!params.pdl_early_trigger) allow_dependent_launch();   // this CTA's streaming is done
   cp_async_wait<0>();
   __syncthreads();  // the pipeline buffers are reused below
+#if UNIFIED_MAX
+  if (!unified) break;
+  if (!unified_rows_in_band(reinterpret_cast<float*>(smem), state, seen_max, q_row, phi, warp,
+                            warp_m, g, t, upper_rows)) {
+    // the running max, from the first tile again (the record's page ids are still in place)
+    if (tid == 0 && params.unified_fallbacks) atomicAdd(params.unified_fallbacks, 1u);
+    unified = false;
+    state[0] = RowState::empty();
+    state[1] = RowState::empty();
+    next_page = first_page;
+    next_off = first_off;
+    continue;
+  }
+  state[0].m = state[1].m = phi;   // each lane's state: offset phi, not yet summed over lanes
+  break;
+  }   // the passes
+#endif
+  if (!params.pdl_early_trigger) allow_dependent_launch();   // this CTA's streaming is done
 
   // Each warp's state of its 16 rows to shared memory, for the epilogue to combine the warps
   // that share a row tile (they saw different tokens).

@@ -103,4 +103,9 @@ struct DecodeParams {
   // plans may change it.
   const int* query_rows;
   int q_group;
+  // The unified max (the UNIFIED_MAX build; unused otherwise): phi x log2(e), the fixed offset
+  // of the scores (base 2), and a count of the CTAs that fell back to the running max (null:
+  // not counted).
+  float unified_max_log2;
+  unsigned* unified_fallbacks;
 };

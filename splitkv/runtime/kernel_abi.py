@@ -56,6 +56,8 @@ class DecodeParams(ctypes.Structure):
         ("head_stride", ctypes.c_int64),
         ("query_rows", _POINTER),
         ("q_group", ctypes.c_int),
+        ("unified_max_log2", ctypes.c_float),
+        ("unified_fallbacks", _POINTER),
     ]
 
 

@@ -56,6 +56,7 @@ class DecodeVariant:
     num_warps: int = WARPS_PER_CTA   # NUM_WARPS: 4, or 8 (128-token tiles, lone fp8 CTAs)
     soft_cap: int = 0   # 1: the build that applies the logits soft cap (SOFT_CAP)
     multi_token: int = 0   # 1: multi-token decode, rows of (query row, head) (MULTI_TOKEN)
+    unified_max: int = 0   # 1: scores offset by a fixed phi, with the fallback (UNIFIED_MAX)
 
     def __post_init__(self):
         if self.kv_dtype not in ("", *KV_FP8_CODES):
@@ -106,7 +107,8 @@ class DecodeVariant:
                 "ROW_TILES": self.row_tiles, "STAGES": self.stages, "NUM_WARPS": self.num_warps,
                 "MAX_REGISTERS": self.max_registers, "CLUSTER": self.cluster,
                 "RECORD_PAGES": RECORD_PAGES, "KV_FP8": KV_FP8_CODES.get(self.kv_dtype, 0),
-                "SOFT_CAP": self.soft_cap, "MULTI_TOKEN": self.multi_token}
+                "SOFT_CAP": self.soft_cap, "MULTI_TOKEN": self.multi_token,
+                "UNIFIED_MAX": self.unified_max}
 
     @property
     def name(self) -> str:
@@ -116,6 +118,7 @@ class DecodeVariant:
         kv += f"_w{self.num_warps}" if self.num_warps != WARPS_PER_CTA else ""
         kv += "_softcap" if self.soft_cap else ""
         kv += "_mt" if self.multi_token else ""
+        kv += "_umax" if self.unified_max else ""
         return (f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}_s{self.stages}{regs}{cluster}"
                 f"{kv}")
 

@@ -41,6 +41,7 @@ from ..core.geometry import RECORD_PAGES, WARPS_PER_CTA, ctas_per_kv_head
 from ..core.plan import Plan
 from ..core.problem import DecodeProblem, PageTable
 from ..core.layouts import check_kv_layout
+from ..core import unified_max as UM
 from ..core import variants as VA
 from ..core.variants import check_variant
 from . import require_gpu
@@ -149,6 +150,7 @@ class BatchDecodeWrapper:
         self._workspace = Workspace(self.head_dim)
         self._logits_soft_cap_log2 = 0.0      # plan()'s logits_soft_cap, as the kernels hold it
         self._launch_soft_cap = 0             # whether the bound launches are the cap's build
+        self._unified_fallbacks = None        # the unified max's fallback counter (uint32 [1])
         self.use_cuda_graph = check_option("use_cuda_graph", use_cuda_graph) or False
         self._capacity = self._check_capacity(max_batch_size, max_num_pages, max_chunks)
         self._max_q_len = self._check_max_q_len(max_q_len)
@@ -286,7 +288,7 @@ class BatchDecodeWrapper:
              num_splits: int | None = None, strategy: str | None = None,
              plan: Plan | None = None, sm_scale: float | None = None, stream=None,
              window_left: int | None = None, logits_soft_cap: float | None = None,
-             qo_indptr=None) -> Plan:
+             qo_indptr=None, unified_max: float | None = None) -> Plan:
         """Choose and upload the decomposition for this batch. Host work plus one upload.
 
         The batch's pages: a ``PageTable``, or FlashInfer's ``kv_indptr`` [batch + 1],
@@ -310,6 +312,11 @@ class BatchDecodeWrapper:
         max_q_len x num_qo_heads query heads (a graph-stable wrapper's: its max_q_len's). With
         ``window_left`` each row sees its own window, and the plan covers every row's: window_left
         + max_q_len - 1 tokens back (``core.variants.covering_window_left``).
+        ``unified_max`` (FlashDecoding++'s unified max value phi, natural-log units of the
+        scaled scores): the runs offset scores by phi instead of the running max, and a CTA
+        whose rows leave phi's band falls back to the running max (``core.unified_max``), so
+        results are exact either way; None (the default): the running max. Per-shape wrappers
+        only; ``unified_max_fallbacks()`` counts the fallbacks.
         Returns the plan as it runs.
         """
         require_gpu("BatchDecodeWrapper.plan()")
@@ -327,6 +334,10 @@ class BatchDecodeWrapper:
                              f"wrapper's page_size {self.page_size}")
         s = as_cupy_stream(stream)
         soft_cap_log2 = self._soft_cap_log2(logits_soft_cap)
+        phi = UM.check_unified_max(unified_max)
+        if phi is not None and self.use_cuda_graph:
+            raise ValueError("unified_max: graph-stable wrappers do not take it yet (their "
+                             "captured launch holds one build); use a per-shape wrapper")
         query_rows = self._check_query_rows(qo_indptr, page_table, plan)
         # query rows a request the kernels are sized for: a graph-stable wrapper's captured
         # launch holds its capacity's, whatever the plan
@@ -382,7 +393,7 @@ class BatchDecodeWrapper:
             self.variant, cluster=chosen.cluster_size, soft_cap=int(soft_cap_log2 > 0),
             num_warps=plan_warps(self.kv_dtype, ctas, self.experiments.warps),
             stages=self.experiments.stages or 0, row_tiles=row_tiles_for(group),
-            multi_token=int(query_rows is not None)))
+            multi_token=int(query_rows is not None), unified_max=int(phi is not None)))
         stages = kernels.variant.stages
         tile = kernels.variant.tile_tokens
         in_record = pages_fit_record(chosen, self.page_size, stages, tile)
@@ -395,6 +406,8 @@ class BatchDecodeWrapper:
         self._launch = self._bind(kernels, meta, chosen.num_chunks, chosen.problem.batch_size,
                                   chosen.cluster_size, chosen.merge == "merge_kernel", in_record,
                                   sm_scale_log2, heads=heads, per_kv_head=per_kv_head)
+        if phi is not None:
+            self._bind_unified_max(phi, s)
         self._query_rows = query_rows
         self._device_id = cupy.cuda.runtime.getDevice()
         self._pages_in_record = in_record
@@ -402,6 +415,30 @@ class BatchDecodeWrapper:
         self._plan, self._max_page = chosen, max_page
         self._logits_soft_cap_log2 = soft_cap_log2
         return chosen
+
+    def _bind_unified_max(self, phi: float, s) -> None:
+        """The unified max's phi (base 2, as the kernels take it) and its fallback counter,
+        zeroed on ``s`` for this plan's runs."""
+        import cupy
+
+        if self._unified_fallbacks is None:
+            self._unified_fallbacks = cupy.zeros(1, np.uint32)
+        with s:
+            self._unified_fallbacks.fill(0)
+        params = self._launch.params
+        params.unified_max_log2 = float(np.float32(phi * LOG2E))
+        params.unified_fallbacks = self._unified_fallbacks.data.ptr
+
+    def unified_max_fallbacks(self) -> int:
+        """How many CTAs fell back from the unified max to the running max in the runs since
+        the last ``plan(unified_max=)`` (a CTA is a chunk x kv head for groups up to 64 query
+        heads); waits for those runs. 0 for a plan without it."""
+        if self._launch is None or not self._launch.params.unified_fallbacks:
+            return 0
+        import cupy
+
+        cupy.cuda.runtime.deviceSynchronize()
+        return int(self._unified_fallbacks.get()[0])
 
     def _check_query_rows(self, qo_indptr, page_table: PageTable, plan):
         """plan()'s ``qo_indptr`` checked (``core.variants.query_rows``): the QueryRows the

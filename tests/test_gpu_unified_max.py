@@ -1,0 +1,198 @@
+"""The unified max on the GPU (``plan(unified_max=phi)``, issue 18): against the float64
+reference on every strategy (the cluster merge too), bfloat16 and float16 q, fp8 K/V, and the
+number of CTAs that fell back to the running max equal to the host's prediction
+(``core.unified_max.fallback_items``) on realistic inputs (none) and on inputs built to break
+phi: phi far above and far below the scores, one huge score, all scores equal, NaN and Inf in
+q, K and V (NaN exactly where the reference has it)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from splitkv import DecodeProblem, plan_from_chunk_counts, reference_decode
+from splitkv.core import fp8
+from splitkv.core import unified_max as UM
+from splitkv.core.reference import to_float64
+from splitkv.runtime.testing import (assert_matches_reference, random_device_array,
+                                     scattered_page_table)
+from splitkv.runtime.wrapper import BatchDecodeWrapper
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+pytestmark = pytest.mark.gpu
+
+HQ, HK, D = 32, 8, 128
+LENS = [3000, 700, 0, 41]
+PLANS = [("single", 1), ("split_merge", 3), ("fused", 4), ("split_merge", 16)]
+
+
+def make(rng, dtype="bfloat16", kv_dtype=None, lens=LENS):
+    pt, pages = scattered_page_table(lens, 16, rng)
+    q = random_device_array((len(lens), HQ, D), dtype, rng).get()
+    shape = (pages, 16, HK, D)
+    if kv_dtype:
+        k, v = (fp8.quantize(np.clip(rng.standard_normal(shape) * 2, -12, 12), kv_dtype)
+                for _ in range(2))
+    else:
+        k, v = (random_device_array(shape, dtype, rng).get() for _ in range(2))
+    return pt, q, k, v
+
+
+def run(w, pt, q, k, v, phi, kv_dtype=None, **plan_kw):
+    """One run under phi: its output checked against the reference; returns (plan, the CTAs
+    that fell back, the host's prediction of them)."""
+    plan = w.plan(pt, unified_max=phi, **plan_kw)
+    assert w.kernel_variant.unified_max == 1
+    out = poisoned(q)
+    lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
+    w.run(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), out=out, lse=lse)
+    fell_back = w.unified_max_fallbacks()
+    ref_o, ref_lse = reference_decode(q, k, v, pt, kv_dtype=kv_dtype)
+    assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse, 1e-2,
+                             f"{plan}, phi {phi}")
+    predicted = UM.fallback_items(plan, to_float64(q), k, v, pt, phi, w.dtype, kv_dtype=kv_dtype)
+    return plan, fell_back, int(predicted.sum())
+
+
+def poisoned(q):
+    """An output poisoned with NaN, in q's storage (bfloat16 bits, or float16)."""
+    if q.dtype == np.float16:
+        return cupy.full(q.shape, np.nan, cupy.float16)
+    return cupy.full(q.shape, 0xFFFF, cupy.uint16)
+
+
+def phi_for(pt, q, k, dtype, kv_dtype=None):
+    from splitkv import plan_fixed_splits
+
+    problem = DecodeProblem.from_page_table(pt, HQ, HK, D)
+    maxima = UM.row_maxima(plan_fixed_splits(problem, 4), to_float64(q), k, pt, kv_dtype=kv_dtype)
+    return UM.choose_unified_max(maxima, dtype, kv_dtype)
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [("bfloat16", None), ("float16", None),
+                                            ("bfloat16", "float8_e4m3fn")])
+def test_realistic_scores_run_without_fallback_on_every_strategy(dtype, kv_dtype):
+    rng = np.random.default_rng(5)
+    pt, q, k, v = make(rng, dtype, kv_dtype)
+    phi = phi_for(pt, q, k, dtype, kv_dtype)
+    w = BatchDecodeWrapper(HQ, HK, D, 16, dtype, kv_dtype=kv_dtype)
+    for strategy, n in PLANS:
+        plan, fell_back, predicted = run(w, pt, q, k, v, phi, kv_dtype, strategy=strategy,
+                                         num_splits=n)
+        assert fell_back == predicted == 0, f"{plan}: {fell_back} fell back"
+    # the planner's own plan, then a plain plan: the plain build again, nothing counted
+    run(w, pt, q, k, v, phi, kv_dtype)
+    w.plan(pt)
+    assert w.kernel_variant.unified_max == 0 and w.unified_max_fallbacks() == 0
+
+
+def test_the_cluster_merge_under_the_unified_max():
+    from splitkv.runtime import device_info
+
+    if int(device_info()["cc"]) < 90:
+        pytest.skip("thread-block clusters need compute capability 9.0")
+    rng = np.random.default_rng(6)
+    pt, q, k, v = make(rng, lens=[9, 1000])
+    phi = phi_for(pt, q, k, "bfloat16")
+    w = BatchDecodeWrapper(HQ, HK, D, 16, "bfloat16")
+    problem = DecodeProblem.from_page_table(pt, HQ, HK, D)
+    for n in (2, 4):
+        plan, fell_back, predicted = run(w, pt, q, k, v, phi,
+                                         plan=plan_from_chunk_counts(problem, [n, n], "fused"))
+        assert w.cluster_size == n and fell_back == predicted == 0
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [("bfloat16", None), ("float16", None),
+                                            ("bfloat16", "float8_e5m2")])
+@pytest.mark.parametrize("strategy,n", [("split_merge", 3), ("fused", 4)])
+def test_inputs_built_to_break_phi_fall_back_and_stay_exact(dtype, kv_dtype, strategy, n):
+    rng = np.random.default_rng(7)
+    pt, q, k, v = make(rng, dtype, kv_dtype)
+    phi = phi_for(pt, q, k, dtype, kv_dtype)
+    w = BatchDecodeWrapper(HQ, HK, D, 16, dtype, kv_dtype=kv_dtype)
+    plan, _, _ = run(w, pt, q, k, v, phi, kv_dtype, strategy=strategy, num_splits=n)
+    live = int(sum(min(n, -(-length // 16)) for length in LENS if length)) * HK
+    # phi far below every score: every item with tokens overflows the band
+    _, fell_back, predicted = run(w, pt, q, k, v, phi - 60, kv_dtype, strategy=strategy,
+                                  num_splits=n)
+    assert fell_back == predicted == live
+    # far above: below the band (float16 P's is narrow; bfloat16's reaches 41 below)
+    _, fell_back, predicted = run(w, pt, q, k, v, phi + 80, kv_dtype, strategy=strategy,
+                                  num_splits=n)
+    assert fell_back == predicted == live
+    if kv_dtype is None:
+        # one huge score: request 0, kv head 2, its 100th token: K there is q's head 8 x 60
+        k_spiked = k.copy()
+        slot = pt.token_slots(0)[100]
+        row = to_float64(q[0, 8]) * 60 / np.abs(to_float64(q[0, 8])).max()
+        k_spiked.reshape(-1, HK, D)[slot, 2] = _bits(row, dtype)
+        _, fell_back, predicted = run(w, pt, q, k_spiked, v, phi, kv_dtype, strategy=strategy,
+                                      num_splits=n)
+        assert fell_back == predicted == 1
+        # all scores equal (every token's K the same row): in band, no fallback
+        k_flat = np.broadcast_to(k.reshape(-1, HK, D)[:1], k.reshape(-1, HK, D).shape)
+        k_flat = np.ascontiguousarray(k_flat).reshape(k.shape)
+        phi_flat = phi_for(pt, q, k_flat, dtype)
+        _, fell_back, predicted = run(w, pt, q, k_flat, v, phi_flat, kv_dtype,
+                                      strategy=strategy, num_splits=n)
+        assert fell_back == predicted == 0
+
+
+def _bits(values, dtype):
+    from splitkv.runtime.testing import float_to_bits
+
+    return float_to_bits(np.asarray(values, np.float32), dtype)
+
+
+@pytest.mark.parametrize("where", ["q nan", "k inf", "v inf", "v nan"])
+def test_nan_and_inf_inputs_fall_back_and_stay_where_they_are(where):
+    rng = np.random.default_rng(8)
+    pt, q, k, v = make(rng)
+    phi = phi_for(pt, q, k, "bfloat16")
+    bits = {"nan": 0x7FC0, "inf": 0x7F80}[where.split()[1]]
+    q, k, v = q.copy(), k.copy(), v.copy()
+    if where.startswith("q"):
+        q[1, 9, 3] = bits                      # request 1, query head 9 (kv head 2)
+    else:
+        target = k if where.startswith("k") else v
+        target.reshape(-1, HK, D)[pt.token_slots(1)[200], 2, 3] = bits
+    w = BatchDecodeWrapper(HQ, HK, D, 16, "bfloat16")
+    for strategy, n in PLANS[:3]:
+        plan, fell_back, predicted = run(w, pt, q, k, v, phi, strategy=strategy, num_splits=n)
+        assert fell_back == predicted >= 1, f"{plan}"
+
+
+def test_multi_token_rows_soft_cap_and_sinks_under_the_unified_max():
+    rng = np.random.default_rng(9)
+    pt, q1, k, v = make(rng)
+    qo_indptr = np.array([0, 4, 6, 7, 9])            # 4, 2, 1 (no KV), 2 rows
+    q = random_device_array((9, HQ, D), "bfloat16", rng).get()
+    sinks = np.linspace(-1, 2, HQ).astype(np.float32)
+    w = BatchDecodeWrapper(HQ, HK, D, 16, "bfloat16")
+    phi = phi_for(pt, q1, k, "bfloat16")
+    for strategy, n in PLANS[:3]:
+        w.plan(pt, qo_indptr=qo_indptr, logits_soft_cap=6.0, unified_max=phi,
+               strategy=strategy, num_splits=n)
+        assert w.kernel_variant.unified_max == 1 and w.kernel_variant.multi_token == 1
+        out = poisoned(q)
+        lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
+        w.run(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), out=out, lse=lse,
+              sinks=cupy.asarray(sinks))
+        ref_o, ref_lse = reference_decode(q, k, v, pt, qo_indptr=qo_indptr, logits_soft_cap=6.0,
+                                          sinks=sinks.astype(np.float64))
+        assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse, 1e-2,
+                                 f"{strategy}/{n}")
+
+
+def test_what_the_unified_max_does_not_take_is_refused_by_name():
+    rng = np.random.default_rng(10)
+    pt, q, k, v = make(rng)
+    w = BatchDecodeWrapper(HQ, HK, D, 16, "bfloat16")
+    with pytest.raises(TypeError, match="^unified_max: expected a number"):
+        w.plan(pt, unified_max="3")
+    with pytest.raises(ValueError, match="^unified_max: expected a finite"):
+        w.plan(pt, unified_max=float("nan"))
+    g = BatchDecodeWrapper(HQ, HK, D, 16, "bfloat16", use_cuda_graph=True, max_batch_size=4,
+                           max_num_pages=pt.kv_indices.size)
+    with pytest.raises(ValueError, match="^unified_max: graph-stable wrappers"):
+        g.plan(pt, unified_max=2.0)

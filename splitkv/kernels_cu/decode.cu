@@ -646,13 +646,13 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   // and so do tiles before the last row's window start (the latest of the rows')
   const int mask_below = window < 0 ? 0 : req_rows.z - 1 - window;
 #else
-  {
-    const u16* q_rows = params.q + ((i64)req * params.num_qo_heads + head0) * HEAD_DIM;
-    q_row[0] = r0 < rows_valid ? q_rows + r0 * HEAD_DIM : nullptr;
-    q_row[1] = r1 < rows_valid ? q_rows + r1 * HEAD_DIM : nullptr;
-  }
+  const u16* q_rows = params.q + ((i64)req * params.num_qo_heads + head0) * HEAD_DIM;
+  q_row[0] = r0 < rows_valid ? q_rows + r0 * HEAD_DIM : nullptr;
+  q_row[1] = r1 < rows_valid ? q_rows + r1 * HEAD_DIM : nullptr;
   const int mask_from = tok_end;
 #endif
+  // (The plain build indexes q from the request's rows, as before the multi-token build: the
+  // null-pointer form of the multi-token load made the fp8 kernel's main loop schedule worse.)
 #pragma unroll
   for (int ks = 0; ks < KSTEPS; ++ks) {
 #if KV_FP8
@@ -660,10 +660,17 @@ decode_partial(const __grid_constant__ DecodeParams params) {
 #else
     const int c0 = ks * 16 + 2 * t, c1 = c0 + 8;
 #endif
+#if MULTI_TOKEN
     qf[ks][0] = q_row[0] ? ld_after_wait_u32(q_row[0] + c0) : 0u;
     qf[ks][1] = q_row[1] ? ld_after_wait_u32(q_row[1] + c0) : 0u;
     qf[ks][2] = q_row[0] ? ld_after_wait_u32(q_row[0] + c1) : 0u;
     qf[ks][3] = q_row[1] ? ld_after_wait_u32(q_row[1] + c1) : 0u;
+#else
+    qf[ks][0] = r0 < rows_valid ? ld_after_wait_u32(q_rows + r0 * HEAD_DIM + c0) : 0u;
+    qf[ks][1] = r1 < rows_valid ? ld_after_wait_u32(q_rows + r1 * HEAD_DIM + c0) : 0u;
+    qf[ks][2] = r0 < rows_valid ? ld_after_wait_u32(q_rows + r0 * HEAD_DIM + c1) : 0u;
+    qf[ks][3] = r1 < rows_valid ? ld_after_wait_u32(q_rows + r1 * HEAD_DIM + c1) : 0u;
+#endif
   }
 #if KV_FP8 && SPLITKV_BF16
   // bfloat16 q to float16 for the float16 MMAs, each row times 2**e that brings its largest
@@ -934,6 +941,13 @@ decode_partial(const __grid_constant__ DecodeParams params) {
 #endif
     }
   }
+#if UNIFIED_MAX
+  const bool first_pass = unified;
+#else
+  constexpr bool first_pass = true;
+#endif
+  // this CTA's streaming is done (a fallback pass only delays the end the next kernel waits for)
+  if (!params.pdl_early_trigger && first_pass) allow_dependent_launch();
   cp_async_wait<0>();
   __syncthreads();  // the pipeline buffers are reused below
 #if UNIFIED_MAX
@@ -953,7 +967,6 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   break;
   }   // the passes
 #endif
-  if (!params.pdl_early_trigger) allow_dependent_launch();   // this CTA's streaming is done
 
   // Each warp's state of its 16 rows to shared memory, for the epilogue to combine the warps
   // that share a row tile (they saw different tokens).

@@ -346,3 +346,23 @@ def test_head_strides_are_free_but_each_head_row_contiguous_and_aligned():
         V.check_device_decode_arrays(q, replace(k, strides=(4096, 256, 68, 1)), k, **kw)
     with pytest.raises(ValueError, match="v_cache: expected the same strides as k_cache"):
         V.check_device_decode_arrays(q, k, hnd, **kw)
+
+
+def test_a_launch_past_cudas_grid_limit_is_refused_before_any_work():
+    """CUDA launches at most 2**31 - 1 CTAs in a 1-D grid: a graph-stable wrapper whose fixed
+    grid (max_chunks x kv heads) or merge grid (max_batch_size x heads) would pass it is refused
+    when it is made, naming the capacity; plan() checks a per-shape plan's grids the same way
+    (V.check_grid_ctas) before its upload."""
+    from splitkv.runtime.wrapper import BatchDecodeWrapper
+
+    V.check_grid_ctas("page_table", V.MAX_GRID_CTAS, "at the limit")
+    with pytest.raises(ValueError, match=r"^page_table: the launch would have 2147483648 CTAs"):
+        V.check_grid_ctas("page_table", 2**31, "one past")
+    stable = dict(use_cuda_graph=True, max_num_pages=1)
+    with pytest.raises(ValueError, match=r"^max_chunks: the launch would have \d+ CTAs"):
+        BatchDecodeWrapper(65535, 65535, 128, 16, "bfloat16", max_chunks=2**24, max_batch_size=1,
+                           **stable)
+    with pytest.raises(ValueError, match=r"^max_batch_size: the launch would have \d+ CTAs "
+                                         r"\(the merge kernel's"):
+        BatchDecodeWrapper(65535, 65535, 128, 16, "bfloat16", max_batch_size=2**24, **stable)
+    BatchDecodeWrapper(64, 8, 128, 16, "bfloat16", max_batch_size=4096, **stable)   # in range

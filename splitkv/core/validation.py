@@ -362,6 +362,16 @@ def check_chunk_counts(counts, batch_size: int) -> np.ndarray:
     return counts
 
 
+MAX_GRID_CTAS = 2**31 - 1       # CUDA's limit on a 1-D grid's blocks
+
+
+def check_grid_ctas(name: str, ctas: int, what: str) -> None:
+    """A launch's CTAs (``what`` says how they were counted), checked before any upload."""
+    if ctas > MAX_GRID_CTAS:
+        raise ValueError(f"{name}: the launch would have {ctas} CTAs ({what}); CUDA launches at "
+                         f"most 2**31 - 1 (use fewer splits, larger chunks or a smaller batch)")
+
+
 def check_num_chunks(name: str, num_chunks: int) -> None:
     """A plan's chunk count, checked before its arrays are made."""
     if num_chunks > MAX_CHUNKS:

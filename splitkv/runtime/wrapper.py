@@ -156,6 +156,14 @@ class BatchDecodeWrapper:
         self._max_q_len = self._check_max_q_len(max_q_len)
         # a graph-stable multi-token grid: CTAs for max_q_len x the group a kv head
         self.ctas_per_kv_head = ctas_per_kv_head(self.group_size * self._max_q_len)
+        if self._capacity is not None:
+            batch, _, chunks = self._capacity
+            if chunks is not None:
+                V.check_grid_ctas("max_chunks", chunks * self.num_kv_heads * self.ctas_per_kv_head,
+                                  "max_chunks x kv heads x CTAs a kv head")
+            V.check_grid_ctas("max_batch_size", -(-batch * self.num_qo_heads * self._max_q_len
+                                                  * self.head_dim // (4 * 128)),
+                              "the merge kernel's: a thread per 4 dims of each request's heads")
         self._graph_upload: GraphPlanUpload | None = None
         self._graph_pool_pages: int | None = None    # pages of the K/V pool a run was given
         # every use of the buffers (plan uploads, runs), ordered across streams
@@ -389,6 +397,11 @@ class BatchDecodeWrapper:
         group = heads // self.num_kv_heads     # with multi-token decode, q_len x the group
         per_kv_head = ctas_per_kv_head(group)
         ctas = chosen.num_work_items * per_kv_head
+        V.check_grid_ctas("page_table", ctas, f"{chosen.num_chunks} chunks x "
+                          f"{self.num_kv_heads} kv heads x {per_kv_head} CTAs a kv head")
+        V.check_grid_ctas("page_table", -(-chosen.problem.batch_size * heads * self.head_dim
+                                          // (4 * 128)),
+                          "the merge kernel's: a thread per 4 dims of each request's heads")
         kernels = get_decode_kernels(replace(
             self.variant, cluster=chosen.cluster_size, soft_cap=int(soft_cap_log2 > 0),
             num_warps=plan_warps(self.kv_dtype, ctas, self.experiments.warps),

@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 
 from splitkv import reference_decode
-from splitkv.core import fp8
 from splitkv.core.reference import to_float64
 from splitkv.runtime.testing import (assert_matches_reference, random_device_array,
-                                     scattered_page_table)
+                                     random_kv_caches, scattered_page_table)
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
@@ -30,11 +29,7 @@ def make(rng, lens, q_lens, hq, hk, d, kv_dtype=None):
     qo_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = random_device_array((int(qo_indptr[-1]), hq, d), "bfloat16", rng)
     shape = (num_pages, 16, hk, d)
-    if kv_dtype:
-        k, v = (fp8.quantize(np.clip(rng.standard_normal(shape) * 2, -12, 12), kv_dtype)
-                for _ in range(2))
-    else:
-        k, v = (random_device_array(shape, "bfloat16", rng).get() for _ in range(2))
+    k, v = random_kv_caches(shape, "bfloat16", rng, kv_dtype)
     return pt, qo_indptr, q, k, v
 
 

@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 
 from splitkv import DecodeProblem, plan_from_chunk_counts, reference_decode
-from splitkv.core import fp8
 from splitkv.core import unified_max as UM
 from splitkv.core.reference import to_float64
 from splitkv.runtime.testing import (assert_matches_reference, random_device_array,
-                                     scattered_page_table)
+                                     random_kv_caches, scattered_page_table)
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
@@ -26,21 +25,19 @@ LENS = [3000, 700, 0, 41]
 PLANS = [("single", 1), ("split_merge", 3), ("fused", 4), ("split_merge", 16)]
 
 
-def make(rng, dtype="bfloat16", kv_dtype=None, lens=LENS):
+def make(rng, dtype="bfloat16", kv_dtype=None, lens=LENS, hq=HQ, hk=HK):
     pt, pages = scattered_page_table(lens, 16, rng)
-    q = random_device_array((len(lens), HQ, D), dtype, rng).get()
-    shape = (pages, 16, HK, D)
-    if kv_dtype:
-        k, v = (fp8.quantize(np.clip(rng.standard_normal(shape) * 2, -12, 12), kv_dtype)
-                for _ in range(2))
-    else:
-        k, v = (random_device_array(shape, dtype, rng).get() for _ in range(2))
+    q = random_device_array((len(lens), hq, D), dtype, rng).get()
+    shape = (pages, 16, hk, D)
+    k, v = random_kv_caches(shape, dtype, rng, kv_dtype)
     return pt, q, k, v
 
 
-def run(w, pt, q, k, v, phi, kv_dtype=None, **plan_kw):
-    """One run under phi: its output checked against the reference; returns (plan, the CTAs
-    that fell back, the host's prediction of them)."""
+def run(w, pt, q, k, v, phi, kv_dtype=None, heads_checked=None, **plan_kw):
+    """One run under phi: its output checked against the reference (and, with
+    ``heads_checked`` = (request, heads), those rows alone as well, so that an error in one
+    item is not diluted by the batch); returns (plan, the CTAs that fell back, the host's
+    prediction of them)."""
     plan = w.plan(pt, unified_max=phi, **plan_kw)
     assert w.kernel_variant.unified_max == 1
     out = poisoned(q)
@@ -52,7 +49,12 @@ def run(w, pt, q, k, v, phi, kv_dtype=None, **plan_kw):
     infinite = np.isinf(ref_o)                 # an Inf in V: the same infinities, then the rest
     np.testing.assert_array_equal(o[infinite], ref_o[infinite])
     o[infinite] = ref_o[infinite] = 0
-    assert_matches_reference(o, lse.get(), ref_o, ref_lse, 1e-2, f"{plan}, phi {phi}")
+    lse = lse.get()
+    assert_matches_reference(o, lse, ref_o, ref_lse, 1e-2, f"{plan}, phi {phi}")
+    if heads_checked is not None:
+        b, heads = heads_checked
+        assert_matches_reference(o[b:b + 1, heads], lse[b:b + 1, heads], ref_o[b:b + 1, heads],
+                                 ref_lse[b:b + 1, heads], 1e-2, f"{plan}, phi {phi}, {b} {heads}")
     predicted = UM.fallback_items(plan, to_float64(q), k, v, pt, phi, w.dtype, kv_dtype=kv_dtype)
     return plan, fell_back, int(predicted.sum())
 
@@ -67,7 +69,7 @@ def poisoned(q):
 def phi_for(pt, q, k, dtype, kv_dtype=None):
     from splitkv import plan_fixed_splits
 
-    problem = DecodeProblem.from_page_table(pt, HQ, HK, D)
+    problem = DecodeProblem.from_page_table(pt, q.shape[1], k.shape[2], D)
     maxima = UM.row_maxima(plan_fixed_splits(problem, 4), to_float64(q), k, pt, kv_dtype=kv_dtype)
     return UM.choose_unified_max(maxima, dtype, kv_dtype)
 
@@ -103,6 +105,11 @@ def test_the_cluster_merge_under_the_unified_max():
         plan, fell_back, predicted = run(w, pt, q, k, v, phi,
                                          plan=plan_from_chunk_counts(problem, [n, n], "fused"))
         assert w.cluster_size == n and fell_back == predicted == 0
+        # phi far off: every CTA of the cluster streams twice, and the cluster still merges
+        plan, fell_back, predicted = run(w, pt, q, k, v, phi - 60,
+                                         plan=plan_from_chunk_counts(problem, [n, n], "fused"))
+        live = int((plan.chunk_end > plan.chunk_start).sum()) * HK
+        assert w.cluster_size == n and fell_back == predicted == live
 
 
 @pytest.mark.parametrize("dtype,kv_dtype", [("bfloat16", None), ("float16", None),
@@ -130,7 +137,7 @@ def test_inputs_built_to_break_phi_fall_back_and_stay_exact(dtype, kv_dtype, str
         row = to_float64(q[0, 8]) * 60 / np.abs(to_float64(q[0, 8])).max()
         k_spiked.reshape(-1, HK, D)[slot, 2] = _bits(row, dtype)
         _, fell_back, predicted = run(w, pt, q, k_spiked, v, phi, kv_dtype, strategy=strategy,
-                                      num_splits=n)
+                                      num_splits=n, heads_checked=(0, slice(8, 12)))
         assert fell_back == predicted == 1
         # all scores equal (every token's K the same row): in band, no fallback
         k_flat = np.broadcast_to(k.reshape(-1, HK, D)[:1], k.reshape(-1, HK, D).shape)
@@ -185,6 +192,7 @@ def test_multi_token_rows_soft_cap_and_sinks_under_the_unified_max():
                                           sinks=sinks.astype(np.float64))
         assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse, 1e-2,
                                  f"{strategy}/{n}")
+        assert w.unified_max_fallbacks() == 0, f"{strategy}/{n}: the unified pass did not hold"
 
 
 def test_what_the_unified_max_does_not_take_is_refused_by_name():
@@ -199,3 +207,30 @@ def test_what_the_unified_max_does_not_take_is_refused_by_name():
                            max_num_pages=pt.kv_indices.size)
     with pytest.raises(ValueError, match="^unified_max: graph-stable wrappers"):
         g.plan(pt, unified_max=2.0)
+
+
+def test_two_row_tiles_and_a_request_with_only_its_sink():
+    """Group 32 (two row tiles a CTA: the band check's scratch for the second, the group's
+    named barriers in both passes), on realistic scores and with phi far off; then a request
+    with no KV and a sink 100 units below phi: its LSE is the sink's (its empty state keeps
+    the max -inf, so the sink is not lost under phi)."""
+    rng = np.random.default_rng(11)
+    hq, hk = 64, 2
+    pt, q, k, v = make(rng, hq=hq, hk=hk)
+    phi = phi_for(pt, q, k, "bfloat16")
+    w = BatchDecodeWrapper(hq, hk, D, 16, "bfloat16")
+    for strategy, n in PLANS[1:3]:
+        plan, fell_back, predicted = run(w, pt, q, k, v, phi, strategy=strategy, num_splits=n)
+        assert w.kernel_variant.row_tiles == 2 and fell_back == predicted == 0
+        plan, fell_back, predicted = run(w, pt, q, k, v, phi + 80, strategy=strategy,
+                                         num_splits=n)
+        assert fell_back == predicted == int((plan.chunk_end > plan.chunk_start).sum()) * hk
+    sinks = np.full(hq, phi - 100, np.float32)
+    w.plan(pt, unified_max=phi)
+    out = poisoned(q)
+    lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
+    w.run(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), out=out, lse=lse,
+          sinks=cupy.asarray(sinks))
+    ref_o, ref_lse = reference_decode(q, k, v, pt, sinks=sinks.astype(np.float64))
+    assert LENS[2] == 0 and np.allclose(lse.get()[2], phi - 100, rtol=1e-5), lse.get()[2]
+    assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse, 1e-2, "sinks")

@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 
 from splitkv import reference_decode
-from splitkv.core import fp8
 from splitkv.core.reference import to_float64
 from splitkv.runtime.testing import (assert_matches_reference, random_device_array,
-                                     scattered_page_table)
+                                     random_kv_caches, scattered_page_table)
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
@@ -33,11 +32,7 @@ def make(rng, hq, hk, d, dtype, kv_dtype=None, scale=1.0):
     pt, num_pages = scattered_page_table(LENS, 16, rng)
     q = random_device_array((len(LENS), hq, d), dtype, rng)
     shape = (num_pages, 16, hk, d)
-    if kv_dtype:
-        k, v = (fp8.quantize(np.clip(rng.standard_normal(shape) * 2, -12, 12), kv_dtype)
-                for _ in range(2))
-    else:
-        k, v = (random_device_array(shape, dtype, rng).get() for _ in range(2))
+    k, v = random_kv_caches(shape, dtype, rng, kv_dtype)
     return pt, q, k, v
 
 

@@ -402,14 +402,16 @@ struct ReadOnlyPageIds {
 #if UNIFIED_MAX
 // Whether every query row of the CTA kept the unified max's band (UNIFIED_HI, UNIFIED_LO):
 // each row's largest score over all the CTA's tokens (its lanes', then its warps' through
-// `scratch`, NUM_WARPS x 16 floats of the free pipeline buffers), and a finite d and o in
-// every lane. A row with no query head (q_row null) or no token seen (-inf) is in band. One
-// answer for the whole CTA (a barrier): all its threads stream again, or none.
+// `scratch`, NUM_WARPS x 16 floats of the free pipeline buffers), and a finite d and o x
+// o_scale (fp8's v_scale, applied after) in every lane. A row with no query head (q_row null)
+// or no token seen (-inf) is in band; `seen` says which rows saw a token (the others keep
+// the empty state's m = -inf, so that a sink alone gives them its own LSE). One answer for the
+// whole CTA (a barrier): all its threads stream again, or none.
 __device__ __forceinline__ bool unified_rows_in_band(float* scratch, const RowState (&state)[2],
                                                      const float (&seen_max)[2],
                                                      const u16* const (&q_row)[2], float phi,
-                                                     int warp, int warp_m, int g, int t,
-                                                     bool upper_rows) {
+                                                     float o_scale, int warp, int warp_m, int g,
+                                                     int t, bool upper_rows, bool (&seen)[2]) {
   float m[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -421,16 +423,18 @@ __device__ __forceinline__ bool unified_rows_in_band(float* scratch, const RowSt
   bool out_of_band = false;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
+    seen[r] = false;
     if (q_row[r] == nullptr || (r == 1 && !upper_rows)) continue;
     float row_max = SPLITKV_NEG_INF;
 #pragma unroll
     for (int wn = 0; wn < WARPS_N; ++wn)
       row_max = fmaxf(row_max, scratch[(warp_m * WARPS_N + wn) * 16 + g + 8 * r]);
+    seen[r] = row_max != SPLITKV_NEG_INF;
     const float x = row_max - phi;
-    out_of_band |= row_max != SPLITKV_NEG_INF && !(x >= -UNIFIED_LO && x <= UNIFIED_HI);
+    out_of_band |= seen[r] && !(x >= -UNIFIED_LO && x <= UNIFIED_HI);
     bool finite = isfinite(state[r].d);
 #pragma unroll
-    for (int i = 0; i < 2 * DTILES; ++i) finite &= isfinite(state[r].o[i]);
+    for (int i = 0; i < 2 * DTILES; ++i) finite &= isfinite(state[r].o[i] * o_scale);
     out_of_band |= !finite;
   }
   return !__syncthreads_or(out_of_band);
@@ -952,8 +956,14 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   __syncthreads();  // the pipeline buffers are reused below
 #if UNIFIED_MAX
   if (!unified) break;
-  if (!unified_rows_in_band(reinterpret_cast<float*>(smem), state, seen_max, q_row, phi, warp,
-                            warp_m, g, t, upper_rows)) {
+#if KV_FP8
+  const float o_scale = v_scale;
+#else
+  const float o_scale = 1.f;
+#endif
+  bool row_seen[2];
+  if (!unified_rows_in_band(reinterpret_cast<float*>(smem), state, seen_max, q_row, phi, o_scale,
+                            warp, warp_m, g, t, upper_rows, row_seen)) {
     // the running max, from the first tile again (the record's page ids are still in place)
     if (tid == 0 && params.unified_fallbacks) atomicAdd(params.unified_fallbacks, 1u);
     unified = false;
@@ -963,7 +973,9 @@ decode_partial(const __grid_constant__ DecodeParams params) {
     next_off = first_off;
     continue;
   }
-  state[0].m = state[1].m = phi;   // each lane's state: offset phi, not yet summed over lanes
+  // each lane's state: offset phi (not yet summed over lanes); a row that saw no token stays empty
+  state[0].m = row_seen[0] ? phi : SPLITKV_NEG_INF;
+  state[1].m = row_seen[1] ? phi : SPLITKV_NEG_INF;
   break;
   }   // the passes
 #endif

@@ -9,7 +9,7 @@ from ..core.bfloat16 import float32_to_bits
 from ..testing import scattered_page_table
 
 __all__ = ["float_to_bits", "random_device_array", "random_device_array_fast",
-           "scattered_page_table"]
+           "random_kv_caches", "scattered_page_table"]
 
 
 def float_to_bits(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -26,6 +26,17 @@ def random_device_array(shape, dtype: str, rng: np.random.Generator, scale: floa
 
     host = float_to_bits(rng.standard_normal(shape, dtype=np.float32) * scale, dtype)
     return cupy.asarray(host)
+
+
+def random_kv_caches(shape, dtype: str, rng: np.random.Generator, kv_dtype=None):
+    """Host K and V caches of ``shape`` for the GPU tests: random normal values in 16-bit
+    storage, or with ``kv_dtype`` fp8 codes of N(0, 2) values clipped to +-12."""
+    if kv_dtype:
+        from ..core import fp8
+
+        return tuple(fp8.quantize(np.clip(rng.standard_normal(shape) * 2, -12, 12), kv_dtype)
+                     for _ in range(2))
+    return tuple(random_device_array(shape, dtype, rng).get() for _ in range(2))
 
 
 def random_device_array_fast(shape, dtype: str, seed: int):

@@ -48,8 +48,7 @@ from . import require_gpu
 from .arrays import (as_cupy_stream, as_device_array, cupy_storage_dtype, nhd_view,
                      split_kv_arrays)
 from .experiments import DecodeExperiments
-from .features import (check_option, one_per_sm_shared_bytes, plan_warps, sm90_option,
-                       spreads_one_per_sm)
+from .features import check_option, plan_warps, sm90_option, spreads_one_per_sm
 from .kernel_abi import DecodeParams
 from .kernel_source import DecodeVariant, row_tiles_for
 from .launch import DecodeLaunch, KernelLaunch, current_context
@@ -415,12 +414,16 @@ class BatchDecodeWrapper:
         extra = None if rows_array is None else {"query_rows": rows_array}
         meta = self._upload.upload(records, page_table, chosen, s, extra)
         self._workspace.ensure(chosen, per_kv_head, s)
+        if phi is not None:
+            self._zero_unified_fallbacks(s)
         self._upload.ready.record(s)          # run() on another stream waits for the uploads
         self._launch = self._bind(kernels, meta, chosen.num_chunks, chosen.problem.batch_size,
                                   chosen.cluster_size, chosen.merge == "merge_kernel", in_record,
                                   sm_scale_log2, heads=heads, per_kv_head=per_kv_head)
         if phi is not None:
-            self._bind_unified_max(phi, s)
+            params = self._launch.params
+            params.unified_max_log2 = float(np.float32(phi * LOG2E))
+            params.unified_fallbacks = self._unified_fallbacks.data.ptr
         self._query_rows = query_rows
         self._device_id = cupy.cuda.runtime.getDevice()
         self._pages_in_record = in_record
@@ -429,18 +432,16 @@ class BatchDecodeWrapper:
         self._logits_soft_cap_log2 = soft_cap_log2
         return chosen
 
-    def _bind_unified_max(self, phi: float, s) -> None:
-        """The unified max's phi (base 2, as the kernels take it) and its fallback counter,
-        zeroed on ``s`` for this plan's runs."""
+    def _zero_unified_fallbacks(self, s) -> None:
+        """The unified max's fallback counter, zeroed on ``s`` before the plan's upload event
+        is recorded: a run on another stream waits for that event, so its counts follow the
+        zeroing."""
         import cupy
 
         if self._unified_fallbacks is None:
             self._unified_fallbacks = cupy.zeros(1, np.uint32)
         with s:
             self._unified_fallbacks.fill(0)
-        params = self._launch.params
-        params.unified_max_log2 = float(np.float32(phi * LOG2E))
-        params.unified_fallbacks = self._unified_fallbacks.data.ptr
 
     def unified_max_fallbacks(self) -> int:
         """How many CTAs fell back from the unified max to the running max in the runs since
@@ -642,7 +643,7 @@ class BatchDecodeWrapper:
 
         from .device_planner import DevicePlanner, plan_params
 
-        max_batch, max_pages, max_chunks = self._capacity[0], self._capacity[1], self.max_chunks
+        max_batch, max_chunks = self._capacity[0], self.max_chunks
         stages = kernels.variant.stages
         model = self.profile.cost_model(self.kv_dtype, graph_stable=True).with_clusters(False)
         heads = self.num_qo_heads * self._max_q_len   # virtual heads with max_q_len > 1

@@ -7,6 +7,7 @@
 #   bash benchmarks/device_run.sh bench_variants       # issue 16: soft cap, sinks, windows beside plain
 #   bash benchmarks/device_run.sh sanitize             # issue 17: racecheck and synccheck
 #   bash benchmarks/device_run.sh unified              # issue 18: the unified max's tests and A/B
+#   bash benchmarks/device_run.sh ab_q_smem            # issue 18: head_dim 256, q in shared memory
 #   bash benchmarks/device_run.sh tests_only; then memcheck sanitize  # two calls, each < 10 min
 #   bash benchmarks/device_run.sh calibrate_fp8 bench_fp8   # fit fp8's cost model, then bench it
 #   bash benchmarks/device_run.sh device_plan plan_cost  # plan_on_device tests; planning's cost per step
@@ -118,6 +119,12 @@ for phase in "$@"; do
         | tee "$RES/ab_unified.log"
       python3 benchmarks/ab_unified_max.py --kv-dtype fp8_e4m3 --json "$RES/h200-unified-max-fp8.json" 2>&1 \
         | grep -v Warning | tee "$RES/ab_unified_fp8.log" ;;
+    ab_q_smem)
+      # issue 18, head_dim 256: q's fragments in shared memory against registers (the spill)
+      python3 -m pytest -q -p no:cacheprovider tests/test_gpu_q_smem.py 2>&1 | tail -3
+      python3 benchmarks/ab_q_smem.py 2>&1 | grep -v Warning | tee "$RES/ab_q_smem.log"
+      python3 benchmarks/ab_q_smem.py --kv-dtype fp8_e4m3 2>&1 | grep -v Warning \
+        | tee "$RES/ab_q_smem_fp8.log" ;;
     tests_only)
       python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/ 2>&1 | tee "$RES/gpu_tests.log" | tail -12 ;;
     dissect)

@@ -254,3 +254,19 @@ def test_unified_max_builds_are_their_own(variant):
     assert variant.name.endswith("_umax") and variant.defines["UNIFIED_MAX"] == 1
     plain = replace(variant, unified_max=0)
     assert plain.defines["UNIFIED_MAX"] == 0 and "_umax" not in plain.name
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("kv_dtype", ["", "float8_e4m3fn"])
+def test_q_in_shared_memory_ends_the_head_dim_256_spill(kv_dtype):
+    """At head_dim 256 with 16 rows the register build spills (q's fragments are 64 registers
+    beside O's 128); the Q_SMEM experiment keeps them in shared memory and does not. The plain
+    build is unchanged by the option's existence (its name and defines say so)."""
+    regs = DecodeVariant("bfloat16", 256, 1, kv_dtype=kv_dtype)
+    smem = replace(regs, q_in_smem=1)
+    spills = {v.name: resource_report(compile_cubin(v.source(), "sm_90", v.name,
+                                                    verbose=True)[1])["decode_partial"][1]
+              for v in (regs, smem)}
+    assert spills[smem.name] == 0, spills     # (the register build's: 204 bytes, 92 for fp8)
+    assert smem.name.endswith("_qsmem") and regs.defines["Q_SMEM"] == 0
+    assert smem.shared_bytes == regs.shared_bytes + 4 * 256 * 32

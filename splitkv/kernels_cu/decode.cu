@@ -41,7 +41,8 @@
 //
 // Compile-time parameters: SPLITKV_BF16, HEAD_DIM, ROW_TILES (1, 2, 4), STAGES, NUM_WARPS,
 // MAX_REGISTERS, CLUSTER, RECORD_PAGES, KV_FP8, SOFT_CAP (1: the logits soft cap, its value in
-// DecodeParams), MULTI_TOKEN, UNIFIED_MAX (1: the FlashDecoding++ unified max, below).
+// DecodeParams), MULTI_TOKEN, UNIFIED_MAX (1: the FlashDecoding++ unified max, below), Q_SMEM
+// (1, an experiment: q's MMA fragments in shared memory, read back each tile, not registers).
 #ifndef KV_FP8
 #define KV_FP8 0
 #endif
@@ -53,6 +54,9 @@
 #endif
 #ifndef UNIFIED_MAX
 #define UNIFIED_MAX 0
+#endif
+#ifndef Q_SMEM
+#define Q_SMEM 0
 #endif
 #if KV_FP8
 #define SPLITKV_MMA_BF16 0     // fp8 K/V: float16 MMAs (common.cuh)
@@ -714,6 +718,27 @@ decode_partial(const __grid_constant__ DecodeParams params) {
 #else
   const float row_score_scale[2] = {score_scale, score_scale};
 #endif
+#if Q_SMEM
+  // Q's fragments to shared memory after the pipeline and the record's page ids, a 16-byte
+  // word a lane a k-step, each warp its own (every lane reads back only what it wrote: no
+  // barrier). At head_dim 256 the fragments are 64 registers, and the kernel spills without
+  // this (benchmarks/NOTES.md, session 11).
+  const u32 q_smem = smem_u32(smem) + PIPELINE_BYTES + RECORD_PAGES * 4 +
+                     (u32)((warp * KSTEPS * 32 + lane) * 16);
+#pragma unroll
+  for (int ks = 0; ks < KSTEPS; ++ks)
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(q_smem + ks * 512),
+                 "r"(qf[ks][0]), "r"(qf[ks][1]), "r"(qf[ks][2]), "r"(qf[ks][3]) : "memory");
+#endif
+  // k-step ks's A fragment of Q: from the registers, or read back from shared memory (Q_SMEM)
+  auto q_fragment = [&](int ks, u32 (&a)[4]) {
+#if Q_SMEM
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(q_smem + ks * 512));
+#else
+    a[0] = qf[ks][0]; a[1] = qf[ks][1]; a[2] = qf[ks][2]; a[3] = qf[ks][3];
+#endif
+  };
 
   // The first tiles' page ids: from the record (in shared memory) if it has them.
   const PageIds first_table = {record_pages_used ? record_pages : pages};
@@ -773,11 +798,13 @@ decode_partial(const __grid_constant__ DecodeParams params) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int ks = 4 * h + j;
+          u32 qa[4];
+          q_fragment(ks, qa);
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
             u32 b0, b1;
             fp8x4_to_half2x2(kw[nt][j], b0, b1);
-            mma_16816(acc[ks & 1][nt], qf[ks], b0, b1);
+            mma_16816(acc[ks & 1][nt], qa, b0, b1);
           }
         }
       }
@@ -788,8 +815,10 @@ decode_partial(const __grid_constant__ DecodeParams params) {
         const int c = ks * 2 + ((lane >> 3) & 1);
         u32 b0, b1, b2, b3;
         ldmatrix_x4(b0, b1, b2, b3, ks_base + tile_offset_bytes(r, c));
-        mma_16816(acc[ks & 1][0], qf[ks], b0, b1);
-        mma_16816(acc[ks & 1][1], qf[ks], b2, b3);
+        u32 qa[4];
+        q_fragment(ks, qa);
+        mma_16816(acc[ks & 1][0], qa, b0, b1);
+        mma_16816(acc[ks & 1][1], qa, b2, b3);
       }
 #endif
 #pragma unroll

@@ -29,6 +29,9 @@ class DecodeExperiments:
         with programmatic dependent launch (the wrapper's ``pdl``).
     pdl_spread: force whether a PDL launch pads its shared memory so that one CTA lands per SM
         (True / False); None: ``features.spreads_one_per_sm`` decides.
+    q_in_smem: keep q's MMA fragments in shared memory, read back every tile, instead of in
+        registers (the Q_SMEM build): at head_dim 256 they are 64 registers and the kernel
+        spills without it (``benchmarks/ab_q_smem.py``); None / False: registers.
     """
 
     stages: int | None = None
@@ -36,6 +39,7 @@ class DecodeExperiments:
     warps: int | None = None
     pdl_trigger: str = "late"
     pdl_spread: bool | None = None
+    q_in_smem: bool | None = None
 
     def __post_init__(self):
         if self.stages is not None:
@@ -50,3 +54,4 @@ class DecodeExperiments:
             raise ValueError(f"pdl_trigger: expected one of {PDL_TRIGGERS}, "
                              f"got {self.pdl_trigger!r}")
         check_option("pdl_spread", self.pdl_spread)
+        check_option("q_in_smem", self.q_in_smem)

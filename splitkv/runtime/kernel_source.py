@@ -57,6 +57,7 @@ class DecodeVariant:
     soft_cap: int = 0   # 1: the build that applies the logits soft cap (SOFT_CAP)
     multi_token: int = 0   # 1: multi-token decode, rows of (query row, head) (MULTI_TOKEN)
     unified_max: int = 0   # 1: scores offset by a fixed phi, with the fallback (UNIFIED_MAX)
+    q_in_smem: int = 0     # 1 (an experiment): q's MMA fragments in shared memory (Q_SMEM)
 
     def __post_init__(self):
         if self.kv_dtype not in ("", *KV_FP8_CODES):
@@ -93,9 +94,10 @@ class DecodeVariant:
 
     @property
     def shared_bytes(self) -> int:
-        # K and V tiles of every stage, then the record's page ids (decode.cu)
+        # K and V tiles of every stage, then the record's page ids (decode.cu), then with
+        # q_in_smem each warp's q fragments (16 bytes a lane a 16-dim k-step)
         pipeline = (self.stages * self.tile_tokens * self.head_dim * self.kv_bytes * 2
-                    + RECORD_PAGES * 4)
+                    + RECORD_PAGES * 4 + self.q_in_smem * self.num_warps * self.head_dim * 32)
         combine = self.num_warps * 16 * (self.head_dim + 2) * 4   # reused after the pipeline
         if self.cluster:
             combine += self.rows * (self.head_dim + 1) * 4          # the CTA's partial state
@@ -108,7 +110,7 @@ class DecodeVariant:
                 "MAX_REGISTERS": self.max_registers, "CLUSTER": self.cluster,
                 "RECORD_PAGES": RECORD_PAGES, "KV_FP8": KV_FP8_CODES.get(self.kv_dtype, 0),
                 "SOFT_CAP": self.soft_cap, "MULTI_TOKEN": self.multi_token,
-                "UNIFIED_MAX": self.unified_max}
+                "UNIFIED_MAX": self.unified_max, "Q_SMEM": self.q_in_smem}
 
     @property
     def name(self) -> str:
@@ -119,6 +121,7 @@ class DecodeVariant:
         kv += "_softcap" if self.soft_cap else ""
         kv += "_mt" if self.multi_token else ""
         kv += "_umax" if self.unified_max else ""
+        kv += "_qsmem" if self.q_in_smem else ""
         return (f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}_s{self.stages}{regs}{cluster}"
                 f"{kv}")
 
@@ -131,9 +134,10 @@ class DecodeVariant:
     @staticmethod
     def for_problem(dtype: str, head_dim: int, group_size: int, stages: int = 0,
                     max_registers: int = 0, cluster: int = 0,
-                    kv_dtype: str = "", num_warps: int = WARPS_PER_CTA) -> "DecodeVariant":
+                    kv_dtype: str = "", num_warps: int = WARPS_PER_CTA,
+                    q_in_smem: int = 0) -> "DecodeVariant":
         return DecodeVariant(dtype, head_dim, row_tiles_for(group_size), stages, max_registers,
-                             cluster, kv_dtype or "", num_warps)
+                             cluster, kv_dtype or "", num_warps, q_in_smem=q_in_smem)
 
 
 def row_tiles_for(group_size: int) -> int:

@@ -138,7 +138,8 @@ class BatchDecodeWrapper:
                                                  experiments.stages or 0,
                                                  experiments.max_registers or 0,
                                                  kv_dtype=self.kv_dtype or "",
-                                                 num_warps=experiments.warps or WARPS_PER_CTA)
+                                                 num_warps=experiments.warps or WARPS_PER_CTA,
+                                                 q_in_smem=int(bool(experiments.q_in_smem)))
         self._profile = profile
         self._resolved_profile = None         # the Profile, once read
         self._plan: Plan | None = None

@@ -1,0 +1,59 @@
+"""The Q_SMEM experiment (``DecodeExperiments(q_in_smem=True)``: q's MMA fragments in shared
+memory, read back every tile) gives the register build's bits, plan for plan: head_dim 64 to
+256, bf16 / fp16 q, fp8 K/V, every strategy and the cluster merge, multi-token rows and the
+unified max; and both match the reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from splitkv import reference_decode
+from splitkv.core.reference import to_float64
+from splitkv.runtime.experiments import DecodeExperiments
+from splitkv.runtime.testing import (assert_matches_reference, random_device_array,
+                                     random_kv_caches, scattered_page_table)
+from splitkv.runtime.wrapper import BatchDecodeWrapper
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+pytestmark = pytest.mark.gpu
+
+LENS = [2000, 9, 0, 700]
+PLANS = [("single", 1), ("split_merge", 3), ("fused", 4), ("fused", 2)]
+
+
+def run(w, pt, q, k, v, **plan_kw):
+    w.plan(pt, **plan_kw)
+    out = cupy.full(q.shape, 0xFFFF if q.dtype == cupy.uint16 else np.nan, q.dtype)   # NaN
+    lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
+    w.run(q, cupy.asarray(k), cupy.asarray(v), out=out, lse=lse)
+    return out.get(), lse.get()
+
+
+@pytest.mark.parametrize("dtype,d,hq,hk,kv_dtype", [
+    ("bfloat16", 256, 16, 8, None), ("float16", 256, 32, 4, None),
+    ("bfloat16", 256, 16, 8, "float8_e4m3fn"), ("bfloat16", 128, 32, 8, None),
+    ("bfloat16", 64, 64, 2, "float8_e5m2")])
+def test_q_in_shared_memory_gives_the_register_builds_bits(dtype, d, hq, hk, kv_dtype):
+    rng = np.random.default_rng(d + hq)
+    pt, pages = scattered_page_table(LENS, 16, rng)
+    q = random_device_array((len(LENS), hq, d), dtype, rng)
+    k, v = random_kv_caches((pages, 16, hk, d), dtype, rng, kv_dtype)
+    plain = BatchDecodeWrapper(hq, hk, d, 16, dtype, kv_dtype=kv_dtype)
+    smem = BatchDecodeWrapper(hq, hk, d, 16, dtype, kv_dtype=kv_dtype,
+                              experiments=DecodeExperiments(q_in_smem=True))
+    ref_o, ref_lse = reference_decode(q.get(), k, v, pt, kv_dtype=kv_dtype)
+    for strategy, n in PLANS:
+        o1, l1 = run(plain, pt, q, k, v, strategy=strategy, num_splits=n)
+        o2, l2 = run(smem, pt, q, k, v, strategy=strategy, num_splits=n)
+        assert smem.kernel_variant.q_in_smem == 1 and plain.kernel_variant.q_in_smem == 0
+        assert np.array_equal(o1.view(np.uint16), o2.view(np.uint16)), (strategy, n)
+        assert np.array_equal(l1.view(np.uint32), l2.view(np.uint32)), (strategy, n)
+        assert_matches_reference(to_float64(o2), l2, ref_o, ref_lse, 1e-2, f"{strategy}/{n}")
+    # multi-token rows and the unified max take the same fragments
+    qo_indptr = np.array([0, 3, 4, 5, 7])
+    qm = random_device_array((7, hq, d), dtype, rng)
+    for extra in ({"qo_indptr": qo_indptr}, {"unified_max": 2.0}):
+        o1, l1 = run(plain, pt, qm if "qo_indptr" in extra else q, k, v, **extra)
+        o2, l2 = run(smem, pt, qm if "qo_indptr" in extra else q, k, v, **extra)
+        assert np.array_equal(o1.view(np.uint16), o2.view(np.uint16)), extra

@@ -8,6 +8,7 @@
 #   bash benchmarks/device_run.sh sanitize             # issue 17: racecheck and synccheck
 #   bash benchmarks/device_run.sh unified              # issue 18: the unified max's tests and A/B
 #   bash benchmarks/device_run.sh ab_q_smem            # issue 18: head_dim 256, q in shared memory
+#   bash benchmarks/device_run.sh ab_pow2_pages        # issue 18: small pages, shift not divide
 #   bash benchmarks/device_run.sh tests_only; then memcheck sanitize  # two calls, each < 10 min
 #   bash benchmarks/device_run.sh calibrate_fp8 bench_fp8   # fit fp8's cost model, then bench it
 #   bash benchmarks/device_run.sh device_plan plan_cost  # plan_on_device tests; planning's cost per step
@@ -125,6 +126,10 @@ for phase in "$@"; do
       python3 benchmarks/ab_q_smem.py 2>&1 | grep -v Warning | tee "$RES/ab_q_smem.log"
       python3 benchmarks/ab_q_smem.py --kv-dtype fp8_e4m3 2>&1 | grep -v Warning \
         | tee "$RES/ab_q_smem_fp8.log" ;;
+    ab_pow2_pages)
+      # issue 18, small pages: the page walk by shift against division
+      python3 -m pytest -q -p no:cacheprovider tests/test_gpu_pow2_pages.py 2>&1 | tail -3
+      python3 benchmarks/ab_pow2_pages.py 2>&1 | grep -v Warning | tee "$RES/ab_pow2_pages.log" ;;
     tests_only)
       python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/ 2>&1 | tee "$RES/gpu_tests.log" | tail -12 ;;
     dissect)

@@ -270,3 +270,18 @@ def test_q_in_shared_memory_ends_the_head_dim_256_spill(kv_dtype):
     assert spills[smem.name] == 0, spills     # (the register build's: 204 bytes, 92 for fp8)
     assert smem.name.endswith("_qsmem") and regs.defines["Q_SMEM"] == 0
     assert smem.shared_bytes == regs.shared_bytes + 4 * 256 * 32
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("variant", [DecodeVariant("bfloat16", 128, 1, pow2_pages=1),
+                                     DecodeVariant("float16", 64, 2, pow2_pages=1, cluster=4),
+                                     DecodeVariant("bfloat16", 128, 1, pow2_pages=1,
+                                                   kv_dtype="float8_e4m3fn", multi_token=1)],
+                         ids=lambda v: v.name)
+def test_pow2_page_builds_compile_without_spills(variant):
+    """The POW2_PAGES experiment (the page walk shifts for 2**k pages) builds without spills
+    where the dividing build does; its defines and name say which it is."""
+    cubin, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
+    assert resource_report(log)["decode_partial"][1] == 0, log
+    assert variant.name.endswith("_pow2") and variant.defines["POW2_PAGES"] == 1
+    assert replace(variant, pow2_pages=0).defines["POW2_PAGES"] == 0

@@ -348,3 +348,16 @@ def test_host_integer_arrays_refuse_strings_and_bools_among_integers():
     with pytest.raises(TypeError, match="kv_indptr: expected a 1-d integer array, got str"):
         V.host_int_array("kv_indptr", "abc", 1)
     assert V.host_int_array("kv_indptr", (0, 3, 5), 1).tolist() == [0, 3, 5]
+
+
+def test_the_pow2_pages_experiment_refuses_other_page_sizes():
+    from splitkv.runtime.experiments import DecodeExperiments
+    from splitkv.runtime.wrapper import BatchDecodeWrapper
+
+    with pytest.raises(ValueError, match="^experiments: pow2_pages needs a page_size"):
+        BatchDecodeWrapper(32, 8, 128, 12, "bfloat16",
+                           experiments=DecodeExperiments(pow2_pages=True))
+    with pytest.raises(TypeError, match="^pow2_pages: expected None, True or False"):
+        DecodeExperiments(pow2_pages=1)
+    assert BatchDecodeWrapper(32, 8, 128, 1, "bfloat16", experiments=DecodeExperiments(
+        pow2_pages=True)).variant.pow2_pages == 1

@@ -42,7 +42,9 @@
 // Compile-time parameters: SPLITKV_BF16, HEAD_DIM, ROW_TILES (1, 2, 4), STAGES, NUM_WARPS,
 // MAX_REGISTERS, CLUSTER, RECORD_PAGES, KV_FP8, SOFT_CAP (1: the logits soft cap, its value in
 // DecodeParams), MULTI_TOKEN, UNIFIED_MAX (1: the FlashDecoding++ unified max, below), Q_SMEM
-// (1, an experiment: q's MMA fragments in shared memory, read back each tile, not registers).
+// (1, an experiment: q's MMA fragments in shared memory, read back each tile, not registers),
+// POW2_PAGES (1, an experiment: page sizes are powers of two, so the page walk of pages smaller
+// than a thread's row step shifts and masks instead of dividing).
 #ifndef KV_FP8
 #define KV_FP8 0
 #endif
@@ -57,6 +59,9 @@
 #endif
 #ifndef Q_SMEM
 #define Q_SMEM 0
+#endif
+#ifndef POW2_PAGES
+#define POW2_PAGES 0
 #endif
 #if KV_FP8
 #define SPLITKV_MMA_BF16 0     // fp8 K/V: float16 MMAs (common.cuh)
@@ -453,6 +458,9 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   // shared-memory wavefronts it needs: the kernel was L2-bound at ~83% of the read bandwidth.)
   extern __shared__ __align__(128) unsigned char smem[];
   const int page_size = params.page_size;
+#if POW2_PAGES
+  const int page_shift = 31 - __clz(page_size);   // the wrapper builds this only for 2**k pages
+#endif
 
   // One flat grid, kv heads (and their CTAs) fastest: the CTAs that read the same tokens of
   // different heads run side by side, so together they sweep whole token rows of a page.
@@ -561,9 +569,15 @@ decode_partial(const __grid_constant__ DecodeParams params) {
             off += ROW_STEP;
             if (off >= page_size) { off -= page_size; ++pidx; }
           } else {
+#if POW2_PAGES
+            const int page = tok >> page_shift;
+            pidx = page - base_page;
+            off = tok & (page_size - 1);
+#else
             const int page = tok / page_size;
             pidx = page - base_page;
             off = tok - page * page_size;
+#endif
           }
         }
         pg[i] = (full || (tile < num_tiles && tok < tok_end)) ? table[pidx] : -1;

@@ -32,6 +32,10 @@ class DecodeExperiments:
     q_in_smem: keep q's MMA fragments in shared memory, read back every tile, instead of in
         registers (the Q_SMEM build): at head_dim 256 they are 64 registers and the kernel
         spills without it (``benchmarks/ab_q_smem.py``); None / False: registers.
+    pow2_pages: the page walk shifts and masks instead of dividing (the POW2_PAGES build): for
+        pages smaller than a thread's row step (page size 1, and 2 at head_dim 64), where each
+        16-byte copy's page is a division (``benchmarks/ab_pow2_pages.py``); the wrapper's
+        page_size must be a power of two. None / False: divide.
     """
 
     stages: int | None = None
@@ -40,6 +44,7 @@ class DecodeExperiments:
     pdl_trigger: str = "late"
     pdl_spread: bool | None = None
     q_in_smem: bool | None = None
+    pow2_pages: bool | None = None
 
     def __post_init__(self):
         if self.stages is not None:
@@ -55,3 +60,4 @@ class DecodeExperiments:
                              f"got {self.pdl_trigger!r}")
         check_option("pdl_spread", self.pdl_spread)
         check_option("q_in_smem", self.q_in_smem)
+        check_option("pow2_pages", self.pow2_pages)

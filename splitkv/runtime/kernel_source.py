@@ -58,6 +58,7 @@ class DecodeVariant:
     multi_token: int = 0   # 1: multi-token decode, rows of (query row, head) (MULTI_TOKEN)
     unified_max: int = 0   # 1: scores offset by a fixed phi, with the fallback (UNIFIED_MAX)
     q_in_smem: int = 0     # 1 (an experiment): q's MMA fragments in shared memory (Q_SMEM)
+    pow2_pages: int = 0    # 1 (an experiment): the page walk shifts for 2**k pages (POW2_PAGES)
 
     def __post_init__(self):
         if self.kv_dtype not in ("", *KV_FP8_CODES):
@@ -110,7 +111,8 @@ class DecodeVariant:
                 "MAX_REGISTERS": self.max_registers, "CLUSTER": self.cluster,
                 "RECORD_PAGES": RECORD_PAGES, "KV_FP8": KV_FP8_CODES.get(self.kv_dtype, 0),
                 "SOFT_CAP": self.soft_cap, "MULTI_TOKEN": self.multi_token,
-                "UNIFIED_MAX": self.unified_max, "Q_SMEM": self.q_in_smem}
+                "UNIFIED_MAX": self.unified_max, "Q_SMEM": self.q_in_smem,
+                "POW2_PAGES": self.pow2_pages}
 
     @property
     def name(self) -> str:
@@ -122,6 +124,7 @@ class DecodeVariant:
         kv += "_mt" if self.multi_token else ""
         kv += "_umax" if self.unified_max else ""
         kv += "_qsmem" if self.q_in_smem else ""
+        kv += "_pow2" if self.pow2_pages else ""
         return (f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}_s{self.stages}{regs}{cluster}"
                 f"{kv}")
 
@@ -135,9 +138,10 @@ class DecodeVariant:
     def for_problem(dtype: str, head_dim: int, group_size: int, stages: int = 0,
                     max_registers: int = 0, cluster: int = 0,
                     kv_dtype: str = "", num_warps: int = WARPS_PER_CTA,
-                    q_in_smem: int = 0) -> "DecodeVariant":
+                    q_in_smem: int = 0, pow2_pages: int = 0) -> "DecodeVariant":
         return DecodeVariant(dtype, head_dim, row_tiles_for(group_size), stages, max_registers,
-                             cluster, kv_dtype or "", num_warps, q_in_smem=q_in_smem)
+                             cluster, kv_dtype or "", num_warps, q_in_smem=q_in_smem,
+                             pow2_pages=pow2_pages)
 
 
 def row_tiles_for(group_size: int) -> int:

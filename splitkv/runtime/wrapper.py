@@ -139,7 +139,11 @@ class BatchDecodeWrapper:
                                                  experiments.max_registers or 0,
                                                  kv_dtype=self.kv_dtype or "",
                                                  num_warps=experiments.warps or WARPS_PER_CTA,
-                                                 q_in_smem=int(bool(experiments.q_in_smem)))
+                                                 q_in_smem=int(bool(experiments.q_in_smem)),
+                                                 pow2_pages=int(bool(experiments.pow2_pages)))
+        if experiments.pow2_pages and self.page_size & (self.page_size - 1):
+            raise ValueError(f"experiments: pow2_pages needs a page_size that is a power of two, "
+                             f"got page_size={self.page_size}")
         self._profile = profile
         self._resolved_profile = None         # the Profile, once read
         self._plan: Plan | None = None

@@ -2,7 +2,8 @@
 registers, the same plan, in one process, timed like the bench (a graph over layers of >= 1
 GiB of KV). At head_dim 256 the register build spills (204 bytes a thread for 16 rows; 0 with
 the fragments in shared memory, NVRTC on sm_90); at 128 it does not, so those rows say what the
-extra shared-memory reads cost where nothing is gained.
+extra shared-memory reads cost where nothing is gained. (It also takes 4 x head_dim x 32 bytes
+more shared memory: fp8 d64 CTAs fit 3 an SM instead of 4; bf16 d128 still 2.)
 
     PYTHONPATH=$PWD python3 benchmarks/ab_q_smem.py [--kv-dtype fp8_e4m3]
 """

@@ -56,7 +56,8 @@ for case in select(args.cases):
     w.plan(pt, plan=plan, unified_max=phi)
     for layer in range(data.num_layers):
         w.run(data.q, data.k_layers[layer], data.v_layers[layer], out=data.out)
-    ctas = plan.num_work_items * ctas_per_kv_head(plan.problem.group_size)   # chunks x kv heads x
+    # CTAs a run: work items (chunks x kv heads) x CTAs a kv head
+    ctas = plan.num_work_items * ctas_per_kv_head(plan.problem.group_size)
     rate = w.unified_max_fallbacks() / (ctas * data.num_layers)
     us = {name: float(np.median(t)) for name, t in times.items()}
     rows.append(dict(case=case.name, kv_dtype=fmt or dtype, phi=phi, fallback_rate=rate,

@@ -1,7 +1,7 @@
 """The Q_SMEM experiment (``DecodeExperiments(q_in_smem=True)``: q's MMA fragments in shared
 memory, read back every tile) gives the register build's bits, plan for plan: head_dim 64 to
 256, bf16 / fp16 q, fp8 K/V, every strategy and the cluster merge, multi-token rows and the
-unified max; and both match the reference."""
+unified max's second pass; and both match the reference."""
 
 from __future__ import annotations
 
@@ -50,10 +50,39 @@ def test_q_in_shared_memory_gives_the_register_builds_bits(dtype, d, hq, hk, kv_
         assert np.array_equal(o1.view(np.uint16), o2.view(np.uint16)), (strategy, n)
         assert np.array_equal(l1.view(np.uint32), l2.view(np.uint32)), (strategy, n)
         assert_matches_reference(to_float64(o2), l2, ref_o, ref_lse, 1e-2, f"{strategy}/{n}")
-    # multi-token rows and the unified max take the same fragments
+    # multi-token rows, and the unified max with phi far below the scores (every CTA streams
+    # again: its second pass reads the fragments back once more), take the same fragments
     qo_indptr = np.array([0, 3, 4, 5, 7])
     qm = random_device_array((7, hq, d), dtype, rng)
-    for extra in ({"qo_indptr": qo_indptr}, {"unified_max": 2.0}):
+    for extra in ({"qo_indptr": qo_indptr}, {"unified_max": -60.0}):
         o1, l1 = run(plain, pt, qm if "qo_indptr" in extra else q, k, v, **extra)
         o2, l2 = run(smem, pt, qm if "qo_indptr" in extra else q, k, v, **extra)
+        assert smem.kernel_variant.q_in_smem == 1
         assert np.array_equal(o1.view(np.uint16), o2.view(np.uint16)), extra
+        assert np.array_equal(l1.view(np.uint32), l2.view(np.uint32)), extra
+    assert smem.unified_max_fallbacks() > 0
+
+
+def test_q_in_shared_memory_under_the_cluster_merge():
+    """The cluster build's epilogue reuses shared memory over the q region (once q is dead):
+    equal-length requests so that fused plans of 2 and 4 chunks merge in clusters."""
+    from splitkv import DecodeProblem, plan_from_chunk_counts
+    from splitkv.runtime import device_info
+
+    if int(device_info()["cc"]) < 90:
+        pytest.skip("thread-block clusters need compute capability 9.0")
+    rng = np.random.default_rng(3)
+    hq, hk, d = 16, 8, 256
+    pt, pages = scattered_page_table([900, 900], 16, rng)
+    q = random_device_array((2, hq, d), "bfloat16", rng)
+    k, v = random_kv_caches((pages, 16, hk, d), "bfloat16", rng)
+    plain = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16")
+    smem = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16",
+                              experiments=DecodeExperiments(q_in_smem=True))
+    problem = DecodeProblem.from_page_table(pt, hq, hk, d)
+    for n in (2, 4):
+        plan = plan_from_chunk_counts(problem, [n, n], "fused")
+        o1, l1 = run(plain, pt, q, k, v, plan=plan)
+        o2, l2 = run(smem, pt, q, k, v, plan=plan)
+        assert smem.cluster_size == n and smem.kernel_variant.q_in_smem == 1
+        assert np.array_equal(o1.view(np.uint16), o2.view(np.uint16)), n

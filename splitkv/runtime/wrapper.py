@@ -443,10 +443,11 @@ class BatchDecodeWrapper:
         zeroing."""
         import cupy
 
-        if self._unified_fallbacks is None:
-            self._unified_fallbacks = cupy.zeros(1, np.uint32)
         with s:
-            self._unified_fallbacks.fill(0)
+            if self._unified_fallbacks is None:
+                self._unified_fallbacks = cupy.zeros(1, np.uint32)
+            else:
+                self._unified_fallbacks.fill(0)
 
     def unified_max_fallbacks(self) -> int:
         """How many CTAs fell back from the unified max to the running max in the runs since

@@ -9,6 +9,7 @@
 #   bash benchmarks/device_run.sh unified              # issue 18: the unified max's tests and A/B
 #   bash benchmarks/device_run.sh ab_q_smem            # issue 18: head_dim 256, q in shared memory
 #   bash benchmarks/device_run.sh ab_pow2_pages        # issue 18: small pages, shift not divide
+#   bash benchmarks/device_run.sh ab_rows_per_cta      # issue 18: groups 16-32 over more CTAs
 #   bash benchmarks/device_run.sh tests_only; then memcheck sanitize  # two calls, each < 10 min
 #   bash benchmarks/device_run.sh calibrate_fp8 bench_fp8   # fit fp8's cost model, then bench it
 #   bash benchmarks/device_run.sh device_plan plan_cost  # plan_on_device tests; planning's cost per step
@@ -130,6 +131,10 @@ for phase in "$@"; do
       # issue 18, small pages: the page walk by shift against division
       python3 -m pytest -q -p no:cacheprovider tests/test_gpu_pow2_pages.py 2>&1 | tail -3
       python3 benchmarks/ab_pow2_pages.py 2>&1 | grep -v Warning | tee "$RES/ab_pow2_pages.log" ;;
+    ab_rows_per_cta)
+      # issue 18, large GQA groups: more CTAs a kv head against more row tiles a CTA
+      python3 -m pytest -q -p no:cacheprovider tests/test_gpu_rows_per_cta.py 2>&1 | tail -3
+      python3 benchmarks/ab_rows_per_cta.py 2>&1 | grep -v Warning | tee "$RES/ab_rows_per_cta.log" ;;
     tests_only)
       python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/ 2>&1 | tee "$RES/gpu_tests.log" | tail -12 ;;
     dissect)

@@ -361,3 +361,18 @@ def test_the_pow2_pages_experiment_refuses_other_page_sizes():
         DecodeExperiments(pow2_pages=1)
     assert BatchDecodeWrapper(32, 8, 128, 1, "bfloat16", experiments=DecodeExperiments(
         pow2_pages=True)).variant.pow2_pages == 1
+
+
+def test_the_rows_per_cta_experiment_takes_16_32_or_64_on_per_shape_wrappers():
+    from splitkv.core.geometry import ctas_per_kv_head
+    from splitkv.runtime.experiments import DecodeExperiments
+    from splitkv.runtime.wrapper import BatchDecodeWrapper
+
+    for bad in (8, 48, True, "16"):
+        with pytest.raises(ValueError, match="^rows_per_cta: expected 16, 32 or 64"):
+            DecodeExperiments(rows_per_cta=bad)
+    with pytest.raises(ValueError, match="^experiments: rows_per_cta is for per-shape"):
+        BatchDecodeWrapper(64, 2, 128, 16, "bfloat16", use_cuda_graph=True, max_batch_size=2,
+                           max_num_pages=8, experiments=DecodeExperiments(rows_per_cta=16))
+    assert ctas_per_kv_head(32) == 1 and ctas_per_kv_head(32, 16) == 2
+    assert ctas_per_kv_head(33, 32) == 2 and ctas_per_kv_head(128) == 2

@@ -9,6 +9,7 @@ MAX_HEADS_PER_CTA = 64              # query heads one CTA computes (16 x the lar
 RECORD_PAGES = 24                   # page ids carried in each chunk record (ChunkRecord)
 
 
-def ctas_per_kv_head(group_size: int) -> int:
-    """CTAs that share one (chunk, kv head): GQA groups past 64 heads launch more of them."""
-    return -(-group_size // MAX_HEADS_PER_CTA)
+def ctas_per_kv_head(group_size: int, max_rows: int = MAX_HEADS_PER_CTA) -> int:
+    """CTAs that share one (chunk, kv head): GQA groups past 64 heads (or past ``max_rows``,
+    the rows_per_cta experiment's cap) launch more of them."""
+    return -(-group_size // max_rows)

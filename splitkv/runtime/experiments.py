@@ -36,6 +36,10 @@ class DecodeExperiments:
         pages smaller than a thread's row step (page size 1, and 2 at head_dim 64), where each
         16-byte copy's page is a division (``benchmarks/ab_pow2_pages.py``); the wrapper's
         page_size must be a power of two. None / False: divide.
+    rows_per_cta: the most query heads (rows) one CTA computes, 16, 32 or 64 (the default, 64):
+        a GQA group past it runs in more CTAs a kv head, each reading the kv head's K/V (the
+        second from L2), with fewer row tiles each and so more warps splitting the tokens
+        (``benchmarks/ab_rows_per_cta.py``, for groups 16-32). Per-shape wrappers only.
     """
 
     stages: int | None = None
@@ -45,6 +49,7 @@ class DecodeExperiments:
     pdl_spread: bool | None = None
     q_in_smem: bool | None = None
     pow2_pages: bool | None = None
+    rows_per_cta: int | None = None
 
     def __post_init__(self):
         if self.stages is not None:
@@ -61,3 +66,7 @@ class DecodeExperiments:
         check_option("pdl_spread", self.pdl_spread)
         check_option("q_in_smem", self.q_in_smem)
         check_option("pow2_pages", self.pow2_pages)
+        if self.rows_per_cta is not None and (isinstance(self.rows_per_cta, bool)
+                                              or self.rows_per_cta not in (16, 32, 64)):
+            raise ValueError(f"rows_per_cta: expected 16, 32 or 64 (or None: 64), got "
+                             f"{self.rows_per_cta!r}")

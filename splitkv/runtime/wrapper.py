@@ -37,7 +37,7 @@ import numpy as np
 from ..core import fp8
 from ..core import validation as V
 from ..core.execution import check_launch_order, grid_order
-from ..core.geometry import RECORD_PAGES, WARPS_PER_CTA, ctas_per_kv_head
+from ..core.geometry import MAX_HEADS_PER_CTA, RECORD_PAGES, WARPS_PER_CTA, ctas_per_kv_head
 from ..core.plan import Plan
 from ..core.problem import DecodeProblem, PageTable
 from ..core.layouts import check_kv_layout
@@ -141,6 +141,9 @@ class BatchDecodeWrapper:
                                                  num_warps=experiments.warps or WARPS_PER_CTA,
                                                  q_in_smem=int(bool(experiments.q_in_smem)),
                                                  pow2_pages=int(bool(experiments.pow2_pages)))
+        if experiments.rows_per_cta and use_cuda_graph:
+            raise ValueError("experiments: rows_per_cta is for per-shape wrappers (a graph-stable "
+                             "grid is sized for the default rows a CTA)")
         if experiments.pow2_pages and self.page_size & (self.page_size - 1):
             raise ValueError(f"experiments: pow2_pages needs a page_size that is a power of two, "
                              f"got page_size={self.page_size}")
@@ -399,7 +402,8 @@ class BatchDecodeWrapper:
             return self._plan_graph(chosen, page_table, s, sm_scale_log2, max_page, soft_cap_log2,
                                     rows_array)
         group = heads // self.num_kv_heads     # with multi-token decode, q_len x the group
-        per_kv_head = ctas_per_kv_head(group)
+        max_rows = self.experiments.rows_per_cta or MAX_HEADS_PER_CTA
+        per_kv_head = ctas_per_kv_head(group, max_rows)
         ctas = chosen.num_work_items * per_kv_head
         V.check_grid_ctas("page_table", ctas, f"{chosen.num_chunks} chunks x "
                           f"{self.num_kv_heads} kv heads x {per_kv_head} CTAs a kv head")
@@ -409,7 +413,7 @@ class BatchDecodeWrapper:
         kernels = get_decode_kernels(replace(
             self.variant, cluster=chosen.cluster_size, soft_cap=int(soft_cap_log2 > 0),
             num_warps=plan_warps(self.kv_dtype, ctas, self.experiments.warps),
-            stages=self.experiments.stages or 0, row_tiles=row_tiles_for(group),
+            stages=self.experiments.stages or 0, row_tiles=row_tiles_for(min(group, max_rows)),
             multi_token=int(query_rows is not None), unified_max=int(phi is not None)))
         stages = kernels.variant.stages
         tile = kernels.variant.tile_tokens

@@ -1,7 +1,7 @@
 """What the calibration times: decode shapes, and for each a few candidate plans.
 
 Shapes: batch 1..256, lengths 16..128k tokens, equal and ragged (log-normal around the mean,
-as serving batches are), GQA groups 1..8, head dims 64..256; none holds more than 1 GiB of
+as serving batches are), GQA groups 1..32, head dims 64..256; none holds more than 1 GiB of
 K and V. Plans: for each shape, no split plus the decompositions the planner ranks best under
 the prior and a few it ranks worse (the fit must see bad plans to learn what makes them bad),
 each as 'split_merge' and as 'fused'. ``--quick`` keeps a small subset.
@@ -86,6 +86,13 @@ def sweep_shapes(quick: bool = False, seed: int = 0) -> list[SweepShape]:
             shapes.append(_shape(f"h{hq}/{hk}_d{d}_b{b}_n{n}", [n] * b, hq, hk, d))
         shapes.append(_shape(f"h{hq}/{hk}_d{d}_ragged_b16", ragged_lengths(16, 4096, rng),
                              hq, hk, d))
+    if not quick:
+        # issue 18's classes the cost model describes (rows a CTA, head_dim): GQA groups 16 and
+        # 32, and head_dim 256 with group 2 (Gemma-like); a few shapes each, appended so that
+        # the shapes above keep their ragged lengths
+        for hq, hk, d in [(128, 8, 128), (64, 2, 128), (16, 8, 256)]:
+            for b, n in [(1, 8192), (8, 8192), (32, 2048)]:
+                shapes.append(_shape(f"h{hq}/{hk}_d{d}_b{b}_n{n}", [n] * b, hq, hk, d))
     return [s for s in shapes if s.problem.kv_bytes <= MAX_KV_BYTES]
 
 

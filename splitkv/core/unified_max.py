@@ -126,7 +126,10 @@ def fallback_items(plan, q, k_cache, v_cache, page_table, phi: float, dtype: str
     """Which (chunk, kv head) items of ``plan`` fall back to the running max under ``phi``:
     bool [num_chunks, num_kv_heads]. A row out of band, a non-finite score, or a non-finite
     value in V among the item's tokens (which makes o non-finite). One CTA per item where the
-    group fits one (up to 64 query heads), so it is the kernels' count of fallbacks per run."""
+    group fits one (up to 64 query heads), so it is the kernels' count of fallbacks per run.
+    Not modelled: O overflowing float32 in the unified pass from finite but huge V (|v| near
+    2**82 and more in bf16, or an fp8 v_scale past ~1e27), where the kernels fall back and this
+    says they do not (the results are exact either way); and multi-token rows."""
     from .reference import kv_format, kv_to_float64
 
     p = plan.problem

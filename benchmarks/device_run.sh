@@ -10,6 +10,7 @@
 #   bash benchmarks/device_run.sh ab_q_smem            # issue 18: head_dim 256, q in shared memory
 #   bash benchmarks/device_run.sh ab_pow2_pages        # issue 18: small pages, shift not divide
 #   bash benchmarks/device_run.sh ab_rows_per_cta      # issue 18: groups 16-32 over more CTAs
+#   bash benchmarks/device_run.sh ab_class_knobs       # issue 18: every knob on every class case
 #   bash benchmarks/device_run.sh tests_only; then memcheck sanitize  # two calls, each < 10 min
 #   bash benchmarks/device_run.sh calibrate_fp8 bench_fp8   # fit fp8's cost model, then bench it
 #   bash benchmarks/device_run.sh device_plan plan_cost  # plan_on_device tests; planning's cost per step
@@ -135,6 +136,12 @@ for phase in "$@"; do
       # issue 18, large GQA groups: more CTAs a kv head against more row tiles a CTA
       python3 -m pytest -q -p no:cacheprovider tests/test_gpu_rows_per_cta.py 2>&1 | tail -3
       python3 benchmarks/ab_rows_per_cta.py 2>&1 | grep -v Warning | tee "$RES/ab_rows_per_cta.log" ;;
+    ab_class_knobs)
+      # issue 18: every experiment knob on every class case (bf16, then fp8), one table each
+      python3 benchmarks/ab_class_knobs.py --json "$RES/h200-class-knobs.json" 2>&1 | grep -v Warning \
+        | tee "$RES/ab_class_knobs.log"
+      python3 benchmarks/ab_class_knobs.py --kv-dtype fp8_e4m3 --json "$RES/h200-class-knobs-fp8.json" 2>&1 \
+        | grep -v Warning | tee "$RES/ab_class_knobs_fp8.log" ;;
     tests_only)
       python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/ 2>&1 | tee "$RES/gpu_tests.log" | tail -12 ;;
     dissect)

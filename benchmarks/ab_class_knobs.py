@@ -1,0 +1,88 @@
+"""A/B over the experiment knobs, for issue 18's classes: each class case's planned plan, timed
+with the default build and with each knob that applies to its shape (``DecodeExperiments``),
+the same plan, in one process, timed like the bench (a graph over layers of >= 1 GiB of KV).
+One call tells which knob moves which class, so that the next change is aimed.
+
+Knobs: stages -1 / +1 / +2 of the default; 8 warps; q_in_smem (head_dim 256); pow2_pages (pages
+smaller than a thread's row step); rows_per_cta 16 and 32 (groups past them). A knob that does
+not build or launch for a shape (shared memory past the SM's) prints as "n/a".
+
+    PYTHONPATH=$PWD python3 benchmarks/ab_class_knobs.py [--cases classes] [--kv-dtype fp8_e4m3]
+        [--json out.json]
+"""
+import argparse
+import json
+
+import cupy
+import numpy as np
+
+from splitkv.bench.cases import select
+from splitkv.core import fp8
+from splitkv.runtime.experiments import DecodeExperiments
+from splitkv.runtime.kernel_source import DEFAULT_FP8_STAGES, DEFAULT_STAGES
+from splitkv.runtime.testing import scattered_page_table
+from splitkv.runtime.timing import make_layers, time_wrapper_us
+from splitkv.runtime.wrapper import BatchDecodeWrapper
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--cases", default="classes")
+parser.add_argument("--kv-dtype", default=None)
+parser.add_argument("--rounds", type=int, default=2)
+parser.add_argument("--json", default=None)
+args = parser.parse_args()
+fmt = fp8.fp8_format("--kv-dtype", args.kv_dtype)
+
+
+def knobs(case) -> dict:
+    """The knobs that apply to this case's shape, by name."""
+    default = (DEFAULT_FP8_STAGES if fmt else DEFAULT_STAGES)[case.head_dim]
+    out = {f"stages {s}": DecodeExperiments(stages=s)
+           for s in (default - 1, default + 1, default + 2) if s >= 2}
+    out["8 warps"] = DecodeExperiments(warps=8)
+    if case.head_dim == 256:
+        out["q in smem"] = DecodeExperiments(q_in_smem=True)
+    row_step = 32 // (case.head_dim * (1 if fmt else 2) // 16) if case.head_dim else 0
+    if case.page_size < max(row_step, 2) and not case.page_size & (case.page_size - 1):
+        out["pow2 pages"] = DecodeExperiments(pow2_pages=True)
+    group = case.num_qo_heads // case.num_kv_heads
+    for rows in (16, 32):
+        if group > rows:
+            out[f"rows {rows}"] = DecodeExperiments(rows_per_cta=rows)
+    return out
+
+
+rows = []
+for case in select(args.cases):
+    pt, _ = scattered_page_table(case.kv_lens, case.page_size, np.random.default_rng(0),
+                                 extra_pages=0)
+    heads = (case.num_qo_heads, case.num_kv_heads, case.head_dim)
+    data = make_layers(pt, *heads, "bfloat16", min_total_bytes=1 << 30, seed=0, kv_dtype=fmt)
+    base = BatchDecodeWrapper(*heads, case.page_size, "bfloat16", kv_dtype=fmt)
+    plan = base.plan(pt)
+    wrappers = {"default": base}
+    for name, experiments in knobs(case).items():
+        try:
+            w = BatchDecodeWrapper(*heads, case.page_size, "bfloat16", kv_dtype=fmt,
+                                   experiments=experiments)
+            w.plan(pt, plan=plan)
+            wrappers[name] = w
+        except Exception as exc:          # a knob that does not build here: say so, go on
+            print(f"  {case.name}: {name}: n/a ({type(exc).__name__}: {str(exc)[:80]})")
+    times = {name: [] for name in wrappers}
+    for _ in range(args.rounds):
+        for name, w in list(wrappers.items()):
+            try:
+                times[name].append(time_wrapper_us(w, data))
+            except Exception as exc:
+                print(f"  {case.name}: {name}: n/a ({type(exc).__name__}: {str(exc)[:80]})")
+                del wrappers[name], times[name]
+    us = {name: float(np.median(t)) for name, t in times.items() if t}
+    cells = "  ".join(f"{name} {u:.2f} ({u / us['default']:.3f})" for name, u in us.items())
+    print(f"{case.name:>16}  {plan.strategy}/{plan.num_splits}  {cells}", flush=True)
+    rows.append(dict(case=case.name, plan=f"{plan.strategy}/{plan.num_splits}",
+                     kv_dtype=fmt or "bfloat16", us=us))
+    del data, wrappers
+    cupy.get_default_memory_pool().free_all_blocks()
+if args.json:
+    with open(args.json, "w") as f:
+        json.dump(rows, f, indent=1)

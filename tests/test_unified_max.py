@@ -127,3 +127,29 @@ def test_fp8_caches_are_read_as_their_values():
     m8 = UM.row_maxima(plan, q, k8, pt, kv_dtype="float8_e4m3fn", k_scale=0.5)
     ref = UM.row_maxima(plan, q, fp8.dequantize(k8, "float8_e4m3fn") * 0.5, pt)
     assert np.allclose(m8, ref)
+
+
+def test_the_host_side_checks_its_inputs_and_reads_hnd_caches():
+    rng = np.random.default_rng(4)
+    pt, plan, q, k, v = case(rng)
+    hnd = np.ascontiguousarray(k.transpose(0, 2, 1, 3))      # [pages, kv heads, page, dim]
+    np.testing.assert_array_equal(UM.row_maxima(plan, q, hnd, pt, kv_layout="HND"),
+                                  UM.row_maxima(plan, q, k, pt))
+    with pytest.raises(ValueError, match="^q"):
+        UM.row_maxima(plan, q[:, :4], k, pt)
+    with pytest.raises(TypeError, match="^plan"):
+        UM.row_maxima("plan", q, k, pt)
+    with pytest.raises(ValueError, match="^logits_soft_cap"):
+        UM.row_maxima(plan, q, k, pt, logits_soft_cap=-1.0)
+    with pytest.raises(TypeError, match="^phi: expected a number"):
+        UM.fallback_items(plan, q, k, v, pt, None, "bfloat16")
+    with pytest.raises(TypeError, match="^phi: expected a number"):
+        UM.fallback_items(plan, q, k, v, pt, "2", "bfloat16")
+
+
+def test_the_band_checks_its_dtypes():
+    with pytest.raises((TypeError, ValueError), match="^dtype"):
+        UM.band("float32")
+    with pytest.raises((TypeError, ValueError), match="^kv_dtype"):
+        UM.band("bfloat16", "int8")
+    assert UM.band_log2("bfloat16", "fp8_e4m3") == (3, 15) and UM.band_log2("fp16") == (3, 15)

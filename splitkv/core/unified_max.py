@@ -31,26 +31,32 @@ BAND_HI_LOG2 = 15
 BAND_LO_LOG2 = {"bfloat16": 60, "float16": 3}
 
 
-def check_unified_max(value) -> float | None:
-    """``unified_max``: None (the running max) or a finite number, phi in the units of the
-    scaled scores s = sm_scale q.k (after the soft cap), natural log."""
+def check_unified_max(value, name: str = "unified_max") -> float | None:
+    """``unified_max`` (or ``name``): None (the running max) or a finite number, phi in the
+    units of the scaled scores s = sm_scale q.k (after the soft cap), natural log."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"unified_max: expected a number (phi, natural-log units of the scaled "
+        raise TypeError(f"{name}: expected a number (phi, natural-log units of the scaled "
                         f"scores) or None, got {type(value).__name__}")
     phi = float(value)
     if not np.isfinite(phi):
-        raise ValueError(f"unified_max: expected a finite value, got {value!r}")
+        raise ValueError(f"{name}: expected a finite value, got {value!r}")
     if abs(phi) > 1e4:
-        raise ValueError(f"unified_max: |phi| must be at most 1e4 (scores are that small "
+        raise ValueError(f"{name}: |phi| must be at most 1e4 (scores are that small "
                          f"before exp overflows float32 many times over), got {value!r}")
     return phi
 
 
 def mma_dtype(dtype: str, kv_dtype: str | None) -> str:
-    """The type P is packed in for the P V product: float16 with fp8 K/V or float16 q."""
-    return "float16" if kv_dtype or dtype == "float16" else "bfloat16"
+    """The type P is packed in for the P V product: float16 with fp8 K/V or float16 q (q's
+    ``dtype`` and ``kv_dtype`` checked as the wrapper checks them)."""
+    from . import fp8
+
+    dtype = V.check_dtype("dtype", dtype)
+    if fp8.fp8_format("kv_dtype", kv_dtype) or dtype == "float16":
+        return "float16"
+    return "bfloat16"
 
 
 def band_log2(dtype: str, kv_dtype: str | None = None) -> tuple[int, int]:
@@ -90,16 +96,28 @@ def choose_unified_max(row_maxima, dtype: str, kv_dtype: str | None = None,
 
 
 def row_maxima(plan, q, k_cache, page_table, sm_scale=None, *, kv_dtype=None, k_scale=None,
-               logits_soft_cap=None):
+               logits_soft_cap=None, kv_layout: str = "NHD"):
     """The largest scaled score of each (chunk, query head) of ``plan``, float64 [num_chunks,
     num_qo_heads] (-inf for a chunk with no token; NaN where a score is not finite), one query
-    row a request: what the kernels' band check reads."""
+    row a request: what the kernels' band check reads. q, k_cache, kv_dtype, k_scale and
+    kv_layout as ``reference_decode`` takes them (checked the same way)."""
+    from . import layouts as L
     from . import variants as VA
+    from .plan import Plan
+    from .problem import PageTable
     from .reference import kv_format, kv_to_float64, to_float64
 
+    V.check_instance("plan", plan, Plan)
+    V.check_instance("page_table", page_table, PageTable)
+    V.check_plan_for_table(plan, page_table)
     p = plan.problem
+    k_cache = L.as_nhd(k_cache, kv_layout)
     fmt = kv_format(k_cache, kv_dtype)
+    V.check_attention_arrays(q, k_cache, k_cache, p.batch_size, p.page_size,
+                             page_table.kv_indices, p.num_qo_heads, p.num_kv_heads, p.head_dim,
+                             kv_dtype=fmt)
     sm_scale = V.check_sm_scale(sm_scale, p.head_dim)
+    cap = VA.check_variant(p.num_qo_heads, logits_soft_cap=logits_soft_cap).logits_soft_cap
     q64 = to_float64(q)
     k64, _ = kv_to_float64(k_cache, k_cache, p.num_kv_heads, fmt, k_scale, k_scale)
     k_flat = k64.reshape(-1, p.num_kv_heads, p.head_dim)
@@ -115,14 +133,14 @@ def row_maxima(plan, q, k_cache, page_table, sm_scale=None, *, kv_dtype=None, k_
             with np.errstate(over="ignore", invalid="ignore"):
                 s = q64[b, heads] @ k_flat[slots, h].T * sm_scale
                 bad = ~np.isfinite(s).all(axis=1)
-                s = VA.cap_scores(np.where(np.isfinite(s), s, 0), logits_soft_cap)
+                s = VA.cap_scores(np.where(np.isfinite(s), s, 0), cap)
                 out[c, heads] = np.where(bad, np.nan, s.max(axis=1))
     return out
 
 
 def fallback_items(plan, q, k_cache, v_cache, page_table, phi: float, dtype: str, *,
                    sm_scale=None, kv_dtype=None, k_scale=None, v_scale=None,
-                   logits_soft_cap=None) -> np.ndarray:
+                   logits_soft_cap=None, kv_layout: str = "NHD") -> np.ndarray:
     """Which (chunk, kv head) items of ``plan`` fall back to the running max under ``phi``:
     bool [num_chunks, num_kv_heads]. A row out of band, a non-finite score, or a non-finite
     value in V among the item's tokens (which makes o non-finite). One CTA per item where the
@@ -130,9 +148,14 @@ def fallback_items(plan, q, k_cache, v_cache, page_table, phi: float, dtype: str
     Not modelled: O overflowing float32 in the unified pass from finite but huge V (|v| near
     2**82 and more in bf16, or an fp8 v_scale past ~1e27), where the kernels fall back and this
     says they do not (the results are exact either way); and multi-token rows."""
+    from . import layouts as L
     from .reference import kv_format, kv_to_float64
 
+    phi = check_unified_max(phi, "phi")
+    if phi is None:
+        raise TypeError("phi: expected a number (the unified max), got None")
     p = plan.problem
+    k_cache, v_cache = (L.as_nhd(a, kv_layout) for a in (k_cache, v_cache))
     fmt = kv_format(k_cache, kv_dtype)
     maxima = row_maxima(plan, q, k_cache, page_table, sm_scale, kv_dtype=fmt,
                         k_scale=k_scale, logits_soft_cap=logits_soft_cap)

@@ -13,16 +13,11 @@ not build or launch for a shape (shared memory past the SM's) prints as "n/a".
 import argparse
 import json
 
-import cupy
-import numpy as np
-
 from splitkv.bench.cases import select
+from splitkv.bench.experiments_ab import time_experiments
 from splitkv.core import fp8
 from splitkv.runtime.experiments import DecodeExperiments
 from splitkv.runtime.kernel_source import DEFAULT_FP8_STAGES, DEFAULT_STAGES
-from splitkv.runtime.testing import scattered_page_table
-from splitkv.runtime.timing import make_layers, time_wrapper_us
-from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--cases", default="classes")
@@ -53,36 +48,15 @@ def knobs(case) -> dict:
 
 rows = []
 for case in select(args.cases):
-    pt, _ = scattered_page_table(case.kv_lens, case.page_size, np.random.default_rng(0),
-                                 extra_pages=0)
-    heads = (case.num_qo_heads, case.num_kv_heads, case.head_dim)
-    data = make_layers(pt, *heads, "bfloat16", min_total_bytes=1 << 30, seed=0, kv_dtype=fmt)
-    base = BatchDecodeWrapper(*heads, case.page_size, "bfloat16", kv_dtype=fmt)
-    plan = base.plan(pt)
-    wrappers = {"default": base}
-    for name, experiments in knobs(case).items():
-        try:
-            w = BatchDecodeWrapper(*heads, case.page_size, "bfloat16", kv_dtype=fmt,
-                                   experiments=experiments)
-            w.plan(pt, plan=plan)
-            wrappers[name] = w
-        except Exception as exc:          # a knob that does not build here: say so, go on
-            print(f"  {case.name}: {name}: n/a ({type(exc).__name__}: {str(exc)[:80]})")
-    times = {name: [] for name in wrappers}
-    for _ in range(args.rounds):
-        for name, w in list(wrappers.items()):
-            try:
-                times[name].append(time_wrapper_us(w, data))
-            except Exception as exc:
-                print(f"  {case.name}: {name}: n/a ({type(exc).__name__}: {str(exc)[:80]})")
-                del wrappers[name], times[name]
-    us = {name: float(np.median(t)) for name, t in times.items() if t}
+    def skipped(name, exc, case=case):
+        print(f"  {case.name}: {name}: n/a ({type(exc).__name__}: {str(exc)[:80]})")
+
+    plan, us = time_experiments(case, {"default": None, **knobs(case)}, kv_dtype=fmt,
+                                rounds=args.rounds, on_error=skipped)
     cells = "  ".join(f"{name} {u:.2f} ({u / us['default']:.3f})" for name, u in us.items())
     print(f"{case.name:>16}  {plan.strategy}/{plan.num_splits}  {cells}", flush=True)
     rows.append(dict(case=case.name, plan=f"{plan.strategy}/{plan.num_splits}",
                      kv_dtype=fmt or "bfloat16", us=us))
-    del data, wrappers
-    cupy.get_default_memory_pool().free_all_blocks()
 if args.json:
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)

@@ -9,15 +9,10 @@ steps within a page and nothing is gained.
 """
 import argparse
 
-import cupy
-import numpy as np
-
 from splitkv.bench.cases import _eq, select
+from splitkv.bench.experiments_ab import time_experiments
 from splitkv.core import fp8
 from splitkv.runtime.experiments import DecodeExperiments
-from splitkv.runtime.testing import scattered_page_table
-from splitkv.runtime.timing import make_layers, time_wrapper_us
-from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--cases", default="p1_b8_n8k,b32_n8k")
@@ -30,21 +25,9 @@ cases = select(args.cases) + [_eq("p1_b1_n32k", 1, 32768, None, None, page=1),
                               _eq("p2_d64_b32_n4k", 32, 4096, None, None, d=64, page=2)]
 print(f"{'case':>15} {'divide us':>10} {'shift us':>9} {'ratio':>6}  plan", flush=True)
 for case in cases:
-    pt, _ = scattered_page_table(case.kv_lens, case.page_size, np.random.default_rng(0),
-                                 extra_pages=0)
-    heads = (case.num_qo_heads, case.num_kv_heads, case.head_dim)
-    data = make_layers(pt, *heads, "bfloat16", min_total_bytes=1 << 30, seed=0, kv_dtype=fmt)
-    divide = BatchDecodeWrapper(*heads, case.page_size, "bfloat16", kv_dtype=fmt)
-    shift = BatchDecodeWrapper(*heads, case.page_size, "bfloat16", kv_dtype=fmt,
-                               experiments=DecodeExperiments(pow2_pages=True))
-    plan = divide.plan(pt)
-    shift.plan(pt, plan=plan)
-    times = {"divide": [], "shift": []}
-    for _ in range(args.rounds):
-        times["divide"].append(time_wrapper_us(divide, data))
-        times["shift"].append(time_wrapper_us(shift, data))
-    a, b = (float(np.median(times[k])) for k in ("divide", "shift"))
+    plan, us = time_experiments(case, {"divide": None,
+                                       "shift": DecodeExperiments(pow2_pages=True)},
+                                kv_dtype=fmt, rounds=args.rounds)
+    a, b = us["divide"], us["shift"]
     print(f"{case.name:>15} {a:10.2f} {b:9.2f} {b / a:6.3f}  {plan.strategy}/{plan.num_splits}",
           flush=True)
-    del data
-    cupy.get_default_memory_pool().free_all_blocks()

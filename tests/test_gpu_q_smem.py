@@ -11,8 +11,9 @@ import pytest
 from splitkv import reference_decode
 from splitkv.core.reference import to_float64
 from splitkv.runtime.experiments import DecodeExperiments
-from splitkv.runtime.testing import (assert_matches_reference, random_device_array,
-                                     random_kv_caches, scattered_page_table)
+from splitkv.runtime.testing import (assert_matches_reference, plan_and_run,
+                                     random_device_array, random_kv_caches,
+                                     scattered_page_table)
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
@@ -20,14 +21,6 @@ pytestmark = pytest.mark.gpu
 
 LENS = [2000, 9, 0, 700]
 PLANS = [("single", 1), ("split_merge", 3), ("fused", 4), ("fused", 2)]
-
-
-def run(w, pt, q, k, v, **plan_kw):
-    w.plan(pt, **plan_kw)
-    out = cupy.full(q.shape, 0xFFFF if q.dtype == cupy.uint16 else np.nan, q.dtype)   # NaN
-    lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
-    w.run(q, cupy.asarray(k), cupy.asarray(v), out=out, lse=lse)
-    return out.get(), lse.get()
 
 
 @pytest.mark.parametrize("dtype,d,hq,hk,kv_dtype", [
@@ -44,8 +37,8 @@ def test_q_in_shared_memory_gives_the_register_builds_bits(dtype, d, hq, hk, kv_
                               experiments=DecodeExperiments(q_in_smem=True))
     ref_o, ref_lse = reference_decode(q.get(), k, v, pt, kv_dtype=kv_dtype)
     for strategy, n in PLANS:
-        o1, l1 = run(plain, pt, q, k, v, strategy=strategy, num_splits=n)
-        o2, l2 = run(smem, pt, q, k, v, strategy=strategy, num_splits=n)
+        o1, l1 = plan_and_run(plain, pt, q, k, v, strategy=strategy, num_splits=n)
+        o2, l2 = plan_and_run(smem, pt, q, k, v, strategy=strategy, num_splits=n)
         assert smem.kernel_variant.q_in_smem == 1 and plain.kernel_variant.q_in_smem == 0
         assert np.array_equal(o1.view(np.uint16), o2.view(np.uint16)), (strategy, n)
         assert np.array_equal(l1.view(np.uint32), l2.view(np.uint32)), (strategy, n)
@@ -55,8 +48,8 @@ def test_q_in_shared_memory_gives_the_register_builds_bits(dtype, d, hq, hk, kv_
     qo_indptr = np.array([0, 3, 4, 5, 7])
     qm = random_device_array((7, hq, d), dtype, rng)
     for extra in ({"qo_indptr": qo_indptr}, {"unified_max": -60.0}):
-        o1, l1 = run(plain, pt, qm if "qo_indptr" in extra else q, k, v, **extra)
-        o2, l2 = run(smem, pt, qm if "qo_indptr" in extra else q, k, v, **extra)
+        o1, l1 = plan_and_run(plain, pt, qm if "qo_indptr" in extra else q, k, v, **extra)
+        o2, l2 = plan_and_run(smem, pt, qm if "qo_indptr" in extra else q, k, v, **extra)
         assert smem.kernel_variant.q_in_smem == 1
         assert np.array_equal(o1.view(np.uint16), o2.view(np.uint16)), extra
         assert np.array_equal(l1.view(np.uint32), l2.view(np.uint32)), extra
@@ -82,7 +75,7 @@ def test_q_in_shared_memory_under_the_cluster_merge():
     problem = DecodeProblem.from_page_table(pt, hq, hk, d)
     for n in (2, 4):
         plan = plan_from_chunk_counts(problem, [n, n], "fused")
-        o1, l1 = run(plain, pt, q, k, v, plan=plan)
-        o2, l2 = run(smem, pt, q, k, v, plan=plan)
+        o1, l1 = plan_and_run(plain, pt, q, k, v, plan=plan)
+        o2, l2 = plan_and_run(smem, pt, q, k, v, plan=plan)
         assert smem.cluster_size == n and smem.kernel_variant.q_in_smem == 1
         assert np.array_equal(o1.view(np.uint16), o2.view(np.uint16)), n

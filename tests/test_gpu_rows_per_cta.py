@@ -11,8 +11,9 @@ import pytest
 from splitkv import reference_decode
 from splitkv.core.reference import to_float64
 from splitkv.runtime.experiments import DecodeExperiments
-from splitkv.runtime.testing import (assert_matches_reference, random_device_array,
-                                     random_kv_caches, scattered_page_table)
+from splitkv.runtime.testing import (assert_matches_reference, plan_and_run,
+                                     random_device_array, random_kv_caches,
+                                     scattered_page_table)
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
@@ -35,19 +36,13 @@ def test_groups_split_over_more_ctas_match_the_reference(hq, hk, rows, kv_dtype)
                            experiments=DecodeExperiments(rows_per_cta=rows))
     ref_o, ref_lse = reference_decode(q.get(), k, v, pt, kv_dtype=kv_dtype)
     for strategy, n in PLANS:
-        w.plan(pt, strategy=strategy, num_splits=n)
+        out, lse = plan_and_run(w, pt, q, k, v, strategy=strategy, num_splits=n)
         assert w.kernel_variant.rows == rows
-        out = cupy.full(q.shape, 0xFFFF, cupy.uint16)
-        lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
-        w.run(q, cupy.asarray(k), cupy.asarray(v), out=out, lse=lse)
-        assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse, 1e-2,
-                                 f"{strategy}/{n}")
+        assert_matches_reference(to_float64(out), lse, ref_o, ref_lse, 1e-2, f"{strategy}/{n}")
     # multi-token rows: q_len x the group past the cap too
     qo_indptr = np.array([0, 2, 3, 4, 6])
     qm = random_device_array((6, hq, d), "bfloat16", rng)
-    w.plan(pt, qo_indptr=qo_indptr, strategy="fused", num_splits=3)
-    out = cupy.full(qm.shape, 0xFFFF, cupy.uint16)
-    lse = cupy.full(qm.shape[:2], np.nan, cupy.float32)
-    w.run(qm, cupy.asarray(k), cupy.asarray(v), out=out, lse=lse)
+    out, lse = plan_and_run(w, pt, qm, k, v, qo_indptr=qo_indptr, strategy="fused",
+                            num_splits=3)
     ref_o, ref_lse = reference_decode(qm.get(), k, v, pt, kv_dtype=kv_dtype, qo_indptr=qo_indptr)
-    assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse, 1e-2, "rows")
+    assert_matches_reference(to_float64(out), lse, ref_o, ref_lse, 1e-2, "rows")

@@ -13,8 +13,9 @@ import pytest
 from splitkv import DecodeProblem, plan_from_chunk_counts, reference_decode
 from splitkv.core import unified_max as UM
 from splitkv.core.reference import to_float64
-from splitkv.runtime.testing import (assert_matches_reference, random_device_array,
-                                     random_kv_caches, scattered_page_table)
+from splitkv.runtime.testing import (assert_matches_reference, poisoned_output,
+                                     random_device_array, random_kv_caches,
+                                     scattered_page_table)
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
@@ -40,7 +41,7 @@ def run(w, pt, q, k, v, phi, kv_dtype=None, heads_checked=None, **plan_kw):
     prediction of them)."""
     plan = w.plan(pt, unified_max=phi, **plan_kw)
     assert w.kernel_variant.unified_max == 1
-    out = poisoned(q)
+    out = poisoned_output(q)
     lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
     w.run(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), out=out, lse=lse)
     fell_back = w.unified_max_fallbacks()
@@ -57,13 +58,6 @@ def run(w, pt, q, k, v, phi, kv_dtype=None, heads_checked=None, **plan_kw):
                                  ref_lse[b:b + 1, heads], 1e-2, f"{plan}, phi {phi}, {b} {heads}")
     predicted = UM.fallback_items(plan, to_float64(q), k, v, pt, phi, w.dtype, kv_dtype=kv_dtype)
     return plan, fell_back, int(predicted.sum())
-
-
-def poisoned(q):
-    """An output poisoned with NaN, in q's storage (bfloat16 bits, or float16)."""
-    if q.dtype == np.float16:
-        return cupy.full(q.shape, np.nan, cupy.float16)
-    return cupy.full(q.shape, 0xFFFF, cupy.uint16)
 
 
 def phi_for(pt, q, k, dtype, kv_dtype=None):
@@ -184,7 +178,7 @@ def test_multi_token_rows_soft_cap_and_sinks_under_the_unified_max():
         w.plan(pt, qo_indptr=qo_indptr, logits_soft_cap=6.0, unified_max=phi,
                strategy=strategy, num_splits=n)
         assert w.kernel_variant.unified_max == 1 and w.kernel_variant.multi_token == 1
-        out = poisoned(q)
+        out = poisoned_output(q)
         lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
         w.run(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), out=out, lse=lse,
               sinks=cupy.asarray(sinks))
@@ -227,7 +221,7 @@ def test_two_row_tiles_and_a_request_with_only_its_sink():
         assert fell_back == predicted == int((plan.chunk_end > plan.chunk_start).sum()) * hk
     sinks = np.full(hq, phi - 100, np.float32)
     w.plan(pt, unified_max=phi)
-    out = poisoned(q)
+    out = poisoned_output(q)
     lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
     w.run(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), out=out, lse=lse,
           sinks=cupy.asarray(sinks))

@@ -236,27 +236,6 @@ def test_multi_token_builds_are_their_own(variant):
 
 
 @pytest.mark.nvrtc
-@pytest.mark.parametrize("variant", [DecodeVariant("bfloat16", 128, 1, unified_max=1),
-                                     DecodeVariant("float16", 64, 2, unified_max=1, cluster=4),
-                                     DecodeVariant("bfloat16", 128, 1, unified_max=1,
-                                                   kv_dtype="float8_e4m3fn"),
-                                     DecodeVariant("bfloat16", 128, 1, unified_max=1,
-                                                   kv_dtype="float8_e5m2", num_warps=8),
-                                     DecodeVariant("bfloat16", 128, 2, unified_max=1,
-                                                   multi_token=1, soft_cap=1)],
-                         ids=lambda v: v.name)
-def test_unified_max_builds_are_their_own(variant):
-    """plan(unified_max=) runs a UNIFIED_MAX build (a fixed offset, the band check and the
-    running-max fallback pass): it builds without spills with clusters, fp8, 8 warps,
-    multi-token rows and the soft cap, and the plain build has none of it."""
-    cubin, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
-    assert resource_report(log)["decode_partial"][1] == 0, log
-    assert variant.name.endswith("_umax") and variant.defines["UNIFIED_MAX"] == 1
-    plain = replace(variant, unified_max=0)
-    assert plain.defines["UNIFIED_MAX"] == 0 and "_umax" not in plain.name
-
-
-@pytest.mark.nvrtc
 @pytest.mark.parametrize("kv_dtype", ["", "float8_e4m3fn"])
 def test_q_in_shared_memory_ends_the_head_dim_256_spill(kv_dtype):
     """At head_dim 256 with 16 rows the register build spills (q's fragments are 64 registers
@@ -272,16 +251,32 @@ def test_q_in_shared_memory_ends_the_head_dim_256_spill(kv_dtype):
     assert smem.shared_bytes == regs.shared_bytes + 4 * 256 * 32
 
 
+# Options with a build of their own: (field, define, name suffix), then variants that carry it.
+OPTION_BUILDS = [
+    ("unified_max", "UNIFIED_MAX", "_umax",
+     [DecodeVariant("bfloat16", 128, 1, unified_max=1),
+      DecodeVariant("float16", 64, 2, unified_max=1, cluster=4),
+      DecodeVariant("bfloat16", 128, 1, unified_max=1, kv_dtype="float8_e4m3fn"),
+      DecodeVariant("bfloat16", 128, 1, unified_max=1, kv_dtype="float8_e5m2", num_warps=8),
+      DecodeVariant("bfloat16", 128, 2, unified_max=1, multi_token=1, soft_cap=1)]),
+    ("pow2_pages", "POW2_PAGES", "_pow2",
+     [DecodeVariant("bfloat16", 128, 1, pow2_pages=1),
+      DecodeVariant("float16", 64, 2, pow2_pages=1, cluster=4),
+      DecodeVariant("bfloat16", 128, 1, pow2_pages=1, kv_dtype="float8_e4m3fn", multi_token=1)]),
+]
+
+
 @pytest.mark.nvrtc
-@pytest.mark.parametrize("variant", [DecodeVariant("bfloat16", 128, 1, pow2_pages=1),
-                                     DecodeVariant("float16", 64, 2, pow2_pages=1, cluster=4),
-                                     DecodeVariant("bfloat16", 128, 1, pow2_pages=1,
-                                                   kv_dtype="float8_e4m3fn", multi_token=1)],
-                         ids=lambda v: v.name)
-def test_pow2_page_builds_compile_without_spills(variant):
-    """The POW2_PAGES experiment (the page walk shifts for 2**k pages) builds without spills
-    where the dividing build does; its defines and name say which it is."""
+@pytest.mark.parametrize("field,define,suffix,variant",
+                         [(f, d, x, v) for f, d, x, vs in OPTION_BUILDS for v in vs],
+                         ids=lambda p: p.name if isinstance(p, DecodeVariant) else None)
+def test_option_builds_are_their_own(field, define, suffix, variant):
+    """plan(unified_max=) runs a UNIFIED_MAX build (a fixed offset, the band check and the
+    running-max fallback pass); the POW2_PAGES experiment walks 2**k pages by shift and mask.
+    Each builds without spills with clusters, fp8, 8 warps, multi-token rows and the soft cap
+    where listed; its defines and name say which it is, and the plain build has none of it."""
     cubin, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
     assert resource_report(log)["decode_partial"][1] == 0, log
-    assert variant.name.endswith("_pow2") and variant.defines["POW2_PAGES"] == 1
-    assert replace(variant, pow2_pages=0).defines["POW2_PAGES"] == 0
+    assert variant.name.endswith(suffix) and variant.defines[define] == 1
+    plain = replace(variant, **{field: 0})
+    assert plain.defines[define] == 0 and suffix not in plain.name

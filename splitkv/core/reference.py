@@ -34,19 +34,22 @@ def kv_format(k_cache, kv_dtype):
 def kv_to_float64(k_cache, v_cache, num_kv_heads: int, kv_format, k_scale=None,
                   v_scale=None):
     """float64 K and V as the attention uses them: fp8 codes dequantized exactly (or the
-    16/32/64-bit values), times their scale (per tensor, or per kv head on axis 2)."""
-    ks = fp8.check_scale("k_scale", k_scale, num_kv_heads)
-    vs = fp8.check_scale("v_scale", v_scale, num_kv_heads)
-    if kv_format is None:
-        k64, v64 = to_float64(k_cache), to_float64(v_cache)
-    else:
-        k64 = fp8.dequantize(fp8.codes_of("k_cache", k_cache, kv_format), kv_format)
-        v64 = fp8.dequantize(fp8.codes_of("v_cache", v_cache, kv_format), kv_format)
-    if k_scale is not None:
-        k64 = k64 * ks[:, None]
-    if v_scale is not None:
-        v64 = v64 * vs[:, None]
-    return k64, v64
+    16/32/64-bit values), times their scale (per tensor, or per kv head on axis 2). A cache
+    given as None stays None (a caller that needs only one)."""
+
+    scales = {"k": fp8.check_scale("k_scale", k_scale, num_kv_heads),     # both before any work
+              "v": fp8.check_scale("v_scale", v_scale, num_kv_heads)}
+
+    def convert(name, cache, scale):
+        if cache is None:
+            return None
+        if kv_format is None:
+            x = to_float64(cache)
+        else:
+            x = fp8.dequantize(fp8.codes_of(f"{name}_cache", cache, kv_format), kv_format)
+        return x if scale is None else x * scales[name][:, None]
+
+    return convert("k", k_cache, k_scale), convert("v", v_cache, v_scale)
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float,

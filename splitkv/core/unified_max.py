@@ -119,7 +119,7 @@ def row_maxima(plan, q, k_cache, page_table, sm_scale=None, *, kv_dtype=None, k_
     sm_scale = V.check_sm_scale(sm_scale, p.head_dim)
     cap = VA.check_variant(p.num_qo_heads, logits_soft_cap=logits_soft_cap).logits_soft_cap
     q64 = to_float64(q)
-    k64, _ = kv_to_float64(k_cache, k_cache, p.num_kv_heads, fmt, k_scale, k_scale)
+    k64, _ = kv_to_float64(k_cache, None, p.num_kv_heads, fmt, k_scale)
     k_flat = k64.reshape(-1, p.num_kv_heads, p.head_dim)
     g = p.group_size
     out = np.full((plan.num_chunks, p.num_qo_heads), -np.inf)
@@ -162,7 +162,7 @@ def fallback_items(plan, q, k_cache, v_cache, page_table, phi: float, dtype: str
     with np.errstate(invalid="ignore"):
         out_rows = ~in_band(maxima, phi, dtype, fmt) | np.isnan(maxima)
     items = out_rows.reshape(plan.num_chunks, p.num_kv_heads, p.group_size).any(axis=2)
-    _, v64 = kv_to_float64(v_cache, v_cache, p.num_kv_heads, fmt, v_scale, v_scale)
+    _, v64 = kv_to_float64(None, v_cache, p.num_kv_heads, fmt, v_scale=v_scale)
     v_flat = v64.reshape(-1, p.num_kv_heads, p.head_dim)
     for c in range(plan.num_chunks):
         b = int(plan.chunk_request[c])

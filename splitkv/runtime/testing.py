@@ -8,8 +8,8 @@ import numpy as np
 from ..core.bfloat16 import float32_to_bits
 from ..testing import scattered_page_table
 
-__all__ = ["float_to_bits", "random_device_array", "random_device_array_fast",
-           "random_kv_caches", "scattered_page_table"]
+__all__ = ["float_to_bits", "plan_and_run", "poisoned_output", "random_device_array",
+           "random_device_array_fast", "random_kv_caches", "scattered_page_table"]
 
 
 def float_to_bits(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -63,6 +63,28 @@ def random_fp8_codes(shape, kv_dtype: str, seed: int):
     codes = gen.integers(0, _FP8_CODE_OF_8[kv_dtype] + 1, shape, dtype=cupy.uint8)
     signs = gen.integers(0, 2, shape, dtype=cupy.uint8) << 7
     return codes | signs
+
+
+def poisoned_output(q):
+    """A device output shaped like q, filled with NaN in q's storage (bfloat16 bits as uint16,
+    or float16): a row the kernels leave unwritten shows as NaN."""
+    import cupy
+
+    if q.dtype == np.float16:
+        return cupy.full(q.shape, np.nan, cupy.float16)
+    return cupy.full(q.shape, 0xFFFF, cupy.uint16)
+
+
+def plan_and_run(wrapper, page_table, q, k_cache, v_cache, **plan_kw):
+    """``wrapper.plan(page_table, **plan_kw)`` then one run into poisoned outputs; returns
+    (out, lse) on the host."""
+    import cupy
+
+    wrapper.plan(page_table, **plan_kw)
+    out = poisoned_output(q)
+    lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
+    wrapper.run(q, cupy.asarray(k_cache), cupy.asarray(v_cache), out=out, lse=lse)
+    return out.get(), lse.get()
 
 
 def assert_matches_reference(o: np.ndarray, lse: np.ndarray, ref_o: np.ndarray,

@@ -1,0 +1,57 @@
+"""Timing one case's plan under several ``DecodeExperiments``, for the benchmarks' A/B scripts
+(benchmarks/ab_*.py): one plan (the first setting's wrapper plans it), every setting running
+that plan, rounds interleaved in one process, each timed like the bench (a graph over layers of
+>= 1 GiB of KV)."""
+
+from __future__ import annotations
+
+
+def time_experiments(case, settings: dict, *, kv_dtype=None, rounds: int = 2,
+                     dtype: str = "bfloat16", on_error=None):
+    """Returns (plan, {name: median us}) for ``settings`` ({name: DecodeExperiments or None}).
+    A setting that does not build or launch for this shape is dropped, and ``on_error(name,
+    exc)`` told, when given; else the error propagates."""
+    import numpy as np
+
+    from ..runtime.cupy_arrays import free_cached_blocks
+    from ..runtime.testing import scattered_page_table
+    from ..runtime.timing import make_layers, time_wrapper_us
+    from ..runtime.wrapper import BatchDecodeWrapper
+
+    pt, _ = scattered_page_table(case.kv_lens, case.page_size, np.random.default_rng(0),
+                                 extra_pages=0)
+    heads = (case.num_qo_heads, case.num_kv_heads, case.head_dim)
+    data = make_layers(pt, *heads, dtype, min_total_bytes=1 << 30, seed=0, kv_dtype=kv_dtype)
+
+    def guarded(name, fn):
+        if on_error is None:
+            return fn()
+        try:
+            return fn()
+        except Exception as exc:          # a setting that does not fit this shape
+            on_error(name, exc)
+            return None
+
+    wrappers, plan = {}, None
+    for name, experiments in settings.items():
+        def make(experiments=experiments):
+            w = BatchDecodeWrapper(*heads, case.page_size, dtype, kv_dtype=kv_dtype,
+                                   experiments=experiments)
+            w.plan(pt) if plan is None else w.plan(pt, plan=plan)
+            return w
+        w = guarded(name, make)
+        if w is not None:
+            wrappers[name] = w
+            if plan is None:
+                plan = w.current_plan
+    times = {name: [] for name in wrappers}
+    for _ in range(rounds):
+        for name in list(wrappers):
+            us = guarded(name, lambda: time_wrapper_us(wrappers[name], data))
+            if us is None:
+                del wrappers[name], times[name]
+            else:
+                times[name].append(us)
+    data = wrappers = None                # their device memory back before the next case
+    free_cached_blocks()
+    return plan, {name: float(np.median(t)) for name, t in times.items()}

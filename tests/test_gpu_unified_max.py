@@ -228,3 +228,60 @@ def test_two_row_tiles_and_a_request_with_only_its_sink():
     ref_o, ref_lse = reference_decode(q, k, v, pt, sinks=sinks.astype(np.float64))
     assert LENS[2] == 0 and np.allclose(lse.get()[2], phi - 100, rtol=1e-5), lse.get()[2]
     assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse, 1e-2, "sinks")
+
+
+def test_torch_tensors_and_a_torch_cuda_graph_under_the_unified_max():
+    """As an engine calls it from PyTorch: torch block table and lengths to plan(unified_max=),
+    torch q/k/v/out/lse to run(), the run captured once by torch.cuda.graph on a torch stream
+    and replayed over fresh q written in place. Each replay equals the reference; the counter
+    adds up the replays' fallbacks: none on realistic q, every item on q scaled far past phi's
+    band (and those replays stay exact)."""
+    torch = pytest.importorskip("torch")
+    from splitkv import PageTable, plan_fixed_splits
+
+    rng = np.random.default_rng(12)
+    lens = np.array([2500, 33, 900])
+    width, batch = 160, 3
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    k = torch.randn(batch * width, 16, HK, D, device="cuda", generator=gen).to(torch.bfloat16)
+    v = torch.randn(batch * width, 16, HK, D, device="cuda", generator=gen).to(torch.bfloat16)
+    k64, v64 = (x.float().cpu().numpy().astype(np.float64) for x in (k, v))   # bf16 -> f32: exact
+    table = torch.from_numpy(rng.permutation(batch * width).reshape(batch, width).astype(np.int32))
+    seq_lens = torch.from_numpy(lens.astype(np.int32))
+    pt = PageTable.from_block_table(table.numpy(), lens, 16)
+    q = torch.randn(batch, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
+    q64 = q.float().cpu().numpy().astype(np.float64)
+    problem = DecodeProblem.from_page_table(pt, HQ, HK, D)
+    phi = UM.choose_unified_max(UM.row_maxima(plan_fixed_splits(problem, 4), q64, k64, pt),
+                                "bfloat16")
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((batch, HQ), float("nan"), device="cuda")
+    w = BatchDecodeWrapper(HQ, HK, D, 16, "bfloat16")
+    plan = w.plan(block_table=table, seq_lens=seq_lens, strategy="split_merge", num_splits=3,
+                  unified_max=phi)
+    live = int((plan.chunk_end > plan.chunk_start).sum()) * HK
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        w.run(q, k, v, out=out, lse=lse, stream=stream)        # compiles before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            w.run(q, k, v, out=out, lse=lse, stream=stream)
+    stream.synchronize()
+    counted = w.unified_max_fallbacks()
+    assert counted == 0, f"{counted} items fell back on realistic q"
+    for step, scale in enumerate([1, 1, 400, 1]):
+        with torch.cuda.stream(stream):
+            q.copy_((torch.randn(q.shape, device="cuda", generator=gen) * scale).to(q.dtype))
+            out.fill_(float("nan"))
+            graph.replay()
+        stream.synchronize()
+        q64 = q.float().cpu().numpy().astype(np.float64)
+        ref_o, ref_lse = reference_decode(q64, k64, v64, pt)
+        got = out.float().cpu().numpy().astype(np.float64)
+        assert_matches_reference(got, lse.cpu().numpy(), ref_o, ref_lse, 1e-2,
+                                 f"replay {step}, q x {scale}")
+        predicted = int(UM.fallback_items(plan, q64, k64, v64, pt, phi, "bfloat16").sum())
+        added, counted = w.unified_max_fallbacks() - counted, w.unified_max_fallbacks()
+        assert added == predicted, f"replay {step}: {added} fell back, predicted {predicted}"
+        if scale > 1:
+            assert added == live, f"q x {scale}: {added} fell back of {live} live items"

@@ -33,9 +33,11 @@ def knobs(case) -> dict:
     default = (DEFAULT_FP8_STAGES if fmt else DEFAULT_STAGES)[case.head_dim]
     out = {f"stages {s}": DecodeExperiments(stages=s)
            for s in (default - 1, default + 1, default + 2) if s >= 2}
+    out["4 warps"] = DecodeExperiments(warps=4)
     out["8 warps"] = DecodeExperiments(warps=8)
     if case.head_dim == 256:
         out["q in smem"] = DecodeExperiments(q_in_smem=True)
+        out["q in regs"] = DecodeExperiments(q_in_smem=False)
     row_step = 32 // (case.head_dim * (1 if fmt else 2) // 16) if case.head_dim else 0
     if case.page_size < max(row_step, 2) and not case.page_size & (case.page_size - 1):
         out["pow2 pages"] = DecodeExperiments(pow2_pages=True)

@@ -24,7 +24,7 @@ cases = select(args.cases) + [_eq("d256_b1_n32k", 1, 32768, None, None, hq=16, h
                               _eq("d256_b32_n4k", 32, 4096, None, None, hq=16, hk=8, d=256)]
 print(f"{'case':>14} {'registers us':>12} {'shared us':>10} {'ratio':>6}  plan", flush=True)
 for case in cases:
-    plan, us = time_experiments(case, {"regs": None,
+    plan, us = time_experiments(case, {"regs": DecodeExperiments(q_in_smem=False),
                                        "smem": DecodeExperiments(q_in_smem=True)},
                                 kv_dtype=fmt, rounds=args.rounds)
     r, s = us["regs"], us["smem"]

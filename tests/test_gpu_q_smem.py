@@ -32,7 +32,8 @@ def test_q_in_shared_memory_gives_the_register_builds_bits(dtype, d, hq, hk, kv_
     pt, pages = scattered_page_table(LENS, 16, rng)
     q = random_device_array((len(LENS), hq, d), dtype, rng)
     k, v = random_kv_caches((pages, 16, hk, d), dtype, rng, kv_dtype)
-    plain = BatchDecodeWrapper(hq, hk, d, 16, dtype, kv_dtype=kv_dtype)
+    plain = BatchDecodeWrapper(hq, hk, d, 16, dtype, kv_dtype=kv_dtype,
+                               experiments=DecodeExperiments(q_in_smem=False))
     smem = BatchDecodeWrapper(hq, hk, d, 16, dtype, kv_dtype=kv_dtype,
                               experiments=DecodeExperiments(q_in_smem=True))
     ref_o, ref_lse = reference_decode(q.get(), k, v, pt, kv_dtype=kv_dtype)
@@ -69,7 +70,8 @@ def test_q_in_shared_memory_under_the_cluster_merge():
     pt, pages = scattered_page_table([900, 900], 16, rng)
     q = random_device_array((2, hq, d), "bfloat16", rng)
     k, v = random_kv_caches((pages, 16, hk, d), "bfloat16", rng)
-    plain = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16")
+    plain = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16",
+                               experiments=DecodeExperiments(q_in_smem=False))
     smem = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16",
                               experiments=DecodeExperiments(q_in_smem=True))
     problem = DecodeProblem.from_page_table(pt, hq, hk, d)

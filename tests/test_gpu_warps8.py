@@ -13,7 +13,9 @@ from splitkv import reference_decode
 from splitkv.core import fp8
 from splitkv.core.reference import to_float64
 from splitkv.runtime.experiments import DecodeExperiments
-from splitkv.runtime.testing import random_device_array, scattered_page_table
+from splitkv.runtime.testing import (assert_matches_reference, poisoned_output,
+                                     random_device_array, random_kv_caches,
+                                     scattered_page_table)
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
@@ -93,3 +95,29 @@ def test_fp8_plans_choose_their_warps_and_stay_exact():
             o = to_float64(out.get())
             err = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
             assert err < 1e-2, (plan, w.use_cuda_graph, err)
+
+
+@pytest.mark.parametrize("hq,hk,page,lens,warps", [
+    (64, 2, 16, [4096] * 3, 8),          # group 32: two row tiles, long chunks, a lone grid
+    (32, 8, 1, [5000, 6000], 8),         # page 1 (smaller than a row step), long chunks
+    (32, 8, 16, [4096] * 3, 4),          # group 4, page 16: no gain measured, 4
+    (64, 2, 16, [700] * 3, 4)])          # group 32 but short chunks: 4
+def test_sixteen_bit_lone_ctas_choose_their_warps_and_stay_exact(hq, hk, page, lens, warps):
+    """16-bit K/V: a lone grid of long chunks runs 8 warps where 4 are issue-bound (two row
+    tiles, or pages smaller than a row step), else 4 (``features.plan_warps``); each plan
+    matches the reference, single and split."""
+    rng = np.random.default_rng(hq + page)
+    d = 128
+    pt, num_pages = scattered_page_table(lens, page, rng)
+    k, v = random_kv_caches((num_pages, page, hk, d), "bfloat16", rng)
+    q = random_device_array((len(lens), hq, d), "bfloat16", rng)
+    ref_o, ref_lse = reference_decode(q.get(), k, v, pt)
+    w = BatchDecodeWrapper(hq, hk, d, page, "bfloat16")
+    for strategy, n in (("single", 1), ("split_merge", 2)):
+        plan = w.plan(pt, num_splits=n, strategy=strategy)
+        assert w.kernel_variant.num_warps == warps, plan
+        out = poisoned_output(q)
+        lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
+        w.run(q, cupy.asarray(k), cupy.asarray(v), out=out, lse=lse)
+        assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse, 1e-2,
+                                 f"{plan}, {warps} warps")

@@ -179,6 +179,9 @@ def test_decode_params_fill_by_name():
 
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("variant", [DecodeVariant("bfloat16", 128, 1, num_warps=8),
+                                     DecodeVariant("bfloat16", 128, 2, num_warps=8),
+                                     DecodeVariant("float16", 128, 4, num_warps=8),
+                                     DecodeVariant("bfloat16", 64, 1, num_warps=8),
                                      DecodeVariant("bfloat16", 128, 1, kv_dtype="float8_e4m3fn",
                                                    num_warps=8),
                                      DecodeVariant("float16", 64, 4, kv_dtype="float8_e5m2",
@@ -189,7 +192,8 @@ def test_decode_params_fill_by_name():
                                                    num_warps=8, soft_cap=1)],
                          ids=lambda v: v.name)
 def test_eight_warp_experiment_compiles(variant):
-    """8 warps (lone fp8 CTAs by default, ``features.plan_warps``; any build as an experiment):
+    """8 warps (lone fp8 CTAs by default, and lone 16-bit CTAs with two row tiles or pages
+    smaller than a row step, ``features.plan_warps``; any build as an experiment):
     128-token tiles, 256 threads; the 16-bit and fp8 paths, clusters and the soft cap build
     without spills, and the host sizes follow the variant (tiles, threads, shared memory)."""
     cubin, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)

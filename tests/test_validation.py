@@ -319,6 +319,24 @@ def test_fp8_plans_with_one_cta_an_sm_or_fewer_get_eight_warps(monkeypatch):
     assert features.plan_warps(None, 1000, forced=8) == 8
 
 
+def test_sixteen_bit_lone_ctas_get_eight_warps_where_four_are_issue_bound(monkeypatch):
+    from splitkv.runtime import features
+
+    monkeypatch.setattr(features, "device_info", lambda: {"num_sms": 132})
+    long = dict(mean_chunk_tokens=4096)
+    assert features.plan_warps(None, 128, row_tiles=2, **long) == 8          # group 32
+    assert features.plan_warps(None, 128, page_size=1, **long) == 8          # page 1, d128
+    assert features.plan_warps(None, 128, page_size=2, head_dim=64, **long) == 8
+    assert features.plan_warps(None, 128, page_size=2, **long) == 4          # d128's step: 2
+    assert features.plan_warps(None, 128, **long) == 4                       # group 4, page 16
+    assert features.plan_warps(None, 133, row_tiles=2, **long) == 4          # two a SM
+    assert features.plan_warps(None, 128, row_tiles=2, mean_chunk_tokens=2047) == 4
+    assert features.plan_warps(None, 128, row_tiles=2, head_dim=256, **long) == 4
+    assert features.plan_warps(None, 128, row_tiles=2, forced=4, **long) == 4
+    assert features.row_step(128, 1, 2) == 2 and features.row_step(64, 1, 2) == 4
+    assert features.row_step(128, 2, 2) == 4 and features.row_step(256, 1, 2) == 1
+
+
 def test_max_q_len_is_a_checked_graph_stable_capacity():
     from splitkv.runtime.wrapper import BatchDecodeWrapper
 

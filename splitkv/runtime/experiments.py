@@ -22,7 +22,8 @@ class DecodeExperiments:
     max_registers: per-thread register cap of the partial kernel; None or 0: the compiler's
         choice.
     warps: warps per CTA of the partial kernel, 4 or 8 (128-token tiles); None: the default,
-        ``features.plan_warps``: 8 for an fp8 plan whose grid gives no SM two CTAs, else 4
+        ``features.plan_warps``: 8 where the grid gives no SM two CTAs and 4 warps are
+        issue-bound (fp8; 16-bit with two row tiles or small pages, on long chunks), else 4
         (a graph-stable wrapper: always 4 unless forced).
     pdl_trigger: where a PDL partial kernel lets the next kernel launch (``PDL_TRIGGERS``):
         'late' (the default; neither wins everywhere, benchmarks/NOTES.md) or 'early'. Only

@@ -43,21 +43,41 @@ def spreads_one_per_sm(num_ctas: int, cluster_size: int) -> bool:
     return num_ctas <= device_info()["num_sms"] and cluster_size <= 2
 
 
-# Warps of a CTA that is alone on its SM, for fp8 K/V (``plan_warps``).
+# Warps of a CTA that is alone on its SM (``plan_warps``).
 LONE_CTA_WARPS = 8
+# A 16-bit lone CTA gets 8 warps only where its chunks are at least this long on average: the
+# 128-token tiles' longer pipeline fill lost on short chunks (b1_n3k, 256 tokens a chunk).
+LONG_CHUNK_TOKENS = 2048
 
 
-def plan_warps(kv_dtype: str | None, num_ctas: int, forced: int | None = None) -> int:
+def row_step(head_dim: int, row_tiles: int, kv_bytes: int) -> int:
+    """Token rows one pass of a row tile's threads copies (decode.cu's GROUP_THREADS /
+    DCHUNKS): pages smaller than this take the page walk's per-copy division."""
+    return max(1, 32 * row_tiles // (head_dim * kv_bytes // 16))
+
+
+def plan_warps(kv_dtype: str | None, num_ctas: int, forced: int | None = None, *,
+               row_tiles: int = 1, page_size: int = 16, head_dim: int = 128,
+               mean_chunk_tokens: float = 0.0) -> int:
     """Warps per CTA of a per-shape plan's partial kernel: ``forced`` when an experiment says
-    so; else 8 (128-token tiles) for fp8 K/V when the grid gives no SM two CTAs, 4 otherwise.
-    An fp8 CTA is issue- and latency-bound: alone on its SM with 4 warps it streams about half
-    its share, and 8 warps give it the warps two CTAs would have (H200: b1_n32k 29.6 -> 24.3 us,
-    b8_n8k 51.3 -> 40.4). Where CTAs already run two to an SM, 8 warps lose (b128_n2k 151 ->
-    166: one 8-warp CTA an SM, 193 registers a thread). bf16 measured slower with 8 warps
-    everywhere (benchmarks/NOTES.md). A graph-stable wrapper keeps 4: its one captured grid
-    serves every plan."""
+    so; else 8 (128-token tiles) where a CTA is alone on its SM (the grid gives no SM two) and
+    its 4 warps are issue-bound, 4 otherwise. Measured on the H200 (benchmarks/NOTES.md):
+    - fp8 K/V, every lone grid: alone on its SM with 4 warps a CTA streams about half its
+      share, and 8 give it the warps two CTAs would have (b1_n32k 29.6 -> 24.3 us, b8_n8k
+      51.3 -> 40.4). Where CTAs run two to an SM, 8 warps lose (b128_n2k 151 -> 166).
+    - 16-bit K/V, lone grids of long chunks (``LONG_CHUNK_TOKENS``) with two row tiles or more
+      (groups past 16: g32_b32_n8k 84.7 -> 75.3 us) or pages smaller than ``row_step``
+      (page 1: p1_b8_n8k 75.2 -> 69.7 us). Elsewhere 16-bit measured even or slower (page 16
+      or 64, group 4 or 16: within 1%; b1_n3k's 256-token chunks 9.03 -> 9.90 us). Not at
+      head_dim 256, whose 8-warp 16-bit build needs more shared memory than a block has.
+    A graph-stable wrapper keeps 4: its one captured grid serves every plan."""
     if forced is not None:
         return forced
-    if kv_dtype and num_ctas <= device_info()["num_sms"]:
+    if num_ctas > device_info()["num_sms"]:
+        return 4
+    if kv_dtype:
         return LONE_CTA_WARPS
-    return 4
+    if head_dim > 128:            # 2 stages of 128-token 16-bit tiles: past a block's shared memory
+        return 4
+    issue_bound = row_tiles >= 2 or page_size < row_step(head_dim, row_tiles, 2)
+    return LONE_CTA_WARPS if issue_bound and mean_chunk_tokens >= LONG_CHUNK_TOKENS else 4

@@ -266,8 +266,8 @@ class BatchDecodeWrapper:
     @property
     def kernel_variant(self) -> DecodeVariant | None:
         """The build the current plan's partial kernel runs (its warps, stages, cluster size):
-        for fp8 K/V, a per-shape plan whose CTAs are one per SM or fewer runs 8 warps
-        (``features.plan_warps``); None before a plan."""
+        a per-shape plan whose CTAs are one per SM or fewer runs 8 warps where 4 are
+        issue-bound (``features.plan_warps``); None before a plan."""
         return self._bound_variant if self._launch is not None else None
 
     @property
@@ -410,10 +410,14 @@ class BatchDecodeWrapper:
         V.check_grid_ctas("page_table", -(-chosen.problem.batch_size * heads * self.head_dim
                                           // (4 * 128)),
                           "the merge kernel's: a thread per 4 dims of each request's heads")
+        row_tiles = row_tiles_for(min(group, max_rows))
+        sizes = chosen.chunk_end - chosen.chunk_start
+        warps = plan_warps(self.kv_dtype, ctas, self.experiments.warps, row_tiles=row_tiles,
+                           page_size=self.page_size, head_dim=self.head_dim,
+                           mean_chunk_tokens=float(sizes.mean()) if sizes.size else 0.0)
         kernels = get_decode_kernels(replace(
             self.variant, cluster=chosen.cluster_size, soft_cap=int(soft_cap_log2 > 0),
-            num_warps=plan_warps(self.kv_dtype, ctas, self.experiments.warps),
-            stages=self.experiments.stages or 0, row_tiles=row_tiles_for(min(group, max_rows)),
+            num_warps=warps, stages=self.experiments.stages or 0, row_tiles=row_tiles,
             multi_token=int(query_rows is not None), unified_max=int(phi is not None)))
         stages = kernels.variant.stages
         tile = kernels.variant.tile_tokens

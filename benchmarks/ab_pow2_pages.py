@@ -25,7 +25,7 @@ cases = select(args.cases) + [_eq("p1_b1_n32k", 1, 32768, None, None, page=1),
                               _eq("p2_d64_b32_n4k", 32, 4096, None, None, d=64, page=2)]
 print(f"{'case':>15} {'divide us':>10} {'shift us':>9} {'ratio':>6}  plan", flush=True)
 for case in cases:
-    plan, us = time_experiments(case, {"divide": None,
+    plan, us = time_experiments(case, {"divide": DecodeExperiments(pow2_pages=False),
                                        "shift": DecodeExperiments(pow2_pages=True)},
                                 kv_dtype=fmt, rounds=args.rounds)
     a, b = us["divide"], us["shift"]

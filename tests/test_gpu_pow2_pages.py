@@ -32,7 +32,8 @@ def test_shifting_page_walk_gives_the_dividing_builds_bits(page, d, kv_dtype):
     pt, pages = scattered_page_table(LENS, page, rng)
     q = random_device_array((len(LENS), hq, d), "bfloat16", rng)
     k, v = random_kv_caches((pages, page, hk, d), "bfloat16", rng, kv_dtype)
-    divide = BatchDecodeWrapper(hq, hk, d, page, "bfloat16", kv_dtype=kv_dtype)
+    divide = BatchDecodeWrapper(hq, hk, d, page, "bfloat16", kv_dtype=kv_dtype,
+                                experiments=DecodeExperiments(pow2_pages=False))
     shift = BatchDecodeWrapper(hq, hk, d, page, "bfloat16", kv_dtype=kv_dtype,
                                experiments=DecodeExperiments(pow2_pages=True))
     ref_o, ref_lse = reference_decode(q.get(), k, v, pt, kv_dtype=kv_dtype)

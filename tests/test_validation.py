@@ -394,3 +394,16 @@ def test_the_rows_per_cta_experiment_takes_16_32_or_64_on_per_shape_wrappers():
                            max_num_pages=8, experiments=DecodeExperiments(rows_per_cta=16))
     assert ctas_per_kv_head(32) == 1 and ctas_per_kv_head(32, 16) == 2
     assert ctas_per_kv_head(33, 32) == 2 and ctas_per_kv_head(128) == 2
+
+
+def test_q_in_smem_and_pow2_pages_defaults_follow_the_shape():
+    from splitkv.runtime import features
+
+    assert features.default_q_in_smem(256) and not features.default_q_in_smem(128)
+    assert not features.default_q_in_smem(64)
+    assert features.default_pow2_pages(1, 128, 1, 2)            # row step 2
+    assert not features.default_pow2_pages(2, 128, 1, 2)        # not smaller than the step
+    assert features.default_pow2_pages(2, 64, 1, 2)             # row step 4
+    assert not features.default_pow2_pages(3, 64, 1, 2)         # not a power of two
+    assert not features.default_pow2_pages(16, 128, 4, 2)       # row step 8
+    assert features.default_pow2_pages(2, 128, 1, 1)            # fp8 rows: step 4

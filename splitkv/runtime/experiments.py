@@ -32,11 +32,13 @@ class DecodeExperiments:
         (True / False); None: ``features.spreads_one_per_sm`` decides.
     q_in_smem: keep q's MMA fragments in shared memory, read back every tile, instead of in
         registers (the Q_SMEM build): at head_dim 256 they are 64 registers and the kernel
-        spills without it (``benchmarks/ab_q_smem.py``); None / False: registers.
+        spills without it (``benchmarks/ab_q_smem.py``); None: the default
+        (``features.default_q_in_smem``: at head_dim 256); False: registers.
     pow2_pages: the page walk shifts and masks instead of dividing (the POW2_PAGES build): for
         pages smaller than a thread's row step (page size 1, and 2 at head_dim 64), where each
         16-byte copy's page is a division (``benchmarks/ab_pow2_pages.py``); the wrapper's
-        page_size must be a power of two. None / False: divide.
+        page_size must be a power of two. None: the default (``features.default_pow2_pages``:
+        2**k pages smaller than the row step); False: divide.
     rows_per_cta: the most query heads (rows) one CTA computes, 16, 32 or 64 (the default, 64):
         a GQA group past it runs in more CTAs a kv head, each reading the kv head's K/V (the
         second from L2), with fewer row tiles each and so more warps splitting the tokens

@@ -81,3 +81,25 @@ def plan_warps(kv_dtype: str | None, num_ctas: int, forced: int | None = None, *
         return 4
     issue_bound = row_tiles >= 2 or page_size < row_step(head_dim, row_tiles, 2)
     return LONE_CTA_WARPS if issue_bound and mean_chunk_tokens >= LONG_CHUNK_TOKENS else 4
+
+
+# Builds whose choice follows from the wrapper's shape alone (``BatchDecodeWrapper``), where an
+# experiment does not say otherwise. Measured on the H200 (benchmarks/NOTES.md, session 12):
+# - q's MMA fragments in shared memory at head_dim 256, where 64 registers of them make the
+#   kernel spill: d256_b8_n8k 141.7 -> 137.1 us, d256_b1_n32k 85.0 -> 79.9, d256_b32_n4k
+#   258.8 -> 253.9, fp8 d256_b8_n8k 74.2 -> 71.8; at head_dim 128 it measured even (+0.4-0.7%).
+# - the page walk by shift and mask for 2**k pages smaller than a row step (the only pages that
+#   walk by division): p1_b8_n8k 75.1 -> 74.6 us bf16, fp8 42.6 -> 41.8.
+Q_IN_SMEM_HEAD_DIMS = (256,)
+
+
+def default_q_in_smem(head_dim: int) -> bool:
+    """Whether q's fragments live in shared memory (the Q_SMEM build) by default."""
+    return head_dim in Q_IN_SMEM_HEAD_DIMS
+
+
+def default_pow2_pages(page_size: int, head_dim: int, row_tiles: int, kv_bytes: int) -> bool:
+    """Whether the page walk shifts instead of dividing (the POW2_PAGES build) by default: for
+    pages that are a power of two and smaller than ``row_step``."""
+    return (page_size & (page_size - 1) == 0
+            and page_size < row_step(head_dim, row_tiles, kv_bytes))

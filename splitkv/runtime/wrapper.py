@@ -48,7 +48,8 @@ from . import require_gpu
 from .arrays import (as_cupy_stream, as_device_array, cupy_storage_dtype, nhd_view,
                      split_kv_arrays)
 from .experiments import DecodeExperiments
-from .features import check_option, plan_warps, sm90_option, spreads_one_per_sm
+from .features import (check_option, default_pow2_pages, default_q_in_smem, plan_warps,
+                       sm90_option, spreads_one_per_sm)
 from .kernel_abi import DecodeParams
 from .kernel_source import DecodeVariant, row_tiles_for
 from .launch import DecodeLaunch, KernelLaunch, current_context
@@ -134,13 +135,18 @@ class BatchDecodeWrapper:
         self.experiments = experiments
         self.kv_dtype = fp8.fp8_format("kv_dtype", kv_dtype)
         self.kv_layout = check_kv_layout(kv_layout)
+        q_in_smem, pow2 = experiments.q_in_smem, experiments.pow2_pages
+        if q_in_smem is None:
+            q_in_smem = default_q_in_smem(self.head_dim)
+        if pow2 is None:
+            pow2 = default_pow2_pages(self.page_size, self.head_dim,
+                                      row_tiles_for(self.group_size), 1 if self.kv_dtype else 2)
         self.variant = DecodeVariant.for_problem(self.dtype, self.head_dim, self.group_size,
                                                  experiments.stages or 0,
                                                  experiments.max_registers or 0,
                                                  kv_dtype=self.kv_dtype or "",
                                                  num_warps=experiments.warps or WARPS_PER_CTA,
-                                                 q_in_smem=int(bool(experiments.q_in_smem)),
-                                                 pow2_pages=int(bool(experiments.pow2_pages)))
+                                                 q_in_smem=int(q_in_smem), pow2_pages=int(pow2))
         if experiments.rows_per_cta and use_cuda_graph:
             raise ValueError("experiments: rows_per_cta is for per-shape wrappers (a graph-stable "
                              "grid is sized for the default rows a CTA)")

@@ -73,4 +73,4 @@ for case in select(args.cases):
               f"after {name}: {found or 'all finite'}", flush=True)
         if found:
             break
-    del data
+    data = None                 # its device memory back before the next case

@@ -25,28 +25,6 @@ args = parser.parse_args()
 fmt = fp8.fp8_format("--kv-dtype", args.kv_dtype)
 
 
-def non_finite(data) -> dict:
-    """{array name: (count of non-finite elements, first flat index)} over q and the layers."""
-    found = {}
-    q = data.q
-    qf = q.view(cupy.uint16) if q.dtype != np.float16 else q
-    bad_q = ((qf & 0x7F80) == 0x7F80) if q.dtype != np.float16 else ~cupy.isfinite(q)
-    arrays = [("q", bad_q)]
-    nan_codes = (0x7F, 0xFF) if fmt == "float8_e4m3fn" else None
-    for name, layers in (("k", data.k_layers), ("v", data.v_layers)):
-        for i, a in enumerate(layers):
-            if nan_codes:
-                bad = (a == nan_codes[0]) | (a == nan_codes[1])
-            else:                                   # e5m2: exponent field all ones
-                bad = (a & 0x7C) == 0x7C
-            arrays.append((f"{name}[{i}]", bad))
-    for name, bad in arrays:
-        n = int(bad.sum())
-        if n:
-            found[name] = (n, int(cupy.flatnonzero(bad.ravel())[0]))
-    return found
-
-
 for case in select(args.cases):
     rng = np.random.default_rng(0)
     pt, _ = scattered_page_table(case.kv_lens, case.page_size, rng, extra_pages=0)
@@ -68,7 +46,7 @@ for case in select(args.cases):
     for name, step in steps:
         step()
         cupy.cuda.Device().synchronize()
-        found = non_finite(data)
+        found = data.non_finite(fmt)
         print(f"{case.name} ({plan.strategy}/{plan.num_splits}, {w.kernel_variant.name}): "
               f"after {name}: {found or 'all finite'}", flush=True)
         if found:

@@ -348,3 +348,17 @@ def test_bench_cases_take_groups_and_names():
         select("nope")
     with pytest.raises(ValueError, match="unknown case"):
         select(",")
+
+
+def test_bench_markdown_table_says_when_the_data_went_non_finite():
+    """A case whose random q or K/V held a non-finite value before its error check (a kernel
+    wrote it) says after which step, beside its error."""
+    row = {"case": "d64_b64_n4k", "us": 104.2, "gbps": 2576.0, "frac_read_bw": 0.56,
+           "rel_err": float("nan"), "strategy": "single", "num_splits": 1,
+           "best_paged_peer_us": None, "peer_us": None, "data_non_finite_after": "the timed runs"}
+    result = {"read_gbps": 4500.0, "first_call_compile_s": 1.5, "plan_cpu_us_ragged_b32": 20.0,
+              "kv_dtype": "float8_e4m3fn", "cases": [row, dict(row, data_non_finite_after=None,
+                                                              rel_err=1.7e-3)]}
+    lines = markdown_table(result).splitlines()
+    assert "| nan (data not finite after the timed runs) | single/1 |" in lines[4]
+    assert "| 1.7e-03 | single/1 |" in lines[5]

@@ -85,3 +85,20 @@ def test_a_graph_of_eight_layers_replayed_ten_thousand_times(strategy, splits):
                 with stream:                 # the next replays must write it again
                     out.fill(0xFFFF)
     stream.synchronize()
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn", "float8_e5m2"])
+def test_the_bench_data_watch_finds_a_written_nan_and_where(kv_dtype):
+    """``LayeredKV.non_finite`` (the bench's check before its error check): the random data as
+    made is finite; a NaN (fp8: a NaN code; e5m2: an Inf code too) written into one layer, or
+    into q, is found with its array and first index."""
+    from splitkv.runtime.timing import make_layers
+
+    pt, _ = scattered_page_table([300, 40], 16, np.random.default_rng(1))
+    data = make_layers(pt, 8, 2, 64, "bfloat16", min_total_bytes=1 << 20, kv_dtype=kv_dtype)
+    assert data.non_finite(kv_dtype) == {} and data.num_layers >= 2
+    code = {None: 0x7FC0, "float8_e4m3fn": 0xFF, "float8_e5m2": 0x7C}[kv_dtype]
+    data.v_layers[1].ravel()[123] = code
+    assert data.non_finite(kv_dtype) == {"v[1]": (1, 123)}
+    data.q.ravel()[7] = 0xFF80                     # bfloat16 -inf
+    assert data.non_finite(kv_dtype) == {"q": (1, 7), "v[1]": (1, 123)}

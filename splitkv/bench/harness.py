@@ -42,6 +42,17 @@ def _rel_err_subset(wrapper, page_table, data, max_requests: int = 4, kv_dtype=N
     return err
 
 
+def _watch_data(data, kv_dtype, case_name: str, log, after: str = "") -> str | None:
+    """The step after which the case's random (finite) q or K/V first held a non-finite value,
+    logged with where; None while all is finite. ``after`` empty: the data as made."""
+    found = data.non_finite(kv_dtype)
+    if not found:
+        return None
+    step = after or "making the data"
+    log(f"{case_name}: the data is not finite after {step}: {found} (array: count, first index)")
+    return step
+
+
 def _plan_cpu_us(problem, profile, repeats: int = 200) -> float:
     """Median host time of choosing a plan (``choose_plan``; ``plan()`` then builds the chunk
     records and uploads them)."""
@@ -122,7 +133,9 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
                                                           strategy=strategy)
         data = make_layers(pt, case.num_qo_heads, case.num_kv_heads, case.head_dim, dtype,
                            min_total_bytes=min_total_mib << 20, seed=seed, kv_dtype=kv_dtype)
+        corrupted = _watch_data(data, kv_dtype, case.name, log)
         us = time_wrapper_us(w, data)
+        corrupted = corrupted or _watch_data(data, kv_dtype, case.name, log, "the timed runs")
         graph_us = graph_plan = None
         if graph_stable:
             stable = BatchDecodeWrapper(case.num_qo_heads, case.num_kv_heads, case.head_dim,
@@ -132,11 +145,15 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
                                         max_num_pages=pt.kv_indices.size)
             graph_plan = stable.plan(pt, num_splits=num_splits, strategy=strategy)
             graph_us = time_wrapper_us(stable, data)
+            corrupted = corrupted or _watch_data(data, kv_dtype, case.name, log,
+                                                 "the graph-stable timed runs")
         err = _rel_err_subset(w, pt, data, kv_dtype=kv_dtype)
         live = None
         if flashinfer:
             live = flashinfer_us(pt, data, case.num_qo_heads, case.num_kv_heads, case.head_dim,
                                  dtype, kv_dtype, log=log)
+            corrupted = corrupted or _watch_data(data, kv_dtype, case.name, log,
+                                                 "the FlashInfer peer (after the error check)")
         kv_bytes = problem.kv_bytes // 2 if kv_dtype else problem.kv_bytes   # fp8: one byte
         gbps = kv_bytes / (us * 1e-6) / 1e9
         peer_us = None
@@ -157,7 +174,8 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
                                  {k: None if v is None else round(v, 2) for k, v in live.items()}),
                "graph_stable_us": None if graph_us is None else round(graph_us, 2),
                "graph_stable_plan": (None if graph_plan is None else
-                                     f"{graph_plan.strategy}/{graph_plan.num_splits}")}
+                                     f"{graph_plan.strategy}/{graph_plan.num_splits}"),
+               "data_non_finite_after": corrupted}
         rows.append(row)
         # % of the floor probed before the cases; the table uses the final floor
         log(f"{case.name:>12}: {us:8.2f} us {gbps:7.0f} GB/s {100 * gbps / read_gbps:5.1f}% "
@@ -240,8 +258,11 @@ def markdown_table(result: dict) -> str:
         graph = r.get("graph_stable_us")
         graph = (f"{graph:.2f} ({r['graph_stable_plan']}, {graph / r['us']:.3f})"
                  if graph is not None else "n/a")
+        err = f"{r['rel_err']:.1e}"
+        if r.get("data_non_finite_after"):
+            err += f" (data not finite after {r['data_non_finite_after']})"
         lines.append(f"| {r['case']} | {r['us']:.2f} | {r['gbps']:.0f} | {100 * r['frac_read_bw']:.1f} | "
-                     f"{r['rel_err']:.1e} | {r['strategy']}/{r['num_splits']} | "
+                     f"{err} | {r['strategy']}/{r['num_splits']} | "
                      f"{r['best_paged_peer_us']} | {fi} | {r['peer_us']} | {graph} | "
                      f"{', '.join(verdict)} |")
     return "\n".join(lines)

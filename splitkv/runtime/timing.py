@@ -115,6 +115,32 @@ class LayeredKV:
     def num_layers(self) -> int:
         return len(self.k_layers)
 
+    def non_finite(self, kv_dtype: str | None = None) -> dict:
+        """{array name: (non-finite elements, the first one's flat index)} over q and every K/V
+        layer (fp8 codes: the format's NaN and Inf codes); empty where all are finite. The
+        data is random and finite when made, so anything here was written by a kernel since
+        (the bench checks before its error check: session 12 saw a NaN there)."""
+        import cupy
+
+        def bad_16bit(a):                   # bfloat16 as uint16 bits, or float16
+            return ~cupy.isfinite(a) if a.dtype == np.float16 else (a & 0x7F80) == 0x7F80
+
+        def bad_codes(a):
+            if kv_dtype == "float8_e4m3fn":  # no infinities; NaN is S.1111.111
+                return (a & 0x7F) == 0x7F
+            return (a & 0x7C) == 0x7C        # e5m2: exponent all ones (Inf and NaN)
+
+        bad = bad_codes if kv_dtype else bad_16bit
+        found = {}
+        arrays = [("q", bad_16bit(self.q))]
+        arrays += [(f"k[{i}]", bad(a)) for i, a in enumerate(self.k_layers)]
+        arrays += [(f"v[{i}]", bad(a)) for i, a in enumerate(self.v_layers)]
+        for name, mask in arrays:
+            n = int(mask.sum())
+            if n:
+                found[name] = (n, int(cupy.flatnonzero(mask.ravel())[0]))
+        return found
+
 
 def make_layers(page_table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                 dtype: str, *, min_total_bytes: int = 1 << 30, seed: int = 0,

@@ -136,9 +136,42 @@ def test_calibrate_with_a_simulated_gpu(monkeypatch, tmp_path, capsys, fake_gpu)
     except ImportError:
         assert "matplotlib is not installed" in text
     assert out.with_suffix(".csv").read_text().startswith("shape,plan,")
+    assert not out.with_suffix(".partial.csv").exists()      # removed once the fit is written
     assert fake_gpu.calls[0] == QUICK_TIMING
     profile = read_profile(out)
     assert profile.source == "calibrated" and profile.sweep["name"] == "quick"
+
+
+def test_a_calibration_cut_off_keeps_what_it_measured(monkeypatch, tmp_path, fake_gpu):
+    """Each measurement reaches <profile>.partial.csv as it is taken: a sweep that stops
+    before its fit (here the simulated GPU fails at the 11th plan) leaves the 10 it timed, and
+    read_measurements rebuilds their plans from it for a fit without the GPU."""
+    import splitkv.runtime
+    import splitkv.runtime.timing
+    from splitkv.calibration.sweep import read_measurements
+
+    calls = []
+
+    def failing(plan, table, **timing):
+        if len(calls) == 10:
+            raise RuntimeError("the device went away")
+        calls.append((plan, fake_gpu(plan, table, **timing)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: (True, DEVICE["name"]))
+    monkeypatch.setattr(splitkv.runtime, "device_info", lambda: dict(DEVICE))
+    monkeypatch.setattr(splitkv.runtime.timing, "time_plan_us", failing)
+    out = tmp_path / "h200.yaml"
+    with pytest.raises(RuntimeError, match="the device went away"):
+        run_calibrate(["--quick", "--out", str(out)])
+    assert not out.exists()
+    partial = out.with_suffix(".partial.csv")
+    back = read_measurements(partial, quick=True)
+    assert len(back) == 10
+    for m, (plan, us) in zip(back, calls):
+        assert m.plan.num_chunks == plan.num_chunks
+        np.testing.assert_array_equal(m.plan.chunk_end, plan.chunk_end)
+        assert m.measured_us == pytest.approx(us, abs=1e-3)
 
 
 def test_calibrate_writes_to_the_user_cache_by_default(monkeypatch, tmp_path, fake_gpu):

@@ -72,13 +72,18 @@ def calibrate(points: list[SweepPoint], device: dict, *, quick: bool = False, se
     return profile, report, measurements
 
 
+def profile_path(device_name: str, path=None) -> Path:
+    """Where ``save`` writes the profile: ``path``, or the user cache's file for the device."""
+    return Path(path) if path else user_profile_dir() / f"{device_slug(device_name)}.yaml"
+
+
 def save(profile: Profile, measurements: list[Measurement], path=None,
          kv_dtype: str | None = None, graph_stable: bool = False) -> tuple[Path, Path]:
     """Write ``profile`` to ``path`` (default: the user cache, where ``load_profile`` finds it)
     and the measurements, with the predictions of the model they fitted (``kv_dtype``'s,
     ``graph_stable``'s), to a CSV beside it (``<name>.fp8.csv`` for fp8's,
     ``<name>.fp8-graph-stable.csv``). Returns (profile path, CSV path)."""
-    path = Path(path) if path else user_profile_dir() / f"{device_slug(profile.device_name)}.yaml"
+    path = profile_path(profile.device_name, path)
     profile.save(path)
     suffix = ".fp8-graph-stable.csv" if kv_dtype and graph_stable else ".fp8.csv" if kv_dtype \
         else ".csv"

@@ -152,6 +152,35 @@ CSV_COLUMNS = ["shape", "plan", "batch", "num_qo_heads", "num_kv_heads", "head_d
                "total_tokens", "num_chunks", "measured_us", "predicted_us", "page_size", "kv_lens"]
 
 
+def _csv_row(m: Measurement, predicted: float) -> list:
+    p = m.plan.problem
+    return [m.shape, m.label, p.batch_size, p.num_qo_heads, p.num_kv_heads, p.head_dim,
+            p.total_tokens, m.plan.num_chunks, f"{m.measured_us:.3f}", f"{predicted:.3f}",
+            p.page_size, " ".join(map(str, p.kv_lens.tolist()))]
+
+
+class MeasurementLog:
+    """``write_measurements``' CSV, a row at a time as each plan is timed (flushed), with the
+    prior's prediction: a sweep cut off before its fit still leaves what it measured, which
+    ``read_measurements`` reads back to fit it without the GPU (benchmarks/refit_profile.py)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self._file = open(self.path, "w", newline="")
+        self._writer = csv.writer(self._file)
+        self._writer.writerow(CSV_COLUMNS)
+        self._file.flush()
+
+    def append(self, point: SweepPoint, us: float) -> None:
+        prior = point.plan.predicted_us
+        m = Measurement(point.shape, point.label, point.plan, float(us))
+        self._writer.writerow(_csv_row(m, float("nan") if prior is None else prior))
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
 def write_measurements(path, measurements, model: CostModel) -> Path:
     """One CSV row per measurement, with ``model``'s prediction and the request lengths, so
     ``read_measurements`` can rebuild every plan without re-running the sweep's selection."""
@@ -161,10 +190,7 @@ def write_measurements(path, measurements, model: CostModel) -> Path:
         w = csv.writer(f)
         w.writerow(CSV_COLUMNS)
         for m, pred in zip(measurements, predicted):
-            p = m.plan.problem
-            w.writerow([m.shape, m.label, p.batch_size, p.num_qo_heads, p.num_kv_heads,
-                        p.head_dim, p.total_tokens, m.plan.num_chunks, f"{m.measured_us:.3f}",
-                        f"{pred:.3f}", p.page_size, " ".join(map(str, p.kv_lens.tolist()))])
+            w.writerow(_csv_row(m, pred))
     return path
 
 

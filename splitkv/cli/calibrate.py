@@ -92,7 +92,8 @@ def run(args) -> int:
         return A.refuse("calibrate", f"needs a CUDA GPU to measure on ({why}). Without one, "
                                      "splitkv plans with its shipped profiles or a roofline prior.")
 
-    from ..calibration.calibrate import calibrate, example_plans, save, sweep_for
+    from ..calibration.calibrate import calibrate, example_plans, profile_path, save, sweep_for
+    from ..calibration.sweep import MeasurementLog
 
     info = device_info()
     if args.base is not None and args.kv_dtype is None:
@@ -116,15 +117,29 @@ def run(args) -> int:
     over += ", 4-warp CTAs (graph-stable wrappers)" if args.graph_stable else ""
     print(f"calibrating {info['name']} ({info['num_sms']} SMs): {len(points)} plans of "
           f"{shapes} shapes ({'quick' if args.quick else 'full'} sweep){over}", flush=True)
-    profile, report, measurements = calibrate(points, info, quick=args.quick, seed=args.seed,
-                                              trials=args.trials, min_trial_ms=args.min_trial_ms,
-                                              progress=_progress, kv_dtype=args.kv_dtype,
-                                              graph_stable=args.graph_stable)
+    # every measurement as it is taken, so a sweep cut off before its fit keeps what it timed
+    partial = profile_path(info["name"], args.out).with_suffix(".partial.csv")
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    log = MeasurementLog(partial)
+    print(f"measurements so far: {partial} (removed once the fit is written)", flush=True)
+
+    def progress(i, n, point, us):
+        log.append(point, us)
+        _progress(i, n, point, us)
+
+    try:
+        profile, report, measurements = calibrate(
+            points, info, quick=args.quick, seed=args.seed, trials=args.trials,
+            min_trial_ms=args.min_trial_ms, progress=progress, kv_dtype=args.kv_dtype,
+            graph_stable=args.graph_stable)
+    finally:
+        log.close()
     fitted = profile
     if base is not None:
         profile = base.with_kv_fp8(fitted, graph_stable=args.graph_stable)
     out, csv_path = save(profile, measurements, args.out, kv_dtype=args.kv_dtype,
                          graph_stable=args.graph_stable)
+    partial.unlink(missing_ok=True)
 
     print()
     for line in report.lines():

@@ -12,6 +12,7 @@
 #   bash benchmarks/device_run.sh ab_rows_per_cta      # issue 18: groups 16-32 over more CTAs
 #   bash benchmarks/device_run.sh ab_class_knobs       # issue 18: every knob on every class case
 #   bash benchmarks/device_run.sh check_fp8_data       # where the fp8 class bench's NaN came from
+#   bash benchmarks/device_run.sh ab_occupancy         # issue 18: more CTAs an SM, short CTAs
 #   bash benchmarks/device_run.sh tests_only; then memcheck sanitize  # two calls, each < 10 min
 #   bash benchmarks/device_run.sh calibrate_fp8 bench_fp8   # fit fp8's cost model, then bench it
 #   bash benchmarks/device_run.sh device_plan plan_cost  # plan_on_device tests; planning's cost per step
@@ -143,6 +144,9 @@ for phase in "$@"; do
         | tee "$RES/ab_class_knobs.log"
       python3 benchmarks/ab_class_knobs.py --kv-dtype fp8_e4m3 --json "$RES/h200-class-knobs-fp8.json" 2>&1 \
         | grep -v Warning | tee "$RES/ab_class_knobs_fp8.log" ;;
+    ab_occupancy)
+      # issue 18, short requests and head_dim 64: more CTAs an SM (register caps, fewer stages)
+      python3 benchmarks/ab_occupancy.py 2>&1 | grep -v Warning | tee "$RES/ab_occupancy.log" ;;
     check_fp8_data)
       # session 12's NaN in the fp8 class bench: which step makes the data non-finite
       python3 benchmarks/check_fp8_bench_data.py 2>&1 | grep -v Warning | tee "$RES/check_fp8_data.log" ;;

@@ -126,6 +126,18 @@ def ctas_fn(variant: str):
 
 
 def features(plan, variant="base", lone_mode="lib"):
+    """features_core, and with a lone_mode ending in '+mrows' one more column: the rows
+    (requests x query heads x head_dim / 128, in thousands) the merge kernel's grid covers
+    when a 'split_merge' plan splits anything; it visits every request, split or not."""
+    if lone_mode.endswith("+mrows"):
+        x = features_core(plan, variant, lone_mode[:-len("+mrows")])
+        p = plan.problem
+        m = plan.strategy == "split_merge" and plan.needs_merge
+        return np.append(x, p.batch_size * p.num_qo_heads * p.head_dim / 128 / 1000 if m else 0.0)
+    return features_core(plan, variant, lone_mode)
+
+
+def features_core(plan, variant="base", lone_mode="lib"):
     """Feature vector of a built plan (its execution's merge) under a slots variant.
     lone_mode 'lib': lone_cta_us as the library; 'no8w': 0 for 8-warp plans (their 8 warps
     give a lone CTA the loads two would have)."""

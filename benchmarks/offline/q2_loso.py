@@ -2,7 +2,8 @@
 standard set plus the other 23 class shapes (all measured 2026-12-01 on the same kernel) and
 score the planner's choice on the one left out. Variants as q2_residency.py, plus 'hd8w-ext':
 slots by head_dim and 1 for 8-warp plans, and an extra column holding the crit_tiles of 8-warp
-plans (their own per-tile cost; lone_cta_us 0 for them), fitted with CostModel.fit's arithmetic.
+plans (their own per-tile cost; lone_cta_us 0 for them), fitted with CostModel.fit's arithmetic; '+mrows': one more column, the merge kernel's rows
+(it covers every request of a split_merge batch).
 
     cd /work/main && PYTHONPATH=. python3 benchmarks/offline/q2_loso.py
 """
@@ -11,7 +12,8 @@ import numpy as np
 from common import evaluate, features, fit, fmt, load_set, summary
 
 VARIANTS = {"base": ("base", "lib"), "hd": ("hd", "lib"), "hd8w": ("hd8w", "lib"),
-            "hd8w-no8w": ("hd8w", "no8w"), "hd8w-ext": ("hd8w", "ext8w")}
+            "hd8w-no8w": ("hd8w", "no8w"), "hd8w-ext": ("hd8w", "ext8w"),
+            "base+mrows": ("base", "lib+mrows"), "hd8w-no8w+mrows": ("hd8w", "no8w+mrows")}
 
 
 def main():

@@ -284,3 +284,23 @@ def test_option_builds_are_their_own(field, define, suffix, variant):
     assert variant.name.endswith(suffix) and variant.defines[define] == 1
     plain = replace(variant, **{field: 0})
     assert plain.defines[define] == 0 and suffix not in plain.name
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_the_cost_models_residency_is_what_the_default_builds_hold(head_dim):
+    """``cost_model.resident_ctas`` (the slots the planner deals CTAs onto) against the default
+    16-bit build's registers (NVRTC, sm_90) and shared memory on an H200-class SM (64 K
+    registers allocated 256 a warp, 228 KiB of shared memory of which 1 KiB per CTA is the
+    runtime's): a build whose residency moves must move the model with it."""
+    from splitkv.planner.cost_model import resident_ctas
+    from splitkv.runtime.features import default_q_in_smem
+
+    variant = DecodeVariant("bfloat16", head_dim, 1, q_in_smem=int(default_q_in_smem(head_dim)))
+    _, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
+    registers, spilled = resource_report(log)["decode_partial"]
+    warp_registers = -(-registers * 32 // 256) * 256
+    by_registers = 65536 // (warp_registers * variant.threads // 32)
+    by_shared = (228 * 1024) // (variant.shared_bytes + 1024)
+    assert min(by_registers, by_shared) == resident_ctas(head_dim, 2), (registers,
+                                                                         variant.shared_bytes)

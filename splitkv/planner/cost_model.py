@@ -4,8 +4,9 @@ each have a physical meaning.
 How the kernels run (what the features describe): one CTA per work item (chunk x kv head, and
 x ceil(group / 64) head tiles for very large GQA groups). A CTA streams its chunk's K and V in
 tiles of 64 tokens, so a partly filled last tile costs a whole tile of compute but only its
-real bytes of memory. About ``ctas_per_sm`` CTAs are resident per SM, so the GPU has
-``num_sms * ctas_per_sm`` *slots*; items are dealt onto the slots in waves. A CTA pays a fixed
+real bytes of memory. About ``ctas_per_sm`` CTAs are resident per SM at head_dim 128 (more at
+64, fewer at 256: ``resident_ctas``), so the GPU has ``num_sms * resident_ctas`` *slots*; items
+are dealt onto the slots in waves. A CTA pays a fixed
 start-up (Q load, page-table reads, pipeline fill). Requests cut into several chunks leave fp32
 partials (``num_qo_heads x (head_dim + 1) x 4`` B per chunk, the +1 is the log-sum-exp) that a
 second launch merges ('split_merge') or that the last CTA of each (request, kv head) merges
@@ -111,6 +112,20 @@ def critical_path(total, largest, num_items, slots):
     return np.maximum(largest, waves(num_items, slots) * (total / np.maximum(num_items, 1)))
 
 
+# CTAs an SM holds at each head_dim, relative to head_dim 128's (a profile's ``ctas_per_sm``).
+# The default 16-bit builds on sm_90 hold 3 at head_dim 64 (133 registers, 64 KiB of shared
+# memory), 2 at 128 (216 registers, 96 KiB) and 1 at 256 (160 KiB); fp8's hold 4, 2 and 1, so
+# fp8 at head_dim 64 is counted one short. tests/test_kernels_compile.py pins the 16-bit ones
+# against what NVRTC reports. (One count for every head_dim overstated head_dim 256's slots
+# twice and understated 64's: session 12's offline study, benchmarks/offline/.)
+RESIDENCY_VS_HEAD_DIM_128 = {64: 1.5, 128: 1.0, 256: 0.5}
+
+
+def resident_ctas(head_dim: int, ctas_per_sm: int) -> int:
+    """CTAs an SM holds for ``head_dim``, given ``ctas_per_sm`` at head_dim 128."""
+    return max(1, int(ctas_per_sm * RESIDENCY_VS_HEAD_DIM_128.get(head_dim, 1.0) + 0.5))
+
+
 @functools.lru_cache(maxsize=256)
 def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm,
                       bandwidth_gbps) -> tuple[int, int, np.ndarray]:
@@ -121,7 +136,7 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
     ctas = ctas_per_kv_head(group)
     rows = -(-group // ctas)                       # query heads per CTA
     items_per_chunk = num_kv_heads * ctas
-    slots = num_sms * ctas_per_sm
+    slots = num_sms * resident_ctas(head_dim, ctas_per_sm)
     bw = bandwidth_gbps * 1e3                      # bytes per microsecond
     slot_bw = bw / slots
     token_bytes = head_dim * 2 * 2                 # K and V, 2-byte elements, one kv head
@@ -370,6 +385,7 @@ class CostModel:
 
     @property
     def slots(self) -> int:
+        """CTA slots of the GPU at head_dim 128 (``resident_ctas`` for the others)."""
         return self.num_sms * self.ctas_per_sm
 
     def _hardware(self) -> dict:

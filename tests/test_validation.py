@@ -333,6 +333,8 @@ def test_sixteen_bit_lone_ctas_get_eight_warps_where_four_are_issue_bound(monkey
     assert features.plan_warps(None, 128, row_tiles=2, mean_chunk_tokens=2047) == 4
     assert features.plan_warps(None, 128, row_tiles=2, head_dim=256, **long) == 4
     assert features.plan_warps(None, 128, row_tiles=2, forced=4, **long) == 4
+    assert features.plan_warps(None, 128, row_tiles=2, multi_token=True, **long) == 4
+    assert features.plan_warps("float8_e4m3fn", 128, multi_token=True) == 8
     assert features.row_step(128, 1, 2) == 2 and features.row_step(64, 1, 2) == 4
     assert features.row_step(128, 2, 2) == 4 and features.row_step(256, 1, 2) == 1
 

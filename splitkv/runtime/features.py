@@ -58,7 +58,7 @@ def row_step(head_dim: int, row_tiles: int, kv_bytes: int) -> int:
 
 def plan_warps(kv_dtype: str | None, num_ctas: int, forced: int | None = None, *,
                row_tiles: int = 1, page_size: int = 16, head_dim: int = 128,
-               mean_chunk_tokens: float = 0.0) -> int:
+               mean_chunk_tokens: float = 0.0, multi_token: bool = False) -> int:
     """Warps per CTA of a per-shape plan's partial kernel: ``forced`` when an experiment says
     so; else 8 (128-token tiles) where a CTA is alone on its SM (the grid gives no SM two) and
     its 4 warps are issue-bound, 4 otherwise. Measured on the H200 (benchmarks/NOTES.md):
@@ -69,7 +69,9 @@ def plan_warps(kv_dtype: str | None, num_ctas: int, forced: int | None = None, *
       (groups past 16: g32_b32_n8k 84.7 -> 75.3 us) or pages smaller than ``row_step``
       (page 1: p1_b8_n8k 75.2 -> 69.7 us). Elsewhere 16-bit measured even or slower (page 16
       or 64, group 4 or 16: within 1%; b1_n3k's 256-token chunks 9.03 -> 9.90 us). Not at
-      head_dim 256, whose 8-warp 16-bit build needs more shared memory than a block has.
+      head_dim 256, whose 8-warp 16-bit build needs more shared memory than a block has, and
+      not for multi-token plans (their rows make row tiles too, but 8 warps are not measured
+      on them).
     A graph-stable wrapper keeps 4: its one captured grid serves every plan."""
     if forced is not None:
         return forced
@@ -78,6 +80,8 @@ def plan_warps(kv_dtype: str | None, num_ctas: int, forced: int | None = None, *
     if kv_dtype:
         return LONE_CTA_WARPS
     if head_dim > 128:            # 2 stages of 128-token 16-bit tiles: past a block's shared memory
+        return 4
+    if multi_token:               # not measured with 16-bit K/V (device_run.sh ab_multi_warps)
         return 4
     issue_bound = row_tiles >= 2 or page_size < row_step(head_dim, row_tiles, 2)
     return LONE_CTA_WARPS if issue_bound and mean_chunk_tokens >= LONG_CHUNK_TOKENS else 4

@@ -420,7 +420,8 @@ class BatchDecodeWrapper:
         sizes = chosen.chunk_end - chosen.chunk_start
         warps = plan_warps(self.kv_dtype, ctas, self.experiments.warps, row_tiles=row_tiles,
                            page_size=self.page_size, head_dim=self.head_dim,
-                           mean_chunk_tokens=float(sizes.mean()) if sizes.size else 0.0)
+                           mean_chunk_tokens=float(sizes.mean()) if sizes.size else 0.0,
+                           multi_token=query_rows is not None)
         kernels = get_decode_kernels(replace(
             self.variant, cluster=chosen.cluster_size, soft_cap=int(soft_cap_log2 > 0),
             num_warps=warps, stages=self.experiments.stages or 0, row_tiles=row_tiles,

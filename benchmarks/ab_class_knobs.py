@@ -3,8 +3,9 @@ with the default build and with each knob that applies to its shape (``DecodeExp
 the same plan, in one process, timed like the bench (a graph over layers of >= 1 GiB of KV).
 One call tells which knob moves which class, so that the next change is aimed.
 
-Knobs: stages -1 / +1 / +2 of the default; 8 warps; q_in_smem (head_dim 256); pow2_pages (pages
-smaller than a thread's row step); rows_per_cta 16 and 32 (groups past them). A knob that does
+Knobs: stages -1 / +1 / +2 of the default; 4 and 8 warps; q in shared memory or registers
+(head_dim 256); the page walk by division where the default shifts (2**k pages smaller than a
+thread's row step); rows_per_cta 16 and 32 (groups past them). A knob that does
 not build or launch for a shape (shared memory past the SM's) prints as "n/a".
 
     PYTHONPATH=$PWD python3 benchmarks/ab_class_knobs.py [--cases classes] [--kv-dtype fp8_e4m3]
@@ -16,8 +17,9 @@ import json
 from splitkv.bench.cases import select
 from splitkv.bench.experiments_ab import time_experiments
 from splitkv.core import fp8
+from splitkv.runtime import features
 from splitkv.runtime.experiments import DecodeExperiments
-from splitkv.runtime.kernel_source import DEFAULT_FP8_STAGES, DEFAULT_STAGES
+from splitkv.runtime.kernel_source import DEFAULT_FP8_STAGES, DEFAULT_STAGES, row_tiles_for
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--cases", default="classes")
@@ -38,10 +40,10 @@ def knobs(case) -> dict:
     if case.head_dim == 256:
         out["q in smem"] = DecodeExperiments(q_in_smem=True)
         out["q in regs"] = DecodeExperiments(q_in_smem=False)
-    row_step = 32 // (case.head_dim * (1 if fmt else 2) // 16) if case.head_dim else 0
-    if case.page_size < max(row_step, 2) and not case.page_size & (case.page_size - 1):
-        out["pow2 pages"] = DecodeExperiments(pow2_pages=True)
     group = case.num_qo_heads // case.num_kv_heads
+    if features.default_pow2_pages(case.page_size, case.head_dim, row_tiles_for(group),
+                                   1 if fmt else 2):
+        out["divide"] = DecodeExperiments(pow2_pages=False)      # the default shifts here
     for rows in (16, 32):
         if group > rows:
             out[f"rows {rows}"] = DecodeExperiments(rows_per_cta=rows)

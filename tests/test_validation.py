@@ -409,3 +409,38 @@ def test_q_in_smem_and_pow2_pages_defaults_follow_the_shape():
     assert not features.default_pow2_pages(3, 64, 1, 2)         # not a power of two
     assert not features.default_pow2_pages(16, 128, 4, 2)       # row step 8
     assert features.default_pow2_pages(2, 128, 1, 1)            # fp8 rows: step 4
+
+
+def test_a_default_build_past_the_devices_shared_memory_gives_way(monkeypatch):
+    """fitting_build: on a GPU with less shared memory a block than the H200, the defaults are
+    given up in turn (q in shared memory, then 8 warps) until the build fits; what an
+    experiment forced stays, and a build that fits is kept as it is."""
+    from dataclasses import replace
+
+    from splitkv.runtime import features
+    from splitkv.runtime.kernel_source import DecodeVariant
+
+    def device(limit):
+        monkeypatch.setattr(features, "device_info", lambda: {"shared_per_block_optin": limit})
+
+    eight = DecodeVariant("bfloat16", 128, 2, num_warps=8)              # 131,168 B
+    device(232448)                                                     # H200: fits
+    assert features.fitting_build(eight, q_default=True, warps_default=True) is eight
+    device(101376)                                                     # sm_86 / sm_89
+    four = features.fitting_build(eight, q_default=True, warps_default=True)
+    assert (four.num_warps, four.stages) == (4, 3) and four.shared_bytes <= 101376
+    assert features.fitting_build(eight, q_default=True, warps_default=False) is eight
+    # a forced stage count is kept when the warps give way
+    deep = DecodeVariant("bfloat16", 128, 2, stages=4, num_warps=8)     # 262,240 B
+    device(232448)
+    kept = features.fitting_build(deep, q_default=False, warps_default=True, stages=4)
+    assert (kept.num_warps, kept.stages) == (4, 4)
+    # A100: fp8 head_dim 256 with 8 warps keeps them and gives up q in shared memory
+    fp8_d256 = DecodeVariant("bfloat16", 256, 1, kv_dtype="float8_e4m3fn", num_warps=8,
+                             q_in_smem=1)
+    device(166912)
+    fit = features.fitting_build(fp8_d256, q_default=True, warps_default=True)
+    assert (fit.num_warps, fit.q_in_smem) == (8, 0) and fit.shared_bytes <= 166912
+    forced = features.fitting_build(fp8_d256, q_default=False, warps_default=False)
+    assert forced is fp8_d256                         # too big, and refused by name at its build
+    assert replace(fp8_d256, q_in_smem=0).shared_bytes < fp8_d256.shared_bytes

@@ -107,3 +107,22 @@ def default_pow2_pages(page_size: int, head_dim: int, row_tiles: int, kv_bytes: 
     pages that are a power of two and smaller than ``row_step``."""
     return (page_size & (page_size - 1) == 0
             and page_size < row_step(head_dim, row_tiles, kv_bytes))
+
+
+def fitting_build(variant, *, q_default: bool, warps_default: bool, stages: int = 0):
+    """``variant`` (a ``DecodeVariant``), or the nearest build whose shared memory one block of
+    the current device may have: the defaults above given up in turn (q in shared memory, then
+    8 warps), never what an experiment forced. On the H200 every default fits; on GPUs with
+    less shared memory a block (sm_86/89: 99 KiB, A100: 163 KiB) a 16-bit 8-warp build at
+    head_dim 128 (128 KiB) or fp8 at head_dim 256 with 8 warps and q in shared memory (192 KiB)
+    does not. ``stages``: the stages asked for (0: the default, which follows the warps). If
+    nothing fits, ``variant`` (its build then says by how much it is over)."""
+    from dataclasses import replace
+
+    limit = device_info()["shared_per_block_optin"]
+    options = [variant]
+    if q_default and variant.q_in_smem:
+        options.append(replace(variant, q_in_smem=0))
+    if warps_default and variant.num_warps != 4:
+        options += [replace(v, num_warps=4, stages=stages) for v in list(options)]
+    return next((v for v in options if v.shared_bytes <= limit), variant)

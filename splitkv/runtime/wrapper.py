@@ -48,8 +48,8 @@ from . import require_gpu
 from .arrays import (as_cupy_stream, as_device_array, cupy_storage_dtype, nhd_view,
                      split_kv_arrays)
 from .experiments import DecodeExperiments
-from .features import (check_option, default_pow2_pages, default_q_in_smem, plan_warps,
-                       sm90_option, spreads_one_per_sm)
+from .features import (check_option, default_pow2_pages, default_q_in_smem, fitting_build,
+                       plan_warps, sm90_option, spreads_one_per_sm)
 from .kernel_abi import DecodeParams
 from .kernel_source import DecodeVariant, row_tiles_for
 from .launch import DecodeLaunch, KernelLaunch, current_context
@@ -136,6 +136,7 @@ class BatchDecodeWrapper:
         self.kv_dtype = fp8.fp8_format("kv_dtype", kv_dtype)
         self.kv_layout = check_kv_layout(kv_layout)
         q_in_smem, pow2 = experiments.q_in_smem, experiments.pow2_pages
+        self._q_in_smem_default = q_in_smem is None     # may be given up where it does not fit
         if q_in_smem is None:
             q_in_smem = default_q_in_smem(self.head_dim)
         if pow2 is None:
@@ -422,10 +423,12 @@ class BatchDecodeWrapper:
                            page_size=self.page_size, head_dim=self.head_dim,
                            mean_chunk_tokens=float(sizes.mean()) if sizes.size else 0.0,
                            multi_token=query_rows is not None)
-        kernels = get_decode_kernels(replace(
+        kernels = get_decode_kernels(fitting_build(replace(
             self.variant, cluster=chosen.cluster_size, soft_cap=int(soft_cap_log2 > 0),
             num_warps=warps, stages=self.experiments.stages or 0, row_tiles=row_tiles,
-            multi_token=int(query_rows is not None), unified_max=int(phi is not None)))
+            multi_token=int(query_rows is not None), unified_max=int(phi is not None)),
+            q_default=self._q_in_smem_default, warps_default=self.experiments.warps is None,
+            stages=self.experiments.stages or 0))
         stages = kernels.variant.stages
         tile = kernels.variant.tile_tokens
         in_record = pages_fit_record(chosen, self.page_size, stages, tile)
@@ -509,9 +512,10 @@ class BatchDecodeWrapper:
                              f"soft cap {'on' if self._launch_soft_cap else 'off'} (its captured "
                              "launches hold that kernel); its value may change")
         self._launch_soft_cap = soft_cap
-        return get_decode_kernels(replace(
+        return get_decode_kernels(fitting_build(replace(
             self.variant, soft_cap=soft_cap, multi_token=int(multi),
-            row_tiles=row_tiles_for(self.group_size * self._max_q_len)))
+            row_tiles=row_tiles_for(self.group_size * self._max_q_len)),
+            q_default=self._q_in_smem_default, warps_default=False))
 
     def _plan_graph(self, chosen: Plan, page_table: PageTable, s, sm_scale_log2: float,
                     max_page: int, soft_cap_log2: float, rows_array=None) -> Plan:

@@ -304,3 +304,27 @@ def test_the_cost_models_residency_is_what_the_default_builds_hold(head_dim):
     by_shared = (228 * 1024) // (variant.shared_bytes + 1024)
     assert min(by_registers, by_shared) == resident_ctas(head_dim, 2), (registers,
                                                                          variant.shared_bytes)
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("variant", [DecodeVariant("bfloat16", 64, 1, tile_per_warp=32),
+                                     DecodeVariant("float16", 64, 2, tile_per_warp=32),
+                                     DecodeVariant("bfloat16", 128, 1, kv_dtype="float8_e4m3fn",
+                                                   tile_per_warp=32),
+                                     DecodeVariant("bfloat16", 128, 1, kv_dtype="float8_e5m2",
+                                                   tile_per_warp=32, cluster=4),
+                                     DecodeVariant("bfloat16", 64, 1, tile_per_warp=32,
+                                                   multi_token=1, soft_cap=1)],
+                         ids=lambda v: v.name)
+def test_tiles_of_32_tokens_a_warp_compile(variant):
+    """The tile_per_warp=32 experiment (TILE_N = 32 x warps): 128-token tiles at 4 warps, half
+    the default stages, without spills for the rows of 128 bytes it is for; the default builds'
+    sources carry no TILE_N define (so their cached binaries stay the same)."""
+    _, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
+    assert resource_report(log)["decode_partial"][1] == 0, log
+    default = replace(variant, tile_per_warp=16, stages=0)
+    assert variant.tile_tokens == 128 and variant.name.endswith("_t128")
+    assert variant.stages == max(2, default.stages // 2)
+    assert variant.defines["TILE_N"] == 128 and "TILE_N" not in default.defines
+    with pytest.raises(ValueError, match="tile_per_warp: expected 16 or 32"):
+        replace(variant, tile_per_warp=64)

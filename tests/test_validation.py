@@ -444,3 +444,12 @@ def test_a_default_build_past_the_devices_shared_memory_gives_way(monkeypatch):
     forced = features.fitting_build(fp8_d256, q_default=False, warps_default=False)
     assert forced is fp8_d256                         # too big, and refused by name at its build
     assert replace(fp8_d256, q_in_smem=0).shared_bytes < fp8_d256.shared_bytes
+
+
+def test_tile_per_warp_is_16_or_32():
+    from splitkv.runtime.experiments import DecodeExperiments
+
+    for bad in (8, 64, True):
+        with pytest.raises(ValueError, match="tile_per_warp: expected 16 or 32"):
+            DecodeExperiments(tile_per_warp=bad)
+    assert DecodeExperiments(tile_per_warp=32).tile_per_warp == 32

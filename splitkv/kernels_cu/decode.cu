@@ -43,8 +43,11 @@
 // MAX_REGISTERS, CLUSTER, RECORD_PAGES, KV_FP8, SOFT_CAP (1: the logits soft cap, its value in
 // DecodeParams), MULTI_TOKEN, UNIFIED_MAX (1: the FlashDecoding++ unified max, below), Q_SMEM
 // (1, an experiment: q's MMA fragments in shared memory, read back each tile, not registers),
-// POW2_PAGES (1, an experiment: page sizes are powers of two, so the page walk of pages smaller
-// than a thread's row step shifts and masks instead of dividing).
+// POW2_PAGES (1: page sizes are powers of two, so the page walk of pages smaller than a
+// thread's row step shifts and masks instead of dividing), TILE_N (tokens per pipeline stage:
+// 16 x NUM_WARPS by default; 32 x NUM_WARPS, an experiment, gives each warp two 16-token
+// subtiles a tile, so the per-tile costs that do not scale with the bytes are paid half as
+// often for rows of 128 bytes: 16-bit head_dim 64, fp8 head_dim 128).
 #ifndef KV_FP8
 #define KV_FP8 0
 #endif
@@ -101,7 +104,9 @@
 #ifndef NUM_WARPS
 #error "NUM_WARPS must be defined"
 #endif
-#define TILE_N (16 * NUM_WARPS)                // tokens per pipeline stage
+#ifndef TILE_N
+#define TILE_N (16 * NUM_WARPS)                // tokens per pipeline stage (32 x: an experiment)
+#endif
 #define NUM_THREADS (NUM_WARPS * 32)
 #define WARPS_N (NUM_WARPS / ROW_TILES)        // warps sharing one row tile split the tokens
 #define TOK_PER_WARP (TILE_N / WARPS_N)
@@ -116,6 +121,7 @@
 #define STAGE_BYTES (TILE_N * ROW_BYTES)       // K (or V) of one tile
 #define PIPELINE_BYTES (STAGES * STAGE_BYTES * 2)   // K and V tiles of every stage
 static_assert(RECORD_PAGES / 4 <= NUM_THREADS, "record copy: one 16-byte copy per thread");
+static_assert(TILE_N % (16 * WARPS_N) == 0, "TILE_N: whole 16-token subtiles for every warp");
 
 // Partials merged per pass of merge_workspace: each pass issues all its loads before using any,
 // so merging up to this many partials costs one round trip to L2, not one per partial.

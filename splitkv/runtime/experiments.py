@@ -39,6 +39,11 @@ class DecodeExperiments:
         16-byte copy's page is a division (``benchmarks/ab_pow2_pages.py``); the wrapper's
         page_size must be a power of two. None: the default (``features.default_pow2_pages``:
         2**k pages smaller than the row step); False: divide.
+    tile_per_warp: tokens each warp's tile holds a pipeline stage, 16 (the default) or 32: 32
+        makes tiles of 128 tokens at 4 warps, so the costs paid once a tile (the barrier, the
+        page lookups ahead, the softmax's cross-lane max and rescale check) are paid half as
+        often per byte, where rows are 128 bytes (16-bit head_dim 64, fp8 head_dim 128);
+        the stages halve with it (``benchmarks/ab_tile_tokens.py``). None: 16.
     rows_per_cta: the most query heads (rows) one CTA computes, 16, 32 or 64 (the default, 64):
         a GQA group past it runs in more CTAs a kv head, each reading the kv head's K/V (the
         second from L2), with fewer row tiles each and so more warps splitting the tokens
@@ -53,6 +58,7 @@ class DecodeExperiments:
     q_in_smem: bool | None = None
     pow2_pages: bool | None = None
     rows_per_cta: int | None = None
+    tile_per_warp: int | None = None
 
     def __post_init__(self):
         if self.stages is not None:
@@ -69,6 +75,10 @@ class DecodeExperiments:
         check_option("pdl_spread", self.pdl_spread)
         check_option("q_in_smem", self.q_in_smem)
         check_option("pow2_pages", self.pow2_pages)
+        if self.tile_per_warp is not None and (isinstance(self.tile_per_warp, bool)
+                                               or self.tile_per_warp not in (16, 32)):
+            raise ValueError(f"tile_per_warp: expected 16 or 32 (or None: 16), got "
+                             f"{self.tile_per_warp!r}")
         if self.rows_per_cta is not None and (isinstance(self.rows_per_cta, bool)
                                               or self.rows_per_cta not in (16, 32, 64)):
             raise ValueError(f"rows_per_cta: expected 16, 32 or 64 (or None: 64), got "

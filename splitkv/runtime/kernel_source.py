@@ -58,20 +58,23 @@ class DecodeVariant:
     multi_token: int = 0   # 1: multi-token decode, rows of (query row, head) (MULTI_TOKEN)
     unified_max: int = 0   # 1: scores offset by a fixed phi, with the fallback (UNIFIED_MAX)
     q_in_smem: int = 0     # 1 (an experiment): q's MMA fragments in shared memory (Q_SMEM)
-    pow2_pages: int = 0    # 1 (an experiment): the page walk shifts for 2**k pages (POW2_PAGES)
+    pow2_pages: int = 0    # 1: the page walk shifts for 2**k pages (POW2_PAGES)
+    tile_per_warp: int = 16   # tokens per tile per warp: 16, or 32 (an experiment; TILE_N)
 
     def __post_init__(self):
         if self.kv_dtype not in ("", *KV_FP8_CODES):
             raise ValueError(f"kv_dtype: expected '' or one of {tuple(KV_FP8_CODES)}, "
                              f"got {self.kv_dtype!r}")
+        if self.num_warps not in (4, 8):
+            raise ValueError(f"num_warps: expected 4 or 8, got {self.num_warps}")
+        if self.tile_per_warp not in (16, 32):
+            raise ValueError(f"tile_per_warp: expected 16 or 32, got {self.tile_per_warp}")
         if self.stages == 0:
             # About 64-96 KiB of K+V in flight per CTA, so two or three CTAs fit on an SM.
             defaults = DEFAULT_FP8_STAGES if self.kv_dtype else DEFAULT_STAGES
-            # 8 warps: tiles of twice the tokens, so half the stages keep the bytes in flight
-            stages = max(2, defaults[self.head_dim] * WARPS_PER_CTA // self.num_warps)
+            # tiles of more tokens (8 warps, or 32 a warp): fewer stages keep the bytes in flight
+            stages = max(2, defaults[self.head_dim] * 16 * WARPS_PER_CTA // self.tile_tokens)
             object.__setattr__(self, "stages", stages)
-        if self.num_warps not in (4, 8):
-            raise ValueError(f"num_warps: expected 4 or 8, got {self.num_warps}")
         if self.cluster not in (0, *CLUSTER_SIZES):
             raise ValueError(f"cluster: expected 0 or one of {CLUSTER_SIZES}, got {self.cluster}")
 
@@ -81,8 +84,8 @@ class DecodeVariant:
 
     @property
     def tile_tokens(self) -> int:
-        """Tokens per pipeline stage (TILE_N): 16 per warp."""
-        return 16 * self.num_warps
+        """Tokens per pipeline stage (TILE_N): 16 per warp (32 as an experiment)."""
+        return self.tile_per_warp * self.num_warps
 
     @property
     def threads(self) -> int:
@@ -112,7 +115,10 @@ class DecodeVariant:
                 "RECORD_PAGES": RECORD_PAGES, "KV_FP8": KV_FP8_CODES.get(self.kv_dtype, 0),
                 "SOFT_CAP": self.soft_cap, "MULTI_TOKEN": self.multi_token,
                 "UNIFIED_MAX": self.unified_max, "Q_SMEM": self.q_in_smem,
-                "POW2_PAGES": self.pow2_pages}
+                "POW2_PAGES": self.pow2_pages,
+                # only where it is not the kernel's default, so the default builds' sources
+                # (and so their cached binaries) stay the same
+                **({"TILE_N": self.tile_tokens} if self.tile_per_warp != 16 else {})}
 
     @property
     def name(self) -> str:
@@ -125,6 +131,7 @@ class DecodeVariant:
         kv += "_umax" if self.unified_max else ""
         kv += "_qsmem" if self.q_in_smem else ""
         kv += "_pow2" if self.pow2_pages else ""
+        kv += f"_t{self.tile_tokens}" if self.tile_per_warp != 16 else ""
         return (f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}_s{self.stages}{regs}{cluster}"
                 f"{kv}")
 
@@ -138,10 +145,11 @@ class DecodeVariant:
     def for_problem(dtype: str, head_dim: int, group_size: int, stages: int = 0,
                     max_registers: int = 0, cluster: int = 0,
                     kv_dtype: str = "", num_warps: int = WARPS_PER_CTA,
-                    q_in_smem: int = 0, pow2_pages: int = 0) -> "DecodeVariant":
+                    q_in_smem: int = 0, pow2_pages: int = 0,
+                    tile_per_warp: int = 16) -> "DecodeVariant":
         return DecodeVariant(dtype, head_dim, row_tiles_for(group_size), stages, max_registers,
                              cluster, kv_dtype or "", num_warps, q_in_smem=q_in_smem,
-                             pow2_pages=pow2_pages)
+                             pow2_pages=pow2_pages, tile_per_warp=tile_per_warp)
 
 
 def row_tiles_for(group_size: int) -> int:

@@ -147,7 +147,8 @@ class BatchDecodeWrapper:
                                                  experiments.max_registers or 0,
                                                  kv_dtype=self.kv_dtype or "",
                                                  num_warps=experiments.warps or WARPS_PER_CTA,
-                                                 q_in_smem=int(q_in_smem), pow2_pages=int(pow2))
+                                                 q_in_smem=int(q_in_smem), pow2_pages=int(pow2),
+                                                 tile_per_warp=experiments.tile_per_warp or 16)
         if experiments.rows_per_cta and use_cuda_graph:
             raise ValueError("experiments: rows_per_cta is for per-shape wrappers (a graph-stable "
                              "grid is sized for the default rows a CTA)")

@@ -14,6 +14,7 @@
 #   bash benchmarks/device_run.sh check_fp8_data       # where the fp8 class bench's NaN came from
 #   bash benchmarks/device_run.sh ab_occupancy         # issue 18: more CTAs an SM, short CTAs
 #   bash benchmarks/device_run.sh ab_tile_tokens       # issue 18: 128-token tiles for 128-byte rows
+#   bash benchmarks/device_run.sh ab_compact_merge     # issue 18: the merge over split requests only
 #   bash benchmarks/device_run.sh tests_only; then memcheck sanitize  # two calls, each < 10 min
 #   bash benchmarks/device_run.sh calibrate_fp8 bench_fp8   # fit fp8's cost model, then bench it
 #   bash benchmarks/device_run.sh device_plan plan_cost  # plan_on_device tests; planning's cost per step
@@ -154,6 +155,10 @@ for phase in "$@"; do
       python3 benchmarks/ab_tile_tokens.py 2>&1 | grep -v Warning | tee "$RES/ab_tile_tokens.log"
       python3 benchmarks/ab_tile_tokens.py --kv-dtype fp8_e4m3 2>&1 | grep -v Warning \
         | tee -a "$RES/ab_tile_tokens.log" ;;
+    ab_compact_merge)
+      # issue 18: the merge kernel over the split requests only, where few of a batch split
+      python3 -m pytest -q -p no:cacheprovider tests/test_gpu_compact_merge.py 2>&1 | tail -3
+      python3 benchmarks/ab_compact_merge.py 2>&1 | grep -v Warning | tee "$RES/ab_compact_merge.log" ;;
     check_fp8_data)
       # session 12's NaN in the fp8 class bench: which step makes the data non-finite
       python3 benchmarks/check_fp8_bench_data.py 2>&1 | grep -v Warning | tee "$RES/check_fp8_data.log" ;;

@@ -39,7 +39,7 @@ def test_tiles_of_32_tokens_a_warp_match_the_reference(d, hq, hk, page, kv_dtype
     ref_o, ref_lse = reference_decode(q.get(), k, v, pt, kv_dtype=kv_dtype)
     for strategy, n in PLANS:
         o, lse = plan_and_run(w, pt, q, k, v, strategy=strategy, num_splits=n)
-        assert w.kernel_variant.tile_tokens == 32 * w.kernel_variant.num_warps
+        assert w.kernel_variant.tile_tokens == 128 and w.kernel_variant.num_warps == 4
         assert_matches_reference(to_float64(o), lse, ref_o, ref_lse, 1e-2, f"{strategy}/{n}")
 
 
@@ -75,3 +75,15 @@ def test_tiles_of_32_tokens_under_clusters_multi_token_and_graphs():
         o, lse = plan_and_run(g, pt, q, k, v, strategy=strategy, num_splits=n)
         assert g.kernel_variant.tile_tokens == 128
         assert_matches_reference(to_float64(o), lse, ref_o, ref_lse, 1e-2, f"graph {strategy}")
+    # planned on the device: its records carry the first pages of 128-token tiles too
+    d_plan = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", experiments=TILE_32,
+                                use_cuda_graph=True, max_batch_size=2,
+                                max_num_pages=pt.kv_indices.size)
+    d_plan.plan_on_device(**{name: cupy.asarray(getattr(pt, name), dtype=cupy.int32)
+                             for name in ("kv_indptr", "kv_indices", "kv_last_page_len")})
+    out = cupy.full(q.shape, 0xFFFF, cupy.uint16)
+    lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
+    d_plan.run(q, cupy.asarray(k), cupy.asarray(v), out=out, lse=lse)
+    assert d_plan.kernel_variant.tile_tokens == 128
+    assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse, 1e-2,
+                             "planned on the device")

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 
 def time_experiments(case, settings: dict, *, kv_dtype=None, rounds: int = 2,
-                     dtype: str = "bfloat16", on_error=None):
+                     dtype: str = "bfloat16", on_error=None, plan=None):
     """Returns (plan, {name: median us}) for ``settings`` ({name: DecodeExperiments or None}).
-    A setting that does not build or launch for this shape is dropped, and ``on_error(name,
-    exc)`` told, when given; else the error propagates."""
+    ``plan``: the plan every setting runs (of the case's lengths); default: the one the first
+    setting's wrapper chooses. A setting that does not build or launch for this shape is
+    dropped, and ``on_error(name, exc)`` told, when given; else the error propagates."""
     import numpy as np
 
     from ..runtime.cupy_arrays import free_cached_blocks
@@ -32,7 +33,7 @@ def time_experiments(case, settings: dict, *, kv_dtype=None, rounds: int = 2,
             on_error(name, exc)
             return None
 
-    wrappers, plan = {}, None
+    wrappers = {}
     for name, experiments in settings.items():
         def make(experiments=experiments):
             w = BatchDecodeWrapper(*heads, case.page_size, dtype, kv_dtype=kv_dtype,

@@ -18,7 +18,8 @@
 // memory (cluster_merge). No workspace, no fence, no atomic ticket: the fused merge's round trips
 // to L2 are what short batch-1 calls spend most of their time on.
 //
-// merge_partials: one thread per (request, qo head, 4 dims) of a split request; merges its
+// merge_partials: one thread per (request, qo head, 4 dims) of the batch (with
+// DecodeParams::split_requests, of the split requests only); merges a split request's
 // partials.
 //
 // KV_FP8 = 1 (e4m3fn) or 2 (e5m2): K and V are fp8 codes, copied as they are (16 dims of a row a
@@ -1093,9 +1094,17 @@ merge_partials(const __grid_constant__ DecodeParams params) {
   allow_dependent_launch();
   wait_for_prior_grid();   // the partials are the previous kernel's output
   const int slot = blockIdx.x * NUM_THREADS + threadIdx.x;
-  const int row = slot / (HEAD_DIM / 4), dim = (slot % (HEAD_DIM / 4)) * 4;
-  if (row >= params.batch_size * params.num_qo_heads) return;
-  const int req = row / params.num_qo_heads, head = row % params.num_qo_heads;
+  const int slot_row = slot / (HEAD_DIM / 4), dim = (slot % (HEAD_DIM / 4)) * 4;
+  const int head = slot_row % params.num_qo_heads;
+  int req;
+  if (params.split_requests) {        // the split requests' rows only (compact_merge)
+    if (slot_row >= params.num_split_requests * params.num_qo_heads) return;
+    req = __ldg(params.split_requests + slot_row / params.num_qo_heads);
+  } else {
+    if (slot_row >= params.batch_size * params.num_qo_heads) return;
+    req = slot_row / params.num_qo_heads;
+  }
+  const int row = req * params.num_qo_heads + head;
   const int lo = __ldg(params.merge_indptr + req), hi = __ldg(params.merge_indptr + req + 1);
   if (hi - lo <= 1) return;  // the partial kernel wrote this row directly
 #if MULTI_TOKEN

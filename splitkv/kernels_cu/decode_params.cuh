@@ -108,4 +108,9 @@ struct DecodeParams {
   // not counted).
   float unified_max_log2;
   unsigned* unified_fallbacks;
+  // The merge kernel's rows (an experiment, DecodeExperiments.compact_merge): the requests
+  // that split, in order, num_split_requests of them, and a thread per (one of them, head, 4
+  // dims); null: a thread per (request, head, 4 dims) of the whole batch.
+  const int* split_requests;
+  int num_split_requests;
 };

@@ -17,8 +17,8 @@ PDL_TRIGGERS = ("early", "late")
 class DecodeExperiments:
     """Knobs ``BatchDecodeWrapper(..., experiments=...)`` passes to the kernel and its launch.
 
-    stages: pipeline depth of the partial kernel in 64-token tiles (at least 2); None: the
-        default for the head dim (``kernel_source.DEFAULT_STAGES``).
+    stages: pipeline depth of the partial kernel in tiles (at least 2); None: the default for
+        the head dim (``kernel_source.DEFAULT_STAGES``, fewer for tiles of more tokens).
     max_registers: per-thread register cap of the partial kernel; None or 0: the compiler's
         choice.
     warps: warps per CTA of the partial kernel, 4 or 8 (128-token tiles); None: the default,
@@ -43,7 +43,14 @@ class DecodeExperiments:
         makes tiles of 128 tokens at 4 warps, so the costs paid once a tile (the barrier, the
         page lookups ahead, the softmax's cross-lane max and rescale check) are paid half as
         often per byte, where rows are 128 bytes (16-bit head_dim 64, fp8 head_dim 128);
-        the stages halve with it (``benchmarks/ab_tile_tokens.py``). None: 16.
+        the stages halve with it, and a per-shape plan keeps 4 warps unless ``warps`` says
+        otherwise (``benchmarks/ab_tile_tokens.py``). None: 16.
+    compact_merge: a split_merge plan's merge kernel runs a thread per (split request, head,
+        4 dims) instead of per (request, head, 4 dims) of the whole batch, whose unsplit rows
+        return at once but are still CTAs to schedule: 3-7 us where a few requests of a large
+        batch split (benchmarks/NOTES.md, session 12; ``benchmarks/ab_compact_merge.py``).
+        Per-shape plans; graph-stable wrappers keep their capacity's merge grid. None / False:
+        the whole batch.
     rows_per_cta: the most query heads (rows) one CTA computes, 16, 32 or 64 (the default, 64):
         a GQA group past it runs in more CTAs a kv head, each reading the kv head's K/V (the
         second from L2), with fewer row tiles each and so more warps splitting the tokens
@@ -59,6 +66,7 @@ class DecodeExperiments:
     pow2_pages: bool | None = None
     rows_per_cta: int | None = None
     tile_per_warp: int | None = None
+    compact_merge: bool | None = None
 
     def __post_init__(self):
         if self.stages is not None:
@@ -75,6 +83,7 @@ class DecodeExperiments:
         check_option("pdl_spread", self.pdl_spread)
         check_option("q_in_smem", self.q_in_smem)
         check_option("pow2_pages", self.pow2_pages)
+        check_option("compact_merge", self.compact_merge)
         if self.tile_per_warp is not None and (isinstance(self.tile_per_warp, bool)
                                                or self.tile_per_warp not in (16, 32)):
             raise ValueError(f"tile_per_warp: expected 16 or 32 (or None: 16), got "

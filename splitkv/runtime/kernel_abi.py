@@ -58,6 +58,8 @@ class DecodeParams(ctypes.Structure):
         ("q_group", ctypes.c_int),
         ("unified_max_log2", ctypes.c_float),
         ("unified_fallbacks", _POINTER),
+        ("split_requests", _POINTER),
+        ("num_split_requests", ctypes.c_int),
     ]
 
 

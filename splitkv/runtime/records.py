@@ -144,7 +144,8 @@ class PlanUpload:
     def upload(self, records: np.ndarray, page_table: PageTable, plan: Plan, stream,
                extra: dict | None = None) -> dict:
         """Copy on ``stream``; returns the device pointers {"records", "kv_indices",
-        "merge_indptr"} and one per ``extra`` part (name -> int32 host array)."""
+        "merge_indptr"} and one per ``extra`` part (name -> int32 host array), and with a
+        "split_requests" part its length as "num_split_requests"."""
         import cupy
 
         parts = {"records": records.view(np.int32), "kv_indices": page_table.kv_indices,
@@ -167,6 +168,8 @@ class PlanUpload:
             pointers[name] = self._device.data.ptr + offset * 4
             offset += size
         self._device[:total].set(host, stream=stream)
+        if "split_requests" in parts:
+            pointers["num_split_requests"] = int(parts["split_requests"].size)
         return pointers
 
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..core import fp8
 from ..core import validation as V
-from ..core.execution import check_launch_order, grid_order
+from ..core.execution import MERGE_KERNEL, check_launch_order, grid_order
 from ..core.geometry import MAX_HEADS_PER_CTA, RECORD_PAGES, WARPS_PER_CTA, ctas_per_kv_head
 from ..core.plan import Plan
 from ..core.problem import DecodeProblem, PageTable
@@ -420,7 +420,10 @@ class BatchDecodeWrapper:
                           "the merge kernel's: a thread per 4 dims of each request's heads")
         row_tiles = row_tiles_for(min(group, max_rows))
         sizes = chosen.chunk_end - chosen.chunk_start
-        warps = plan_warps(self.kv_dtype, ctas, self.experiments.warps, row_tiles=row_tiles,
+        # tile_per_warp=32 is the 128-token tile at 4 warps it was measured as, unless forced
+        forced_warps = self.experiments.warps or (4 if self.experiments.tile_per_warp == 32
+                                                  else None)
+        warps = plan_warps(self.kv_dtype, ctas, forced_warps, row_tiles=row_tiles,
                            page_size=self.page_size, head_dim=self.head_dim,
                            mean_chunk_tokens=float(sizes.mean()) if sizes.size else 0.0,
                            multi_token=query_rows is not None)
@@ -435,7 +438,9 @@ class BatchDecodeWrapper:
         in_record = pages_fit_record(chosen, self.page_size, stages, tile)
         records = chunk_records(chosen, page_table, grid_order(chosen),
                                 record_pages_needed(self.page_size, stages, tile) if in_record else 0)
-        extra = None if rows_array is None else {"query_rows": rows_array}
+        extra = {} if rows_array is None else {"query_rows": rows_array}
+        if self.experiments.compact_merge and chosen.merge == MERGE_KERNEL:
+            extra["split_requests"] = np.flatnonzero(np.diff(chosen.merge_indptr) > 1)
         meta = self._upload.upload(records, page_table, chosen, s, extra)
         self._workspace.ensure(chosen, per_kv_head, s)
         if phi is not None:
@@ -827,7 +832,9 @@ class BatchDecodeWrapper:
             page_size=self.page_size, sm_scale_log2=sm_scale_log2,
             pages_in_record=int(pages_in_record),
             pdl_early_trigger=int(pdl and self.experiments.pdl_trigger == "early"),
-            query_rows=meta.get("query_rows", 0), q_group=self.group_size)
+            query_rows=meta.get("query_rows", 0), q_group=self.group_size,
+            split_requests=meta.get("split_requests", 0),
+            num_split_requests=int(meta.get("num_split_requests", 0)))
         grid = num_chunks * self.num_kv_heads * per_kv_head
         shared = kernels.variant.shared_bytes
         if spread is None:
@@ -843,8 +850,9 @@ class BatchDecodeWrapper:
             plain = KernelLaunch(kernels.partial, grid, threads, kernels.variant.shared_bytes)
         merge_launch = None
         if merge:
-            # one thread per (request, qo head, 4 dims)
-            slots = batch_size * heads * (self.head_dim // 4)
+            # one thread per (request, qo head, 4 dims); compact_merge: per split request's
+            requests = meta.get("num_split_requests") or batch_size
+            slots = requests * heads * (self.head_dim // 4)
             merge_launch = KernelLaunch(kernels.merge, -(-slots // threads), threads, 0, pdl=pdl)
         self._bound_variant = kernels.variant
         return DecodeLaunch(params, partial, merge_launch, current_context(), plain)

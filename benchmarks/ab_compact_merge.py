@@ -1,0 +1,44 @@
+"""A/B: the merge kernel over the split requests only (``DecodeExperiments(compact_merge=
+True)``) against the whole batch, on split_merge plans where a few requests of a large batch
+split (benchmarks/NOTES.md, session 12: 3-7 us over fused there) and where all do. Each shape
+runs one split_merge plan of a chunk size, timed with both settings in one process
+(``time_experiments``), beside the fused plan of the same chunks.
+
+    PYTHONPATH=$PWD python3 benchmarks/ab_compact_merge.py [--rounds 2]
+"""
+import argparse
+
+import numpy as np
+
+from splitkv import DecodeProblem, plan_chunk_tokens
+from splitkv.bench.cases import Case, select
+from splitkv.bench.experiments_ab import time_experiments
+from splitkv.calibration.sweep import ragged_lengths
+from splitkv.runtime.experiments import DecodeExperiments
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--rounds", type=int, default=2)
+args = parser.parse_args()
+rng = np.random.default_rng(0)
+# (case, chunk tokens): the eval's shapes where split_merge lost to fused, then standard ones
+SHAPES = [(Case("short_r400_n142", tuple(int(x) for x in ragged_lengths(400, 142, rng))), 1024),
+          (Case("r256_n907_g5_hk2", tuple(int(x) for x in ragged_lengths(256, 907, rng)),
+                num_qo_heads=10, num_kv_heads=2), 4096),
+          (Case("r192_n322_g2_hk2", tuple(int(x) for x in ragged_lengths(192, 322, rng)),
+                num_qo_heads=4, num_kv_heads=2), 1024),
+          (select("ragged_b32")[0], 2048), (select("b1_n32k")[0], 2048),
+          (select("b128_n2k")[0], 1024)]
+settings = {"whole batch": None, "compact": DecodeExperiments(compact_merge=True)}
+print(f"{'case':>18} {'plan':>16} {'whole us':>9} {'compact us':>10} {'ratio':>6} {'fused us':>9}",
+      flush=True)
+for case, chunk in SHAPES:
+    problem = DecodeProblem(np.array(case.kv_lens), case.num_qo_heads, case.num_kv_heads,
+                            case.head_dim, case.page_size)
+    plan = plan_chunk_tokens(problem, chunk, "split_merge", align=64)
+    _, us = time_experiments(case, settings, rounds=args.rounds, plan=plan)
+    _, fused = time_experiments(case, {"fused": None}, rounds=args.rounds,
+                                plan=plan_chunk_tokens(problem, chunk, "fused", align=64))
+    split = int((np.diff(plan.merge_indptr) > 1).sum())
+    print(f"{case.name:>18} {f'split_merge/{plan.num_splits}':>16} {us['whole batch']:9.2f} "
+          f"{us['compact']:10.2f} {us['compact'] / us['whole batch']:6.3f} {fused['fused']:9.2f}"
+          f"   ({split} of {len(case.kv_lens)} requests split)", flush=True)

@@ -15,6 +15,7 @@
 #   bash benchmarks/device_run.sh ab_occupancy         # issue 18: more CTAs an SM, short CTAs
 #   bash benchmarks/device_run.sh ab_tile_tokens       # issue 18: 128-token tiles for 128-byte rows
 #   bash benchmarks/device_run.sh ab_compact_merge     # issue 18: the merge over split requests only
+#   bash benchmarks/device_run.sh tests_s12           # the GPU tests of session 12's unrun changes
 #   bash benchmarks/device_run.sh tests_only; then memcheck sanitize  # two calls, each < 10 min
 #   bash benchmarks/device_run.sh calibrate_fp8 bench_fp8   # fit fp8's cost model, then bench it
 #   bash benchmarks/device_run.sh device_plan plan_cost  # plan_on_device tests; planning's cost per step
@@ -162,6 +163,13 @@ for phase in "$@"; do
     check_fp8_data)
       # session 12's NaN in the fp8 class bench: which step makes the data non-finite
       python3 benchmarks/check_fp8_bench_data.py 2>&1 | grep -v Warning | tee "$RES/check_fp8_data.log" ;;
+    tests_s12)
+      # the GPU tests of what changed after the last full run (dee7c27): the experiments, the
+      # data watch, the warps rule, and the head_dim 64/256 plans (decode, device plans)
+      python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_gpu_tile_tokens.py \
+        tests/test_gpu_compact_merge.py tests/test_gpu_warps8.py tests/test_gpu_reliability.py \
+        tests/test_gpu_decode.py tests/test_gpu_device_plan.py tests/test_gpu_q_smem.py 2>&1 \
+        | tee "$RES/gpu_tests_s12.log" | tail -12 ;;
     tests_only)
       python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/ 2>&1 | tee "$RES/gpu_tests.log" | tail -12 ;;
     dissect)

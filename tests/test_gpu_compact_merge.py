@@ -57,8 +57,8 @@ def test_the_compact_merge_with_query_rows_sinks_and_a_soft_cap():
     lens = [2000, 50, 700, 33, 0]
     pt, pages = scattered_page_table(lens, 16, rng)
     k, v = random_kv_caches((pages, 16, hk, d), "bfloat16", rng)
-    qo_indptr = np.array([0, 3, 4, 6, 7, 7])
-    q = random_device_array((7, hq, d), "bfloat16", rng)
+    qo_indptr = np.array([0, 3, 4, 6, 7, 8])         # a request with no KV still has its row
+    q = random_device_array((8, hq, d), "bfloat16", rng)
     sinks = cupy.asarray(rng.standard_normal(hq).astype(np.float32))
     whole = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16")
     compact = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", experiments=COMPACT)

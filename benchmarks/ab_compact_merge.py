@@ -2,7 +2,9 @@
 True)``) against the whole batch, on split_merge plans where a few requests of a large batch
 split (benchmarks/NOTES.md, session 12: 3-7 us over fused there) and where all do. Each shape
 runs one split_merge plan of a chunk size, timed with both settings in one process
-(``time_experiments``), beside the fused plan of the same chunks.
+(``time_experiments``), beside the fused plan of the same chunks. Then what a graph-stable
+wrapper's capacity costs a small batch (capacity of the batch's size against 256 requests):
+the case for a compact merge in graph-stable grids too.
 
     PYTHONPATH=$PWD python3 benchmarks/ab_compact_merge.py [--rounds 2]
 """
@@ -45,3 +47,25 @@ for case, chunk in SHAPES:
     print(f"{case.name:>18} {f'split_merge/{plan.num_splits}':>16} {us['whole batch']:9.2f} "
           f"{us['compact']:10.2f} {us['compact'] / us['whole batch']:6.3f} {fused['fused']:9.2f}"
           f"   ({split} of {len(case.kv_lens)} requests split)", flush=True)
+
+# What a graph-stable wrapper's capacity costs a small batch: its grid of max_chunks x kv heads
+# CTAs (idle ones exit after their record) and its merge kernel over the whole capacity's rows,
+# every call. The same batch under capacities of its own size and of 256 requests.
+from splitkv.runtime.testing import scattered_page_table  # noqa: E402
+from splitkv.runtime.timing import make_layers, time_wrapper_us  # noqa: E402
+from splitkv.runtime.wrapper import BatchDecodeWrapper  # noqa: E402
+
+print(f"\n{'case':>18} {'capacity':>8} {'plan':>16} {'us':>8}", flush=True)
+for case in select("b8_n8k,b32_n2k,b1_n32k"):
+    pt, _ = scattered_page_table(case.kv_lens, case.page_size, np.random.default_rng(0),
+                                 extra_pages=0)
+    heads = (case.num_qo_heads, case.num_kv_heads, case.head_dim)
+    data = make_layers(pt, *heads, "bfloat16", min_total_bytes=1 << 30, seed=0)
+    for capacity in (len(case.kv_lens), 256):
+        g = BatchDecodeWrapper(*heads, case.page_size, "bfloat16", use_cuda_graph=True,
+                               max_batch_size=capacity, max_num_pages=pt.kv_indices.size)
+        plan = g.plan(pt)
+        us = min(time_wrapper_us(g, data) for _ in range(args.rounds))
+        print(f"{case.name:>18} {capacity:8d} {f'{plan.strategy}/{plan.num_splits}':>16} "
+              f"{us:8.2f}", flush=True)
+    data = None

@@ -93,6 +93,16 @@ def sweep_shapes(quick: bool = False, seed: int = 0) -> list[SweepShape]:
         for hq, hk, d in [(128, 8, 128), (64, 2, 128), (16, 8, 256)]:
             for b, n in [(1, 8192), (8, 8192), (32, 2048)]:
                 shapes.append(_shape(f"h{hq}/{hk}_d{d}_b{b}_n{n}", [n] * b, hq, hk, d))
+        # and the kinds of shape the planner evaluation of session 12 found the fit furthest
+        # from, with sizes of their own (the evaluation's held-out shapes stay unseen):
+        # hundreds of short requests, a large batch of which a few requests are long
+        # (split_merge splits only those), many waves at head_dim 64 and 256, a batch-1
+        # request of a few thousand tokens
+        shapes.append(_shape("short_ragged_b384_mean160", ragged_lengths(384, 160, rng)))
+        shapes.append(_shape("few_long_b256", [300] * 250 + [6000] * 6))
+        shapes.append(_shape("h32/8_d64_b64_n4096", [4096] * 64, 32, 8, 64))
+        shapes.append(_shape("h16/8_d256_b16_n6000", [6000] * 16, 16, 8, 256))
+        shapes.append(_shape("b1_n4500", [4500]))
     return [s for s in shapes if s.problem.kv_bytes <= MAX_KV_BYTES]
 
 

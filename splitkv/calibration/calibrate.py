@@ -43,13 +43,18 @@ def calibrate(points: list[SweepPoint], device: dict, *, quick: bool = False, se
     16-bit profile); with ``graph_stable``, every CTA at 4 warps, as a graph-stable wrapper
     runs them (``features.plan_warps``).
 
+    The 16-bit fit times per-shape builds, and so the 8 warps that lone grids of groups past
+    16 run (``features.plan_warps``) where a graph-stable wrapper keeps 4: its plans of such
+    shapes are predicted as the 8-warp build (a difference fp8, whose two fits are apart,
+    does not have).
+
     Trials default to ``QUICK_TIMING`` for a quick sweep and to the runtime's otherwise;
     ``progress(i, n, point, us)`` is called after each point (``sweep.measure``). Returns
     (profile, ``FitReport``, measurements).
     """
     if graph_stable and not kv_dtype:
-        raise ValueError("graph_stable: the graph-stable fit is fp8's (its 16-bit builds are "
-                         "the per-shape ones); give kv_dtype too")
+        raise ValueError("graph_stable: the graph-stable fit is fp8's (16-bit plans are fitted "
+                         "on the per-shape builds); give kv_dtype too")
     timing = dict(QUICK_TIMING) if quick else {}
     if trials is not None:
         timing["trials"] = trials

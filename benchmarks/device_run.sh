@@ -167,7 +167,8 @@ for phase in "$@"; do
       # the GPU tests of what changed after the last full run (dee7c27): the experiments, the
       # data watch, the warps rule, and the head_dim 64/256 plans (decode, device plans)
       python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_gpu_tile_tokens.py \
-        tests/test_gpu_compact_merge.py tests/test_gpu_warps8.py tests/test_gpu_reliability.py \
+        tests/test_gpu_compact_merge.py tests/test_gpu_warps8.py \
+        tests/test_gpu_reliability.py::test_the_bench_data_watch_finds_a_written_nan_and_where \
         tests/test_gpu_decode.py tests/test_gpu_device_plan.py tests/test_gpu_q_smem.py 2>&1 \
         | tee "$RES/gpu_tests_s12.log" | tail -12 ;;
     tests_only)

@@ -15,6 +15,7 @@
 #   bash benchmarks/device_run.sh ab_occupancy         # issue 18: more CTAs an SM, short CTAs
 #   bash benchmarks/device_run.sh ab_tile_tokens       # issue 18: 128-token tiles for 128-byte rows
 #   bash benchmarks/device_run.sh ab_compact_merge     # issue 18: the merge over split requests only
+#   bash benchmarks/device_run.sh ab_dim_split         # issue 18: d256, O's dims over warp pairs
 #   bash benchmarks/device_run.sh tests_s12           # the GPU tests of session 12's unrun changes
 #   bash benchmarks/device_run.sh tests_only; then memcheck sanitize  # two calls, each < 10 min
 #   bash benchmarks/device_run.sh calibrate_fp8 bench_fp8   # fit fp8's cost model, then bench it
@@ -156,6 +157,10 @@ for phase in "$@"; do
       python3 benchmarks/ab_tile_tokens.py 2>&1 | grep -v Warning | tee "$RES/ab_tile_tokens.log"
       python3 benchmarks/ab_tile_tokens.py --kv-dtype fp8_e4m3 2>&1 | grep -v Warning \
         | tee -a "$RES/ab_tile_tokens.log" ;;
+    ab_dim_split)
+      # issue 18, head_dim 256: O's head dim split between warp pairs (8 warps, 64-token tiles)
+      python3 -m pytest -q -p no:cacheprovider tests/test_gpu_dim_split.py 2>&1 | tail -3
+      python3 benchmarks/ab_dim_split.py 2>&1 | grep -v Warning | tee "$RES/ab_dim_split.log" ;;
     ab_compact_merge)
       # issue 18: the merge kernel over the split requests only, where few of a batch split
       python3 -m pytest -q -p no:cacheprovider tests/test_gpu_compact_merge.py 2>&1 | tail -3
@@ -167,7 +172,7 @@ for phase in "$@"; do
       # the GPU tests of what changed after the last full run (dee7c27): the experiments, the
       # data watch, the warps rule, and the head_dim 64/256 plans (decode, device plans)
       python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_gpu_tile_tokens.py \
-        tests/test_gpu_compact_merge.py tests/test_gpu_warps8.py \
+        tests/test_gpu_compact_merge.py tests/test_gpu_dim_split.py tests/test_gpu_warps8.py \
         tests/test_gpu_reliability.py::test_the_bench_data_watch_finds_a_written_nan_and_where \
         tests/test_gpu_decode.py tests/test_gpu_device_plan.py tests/test_gpu_q_smem.py 2>&1 \
         | tee "$RES/gpu_tests_s12.log" | tail -12 ;;

@@ -328,3 +328,27 @@ def test_tiles_of_32_tokens_a_warp_compile(variant):
     assert variant.defines["TILE_N"] == 128 and "TILE_N" not in default.defines
     with pytest.raises(ValueError, match="tile_per_warp: expected 16 or 32"):
         replace(variant, tile_per_warp=64)
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("variant", [
+    DecodeVariant("bfloat16", 256, 1, num_warps=8, dim_split=2),
+    DecodeVariant("bfloat16", 256, 1, num_warps=8, dim_split=2, q_in_smem=1),
+    DecodeVariant("float16", 256, 2, num_warps=8, dim_split=2, cluster=4),
+    DecodeVariant("bfloat16", 256, 1, num_warps=8, dim_split=2, multi_token=1, soft_cap=1),
+    DecodeVariant("bfloat16", 128, 1, num_warps=8, dim_split=2)], ids=lambda v: v.name)
+def test_the_head_dim_split_between_warp_pairs_compiles(variant):
+    """The dim_split experiment (WARPS_D = 2): 8 warps keep 64-token tiles, so head_dim 256
+    fits two stages in 128 KiB, with half of O's registers a warp and no spills; fp8 and the
+    unified max are refused by name (their per-warp paths hold every dim)."""
+    _, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
+    assert resource_report(log)["decode_partial"][1] == 0, log
+    assert variant.tile_tokens == 64 and variant.defines["WARPS_D"] == 2
+    assert "_dsplit2" in variant.name and "WARPS_D" not in replace(variant, dim_split=1).defines
+    if variant.head_dim == 256 and not variant.q_in_smem:
+        assert variant.shared_bytes <= 131 * 1024
+    for bad in ({"kv_dtype": "float8_e4m3fn"}, {"unified_max": 1}):
+        with pytest.raises(ValueError, match="^dim_split: 16-bit K/V and the running max"):
+            replace(variant, **bad)
+    with pytest.raises(ValueError, match="dim_split: expected 1 or 2"):
+        replace(variant, dim_split=4)

@@ -453,3 +453,17 @@ def test_tile_per_warp_is_16_or_32():
         with pytest.raises(ValueError, match="tile_per_warp: expected 16 or 32"):
             DecodeExperiments(tile_per_warp=bad)
     assert DecodeExperiments(tile_per_warp=32).tile_per_warp == 32
+
+
+def test_dim_split_is_1_or_2_and_16_bit_only():
+    from splitkv.runtime.experiments import DecodeExperiments
+    from splitkv.runtime.wrapper import BatchDecodeWrapper
+
+    for bad in (3, 0, True):
+        with pytest.raises(ValueError, match="dim_split: expected 1 or 2"):
+            DecodeExperiments(dim_split=bad)
+    w = BatchDecodeWrapper(16, 8, 256, 16, "bfloat16", experiments=DecodeExperiments(dim_split=2))
+    assert (w.variant.num_warps, w.variant.dim_split, w.variant.tile_tokens) == (8, 2, 64)
+    with pytest.raises(ValueError, match="^dim_split: 16-bit K/V"):
+        BatchDecodeWrapper(16, 8, 256, 16, "bfloat16", kv_dtype="float8_e4m3fn",
+                           experiments=DecodeExperiments(dim_split=2))

@@ -40,7 +40,7 @@
 // every K/V byte is still read once for all of a request's rows; each row masks the tokens past
 // its own position, and every final output is written through query_row.
 //
-// Compile-time parameters: SPLITKV_BF16, HEAD_DIM, ROW_TILES (1, 2, 4), STAGES, NUM_WARPS,
+// Compile-time parameters: SPLITKV_BF16, HEAD_DIM, ROW_TILES (1, 2, 4), STAGES, NUM_WARPS, WARPS_D,
 // MAX_REGISTERS, CLUSTER, RECORD_PAGES, KV_FP8, SOFT_CAP (1: the logits soft cap, its value in
 // DecodeParams), MULTI_TOKEN, UNIFIED_MAX (1: the FlashDecoding++ unified max, below), Q_SMEM
 // (1, an experiment: q's MMA fragments in shared memory, read back each tile, not registers),
@@ -105,24 +105,37 @@
 #ifndef NUM_WARPS
 #error "NUM_WARPS must be defined"
 #endif
+// WARPS_D (an experiment, 16-bit K/V): warps that split the head dim of O = P V. Each warp
+// of a group of WARPS_D computes the same scores (Q K^T over every dim) and softmax state,
+// and accumulates O for its 1 / WARPS_D of the dims: a CTA of 8 warps keeps 64-token tiles
+// (head_dim 256: 2 stages fit), and O's registers shrink by WARPS_D.
+#ifndef WARPS_D
+#define WARPS_D 1
+#endif
+#if WARPS_D > 1 && (KV_FP8 || UNIFIED_MAX)
+#error "WARPS_D > 1: 16-bit K/V and the running max only"
+#endif
 #ifndef TILE_N
-#define TILE_N (16 * NUM_WARPS)                // tokens per pipeline stage (32 x: an experiment)
+#define TILE_N (16 * NUM_WARPS / WARPS_D)      // tokens per pipeline stage (32 x: an experiment)
 #endif
 #define NUM_THREADS (NUM_WARPS * 32)
-#define WARPS_N (NUM_WARPS / ROW_TILES)        // warps sharing one row tile split the tokens
+#define WARPS_N (NUM_WARPS / (ROW_TILES * WARPS_D))   // warps sharing one row tile's dims split the tokens
 #define TOK_PER_WARP (TILE_N / WARPS_N)
 #define SUBTILES (TOK_PER_WARP / 16)
-#define GROUP_THREADS (32 * ROW_TILES)         // the warps that read the same tokens
+#define GROUP_THREADS (32 * ROW_TILES * WARPS_D)   // the warps that read the same tokens
+#define STATE_WARPS (NUM_WARPS / WARPS_D)      // warp states the epilogue combines
 #define ROWS (16 * ROW_TILES)                  // query heads per CTA
 #define KV_BYTES (KV_FP8 ? 1 : 2)
 #define ROW_BYTES (HEAD_DIM * KV_BYTES)        // one token's K (or V) row of one kv head
 #define DCHUNKS (ROW_BYTES / 16)               // 16-byte chunks per row
 #define KSTEPS (HEAD_DIM / 16)
 #define DTILES (HEAD_DIM / 8)
+#define DTILES_W (DTILES / WARPS_D)            // d-tiles of O one warp accumulates
 #define STAGE_BYTES (TILE_N * ROW_BYTES)       // K (or V) of one tile
 #define PIPELINE_BYTES (STAGES * STAGE_BYTES * 2)   // K and V tiles of every stage
 static_assert(RECORD_PAGES / 4 <= NUM_THREADS, "record copy: one 16-byte copy per thread");
 static_assert(TILE_N % (16 * WARPS_N) == 0, "TILE_N: whole 16-token subtiles for every warp");
+static_assert(ROW_TILES * WARPS_D * WARPS_N == NUM_WARPS, "warps: row tiles x WARPS_D x WARPS_N");
 
 // Partials merged per pass of merge_workspace: each pass issues all its loads before using any,
 // so merging up to this many partials costs one round trip to L2, not one per partial.
@@ -130,7 +143,7 @@ static_assert(TILE_N % (16 * WARPS_N) == 0, "TILE_N: whole 16-token subtiles for
 
 // A lane's share of one row's O accumulator fragments (dims i * 8 + 2t, +1 for every d-tile i),
 // and four dims of a row, the unit every epilogue and merge works in.
-using RowState = SoftmaxState<2 * DTILES>;
+using RowState = SoftmaxState<2 * DTILES_W>;
 using SlotState = SoftmaxState<4>;
 
 // Shared-memory tile rows are HEAD_DIM halves; chunk c of row r lives at chunk c ^ (r & 7), so
@@ -290,7 +303,8 @@ __device__ __forceinline__ int state_offset(int row, int dim) {
 }
 
 // After the main loop every warp leaves its unnormalised state of its 16 rows in the pipeline
-// buffers: o [NUM_WARPS][16][HEAD_DIM] (state_offset), m and d [NUM_WARPS][16].
+// buffers: o [STATE_WARPS][16][HEAD_DIM] (state_offset), m and d [STATE_WARPS][16]; with
+// WARPS_D > 1 the warps of one state each write their dims of it.
 struct WarpStates {
   float* o;
   float* m;
@@ -450,7 +464,7 @@ __device__ __forceinline__ bool unified_rows_in_band(float* scratch, const RowSt
     out_of_band |= seen[r] && !(x >= -UNIFIED_LO && x <= UNIFIED_HI);
     bool finite = isfinite(state[r].d);
 #pragma unroll
-    for (int i = 0; i < 2 * DTILES; ++i) finite &= isfinite(state[r].o[i] * o_scale);
+    for (int i = 0; i < 2 * DTILES_W; ++i) finite &= isfinite(state[r].o[i] * o_scale);
     out_of_band |= !finite;
   }
   return !__syncthreads_or(out_of_band);
@@ -515,7 +529,15 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   const int* pages = params.kv_indices + chunk.page_table_begin;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+#if WARPS_D > 1
+  const int warp_n = warp % WARPS_N, warp_d = warp / WARPS_N % WARPS_D;
+  const int warp_m = warp / (WARPS_N * WARPS_D);
+  const int state_warp = warp_m * WARPS_N + warp_n;   // its row tile's and tokens' state
+#else
   const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
+  constexpr int warp_d = 0;
+  const int state_warp = warp;
+#endif
   const int g = lane >> 2, t = lane & 3;
 
   const u32 k_smem_u32 = smem_u32(smem), v_smem_u32 = k_smem_u32 + STAGES * STAGE_BYTES;
@@ -531,12 +553,12 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   // Page-table entries are fetched one tile ahead of the copies that need them, so the
   // dependent lookup latency overlaps the math of the current tile instead of stalling it.
   constexpr int LOADS = TOK_PER_WARP * DCHUNKS / GROUP_THREADS;  // 16-byte copies per thread per tile
-  const int group_tid = warp_m * 32 + lane;
+  const int group_tid = (warp_m * WARPS_D + warp_d) * 32 + lane;
   const int my_chunk = group_tid % DCHUNKS;
   const int my_row0 = warp_n * TOK_PER_WARP + group_tid / DCHUNKS;  // rows my_row0 + i * ROW_STEP
   constexpr int ROW_STEP = GROUP_THREADS / DCHUNKS;
   auto group_sync = [&]() {
-    if (ROW_TILES == 1) {
+    if (GROUP_THREADS == 32) {
       __syncwarp();
     } else {
       named_barrier_sync<GROUP_THREADS>(1 + warp_n);
@@ -984,9 +1006,9 @@ decode_partial(const __grid_constant__ DecodeParams params) {
       }
 #else
 #pragma unroll
-      for (int dp = 0; dp < DTILES / 2; ++dp) {
+      for (int dp = 0; dp < DTILES_W / 2; ++dp) {   // this warp's d-tiles of O
         const int r = n0 + (lane & 7) + (((lane >> 3) & 1) << 3);
-        const int c = dp * 2 + (lane >> 4);
+        const int c = (warp_d * (DTILES_W / 2) + dp) * 2 + (lane >> 4);
         u32 b0, b1, b2, b3;
         ldmatrix_x4_trans(b0, b1, b2, b3, vs_base + tile_offset_bytes(r, c));
         mma_16816(state[0].o + 4 * dp, state[1].o + 4 * dp, a, b0, b1);           // d-tile 2 dp
@@ -1033,7 +1055,8 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   // Each warp's state of its 16 rows to shared memory, for the epilogue to combine the warps
   // that share a row tile (they saw different tokens).
   float* so = reinterpret_cast<float*>(smem);
-  const WarpStates warps = {so, so + NUM_WARPS * 16 * HEAD_DIM, so + NUM_WARPS * 16 * (HEAD_DIM + 1)};
+  const WarpStates warps = {so, so + STATE_WARPS * 16 * HEAD_DIM,
+                            so + STATE_WARPS * 16 * (HEAD_DIM + 1)};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {   // the four lanes of a row saw different tokens
     state[r].d += __shfl_xor_sync(0xffffffffu, state[r].d, 1);
@@ -1041,15 +1064,15 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   }
 #if KV_FP8
 #pragma unroll
-  for (int i = 0; i < 2 * DTILES; ++i) {   // O = sum p v_stored x v_scale (d is unscaled)
+  for (int i = 0; i < 2 * DTILES_W; ++i) {   // O = sum p v_stored x v_scale (d is unscaled)
     state[0].o[i] *= v_scale;
     state[1].o[i] *= v_scale;
   }
 #endif
   {
-    float* wo = warps.o + warp * 16 * HEAD_DIM;
+    float* wo = warps.o + state_warp * 16 * HEAD_DIM;
 #pragma unroll
-    for (int i = 0; i < DTILES; ++i) {
+    for (int i = 0; i < DTILES_W; ++i) {
 #if KV_FP8
       if (i % 4 != 0) continue;
       // column 2t + e of n-tiles i..i+3: four consecutive dims from fp8_v_dim
@@ -1062,20 +1085,21 @@ decode_partial(const __grid_constant__ DecodeParams params) {
               make_float4(o[2 * i + e], o[2 * i + 2 + e], o[2 * i + 4 + e], o[2 * i + 6 + e]);
         }
 #else
-      const int col = i * 8 + 2 * t;
+      const int col = (warp_d * DTILES_W + i) * 8 + 2 * t;
       *reinterpret_cast<float2*>(wo + g * HEAD_DIM + col) = make_float2(state[0].o[2 * i], state[0].o[2 * i + 1]);
       *reinterpret_cast<float2*>(wo + (g + 8) * HEAD_DIM + col) = make_float2(state[1].o[2 * i], state[1].o[2 * i + 1]);
 #endif
     }
-    if (t == 0) {
-      warps.m[warp * 16 + g] = state[0].m; warps.m[warp * 16 + g + 8] = state[1].m;
-      warps.d[warp * 16 + g] = state[0].d; warps.d[warp * 16 + g + 8] = state[1].d;
+    if (t == 0 && warp_d == 0) {   // the WARPS_D warps of a state hold the same m and d
+      const int w = state_warp;
+      warps.m[w * 16 + g] = state[0].m; warps.m[w * 16 + g + 8] = state[1].m;
+      warps.d[w * 16 + g] = state[0].d; warps.d[w * 16 + g + 8] = state[1].d;
     }
   }
   __syncthreads();
 
 #if CLUSTER > 1
-  float* cl_o = warps.d + NUM_WARPS * 16;                     // [ROWS][HEAD_DIM]
+  float* cl_o = warps.d + STATE_WARPS * 16;                   // [ROWS][HEAD_DIM]
   cluster_merge(params, warps, cl_o, cl_o + ROWS * HEAD_DIM, rank, req, head0, rows_valid);
 #else
   if (chunk.chunk_end - chunk.chunk_begin == 1) {

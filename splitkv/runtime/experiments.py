@@ -45,6 +45,11 @@ class DecodeExperiments:
         often per byte, where rows are 128 bytes (16-bit head_dim 64, fp8 head_dim 128);
         the stages halve with it, and a per-shape plan keeps 4 warps unless ``warps`` says
         otherwise (``benchmarks/ab_tile_tokens.py``). None: 16.
+    dim_split: 2 splits the head dim of O = P V between pairs of warps, each computing the same
+        scores and accumulating half of O (WARPS_D): CTAs of 8 warps keep 64-token tiles, so
+        head_dim 256, one 4-warp CTA an SM today, gets 8 warps an SM in 128 KiB, and O's
+        registers halve (``benchmarks/ab_dim_split.py``). 16-bit K/V and the running max only;
+        a plan then runs 8 warps unless ``warps`` says otherwise. None / 1: every warp all dims.
     compact_merge: a split_merge plan's merge kernel runs a thread per (split request, head,
         4 dims) instead of per (request, head, 4 dims) of the whole batch, whose unsplit rows
         return at once but are still CTAs to schedule: 3-7 us where a few requests of a large
@@ -67,6 +72,7 @@ class DecodeExperiments:
     rows_per_cta: int | None = None
     tile_per_warp: int | None = None
     compact_merge: bool | None = None
+    dim_split: int | None = None
 
     def __post_init__(self):
         if self.stages is not None:
@@ -84,6 +90,9 @@ class DecodeExperiments:
         check_option("q_in_smem", self.q_in_smem)
         check_option("pow2_pages", self.pow2_pages)
         check_option("compact_merge", self.compact_merge)
+        if self.dim_split is not None and (isinstance(self.dim_split, bool)
+                                           or self.dim_split not in (1, 2)):
+            raise ValueError(f"dim_split: expected 1 or 2 (or None: 1), got {self.dim_split!r}")
         if self.tile_per_warp is not None and (isinstance(self.tile_per_warp, bool)
                                                or self.tile_per_warp not in (16, 32)):
             raise ValueError(f"tile_per_warp: expected 16 or 32 (or None: 16), got "

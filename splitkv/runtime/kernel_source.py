@@ -60,6 +60,7 @@ class DecodeVariant:
     q_in_smem: int = 0     # 1 (an experiment): q's MMA fragments in shared memory (Q_SMEM)
     pow2_pages: int = 0    # 1: the page walk shifts for 2**k pages (POW2_PAGES)
     tile_per_warp: int = 16   # tokens per tile per warp: 16, or 32 (an experiment; TILE_N)
+    dim_split: int = 1     # warps that split O's head dim, 1 or 2 (an experiment; WARPS_D)
 
     def __post_init__(self):
         if self.kv_dtype not in ("", *KV_FP8_CODES):
@@ -69,6 +70,14 @@ class DecodeVariant:
             raise ValueError(f"num_warps: expected 4 or 8, got {self.num_warps}")
         if self.tile_per_warp not in (16, 32):
             raise ValueError(f"tile_per_warp: expected 16 or 32, got {self.tile_per_warp}")
+        if self.dim_split not in (1, 2):
+            raise ValueError(f"dim_split: expected 1 or 2, got {self.dim_split}")
+        if self.dim_split > 1 and (self.kv_dtype or self.unified_max):
+            raise ValueError("dim_split: 16-bit K/V and the running max only (fp8's V path and "
+                             "the unified max's row check are per warp of all dims)")
+        if self.num_warps < self.row_tiles * self.dim_split:
+            raise ValueError(f"dim_split: {self.num_warps} warps cannot hold {self.row_tiles} "
+                             f"row tiles x {self.dim_split} dim halves")
         if self.stages == 0:
             # About 64-96 KiB of K+V in flight per CTA, so two or three CTAs fit on an SM.
             defaults = DEFAULT_FP8_STAGES if self.kv_dtype else DEFAULT_STAGES
@@ -84,8 +93,9 @@ class DecodeVariant:
 
     @property
     def tile_tokens(self) -> int:
-        """Tokens per pipeline stage (TILE_N): 16 per warp (32 as an experiment)."""
-        return self.tile_per_warp * self.num_warps
+        """Tokens per pipeline stage (TILE_N): 16 per warp (32 as an experiment), over the
+        warps that split the head dim (dim_split)."""
+        return self.tile_per_warp * self.num_warps // self.dim_split
 
     @property
     def threads(self) -> int:
@@ -102,7 +112,7 @@ class DecodeVariant:
         # q_in_smem each warp's q fragments (16 bytes a lane a 16-dim k-step)
         pipeline = (self.stages * self.tile_tokens * self.head_dim * self.kv_bytes * 2
                     + RECORD_PAGES * 4 + self.q_in_smem * self.num_warps * self.head_dim * 32)
-        combine = self.num_warps * 16 * (self.head_dim + 2) * 4   # reused after the pipeline
+        combine = (self.num_warps // self.dim_split) * 16 * (self.head_dim + 2) * 4   # reused after
         if self.cluster:
             combine += self.rows * (self.head_dim + 1) * 4          # the CTA's partial state
         return max(pipeline, combine)
@@ -118,7 +128,8 @@ class DecodeVariant:
                 "POW2_PAGES": self.pow2_pages,
                 # only where it is not the kernel's default, so the default builds' sources
                 # (and so their cached binaries) stay the same
-                **({"TILE_N": self.tile_tokens} if self.tile_per_warp != 16 else {})}
+                **({"TILE_N": self.tile_tokens} if self.tile_per_warp != 16 else {}),
+                **({"WARPS_D": self.dim_split} if self.dim_split != 1 else {})}
 
     @property
     def name(self) -> str:
@@ -132,6 +143,7 @@ class DecodeVariant:
         kv += "_qsmem" if self.q_in_smem else ""
         kv += "_pow2" if self.pow2_pages else ""
         kv += f"_t{self.tile_tokens}" if self.tile_per_warp != 16 else ""
+        kv += f"_dsplit{self.dim_split}" if self.dim_split != 1 else ""
         return (f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}_s{self.stages}{regs}{cluster}"
                 f"{kv}")
 
@@ -146,10 +158,11 @@ class DecodeVariant:
                     max_registers: int = 0, cluster: int = 0,
                     kv_dtype: str = "", num_warps: int = WARPS_PER_CTA,
                     q_in_smem: int = 0, pow2_pages: int = 0,
-                    tile_per_warp: int = 16) -> "DecodeVariant":
+                    tile_per_warp: int = 16, dim_split: int = 1) -> "DecodeVariant":
         return DecodeVariant(dtype, head_dim, row_tiles_for(group_size), stages, max_registers,
                              cluster, kv_dtype or "", num_warps, q_in_smem=q_in_smem,
-                             pow2_pages=pow2_pages, tile_per_warp=tile_per_warp)
+                             pow2_pages=pow2_pages, tile_per_warp=tile_per_warp,
+                             dim_split=dim_split)
 
 
 def row_tiles_for(group_size: int) -> int:

@@ -146,9 +146,12 @@ class BatchDecodeWrapper:
                                                  experiments.stages or 0,
                                                  experiments.max_registers or 0,
                                                  kv_dtype=self.kv_dtype or "",
-                                                 num_warps=experiments.warps or WARPS_PER_CTA,
+                                                 num_warps=experiments.warps or (
+                                                     8 if experiments.dim_split == 2
+                                                     else WARPS_PER_CTA),
                                                  q_in_smem=int(q_in_smem), pow2_pages=int(pow2),
-                                                 tile_per_warp=experiments.tile_per_warp or 16)
+                                                 tile_per_warp=experiments.tile_per_warp or 16,
+                                                 dim_split=experiments.dim_split or 1)
         if experiments.rows_per_cta and use_cuda_graph:
             raise ValueError("experiments: rows_per_cta is for per-shape wrappers (a graph-stable "
                              "grid is sized for the default rows a CTA)")
@@ -420,9 +423,11 @@ class BatchDecodeWrapper:
                           "the merge kernel's: a thread per 4 dims of each request's heads")
         row_tiles = row_tiles_for(min(group, max_rows))
         sizes = chosen.chunk_end - chosen.chunk_start
-        # tile_per_warp=32 is the 128-token tile at 4 warps it was measured as, unless forced
-        forced_warps = self.experiments.warps or (4 if self.experiments.tile_per_warp == 32
-                                                  else None)
+        # dim_split=2 runs 8 warps, tile_per_warp=32 the 128-token tile at 4 warps it was
+        # measured as, unless the warps are forced
+        ex = self.experiments
+        forced_warps = ex.warps or (8 if ex.dim_split == 2 else
+                                    4 if ex.tile_per_warp == 32 else None)
         warps = plan_warps(self.kv_dtype, ctas, forced_warps, row_tiles=row_tiles,
                            page_size=self.page_size, head_dim=self.head_dim,
                            mean_chunk_tokens=float(sizes.mean()) if sizes.size else 0.0,
@@ -431,7 +436,7 @@ class BatchDecodeWrapper:
             self.variant, cluster=chosen.cluster_size, soft_cap=int(soft_cap_log2 > 0),
             num_warps=warps, stages=self.experiments.stages or 0, row_tiles=row_tiles,
             multi_token=int(query_rows is not None), unified_max=int(phi is not None)),
-            q_default=self._q_in_smem_default, warps_default=self.experiments.warps is None,
+            q_default=self._q_in_smem_default, warps_default=forced_warps is None,
             stages=self.experiments.stages or 0))
         stages = kernels.variant.stages
         tile = kernels.variant.tile_tokens

@@ -27,13 +27,16 @@ SPLIT = DecodeExperiments(dim_split=2)
 
 @pytest.mark.parametrize("d,hq,hk,dtype,q_in_smem", [
     (256, 16, 8, "bfloat16", None), (256, 16, 8, "bfloat16", False), (256, 64, 2, "float16", None),
-    (128, 32, 8, "bfloat16", None)])
-def test_the_split_head_dim_matches_the_reference(d, hq, hk, dtype, q_in_smem):
-    rng = np.random.default_rng(d + hq)
-    pt, pages = scattered_page_table(LENS, 16, rng)
+    (128, 32, 8, "bfloat16", None), (128, 128, 2, "bfloat16", None)])
+@pytest.mark.parametrize("page", [16, 1])
+def test_the_split_head_dim_matches_the_reference(d, hq, hk, dtype, q_in_smem, page):
+    """hq 128 over 2 kv heads: four row tiles, so each token group is all 8 warps (one warp
+    of tokens, a 256-thread barrier); page 1: the page walk's per-copy path."""
+    rng = np.random.default_rng(d + hq + page)
+    pt, pages = scattered_page_table(LENS, page, rng)
     q = random_device_array((len(LENS), hq, d), dtype, rng)
-    k, v = random_kv_caches((pages, 16, hk, d), dtype, rng)
-    w = BatchDecodeWrapper(hq, hk, d, 16, dtype,
+    k, v = random_kv_caches((pages, page, hk, d), dtype, rng)
+    w = BatchDecodeWrapper(hq, hk, d, page, dtype,
                            experiments=DecodeExperiments(dim_split=2, q_in_smem=q_in_smem))
     ref_o, ref_lse = reference_decode(q.get(), k, v, pt)
     for strategy, n in PLANS:

@@ -339,8 +339,9 @@ def test_tiles_of_32_tokens_a_warp_compile(variant):
     DecodeVariant("bfloat16", 128, 1, num_warps=8, dim_split=2)], ids=lambda v: v.name)
 def test_the_head_dim_split_between_warp_pairs_compiles(variant):
     """The dim_split experiment (WARPS_D = 2): 8 warps keep 64-token tiles, so head_dim 256
-    fits two stages in 128 KiB, with half of O's registers a warp and no spills; fp8 and the
-    unified max are refused by name (their per-warp paths hold every dim)."""
+    fits two stages in 128 KiB, with half of O's registers a warp and no spills up to two row
+    tiles (four at d256 spill 8 bytes); fp8 and the unified max are refused by name (their
+    per-warp paths hold every dim)."""
     _, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
     assert resource_report(log)["decode_partial"][1] == 0, log
     assert variant.tile_tokens == 64 and variant.defines["WARPS_D"] == 2

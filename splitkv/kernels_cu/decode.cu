@@ -3,7 +3,7 @@
 //
 // decode_partial: one CTA per work item (chunk, kv head, one of the kv head's ctas_per_kv_head
 // CTAs), flat grid, heads fastest. It streams the chunk's tokens of K and V for that kv head
-// through shared memory (cp.async, STAGES tiles of TILE_N = 16 x NUM_WARPS tokens in flight,
+// through shared memory (cp.async, STAGES tiles of TILE_N tokens in flight (16 a warp),
 // page-table lookups per token) and computes attention for up to ROWS query heads of the GQA
 // group at once on tensor cores: S = Q K^T and O += P V with mma.m16n8k16, query heads packed
 // into the 16 MMA rows (ROW_TILES row tiles of 16), so every K/V byte is read once per group.
@@ -547,7 +547,7 @@ decode_partial(const __grid_constant__ DecodeParams params) {
 
   const int num_tiles = (tok_end - tok_begin + TILE_N - 1) / TILE_N;
 
-  // Each token group (the ROW_TILES warps that share warp_n) copies only the rows it reads
+  // Each token group (the ROW_TILES x WARPS_D warps that share warp_n) copies only the rows it reads
   // itself and waits only on its own barrier: the groups are independent pipelines, so one
   // group's late copy does not stall the others (as a CTA-wide barrier per tile did).
   // Page-table entries are fetched one tile ahead of the copies that need them, so the

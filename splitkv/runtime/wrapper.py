@@ -140,8 +140,10 @@ class BatchDecodeWrapper:
         if q_in_smem is None:
             q_in_smem = default_q_in_smem(self.head_dim)
         if pow2 is None:
+            # the threads that share a tile's copies: its row tiles' warps (x dim_split's)
             pow2 = default_pow2_pages(self.page_size, self.head_dim,
-                                      row_tiles_for(self.group_size), 1 if self.kv_dtype else 2)
+                                      row_tiles_for(self.group_size) * (experiments.dim_split or 1),
+                                      1 if self.kv_dtype else 2)
         self.variant = DecodeVariant.for_problem(self.dtype, self.head_dim, self.group_size,
                                                  experiments.stages or 0,
                                                  experiments.max_registers or 0,

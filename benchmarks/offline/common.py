@@ -56,6 +56,29 @@ class Shape:
         return self.name.split("_")[0] if not self.name.startswith("b1_few") else "b1_few_k"
 
 
+class eval_time_slots:
+    """The planner as the evaluation ran it (dee7c27): one slot count for every head_dim.
+    The library's slots follow the head_dim since (``cost_model.resident_ctas``); the
+    evaluation's "planner" candidates were chosen before that."""
+
+    def __enter__(self):
+        import splitkv.planner.cost_model as cm
+        import splitkv.planner.planner as pl
+
+        self._saved = dict(cm.RESIDENCY_VS_HEAD_DIM_128)
+        cm.RESIDENCY_VS_HEAD_DIM_128.clear()
+        self._clear = lambda: (cm.feature_constants.cache_clear(),
+                               pl._pair_features.cache_clear())
+        self._clear()
+        return self
+
+    def __exit__(self, *exc):
+        import splitkv.planner.cost_model as cm
+
+        cm.RESIDENCY_VS_HEAD_DIM_128.update(self._saved)
+        self._clear()
+
+
 def load_set(which: str) -> list:
     """'standard' or 'classes': shapes with every measured candidate rebuilt; checks that each
     rebuilt plan's label and chunk count match the JSON."""
@@ -71,7 +94,8 @@ def load_set(which: str) -> list:
         cands = []
         for c in row["candidates"]:
             if c["chunk_tokens"] == "planner":
-                p = choose_plan(prob, shipped)
+                with eval_time_slots():
+                    p = choose_plan(prob, shipped)
             elif c["chunk_tokens"] == "single":
                 p = plan_chunk_tokens(prob, 1 << 30, "single")
             else:

@@ -467,3 +467,11 @@ def test_dim_split_is_1_or_2_and_16_bit_only():
     with pytest.raises(ValueError, match="^dim_split: 16-bit K/V"):
         BatchDecodeWrapper(16, 8, 256, 16, "bfloat16", kv_dtype="float8_e4m3fn",
                            experiments=DecodeExperiments(dim_split=2))
+
+
+def test_compact_merge_is_an_option():
+    from splitkv.runtime.experiments import DecodeExperiments
+
+    with pytest.raises(TypeError, match="compact_merge: expected None, True or False"):
+        DecodeExperiments(compact_merge=1)
+    assert DecodeExperiments(compact_merge=True).compact_merge is True

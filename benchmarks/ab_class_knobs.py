@@ -11,23 +11,15 @@ not build or launch for a shape (shared memory past the SM's) prints as "n/a".
     PYTHONPATH=$PWD python3 benchmarks/ab_class_knobs.py [--cases classes] [--kv-dtype fp8_e4m3]
         [--json out.json]
 """
-import argparse
 import json
 
 from splitkv.bench.cases import select
-from splitkv.bench.experiments_ab import time_experiments
-from splitkv.core import fp8
+from splitkv.bench.experiments_ab import ab_arguments, run_ab
 from splitkv.runtime import features
 from splitkv.runtime.experiments import DecodeExperiments
 from splitkv.runtime.kernel_source import DEFAULT_FP8_STAGES, DEFAULT_STAGES, row_tiles_for
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--cases", default="classes")
-parser.add_argument("--kv-dtype", default=None)
-parser.add_argument("--rounds", type=int, default=2)
-parser.add_argument("--json", default=None)
-args = parser.parse_args()
-fmt = fp8.fp8_format("--kv-dtype", args.kv_dtype)
+args, fmt = ab_arguments(__doc__.splitlines()[0], "classes", json={"default": None})
 
 
 def knobs(case) -> dict:
@@ -50,17 +42,10 @@ def knobs(case) -> dict:
     return out
 
 
-rows = []
-for case in select(args.cases):
-    def skipped(name, exc, case=case):
-        print(f"  {case.name}: {name}: n/a ({type(exc).__name__}: {str(exc)[:80]})")
-
-    plan, us = time_experiments(case, {"default": None, **knobs(case)}, kv_dtype=fmt,
-                                rounds=args.rounds, on_error=skipped)
-    cells = "  ".join(f"{name} {u:.2f} ({u / us['default']:.3f})" for name, u in us.items())
-    print(f"{case.name:>16}  {plan.strategy}/{plan.num_splits}  {cells}", flush=True)
-    rows.append(dict(case=case.name, plan=f"{plan.strategy}/{plan.num_splits}",
-                     kv_dtype=fmt or "bfloat16", us=us))
+timed = run_ab(select(args.cases), lambda case: {"default": None, **knobs(case)},
+               kv_dtype=fmt, rounds=args.rounds)
+rows = [dict(case=case.name, plan=f"{plan.strategy}/{plan.num_splits}",
+             kv_dtype=fmt or "bfloat16", us=us) for case, plan, us in timed]
 if args.json:
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)

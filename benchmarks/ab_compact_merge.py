@@ -17,6 +17,9 @@ from splitkv.bench.cases import Case, select
 from splitkv.bench.experiments_ab import time_experiments
 from splitkv.calibration.sweep import ragged_lengths
 from splitkv.runtime.experiments import DecodeExperiments
+from splitkv.runtime.testing import scattered_page_table
+from splitkv.runtime.timing import make_layers, time_wrapper_us
+from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--rounds", type=int, default=2)
@@ -51,9 +54,6 @@ for case, chunk in SHAPES:
 # What a graph-stable wrapper's capacity costs a small batch: its grid of max_chunks x kv heads
 # CTAs (idle ones exit after their record) and its merge kernel over the whole capacity's rows,
 # every call. The same batch under capacities of its own size and of 256 requests.
-from splitkv.runtime.testing import scattered_page_table  # noqa: E402
-from splitkv.runtime.timing import make_layers, time_wrapper_us  # noqa: E402
-from splitkv.runtime.wrapper import BatchDecodeWrapper  # noqa: E402
 
 print(f"\n{'case':>18} {'capacity':>8} {'plan':>16} {'us':>8}", flush=True)
 for case in select("b8_n8k,b32_n2k,b1_n32k"):

@@ -9,25 +9,14 @@ NVRTC (sm_90): dim_split with q in registers 242 registers, 128 KiB; with q in s
 
     PYTHONPATH=$PWD python3 benchmarks/ab_dim_split.py [--cases ...] [--rounds 2]
 """
-import argparse
-
 from splitkv.bench.cases import _eq, select
-from splitkv.bench.experiments_ab import time_experiments
+from splitkv.bench.experiments_ab import ab_arguments, run_ab
 from splitkv.runtime.experiments import DecodeExperiments
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--cases", default="d256_b8_n8k,b32_n8k")
-parser.add_argument("--rounds", type=int, default=2)
-args = parser.parse_args()
+args, _ = ab_arguments(__doc__.splitlines()[0], "d256_b8_n8k,b32_n8k", kv_dtype=False)
 cases = select(args.cases) + [_eq("d256_b1_n32k", 1, 32768, None, None, hq=16, hk=8, d=256),
                               _eq("d256_b32_n4k", 32, 4096, None, None, hq=16, hk=8, d=256),
                               _eq("d256_g4_b8_n8k", 8, 8192, None, None, hq=32, hk=8, d=256)]
 settings = {"default": None, "dim split": DecodeExperiments(dim_split=2),
             "dim split, q in regs": DecodeExperiments(dim_split=2, q_in_smem=False)}
-for case in cases:
-    def skipped(name, exc, case=case):
-        print(f"  {case.name}: {name}: n/a ({type(exc).__name__}: {str(exc)[:80]})")
-
-    plan, us = time_experiments(case, settings, rounds=args.rounds, on_error=skipped)
-    cells = "  ".join(f"{name} {u:.2f} ({u / us['default']:.3f})" for name, u in us.items())
-    print(f"{case.name:>16}  {plan.strategy}/{plan.num_splits}  {cells}", flush=True)
+run_ab(cases, lambda case: settings, rounds=args.rounds)

@@ -14,16 +14,12 @@ so 2 CTAs an SM; head_dim 64, 4 stages: 133 registers, 64 KiB, so 3. The setting
 
     PYTHONPATH=$PWD python3 benchmarks/ab_occupancy.py [--cases ...] [--rounds 2]
 """
-import argparse
-
 from splitkv.bench.cases import _eq, select
-from splitkv.bench.experiments_ab import time_experiments
+from splitkv.bench.experiments_ab import ab_arguments, run_ab
 from splitkv.runtime.experiments import DecodeExperiments
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--cases", default="short_b256_n384,d64_b64_n4k,b32_n2k,b128_n2k")
-parser.add_argument("--rounds", type=int, default=2)
-args = parser.parse_args()
+args, _ = ab_arguments(__doc__.splitlines()[0], "short_b256_n384,d64_b64_n4k,b32_n2k,b128_n2k",
+                       kv_dtype=False)
 
 EXTRA = [_eq("short_b512_n200", 512, 200, None, None),
          _eq("short_b128_n768", 128, 768, None, None),
@@ -39,13 +35,12 @@ SETTINGS = {
          "2 an SM": DecodeExperiments(stages=5)},
 }
 
-for case in cases:
-    def skipped(name, exc, case=case):
-        print(f"  {case.name}: {name}: n/a ({type(exc).__name__}: {str(exc)[:80]})")
 
-    plan, us = time_experiments(case, {"default": None, **SETTINGS.get(case.head_dim, {})},
-                                rounds=args.rounds, on_error=skipped)
-    cells = "  ".join(f"{name} {u:.2f} ({u / us['default']:.3f})" for name, u in us.items())
-    mean_chunk = sum(case.kv_lens) / plan.num_chunks
-    print(f"{case.name:>16}  {plan.strategy}/{plan.num_splits} ({plan.num_work_items} items, "
-          f"{mean_chunk:.0f} tokens a chunk)  {cells}", flush=True)
+
+def chunking(case, plan) -> str:
+    return (f" ({plan.num_work_items} items, {sum(case.kv_lens) / plan.num_chunks:.0f} tokens "
+            "a chunk)")
+
+
+run_ab(cases, lambda case: {"default": None, **SETTINGS.get(case.head_dim, {})},
+       rounds=args.rounds, note=chunking)

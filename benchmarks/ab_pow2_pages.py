@@ -7,19 +7,11 @@ steps within a page and nothing is gained.
 
     PYTHONPATH=$PWD python3 benchmarks/ab_pow2_pages.py [--kv-dtype fp8_e4m3]
 """
-import argparse
-
 from splitkv.bench.cases import _eq, select
-from splitkv.bench.experiments_ab import time_experiments
-from splitkv.core import fp8
+from splitkv.bench.experiments_ab import ab_arguments, time_experiments
 from splitkv.runtime.experiments import DecodeExperiments
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--cases", default="p1_b8_n8k,b32_n8k")
-parser.add_argument("--kv-dtype", default=None)
-parser.add_argument("--rounds", type=int, default=2)
-args = parser.parse_args()
-fmt = fp8.fp8_format("--kv-dtype", args.kv_dtype)
+args, fmt = ab_arguments(__doc__.splitlines()[0], "p1_b8_n8k,b32_n8k")
 cases = select(args.cases) + [_eq("p1_b1_n32k", 1, 32768, None, None, page=1),
                               _eq("p1_d64_b32_n4k", 32, 4096, None, None, d=64, page=1),
                               _eq("p2_d64_b32_n4k", 32, 4096, None, None, d=64, page=2)]

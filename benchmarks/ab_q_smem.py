@@ -7,19 +7,11 @@ more shared memory: fp8 d64 CTAs fit 3 an SM instead of 4; bf16 d128 still 2.)
 
     PYTHONPATH=$PWD python3 benchmarks/ab_q_smem.py [--kv-dtype fp8_e4m3]
 """
-import argparse
-
 from splitkv.bench.cases import _eq, select
-from splitkv.bench.experiments_ab import time_experiments
-from splitkv.core import fp8
+from splitkv.bench.experiments_ab import ab_arguments, time_experiments
 from splitkv.runtime.experiments import DecodeExperiments
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--cases", default="d256_b8_n8k,b32_n8k,b1_n32k")
-parser.add_argument("--kv-dtype", default=None)
-parser.add_argument("--rounds", type=int, default=2)
-args = parser.parse_args()
-fmt = fp8.fp8_format("--kv-dtype", args.kv_dtype)
+args, fmt = ab_arguments(__doc__.splitlines()[0], "d256_b8_n8k,b32_n8k,b1_n32k")
 cases = select(args.cases) + [_eq("d256_b1_n32k", 1, 32768, None, None, hq=16, hk=8, d=256),
                               _eq("d256_b32_n4k", 32, 4096, None, None, hq=16, hk=8, d=256)]
 print(f"{'case':>14} {'registers us':>12} {'shared us':>10} {'ratio':>6}  plan", flush=True)

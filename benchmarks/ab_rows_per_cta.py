@@ -6,19 +6,11 @@ kv head (two warps split each tile's tokens); capped at 16 it runs two CTAs of o
 
     PYTHONPATH=$PWD python3 benchmarks/ab_rows_per_cta.py [--kv-dtype fp8_e4m3]
 """
-import argparse
-
 from splitkv.bench.cases import _eq, select
-from splitkv.bench.experiments_ab import time_experiments
-from splitkv.core import fp8
+from splitkv.bench.experiments_ab import ab_arguments, time_experiments
 from splitkv.runtime.experiments import DecodeExperiments
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--cases", default="g32_b32_n8k,g16_b8_n8k")
-parser.add_argument("--kv-dtype", default=None)
-parser.add_argument("--rounds", type=int, default=2)
-args = parser.parse_args()
-fmt = fp8.fp8_format("--kv-dtype", args.kv_dtype)
+args, fmt = ab_arguments(__doc__.splitlines()[0], "g32_b32_n8k,g16_b8_n8k")
 cases = select(args.cases) + [_eq("g32_b1_n32k", 1, 32768, None, None, hq=64, hk=2),
                               _eq("g32_b8_n8k", 8, 8192, None, None, hq=32, hk=1)]
 caps = (None, 32, 16)

@@ -11,20 +11,12 @@ fp8 d128, 3 stages: 230 registers, 96 KiB, 2 an SM (as the default).
 
     PYTHONPATH=$PWD python3 benchmarks/ab_tile_tokens.py [--kv-dtype fp8_e4m3] [--cases ...]
 """
-import argparse
-
 from splitkv.bench.cases import _eq, select
-from splitkv.bench.experiments_ab import time_experiments
-from splitkv.core import fp8
+from splitkv.bench.experiments_ab import ab_arguments, run_ab
 from splitkv.runtime.experiments import DecodeExperiments
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--kv-dtype", default=None)
-parser.add_argument("--cases", default=None, help="default: head_dim 64 cases (16-bit) or "
-                                                 "the standard cases (fp8)")
-parser.add_argument("--rounds", type=int, default=2)
-args = parser.parse_args()
-fmt = fp8.fp8_format("--kv-dtype", args.kv_dtype)
+# --cases default None: head_dim 64 cases (16-bit) or the standard cases (fp8)
+args, fmt = ab_arguments(__doc__.splitlines()[0], None)
 if args.cases:
     cases = select(args.cases)
 elif fmt:
@@ -36,11 +28,4 @@ else:
                                      _eq("d64_b1_n32k", 1, 32768, None, None, d=64)]
 settings = {"default": None, "t128": DecodeExperiments(tile_per_warp=32),
             "t128 r168": DecodeExperiments(tile_per_warp=32, max_registers=168)}
-for case in cases:
-    def skipped(name, exc, case=case):
-        print(f"  {case.name}: {name}: n/a ({type(exc).__name__}: {str(exc)[:80]})")
-
-    plan, us = time_experiments(case, settings, kv_dtype=fmt, rounds=args.rounds,
-                                on_error=skipped)
-    cells = "  ".join(f"{name} {u:.2f} ({u / us['default']:.3f})" for name, u in us.items())
-    print(f"{case.name:>16}  {plan.strategy}/{plan.num_splits}  {cells}", flush=True)
+run_ab(cases, lambda case: settings, kv_dtype=fmt, rounds=args.rounds)

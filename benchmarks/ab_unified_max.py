@@ -10,7 +10,6 @@ the scores (every CTA falls back): what a phi that does not fit the model costs.
 import argparse
 import json
 
-import cupy
 import numpy as np
 
 from splitkv.bench.cases import select
@@ -18,6 +17,7 @@ from splitkv.core import fp8
 from splitkv.core import unified_max as UM
 from splitkv.core.geometry import ctas_per_kv_head
 from splitkv.core.reference import to_float64
+from splitkv.runtime.cupy_arrays import free_cached_blocks
 from splitkv.runtime.testing import scattered_page_table
 from splitkv.runtime.timing import make_layers, time_wrapper_us
 from splitkv.runtime.wrapper import BatchDecodeWrapper
@@ -67,7 +67,7 @@ for case in select(args.cases):
           f"{us['phi_off'] / us['running']:6.3f}  {plan.strategy}/{plan.num_splits}  {phi:.2f}",
           flush=True)
     del data
-    cupy.get_default_memory_pool().free_all_blocks()
+    free_cached_blocks()
 if args.json:
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)

@@ -43,6 +43,10 @@ if [ -f .peers/flashinfer_slim.tgz ]; then
     && export PYTHONPATH=$S/fi:$S/site:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=$S FLASHINFER_CUDA_ARCH_LIST=9.0 \
     && FI=--flashinfer
 fi
+# An experiment's phase: its GPU tests' summary first (correct before fast), then its A/B
+# script's table, also kept under $RES.
+gpu_tests() { python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -3; }
+ab() { local log=$1; shift; python3 "$@" 2>&1 | grep -v Warning | tee -a "$RES/$log"; }
 for phase in "$@"; do
   case $phase in
     tests|memcheck)
@@ -130,44 +134,41 @@ for phase in "$@"; do
         | grep -v Warning | tee "$RES/ab_unified_fp8.log" ;;
     ab_q_smem)
       # issue 18, head_dim 256: q's fragments in shared memory against registers (the spill)
-      python3 -m pytest -q -p no:cacheprovider tests/test_gpu_q_smem.py 2>&1 | tail -3
-      python3 benchmarks/ab_q_smem.py 2>&1 | grep -v Warning | tee "$RES/ab_q_smem.log"
-      python3 benchmarks/ab_q_smem.py --kv-dtype fp8_e4m3 2>&1 | grep -v Warning \
-        | tee "$RES/ab_q_smem_fp8.log" ;;
+      gpu_tests tests/test_gpu_q_smem.py
+      ab ab_q_smem.log benchmarks/ab_q_smem.py
+      ab ab_q_smem_fp8.log benchmarks/ab_q_smem.py --kv-dtype fp8_e4m3 ;;
     ab_pow2_pages)
       # issue 18, small pages: the page walk by shift against division
-      python3 -m pytest -q -p no:cacheprovider tests/test_gpu_pow2_pages.py 2>&1 | tail -3
-      python3 benchmarks/ab_pow2_pages.py 2>&1 | grep -v Warning | tee "$RES/ab_pow2_pages.log" ;;
+      gpu_tests tests/test_gpu_pow2_pages.py
+      ab ab_pow2_pages.log benchmarks/ab_pow2_pages.py ;;
     ab_rows_per_cta)
       # issue 18, large GQA groups: more CTAs a kv head against more row tiles a CTA
-      python3 -m pytest -q -p no:cacheprovider tests/test_gpu_rows_per_cta.py 2>&1 | tail -3
-      python3 benchmarks/ab_rows_per_cta.py 2>&1 | grep -v Warning | tee "$RES/ab_rows_per_cta.log" ;;
+      gpu_tests tests/test_gpu_rows_per_cta.py
+      ab ab_rows_per_cta.log benchmarks/ab_rows_per_cta.py ;;
     ab_class_knobs)
       # issue 18: every experiment knob on every class case (bf16, then fp8), one table each
-      python3 benchmarks/ab_class_knobs.py --json "$RES/h200-class-knobs.json" 2>&1 | grep -v Warning \
-        | tee "$RES/ab_class_knobs.log"
-      python3 benchmarks/ab_class_knobs.py --kv-dtype fp8_e4m3 --json "$RES/h200-class-knobs-fp8.json" 2>&1 \
-        | grep -v Warning | tee "$RES/ab_class_knobs_fp8.log" ;;
+      ab ab_class_knobs.log benchmarks/ab_class_knobs.py --json "$RES/h200-class-knobs.json"
+      ab ab_class_knobs_fp8.log benchmarks/ab_class_knobs.py --kv-dtype fp8_e4m3 \
+        --json "$RES/h200-class-knobs-fp8.json" ;;
     ab_occupancy)
       # issue 18, short requests and head_dim 64: more CTAs an SM (register caps, fewer stages)
-      python3 benchmarks/ab_occupancy.py 2>&1 | grep -v Warning | tee "$RES/ab_occupancy.log" ;;
+      ab ab_occupancy.log benchmarks/ab_occupancy.py ;;
     ab_tile_tokens)
       # issue 18, rows of 128 bytes (d64 16-bit, fp8 d128): 128-token tiles at 4 warps
-      python3 -m pytest -q -p no:cacheprovider tests/test_gpu_tile_tokens.py 2>&1 | tail -3
-      python3 benchmarks/ab_tile_tokens.py 2>&1 | grep -v Warning | tee "$RES/ab_tile_tokens.log"
-      python3 benchmarks/ab_tile_tokens.py --kv-dtype fp8_e4m3 2>&1 | grep -v Warning \
-        | tee -a "$RES/ab_tile_tokens.log" ;;
+      gpu_tests tests/test_gpu_tile_tokens.py
+      ab ab_tile_tokens.log benchmarks/ab_tile_tokens.py
+      ab ab_tile_tokens.log benchmarks/ab_tile_tokens.py --kv-dtype fp8_e4m3 ;;
     ab_dim_split)
       # issue 18, head_dim 256: O's head dim split between warp pairs (8 warps, 64-token tiles)
-      python3 -m pytest -q -p no:cacheprovider tests/test_gpu_dim_split.py 2>&1 | tail -3
-      python3 benchmarks/ab_dim_split.py 2>&1 | grep -v Warning | tee "$RES/ab_dim_split.log" ;;
+      gpu_tests tests/test_gpu_dim_split.py
+      ab ab_dim_split.log benchmarks/ab_dim_split.py ;;
     ab_compact_merge)
       # issue 18: the merge kernel over the split requests only, where few of a batch split
-      python3 -m pytest -q -p no:cacheprovider tests/test_gpu_compact_merge.py 2>&1 | tail -3
-      python3 benchmarks/ab_compact_merge.py 2>&1 | grep -v Warning | tee "$RES/ab_compact_merge.log" ;;
+      gpu_tests tests/test_gpu_compact_merge.py
+      ab ab_compact_merge.log benchmarks/ab_compact_merge.py ;;
     check_fp8_data)
       # session 12's NaN in the fp8 class bench: which step makes the data non-finite
-      python3 benchmarks/check_fp8_bench_data.py 2>&1 | grep -v Warning | tee "$RES/check_fp8_data.log" ;;
+      ab check_fp8_data.log benchmarks/check_fp8_bench_data.py ;;
     tests_s12)
       # the GPU tests of what changed after the last full run (dee7c27): the experiments, the
       # data watch, the warps rule, and the head_dim 64/256 plans (decode, device plans)

@@ -362,3 +362,25 @@ def test_bench_markdown_table_says_when_the_data_went_non_finite():
     lines = markdown_table(result).splitlines()
     assert "| nan (data not finite after the timed runs) | single/1 |" in lines[4]
     assert "| 1.7e-03 | single/1 |" in lines[5]
+
+
+def test_the_ab_scripts_rows_name_each_setting_and_its_ratio(monkeypatch, capsys):
+    """experiments_ab.run_ab (the A/B scripts' loop): a line a case with each setting's us and
+    its ratio to the default, a setting that fails for the case said and left out."""
+    from splitkv.bench import experiments_ab
+    from splitkv.bench.cases import select
+
+    class FakePlan:
+        strategy, num_splits = "split_merge", 2
+
+    def fake_time(case, settings, *, kv_dtype=None, rounds=2, on_error=None):
+        on_error("broken", RuntimeError("needs 262,240 bytes"))
+        return FakePlan(), {"default": 10.0, "faster": 9.0}
+
+    monkeypatch.setattr(experiments_ab, "time_experiments", fake_time)
+    rows = experiments_ab.run_ab(select("b8_n8k"), lambda case: {}, note=lambda c, p: " (x)")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "  b8_n8k: broken: n/a (RuntimeError: needs 262,240 bytes)"
+    assert out[1] == ("          b8_n8k  split_merge/2 (x)  default 10.00 (1.000)  "
+                      "faster 9.00 (0.900)")
+    assert rows[0][0].name == "b8_n8k" and rows[0][2]["faster"] == 9.0

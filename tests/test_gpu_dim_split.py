@@ -12,8 +12,8 @@ import pytest
 from splitkv import reference_decode
 from splitkv.core.reference import to_float64
 from splitkv.runtime.experiments import DecodeExperiments
-from splitkv.runtime.testing import (assert_matches_reference, plan_and_run,
-                                     random_device_array, random_kv_caches,
+from splitkv.runtime.testing import (assert_matches_reference, assert_paths_match_reference,
+                                     plan_and_run, random_device_array, random_kv_caches,
                                      scattered_page_table)
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
@@ -47,23 +47,12 @@ def test_the_split_head_dim_matches_the_reference(d, hq, hk, dtype, q_in_smem, p
 
 
 def test_the_split_head_dim_under_clusters_variants_and_graphs():
-    from splitkv import DecodeProblem, plan_from_chunk_counts
-    from splitkv.runtime import device_info
+    def split(w):
+        assert w.kernel_variant.dim_split == 2
 
     rng = np.random.default_rng(9)
     hq, hk, d = 16, 8, 256
-    pt, pages = scattered_page_table([900, 900], 16, rng)
-    q = random_device_array((2, hq, d), "bfloat16", rng)
-    k, v = random_kv_caches((pages, 16, hk, d), "bfloat16", rng)
-    ref_o, ref_lse = reference_decode(q.get(), k, v, pt)
-    w = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", experiments=SPLIT)
-    if int(device_info()["cc"]) >= 90:
-        problem = DecodeProblem.from_page_table(pt, hq, hk, d)
-        for n in (2, 4):
-            o, lse = plan_and_run(w, pt, q, k, v, plan=plan_from_chunk_counts(problem, [n, n],
-                                                                              "fused"))
-            assert w.cluster_size == n
-            assert_matches_reference(to_float64(o), lse, ref_o, ref_lse, 1e-2, f"cluster {n}")
+    pt, q, k, v, w = assert_paths_match_reference(SPLIT, hq, hk, d, rng, split)
     # multi-token rows under a window, with sinks and the soft cap
     qo_indptr = np.array([0, 3, 5])
     qm = random_device_array((5, hq, d), "bfloat16", rng)
@@ -78,20 +67,3 @@ def test_the_split_head_dim_under_clusters_variants_and_graphs():
                                         sinks=sinks.astype(np.float64))
     assert_matches_reference(to_float64(out.get()), lse.get(), mref_o, mref_lse, 1e-2,
                              "multi-token, window, sinks, cap")
-    # graph-stable, planned on the host, then on the device
-    g = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", experiments=SPLIT, use_cuda_graph=True,
-                           max_batch_size=2, max_num_pages=pt.kv_indices.size)
-    for strategy, n in PLANS[:3]:
-        o, lse = plan_and_run(g, pt, q, k, v, strategy=strategy, num_splits=n)
-        assert g.kernel_variant.dim_split == 2
-        assert_matches_reference(to_float64(o), lse, ref_o, ref_lse, 1e-2, f"graph {strategy}")
-    d_plan = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", experiments=SPLIT,
-                                use_cuda_graph=True, max_batch_size=2,
-                                max_num_pages=pt.kv_indices.size)
-    d_plan.plan_on_device(**{name: cupy.asarray(getattr(pt, name), dtype=cupy.int32)
-                             for name in ("kv_indptr", "kv_indices", "kv_last_page_len")})
-    out = cupy.full(q.shape, 0xFFFF, cupy.uint16)
-    lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
-    d_plan.run(q, cupy.asarray(k), cupy.asarray(v), out=out, lse=lse)
-    assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse, 1e-2,
-                             "planned on the device")

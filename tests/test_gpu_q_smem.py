@@ -11,7 +11,7 @@ import pytest
 from splitkv import reference_decode
 from splitkv.core.reference import to_float64
 from splitkv.runtime.experiments import DecodeExperiments
-from splitkv.runtime.testing import (assert_matches_reference, plan_and_run,
+from splitkv.runtime.testing import (assert_matches_reference, plan_and_run_both,
                                      random_device_array, random_kv_caches,
                                      scattered_page_table)
 from splitkv.runtime.wrapper import BatchDecodeWrapper
@@ -38,22 +38,18 @@ def test_q_in_shared_memory_gives_the_register_builds_bits(dtype, d, hq, hk, kv_
                               experiments=DecodeExperiments(q_in_smem=True))
     ref_o, ref_lse = reference_decode(q.get(), k, v, pt, kv_dtype=kv_dtype)
     for strategy, n in PLANS:
-        o1, l1 = plan_and_run(plain, pt, q, k, v, strategy=strategy, num_splits=n)
-        o2, l2 = plan_and_run(smem, pt, q, k, v, strategy=strategy, num_splits=n)
+        o2, l2 = plan_and_run_both(plain, smem, pt, q, k, v, f"{strategy}/{n}",
+                                   strategy=strategy, num_splits=n)
         assert smem.kernel_variant.q_in_smem == 1 and plain.kernel_variant.q_in_smem == 0
-        assert np.array_equal(o1.view(np.uint16), o2.view(np.uint16)), (strategy, n)
-        assert np.array_equal(l1.view(np.uint32), l2.view(np.uint32)), (strategy, n)
         assert_matches_reference(to_float64(o2), l2, ref_o, ref_lse, 1e-2, f"{strategy}/{n}")
     # multi-token rows, and the unified max with phi far below the scores (every CTA streams
     # again: its second pass reads the fragments back once more), take the same fragments
     qo_indptr = np.array([0, 3, 4, 5, 7])
     qm = random_device_array((7, hq, d), dtype, rng)
     for extra in ({"qo_indptr": qo_indptr}, {"unified_max": -60.0}):
-        o1, l1 = plan_and_run(plain, pt, qm if "qo_indptr" in extra else q, k, v, **extra)
-        o2, l2 = plan_and_run(smem, pt, qm if "qo_indptr" in extra else q, k, v, **extra)
+        plan_and_run_both(plain, smem, pt, qm if "qo_indptr" in extra else q, k, v, str(extra),
+                          **extra)
         assert smem.kernel_variant.q_in_smem == 1
-        assert np.array_equal(o1.view(np.uint16), o2.view(np.uint16)), extra
-        assert np.array_equal(l1.view(np.uint32), l2.view(np.uint32)), extra
     assert smem.unified_max_fallbacks() > 0
 
 
@@ -77,7 +73,5 @@ def test_q_in_shared_memory_under_the_cluster_merge():
     problem = DecodeProblem.from_page_table(pt, hq, hk, d)
     for n in (2, 4):
         plan = plan_from_chunk_counts(problem, [n, n], "fused")
-        o1, l1 = plan_and_run(plain, pt, q, k, v, plan=plan)
-        o2, l2 = plan_and_run(smem, pt, q, k, v, plan=plan)
+        plan_and_run_both(plain, smem, pt, q, k, v, f"cluster {n}", plan=plan)
         assert smem.cluster_size == n and smem.kernel_variant.q_in_smem == 1
-        assert np.array_equal(o1.view(np.uint16), o2.view(np.uint16)), n

@@ -14,8 +14,8 @@ import pytest
 from splitkv import reference_decode
 from splitkv.core.reference import to_float64
 from splitkv.runtime.experiments import DecodeExperiments
-from splitkv.runtime.testing import (assert_matches_reference, plan_and_run,
-                                     random_device_array, random_kv_caches,
+from splitkv.runtime.testing import (assert_matches_reference, assert_paths_match_reference,
+                                     plan_and_run, random_device_array, random_kv_caches,
                                      scattered_page_table)
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
@@ -44,46 +44,15 @@ def test_tiles_of_32_tokens_a_warp_match_the_reference(d, hq, hk, page, kv_dtype
 
 
 def test_tiles_of_32_tokens_under_clusters_multi_token_and_graphs():
-    from splitkv import DecodeProblem, plan_from_chunk_counts
-    from splitkv.runtime import device_info
+    def tiles_of_128(w):                 # graph-stable records carry the tile's first pages
+        assert w.kernel_variant.tile_tokens == 128
 
     rng = np.random.default_rng(5)
     hq, hk, d = 32, 8, 64
-    pt, pages = scattered_page_table([900, 900], 16, rng)
-    q = random_device_array((2, hq, d), "bfloat16", rng)
-    k, v = random_kv_caches((pages, 16, hk, d), "bfloat16", rng)
-    ref_o, ref_lse = reference_decode(q.get(), k, v, pt)
-    w = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", experiments=TILE_32)
-    if int(device_info()["cc"]) >= 90:
-        problem = DecodeProblem.from_page_table(pt, hq, hk, d)
-        for n in (2, 4):
-            o, lse = plan_and_run(w, pt, q, k, v, plan=plan_from_chunk_counts(problem, [n, n],
-                                                                              "fused"))
-            assert w.cluster_size == n
-            assert_matches_reference(to_float64(o), lse, ref_o, ref_lse, 1e-2, f"cluster {n}")
+    pt, q, k, v, w = assert_paths_match_reference(TILE_32, hq, hk, d, rng, tiles_of_128)
     # multi-token rows (3 and 2 query rows) under a window
     qo_indptr = np.array([0, 3, 5])
     qm = random_device_array((5, hq, d), "bfloat16", rng)
     o, lse = plan_and_run(w, pt, qm, k, v, qo_indptr=qo_indptr, window_left=300)
     ref_o, ref_lse = reference_decode(qm.get(), k, v, pt, qo_indptr=qo_indptr, window_left=300)
     assert_matches_reference(to_float64(o), lse, ref_o, ref_lse, 1e-2, "multi-token, window")
-    # a graph-stable wrapper: its records carry the first pages of 128-token tiles
-    g = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", experiments=TILE_32, use_cuda_graph=True,
-                           max_batch_size=2, max_num_pages=pt.kv_indices.size)
-    ref_o, ref_lse = reference_decode(q.get(), k, v, pt)
-    for strategy, n in PLANS[:3]:
-        o, lse = plan_and_run(g, pt, q, k, v, strategy=strategy, num_splits=n)
-        assert g.kernel_variant.tile_tokens == 128
-        assert_matches_reference(to_float64(o), lse, ref_o, ref_lse, 1e-2, f"graph {strategy}")
-    # planned on the device: its records carry the first pages of 128-token tiles too
-    d_plan = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", experiments=TILE_32,
-                                use_cuda_graph=True, max_batch_size=2,
-                                max_num_pages=pt.kv_indices.size)
-    d_plan.plan_on_device(**{name: cupy.asarray(getattr(pt, name), dtype=cupy.int32)
-                             for name in ("kv_indptr", "kv_indices", "kv_last_page_len")})
-    out = cupy.full(q.shape, 0xFFFF, cupy.uint16)
-    lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
-    d_plan.run(q, cupy.asarray(k), cupy.asarray(v), out=out, lse=lse)
-    assert d_plan.kernel_variant.tile_tokens == 128
-    assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse, 1e-2,
-                             "planned on the device")

@@ -56,3 +56,41 @@ def time_experiments(case, settings: dict, *, kv_dtype=None, rounds: int = 2,
     data = wrappers = None                # their device memory back before the next case
     free_cached_blocks()
     return plan, {name: float(np.median(t)) for name, t in times.items()}
+
+
+def ab_arguments(description: str, cases: str, kv_dtype: bool = True, **more):
+    """The A/B scripts' command line: --cases (default ``cases``), --rounds, and --kv-dtype
+    where the script takes fp8 K/V; ``more``: further options by name -> add_argument kwargs.
+    Returns (args, the fp8 format or None)."""
+    import argparse
+
+    from ..core import fp8
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--cases", default=cases)
+    if kv_dtype:
+        parser.add_argument("--kv-dtype", default=None)
+    parser.add_argument("--rounds", type=int, default=2)
+    for name, kwargs in more.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", **kwargs)
+    args = parser.parse_args()
+    return args, (fp8.fp8_format("--kv-dtype", args.kv_dtype) if kv_dtype else None)
+
+
+def run_ab(cases, settings_for, *, kv_dtype=None, rounds: int = 2, note=None) -> list:
+    """Each case timed under ``settings_for(case)`` (a dict whose first entry is the baseline,
+    named "default"), a line each: the plan (``note(case, plan)`` after it, if given), then
+    every setting's us and its ratio to the default; a setting that does not build or launch
+    for the case says so and is left out. Returns [(case, plan, {name: us})]."""
+    rows = []
+    for case in cases:
+        def skipped(name, exc, case=case):
+            print(f"  {case.name}: {name}: n/a ({type(exc).__name__}: {str(exc)[:80]})")
+
+        plan, us = time_experiments(case, settings_for(case), kv_dtype=kv_dtype, rounds=rounds,
+                                    on_error=skipped)
+        cells = "  ".join(f"{name} {u:.2f} ({u / us['default']:.3f})" for name, u in us.items())
+        extra = note(case, plan) if note else ""
+        print(f"{case.name:>16}  {plan.strategy}/{plan.num_splits}{extra}  {cells}", flush=True)
+        rows.append((case, plan, us))
+    return rows

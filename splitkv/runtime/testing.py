@@ -87,6 +87,66 @@ def plan_and_run(wrapper, page_table, q, k_cache, v_cache, **plan_kw):
     return out.get(), lse.get()
 
 
+def plan_and_run_both(first, second, page_table, q, k_cache, v_cache, what="", **plan_kw):
+    """``plan_and_run`` with two wrappers (builds that must agree, e.g. an experiment and the
+    build it replaces) on the same plan: their outputs and LSEs are the same bits. Returns the
+    second's (out, lse)."""
+    o1, l1 = plan_and_run(first, page_table, q, k_cache, v_cache, **plan_kw)
+    o2, l2 = plan_and_run(second, page_table, q, k_cache, v_cache, **plan_kw)
+    assert np.array_equal(o1.view(np.uint16), o2.view(np.uint16)), f"outputs differ ({what})"
+    assert np.array_equal(l1.view(np.uint32), l2.view(np.uint32)), f"LSEs differ ({what})"
+    return o2, l2
+
+
+def assert_paths_match_reference(experiments, num_qo_heads: int, num_kv_heads: int,
+                                 head_dim: int, rng: np.random.Generator, check=None):
+    """An experiment's build against the float64 reference on the paths besides per-shape
+    plans: fused plans of 2 and 4 chunks merged in clusters (sm_90+), a graph-stable wrapper
+    planned on the host (single, split_merge, fused) and one planned on the device.
+    ``check(wrapper)`` asserts which build ran. Two bf16 requests of 900 tokens; returns
+    (page_table, q, k, v, the per-shape wrapper) for the caller's own cases."""
+    import cupy
+
+    from ..core.plan import plan_from_chunk_counts
+    from ..core.problem import DecodeProblem
+    from ..core.reference import reference_decode, to_float64
+    from . import device_info
+    from .wrapper import BatchDecodeWrapper
+
+    hq, hk, d = num_qo_heads, num_kv_heads, head_dim
+    pt, pages = scattered_page_table([900, 900], 16, rng)
+    q = random_device_array((2, hq, d), "bfloat16", rng)
+    k, v = random_kv_caches((pages, 16, hk, d), "bfloat16", rng)
+    ref_o, ref_lse = reference_decode(q.get(), k, v, pt)
+    w = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", experiments=experiments)
+    if int(device_info()["cc"]) >= 90:
+        problem = DecodeProblem.from_page_table(pt, hq, hk, d)
+        for n in (2, 4):
+            o, lse = plan_and_run(w, pt, q, k, v, plan=plan_from_chunk_counts(problem, [n, n],
+                                                                              "fused"))
+            assert w.cluster_size == n
+            assert_matches_reference(to_float64(o), lse, ref_o, ref_lse, 1e-2, f"cluster {n}")
+    graph = dict(experiments=experiments, use_cuda_graph=True, max_batch_size=2,
+                 max_num_pages=pt.kv_indices.size)
+    g = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", **graph)
+    for strategy, n in (("single", 1), ("split_merge", 3), ("fused", 4)):
+        o, lse = plan_and_run(g, pt, q, k, v, strategy=strategy, num_splits=n)
+        if check:
+            check(g)
+        assert_matches_reference(to_float64(o), lse, ref_o, ref_lse, 1e-2, f"graph {strategy}")
+    on_device = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", **graph)
+    on_device.plan_on_device(**{name: cupy.asarray(getattr(pt, name), dtype=cupy.int32)
+                                for name in ("kv_indptr", "kv_indices", "kv_last_page_len")})
+    out = poisoned_output(q)
+    lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
+    on_device.run(q, cupy.asarray(k), cupy.asarray(v), out=out, lse=lse)
+    if check:
+        check(on_device)
+    assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse, 1e-2,
+                             "planned on the device")
+    return pt, q, k, v, w
+
+
 def assert_matches_reference(o: np.ndarray, lse: np.ndarray, ref_o: np.ndarray,
                              ref_lse: np.ndarray, tol: float, what: str = "") -> float:
     """A GPU decode's output and LSE (on the host, float64 output) against the float64

@@ -136,7 +136,6 @@ class BatchDecodeWrapper:
         self.kv_dtype = fp8.fp8_format("kv_dtype", kv_dtype)
         self.kv_layout = check_kv_layout(kv_layout)
         q_in_smem, pow2 = experiments.q_in_smem, experiments.pow2_pages
-        self._q_in_smem_default = q_in_smem is None     # may be given up where it does not fit
         if q_in_smem is None:
             q_in_smem = default_q_in_smem(self.head_dim)
         if pow2 is None:
@@ -438,7 +437,7 @@ class BatchDecodeWrapper:
             self.variant, cluster=chosen.cluster_size, soft_cap=int(soft_cap_log2 > 0),
             num_warps=warps, stages=self.experiments.stages or 0, row_tiles=row_tiles,
             multi_token=int(query_rows is not None), unified_max=int(phi is not None)),
-            q_default=self._q_in_smem_default, warps_default=forced_warps is None,
+            q_default=self.experiments.q_in_smem is None, warps_default=forced_warps is None,
             stages=self.experiments.stages or 0))
         stages = kernels.variant.stages
         tile = kernels.variant.tile_tokens
@@ -528,7 +527,7 @@ class BatchDecodeWrapper:
         return get_decode_kernels(fitting_build(replace(
             self.variant, soft_cap=soft_cap, multi_token=int(multi),
             row_tiles=row_tiles_for(self.group_size * self._max_q_len)),
-            q_default=self._q_in_smem_default, warps_default=False))
+            q_default=self.experiments.q_in_smem is None, warps_default=False))
 
     def _plan_graph(self, chosen: Plan, page_table: PageTable, s, sm_scale_log2: float,
                     max_page: int, soft_cap_log2: float, rows_array=None) -> Plan:

@@ -9,7 +9,9 @@ so 2 CTAs an SM; head_dim 64, 4 stages: 133 registers, 64 KiB, so 3. The setting
   Session 3 measured it 1-2% worse on the best plans of the standard cases but far better on
   many-split plans (b32_n8k in 256-token chunks 1,070 -> 908 us): short CTAs.
 - d128 "2 stages": the same shared memory without the cap (still 2 an SM: the control).
-- d64 "4 an SM": 3 stages (48 KiB) and a 128-register cap; "2 an SM": 5 stages (80 KiB),
+- d64 "4 an SM": 3 stages (48 KiB) and a 128-register cap, the default since session 13
+  (``features.default_occupancy``; session 13 measured 2-10% faster); "3 an SM": 4 stages at
+  the compiler's registers, the earlier default; "2 an SM": 5 stages (80 KiB),
   which session 12 measured 5% faster on d64_b64_n4k (a wave count, or fewer CTAs contending?).
 
     PYTHONPATH=$PWD python3 benchmarks/ab_occupancy.py [--cases ...] [--rounds 2]
@@ -32,6 +34,7 @@ SETTINGS = {
     128: {"3 an SM": DecodeExperiments(stages=2, max_registers=168),
           "2 stages": DecodeExperiments(stages=2)},
     64: {"4 an SM": DecodeExperiments(stages=3, max_registers=128),
+         "3 an SM": DecodeExperiments(stages=4, max_registers=0),
          "2 an SM": DecodeExperiments(stages=5)},
 }
 

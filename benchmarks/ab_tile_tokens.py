@@ -26,6 +26,10 @@ else:
                                      _eq("d64_b8_n7790", 8, 7790, None, None, d=64),
                                      _eq("d64_b256_n1k", 256, 1024, None, None, d=64),
                                      _eq("d64_b1_n32k", 1, 32768, None, None, d=64)]
+# "default" is the shipped build: since session 13 fp8 head_dim 128 plans of 4 warps run
+# 128-token tiles (features.default_tile_per_warp) and 16-bit head_dim 64 4 CTAs an SM
+# (features.default_occupancy); "t64" forces 16 tokens a warp (the earlier default for fp8).
 settings = {"default": None, "t128": DecodeExperiments(tile_per_warp=32),
-            "t128 r168": DecodeExperiments(tile_per_warp=32, max_registers=168)}
+            "t128 r168": DecodeExperiments(tile_per_warp=32, max_registers=168),
+            "t64": DecodeExperiments(tile_per_warp=16)}
 run_ab(cases, lambda case: settings, kv_dtype=fmt, rounds=args.rounds)

@@ -17,6 +17,7 @@
 #   bash benchmarks/device_run.sh ab_compact_merge     # issue 18: the merge over split requests only
 #   bash benchmarks/device_run.sh ab_dim_split         # issue 18: d256, O's dims over warp pairs
 #   bash benchmarks/device_run.sh tests_s12           # the GPU tests of session 12's unrun changes
+#   bash benchmarks/device_run.sh tests_s13           # session 13's default builds, digests
 #   bash benchmarks/device_run.sh tests_only; then memcheck sanitize  # two calls, each < 10 min
 #   bash benchmarks/device_run.sh calibrate_fp8 bench_fp8   # fit fp8's cost model, then bench it
 #   bash benchmarks/device_run.sh device_plan plan_cost  # plan_on_device tests; planning's cost per step
@@ -45,7 +46,8 @@ if [ -f .peers/flashinfer_slim.tgz ]; then
 fi
 # An experiment's phase: its GPU tests' summary first (correct before fast), then its A/B
 # script's table, also kept under $RES.
-gpu_tests() { python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -3; }
+# SKIP_TESTS=1: the A/B tables only (their GPU tests already passed in this session's tests_s12)
+gpu_tests() { [ -n "$SKIP_TESTS" ] && return; python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -3; }
 ab() { local log=$1; shift; python3 "$@" 2>&1 | grep -v Warning | tee -a "$RES/$log"; }
 for phase in "$@"; do
   case $phase in
@@ -177,6 +179,16 @@ for phase in "$@"; do
         tests/test_gpu_reliability.py::test_the_bench_data_watch_finds_a_written_nan_and_where \
         tests/test_gpu_decode.py tests/test_gpu_device_plan.py tests/test_gpu_q_smem.py 2>&1 \
         | tee "$RES/gpu_tests_s12.log" | tail -12 ;;
+    tests_s13)
+      # session 13's defaults (4 CTAs an SM at head_dim 64, fp8 head_dim 128's long tiles): the
+      # builds, the reference, the bits recorded before (digests: re-recorded if only the fp8
+      # long-tile cases moved), device plans (their records follow the stages)
+      python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_gpu_default_builds.py \
+        tests/test_gpu_device_plan.py tests/test_gpu_digests.py tests/test_gpu_fp8.py \
+        tests/test_gpu_decode.py tests/test_gpu_graph_stable.py tests/test_gpu_tile_tokens.py \
+        tests/test_gpu_multi_token.py tests/test_gpu_unified_max.py 2>&1 \
+        | tee "$RES/gpu_tests_s13.log" | tail -12
+      python3 tests/output_digests.py --write "$RES/h200_output_digests.json" 2>&1 | tail -2 ;;
     tests_only)
       python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/ 2>&1 | tee "$RES/gpu_tests.log" | tail -12 ;;
     dissect)

@@ -75,7 +75,8 @@ def compare(rng, lens, *, shape, page_size, layout, max_batch, max_chunks, launc
 @pytest.mark.parametrize("seed", range(6))
 def test_chooses_the_host_planners_plan(seed):
     """On 80 random batches per seed (every length kind, shape, page size, layout, launch order
-    and capacity), the same plan bit for bit; every row kind and strategy is met."""
+    and capacity), the same plan bit for bit; every row kind is met (every strategy too, under
+    the random models of the next test: the shipped profile may fuse none of a seed's 80)."""
     rng = np.random.default_rng(seed)
     seen = collections.Counter()
     for trial in range(80):
@@ -89,17 +90,18 @@ def test_chooses_the_host_planners_plan(seed):
             max_chunks=int(rng.choice([max_batch, 2 * max_batch, 1056, 4096])),
             launch_order=LAUNCH_ORDERS[trial % 3])
         seen[(got.state["kind"], plan.strategy)] += 1
-    assert {k for k, _ in seen} == {0, 1, 2} and {s for _, s in seen} == {
-        "single", "split_merge", "fused"}, seen
+    assert {k for k, _ in seen} == {0, 1, 2} and {"single", "split_merge"} <= {
+        s for _, s in seen}, seen
 
 
 def test_chooses_the_host_planners_plan_under_other_models():
     """Random cost models (non-negative coefficients, some zero), so that every candidate row
-    wins somewhere, the tiny chunk sizes (16 and 32 tokens) and the wave-filling ones too."""
+    wins somewhere, the tiny chunk sizes (16 and 32 tokens) and the wave-filling ones too, and
+    every strategy."""
     from splitkv.planner.cost_model import FEATURE_NAMES, CostModel
 
     rng = np.random.default_rng(11)
-    won = collections.Counter()
+    won, strategies = collections.Counter(), collections.Counter()
     crit_only = np.zeros(len(FEATURE_NAMES))
     crit_only[FEATURE_NAMES.index("crit_us")] = 1.0      # the finest cut wins: tiny chunks
     for trial in range(170):
@@ -117,7 +119,9 @@ def test_chooses_the_host_planners_plan_under_other_models():
                                launch_order=LAUNCH_ORDERS[trial % 3], model=model)
         won["tiny" if got.state["kind"] == 1 and got.state["value"] < 64 else
             ("no split", "chunk tokens", "num splits")[got.state["kind"]]] += 1
+        strategies[plan.strategy] += 1
     assert set(won) == {"tiny", "no split", "chunk tokens", "num splits"}, won
+    assert set(strategies) == {"single", "split_merge", "fused"}, strategies
 
 
 def test_a_single_candidate_predicts_the_same_bits():

@@ -286,24 +286,63 @@ def test_option_builds_are_their_own(field, define, suffix, variant):
     assert plain.defines[define] == 0 and suffix not in plain.name
 
 
+def default_build(head_dim: int, row_tiles: int, **fields) -> DecodeVariant:
+    """The 16-bit build a plan of ``head_dim`` and ``row_tiles`` runs by default (4 warps)."""
+    from splitkv.runtime.features import default_occupancy, default_q_in_smem
+
+    return default_occupancy(DecodeVariant("bfloat16", head_dim, row_tiles,
+                                           q_in_smem=int(default_q_in_smem(head_dim)), **fields),
+                             forced=False)
+
+
 @pytest.mark.nvrtc
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_the_cost_models_residency_is_what_the_default_builds_hold(head_dim):
+@pytest.mark.parametrize("head_dim,row_tiles", [(64, 1), (64, 2), (128, 1), (256, 1)])
+def test_the_cost_models_residency_is_what_the_default_builds_hold(head_dim, row_tiles):
     """``cost_model.resident_ctas`` (the slots the planner deals CTAs onto) against the default
     16-bit build's registers (NVRTC, sm_90) and shared memory on an H200-class SM (64 K
     registers allocated 256 a warp, 228 KiB of shared memory of which 1 KiB per CTA is the
     runtime's): a build whose residency moves must move the model with it."""
     from splitkv.planner.cost_model import resident_ctas
-    from splitkv.runtime.features import default_q_in_smem
 
-    variant = DecodeVariant("bfloat16", head_dim, 1, q_in_smem=int(default_q_in_smem(head_dim)))
+    variant = default_build(head_dim, row_tiles)
     _, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
     registers, spilled = resource_report(log)["decode_partial"]
     warp_registers = -(-registers * 32 // 256) * 256
     by_registers = 65536 // (warp_registers * variant.threads // 32)
     by_shared = (228 * 1024) // (variant.shared_bytes + 1024)
-    assert min(by_registers, by_shared) == resident_ctas(head_dim, 2), (registers,
-                                                                         variant.shared_bytes)
+    assert spilled == 0, variant.name
+    assert min(by_registers, by_shared) == resident_ctas(head_dim, 2, 16 * row_tiles), (
+        registers, variant.shared_bytes)
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("fields", [{}, {"soft_cap": 1}, {"multi_token": 1}, {"cluster": 2},
+                                    {"cluster": 8}, {"pow2_pages": 1}, {"unified_max": 1}],
+                         ids=lambda f: "_".join(f) or "plain")
+def test_the_four_an_sm_default_does_not_spill(fields):
+    """features.default_occupancy: head_dim 64's one-row-tile builds under the 128-register cap,
+    with every feature a plan may add, spill nothing (the unified max, which would spill 16
+    bytes, keeps the compiler's registers)."""
+    variant = default_build(64, 1, **fields)
+    assert (variant.max_registers == 128) == (not fields.get("unified_max"))
+    _, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
+    assert resource_report(log)["decode_partial"][1] == 0, variant.name
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("fields", [{}, {"soft_cap": 1}, {"cluster": 2}, {"pow2_pages": 1},
+                                    {"unified_max": 1}],
+                         ids=lambda f: "_".join(f) or "plain")
+def test_the_fp8_long_tile_default_does_not_spill(fields):
+    """features.default_tile_per_warp: fp8 head_dim 128's 128-token tiles at 4 warps (one row
+    tile) spill nothing with the features a per-shape plan may add."""
+    from splitkv.runtime.features import default_tile_per_warp
+
+    assert default_tile_per_warp("float8_e4m3fn", 128, 4, 1, False) == 32
+    variant = DecodeVariant("bfloat16", 128, 1, kv_dtype="float8_e4m3fn", tile_per_warp=32,
+                            **fields)
+    _, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
+    assert resource_report(log)["decode_partial"][1] == 0, variant.name
 
 
 @pytest.mark.nvrtc

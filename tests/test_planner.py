@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from splitkv import DecodeProblem, Plan
+from splitkv.core.geometry import ctas_per_kv_head
 from splitkv.planner import CostModel, choose_plan, rank_candidates
 from splitkv.planner.cost_model import feature_constants, resident_ctas
 from splitkv.planner.planner import (CHUNK_TOKENS, NO_SPLIT, NUM_SPLITS, TILE_TOKENS, TINY_CONTEXT,
@@ -89,7 +90,9 @@ def reference_candidates(p, model, num_splits=None, strategy=None) -> list[Candi
     row as 'split_merge' then 'fused'. Forced splits or strategies narrow it as documented."""
     ipc = feature_constants(p.num_qo_heads, p.num_kv_heads, p.head_dim, model.num_sms,
                             model.ctas_per_sm, model.bandwidth_gbps)[0]
-    slots = model.num_sms * resident_ctas(p.head_dim, model.ctas_per_sm)
+    group = p.num_qo_heads // p.num_kv_heads
+    rows = -(-group // ctas_per_kv_head(group))       # query heads a CTA
+    slots = model.num_sms * resident_ctas(p.head_dim, model.ctas_per_sm, rows)
     lens = p.kv_lens
     n, max_len, total = lens.size, int(lens.max()), int(lens.sum())
     if num_splits is not None and num_splits > 1:

@@ -411,6 +411,32 @@ def test_q_in_smem_and_pow2_pages_defaults_follow_the_shape():
     assert features.default_pow2_pages(2, 128, 1, 1)            # fp8 rows: step 4
 
 
+def test_occupancy_and_tile_defaults_follow_the_shape():
+    """default_occupancy: 4 CTAs an SM (3 stages, 128 registers) for 16-bit head_dim 64 of one
+    row tile at 4 warps, where nothing forced the stages or registers; default_tile_per_warp:
+    128-token tiles for fp8 head_dim 128 at 4 warps and one row tile (grids past one CTA an
+    SM), lone 8-warp grids and multi-token plans keep 16 a warp."""
+    from splitkv.runtime import features
+    from splitkv.runtime.kernel_source import DecodeVariant
+
+    d64 = DecodeVariant("bfloat16", 64, 1)
+    four = features.default_occupancy(d64, forced=False)
+    assert (four.stages, four.max_registers) == (3, 128) and d64.stages == 4
+    assert features.default_occupancy(d64, forced=True) is d64
+    for other in (DecodeVariant("bfloat16", 64, 2), DecodeVariant("bfloat16", 128, 1),
+                  DecodeVariant("bfloat16", 64, 1, kv_dtype="float8_e4m3fn"),
+                  DecodeVariant("bfloat16", 64, 1, num_warps=8),
+                  DecodeVariant("bfloat16", 64, 1, tile_per_warp=32),
+                  DecodeVariant("bfloat16", 64, 1, unified_max=1)):
+        assert features.default_occupancy(other, forced=False) is other, other.name
+    assert features.default_tile_per_warp("float8_e4m3fn", 128, 4, 1, False) == 32
+    assert features.default_tile_per_warp("float8_e4m3fn", 128, 8, 1, False) == 16
+    assert features.default_tile_per_warp("float8_e4m3fn", 128, 4, 2, False) == 16
+    assert features.default_tile_per_warp("float8_e4m3fn", 128, 4, 1, True) == 16
+    assert features.default_tile_per_warp("float8_e4m3fn", 64, 4, 1, False) == 16
+    assert features.default_tile_per_warp(None, 128, 4, 1, False) == 16
+
+
 def test_a_default_build_past_the_devices_shared_memory_gives_way(monkeypatch):
     """fitting_build: on a GPU with less shared memory a block than the H200, the defaults are
     given up in turn (q in shared memory, then 8 warps) until the build fits; what an

@@ -113,17 +113,23 @@ def critical_path(total, largest, num_items, slots):
 
 
 # CTAs an SM holds at each head_dim, relative to head_dim 128's (a profile's ``ctas_per_sm``).
-# The default 16-bit builds on sm_90 hold 3 at head_dim 64 (133 registers, 64 KiB of shared
-# memory), 2 at 128 (216 registers, 96 KiB) and 1 at 256 (160 KiB); fp8's hold 4, 2 and 1, so
-# fp8 at head_dim 64 is counted one short. tests/test_kernels_compile.py pins the 16-bit ones
+# The default 16-bit builds on sm_90 hold 4 at head_dim 64 with one row tile (3 stages under a
+# 128-register cap: ``runtime.features.default_occupancy``), 3 at head_dim 64 with more row
+# tiles (154+ registers, 64 KiB of shared memory), 2 at 128 (216 registers, 96 KiB) and 1 at
+# 256 (160 KiB); fp8's hold 4, 2 and 1. tests/test_kernels_compile.py pins the 16-bit ones
 # against what NVRTC reports. (One count for every head_dim overstated head_dim 256's slots
 # twice and understated 64's: session 12's offline study, benchmarks/offline/.)
 RESIDENCY_VS_HEAD_DIM_128 = {64: 1.5, 128: 1.0, 256: 0.5}
+# head_dim 64's builds of one row tile (16 query heads a CTA or fewer)
+RESIDENCY_ONE_ROW_TILE_D64 = 2.0
 
 
-def resident_ctas(head_dim: int, ctas_per_sm: int) -> int:
-    """CTAs an SM holds for ``head_dim``, given ``ctas_per_sm`` at head_dim 128."""
-    return max(1, int(ctas_per_sm * RESIDENCY_VS_HEAD_DIM_128.get(head_dim, 1.0) + 0.5))
+def resident_ctas(head_dim: int, ctas_per_sm: int, rows: int = 16) -> int:
+    """CTAs an SM holds for ``head_dim`` and ``rows`` query heads a CTA, given ``ctas_per_sm``
+    at head_dim 128."""
+    factor = (RESIDENCY_ONE_ROW_TILE_D64 if head_dim == 64 and rows <= 16
+              else RESIDENCY_VS_HEAD_DIM_128.get(head_dim, 1.0))
+    return max(1, int(ctas_per_sm * factor + 0.5))
 
 
 @functools.lru_cache(maxsize=256)
@@ -136,7 +142,7 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
     ctas = ctas_per_kv_head(group)
     rows = -(-group // ctas)                       # query heads per CTA
     items_per_chunk = num_kv_heads * ctas
-    slots = num_sms * resident_ctas(head_dim, ctas_per_sm)
+    slots = num_sms * resident_ctas(head_dim, ctas_per_sm, rows)
     bw = bandwidth_gbps * 1e3                      # bytes per microsecond
     slot_bw = bw / slots
     token_bytes = head_dim * 2 * 2                 # K and V, 2-byte elements, one kv head

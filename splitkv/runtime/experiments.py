@@ -18,9 +18,11 @@ class DecodeExperiments:
     """Knobs ``BatchDecodeWrapper(..., experiments=...)`` passes to the kernel and its launch.
 
     stages: pipeline depth of the partial kernel in tiles (at least 2); None: the default for
-        the head dim (``kernel_source.DEFAULT_STAGES``, fewer for tiles of more tokens).
-    max_registers: per-thread register cap of the partial kernel; None or 0: the compiler's
-        choice.
+        the head dim (``kernel_source.DEFAULT_STAGES``, fewer for tiles of more tokens), or 3
+        where ``features.default_occupancy`` holds 4 CTAs an SM (16-bit head_dim 64, one row
+        tile). Forcing it (or max_registers) gives that default up.
+    max_registers: per-thread register cap of the partial kernel; None: the compiler's choice,
+        or 128 where ``features.default_occupancy`` holds 4 CTAs an SM; 0: the compiler's.
     warps: warps per CTA of the partial kernel, 4 or 8 (128-token tiles); None: the default,
         ``features.plan_warps``: 8 where the grid gives no SM two CTAs and 4 warps are
         issue-bound (fp8; 16-bit with two row tiles or small pages, on long chunks), else 4
@@ -44,7 +46,8 @@ class DecodeExperiments:
         page lookups ahead, the softmax's cross-lane max and rescale check) are paid half as
         often per byte, where rows are 128 bytes (16-bit head_dim 64, fp8 head_dim 128);
         the stages halve with it, and a per-shape plan keeps 4 warps unless ``warps`` says
-        otherwise (``benchmarks/ab_tile_tokens.py``). None: 16.
+        otherwise (``benchmarks/ab_tile_tokens.py``). None: 32 for fp8 head_dim 128 plans
+        of 4 warps and one row tile (``features.default_tile_per_warp``), else 16.
     dim_split: 2 splits the head dim of O = P V between pairs of warps, each computing the same
         scores and accumulating half of O (WARPS_D): CTAs of 8 warps keep 64-token tiles, so
         head_dim 256, one 4-warp CTA an SM today, gets 8 warps an SM in 128 KiB, and O's

@@ -109,6 +109,42 @@ def default_pow2_pages(page_size: int, head_dim: int, row_tiles: int, kv_bytes: 
             and page_size < row_step(head_dim, row_tiles, kv_bytes))
 
 
+# Occupancy and tile length where the shape alone decides them (the stages, register cap and
+# tokens a warp's tile an experiment did not force). Measured on the H200 (benchmarks/NOTES.md,
+# session 13, ``benchmarks/ab_occupancy.py`` and ``ab_tile_tokens.py``):
+# - 16-bit head_dim 64, one row tile, 4 warps: 3 stages (48 KiB) and a 128-register cap hold 4
+#   CTAs an SM where the compiler's 133 registers and 4 stages held 3: d64_b64_n4k 137.7 ->
+#   124.0 us, d64_b64_n2600 89.6 -> 80.5, d64_b8_n7790 37.0 -> 35.7, d64_b256_n1k 130.2 -> 127.8.
+#   Not with two row tiles or more, or the unified max: under the cap they spill (NVRTC's
+#   report; tests/test_kernels_compile.py pins the builds the rule gives).
+# - fp8 K/V at head_dim 128 (128-byte rows), one row tile, grids of more CTAs than SMs (4 warps):
+#   128-token tiles (32 tokens a warp, 3 stages): b128_n2k 151.2 -> 142.3 us, b32_n2k 38.8 ->
+#   37.3, b32_n8k 132.8 -> 129.1, ragged_b32 66.0 -> 63.5. Lone grids keep 8 warps of 16 tokens
+#   each (4 warps of 32 lost there: b8_n8k 39.3 -> 40.8, b1_n32k 24.1 -> 24.9).
+FOUR_AN_SM = {"stages": 3, "max_registers": 128}
+
+
+def default_occupancy(variant, *, forced: bool):
+    """``variant`` with 4 CTAs an SM's stages and register cap where the rule above holds and
+    no experiment forced its stages or registers (``forced``), else ``variant``."""
+    from dataclasses import replace
+
+    if (forced or variant.kv_dtype or variant.head_dim != 64 or variant.row_tiles != 1
+            or variant.num_warps != 4 or variant.tile_per_warp != 16 or variant.dim_split != 1
+            or variant.unified_max):
+        return variant
+    return replace(variant, **FOUR_AN_SM)
+
+
+def default_tile_per_warp(kv_dtype: str | None, head_dim: int, warps: int, row_tiles: int,
+                          multi_token: bool) -> int:
+    """Tokens a warp's tile of a per-shape plan holds by default: 32 for fp8 head_dim 128 at 4
+    warps and one row tile (the rule above), else 16. Not for multi-token plans (unmeasured)."""
+    if kv_dtype and head_dim == 128 and warps == 4 and row_tiles == 1 and not multi_token:
+        return 32
+    return 16
+
+
 def fitting_build(variant, *, q_default: bool, warps_default: bool, stages: int = 0):
     """``variant`` (a ``DecodeVariant``), or the nearest build whose shared memory one block of
     the current device may have: the defaults above given up in turn (q in shared memory, then

@@ -48,8 +48,9 @@ from . import require_gpu
 from .arrays import (as_cupy_stream, as_device_array, cupy_storage_dtype, nhd_view,
                      split_kv_arrays)
 from .experiments import DecodeExperiments
-from .features import (check_option, default_pow2_pages, default_q_in_smem, fitting_build,
-                       plan_warps, sm90_option, spreads_one_per_sm)
+from .features import (check_option, default_occupancy, default_pow2_pages, default_q_in_smem,
+                       default_tile_per_warp, fitting_build, plan_warps, sm90_option,
+                       spreads_one_per_sm)
 from .kernel_abi import DecodeParams
 from .kernel_source import DecodeVariant, row_tiles_for
 from .launch import DecodeLaunch, KernelLaunch, current_context
@@ -159,6 +160,9 @@ class BatchDecodeWrapper:
         if experiments.pow2_pages and self.page_size & (self.page_size - 1):
             raise ValueError(f"experiments: pow2_pages needs a page_size that is a power of two, "
                              f"got page_size={self.page_size}")
+        # the stages and register cap are the shape's (features.default_occupancy) unless forced
+        self._occupancy_forced = (experiments.stages is not None
+                                  or experiments.max_registers is not None)
         self._profile = profile
         self._resolved_profile = None         # the Profile, once read
         self._plan: Plan | None = None
@@ -433,12 +437,16 @@ class BatchDecodeWrapper:
                            page_size=self.page_size, head_dim=self.head_dim,
                            mean_chunk_tokens=float(sizes.mean()) if sizes.size else 0.0,
                            multi_token=query_rows is not None)
-        kernels = get_decode_kernels(fitting_build(replace(
+        tile_per_warp = ex.tile_per_warp or default_tile_per_warp(
+            self.kv_dtype, self.head_dim, warps, row_tiles, query_rows is not None)
+        variant = default_occupancy(replace(
             self.variant, cluster=chosen.cluster_size, soft_cap=int(soft_cap_log2 > 0),
-            num_warps=warps, stages=self.experiments.stages or 0, row_tiles=row_tiles,
-            multi_token=int(query_rows is not None), unified_max=int(phi is not None)),
-            q_default=self.experiments.q_in_smem is None, warps_default=forced_warps is None,
-            stages=self.experiments.stages or 0))
+            num_warps=warps, stages=ex.stages or 0, row_tiles=row_tiles,
+            tile_per_warp=tile_per_warp, multi_token=int(query_rows is not None),
+            unified_max=int(phi is not None)), forced=self._occupancy_forced)
+        kernels = get_decode_kernels(fitting_build(
+            variant, q_default=ex.q_in_smem is None, warps_default=forced_warps is None,
+            stages=ex.stages or 0))
         stages = kernels.variant.stages
         tile = kernels.variant.tile_tokens
         in_record = pages_fit_record(chosen, self.page_size, stages, tile)
@@ -524,9 +532,10 @@ class BatchDecodeWrapper:
                              f"soft cap {'on' if self._launch_soft_cap else 'off'} (its captured "
                              "launches hold that kernel); its value may change")
         self._launch_soft_cap = soft_cap
-        return get_decode_kernels(fitting_build(replace(
+        return get_decode_kernels(fitting_build(default_occupancy(replace(
             self.variant, soft_cap=soft_cap, multi_token=int(multi),
             row_tiles=row_tiles_for(self.group_size * self._max_q_len)),
+            forced=self._occupancy_forced),
             q_default=self.experiments.q_in_smem is None, warps_default=False))
 
     def _plan_graph(self, chosen: Plan, page_table: PageTable, s, sm_scale_log2: float,

@@ -24,6 +24,10 @@ args, fmt = ab_arguments(__doc__.splitlines()[0], "classes", json={"default": No
 
 def knobs(case) -> dict:
     """The knobs that apply to this case's shape, by name."""
+    # Forced stages give up the shape's defaults (features.default_occupancy's 3 stages under
+    # a 128-register cap at 16-bit head_dim 64, default_tile_per_warp's 128-token fp8 tiles):
+    # these knobs are stages of 16 tokens a warp at the compiler's registers, around the
+    # depth those builds had before session 13, so "default" may differ from all of them.
     default = (DEFAULT_FP8_STAGES if fmt else DEFAULT_STAGES)[case.head_dim]
     out = {f"stages {s}": DecodeExperiments(stages=s)
            for s in (default - 1, default + 1, default + 2) if s >= 2}

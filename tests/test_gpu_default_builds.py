@@ -51,10 +51,30 @@ def test_head_dim_64_runs_four_an_sm_with_the_four_stage_builds_bits(hq, hk, pag
 
 def test_head_dim_64s_other_paths_run_four_an_sm():
     """Clusters, graph-stable wrappers planned on the host and on the device."""
+    from splitkv.runtime import device_info
+
     def check(w):
         assert four_an_sm(w), w.kernel_variant.name
 
-    assert_paths_match_reference(None, 32, 8, 64, np.random.default_rng(5), check)
+    *_, w = assert_paths_match_reference(None, 32, 8, 64, np.random.default_rng(5), check)
+    if int(device_info()["cc"]) >= 90:          # its last plan: fused/4 merged in a cluster
+        assert w.kernel_variant.cluster == 4
+        check(w)
+
+
+def test_forced_stages_or_warps_give_up_the_fp8_long_tiles():
+    """An experiment that forces the stages or the warps gets 16 tokens a warp (the build it
+    was measured as), not the shape's 128-token fp8 tiles."""
+    rng = np.random.default_rng(13)
+    lens = [int(x) for x in rng.integers(100, 2000, 40)]
+    pt, pages = scattered_page_table(lens, 16, rng)
+    q = random_device_array((len(lens), 32, 128), "bfloat16", rng)
+    k, v = random_kv_caches((pages, 16, 8, 128), "bfloat16", rng, "float8_e4m3fn")
+    for experiments in (DecodeExperiments(stages=5), DecodeExperiments(warps=4)):
+        w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", kv_dtype="float8_e4m3fn",
+                               experiments=experiments)
+        plan_and_run(w, pt, q, k, v, strategy="single")
+        assert w.kernel_variant.tile_per_warp == 16, (experiments, w.kernel_variant.name)
 
 
 def test_the_unified_max_keeps_the_compilers_registers_at_head_dim_64():

@@ -296,7 +296,7 @@ def default_build(head_dim: int, row_tiles: int, **fields) -> DecodeVariant:
 
 
 @pytest.mark.nvrtc
-@pytest.mark.parametrize("head_dim,row_tiles", [(64, 1), (64, 2), (128, 1), (256, 1)])
+@pytest.mark.parametrize("head_dim,row_tiles", [(64, 1), (64, 2), (64, 4), (128, 1), (256, 1)])
 def test_the_cost_models_residency_is_what_the_default_builds_hold(head_dim, row_tiles):
     """``cost_model.resident_ctas`` (the slots the planner deals CTAs onto) against the default
     16-bit build's registers (NVRTC, sm_90) and shared memory on an H200-class SM (64 K

@@ -3,7 +3,8 @@ each have a physical meaning.
 
 How the kernels run (what the features describe): one CTA per work item (chunk x kv head, and
 x ceil(group / 64) head tiles for very large GQA groups). A CTA streams its chunk's K and V in
-tiles of 64 tokens, so a partly filled last tile costs a whole tile of compute but only its
+tiles of 64 tokens (128 for the builds of 8 warps or 32 tokens a warp:
+``runtime.features``), so a partly filled last tile costs a whole tile of compute but only its
 real bytes of memory. About ``ctas_per_sm`` CTAs are resident per SM at head_dim 128 (more at
 64, fewer at 256: ``resident_ctas``), so the GPU has ``num_sms * resident_ctas`` *slots*; items
 are dealt onto the slots in waves. A CTA pays a fixed
@@ -114,21 +115,27 @@ def critical_path(total, largest, num_items, slots):
 
 # CTAs an SM holds at each head_dim, relative to head_dim 128's (a profile's ``ctas_per_sm``).
 # The default 16-bit builds on sm_90 hold 4 at head_dim 64 with one row tile (3 stages under a
-# 128-register cap: ``runtime.features.default_occupancy``), 3 at head_dim 64 with more row
-# tiles (154+ registers, 64 KiB of shared memory), 2 at 128 (216 registers, 96 KiB) and 1 at
+# 128-register cap: ``runtime.features.default_occupancy``), 3 with two row tiles (154
+# registers, 64 KiB of shared memory), 2 with four (182), 2 at 128 (216 registers, 96 KiB) and 1 at
 # 256 (160 KiB); fp8's hold 4, 2 and 1. tests/test_kernels_compile.py pins the 16-bit ones
 # against what NVRTC reports. (One count for every head_dim overstated head_dim 256's slots
 # twice and understated 64's: session 12's offline study, benchmarks/offline/.)
+# The plan is chosen before its build, so a build that holds fewer than the default's is
+# counted as the default: the unified max at head_dim 64 (158 registers: 3 an SM), forced
+# experiments. GPUs of less shared memory an SM than the H200's (A100, sm_86/89) hold fewer at
+# head_dim 64 too; their prior profiles keep ctas_per_sm 2 until calibrated.
 RESIDENCY_VS_HEAD_DIM_128 = {64: 1.5, 128: 1.0, 256: 0.5}
-# head_dim 64's builds of one row tile (16 query heads a CTA or fewer)
-RESIDENCY_ONE_ROW_TILE_D64 = 2.0
+# head_dim 64 by row tiles (16 query heads each): 1 -> 4 an SM, 2 -> 3, 4 (182 registers) -> 2
+RESIDENCY_D64_BY_ROW_TILES = {1: 2.0, 2: 1.5, 4: 1.0}
 
 
 def resident_ctas(head_dim: int, ctas_per_sm: int, rows: int = 16) -> int:
     """CTAs an SM holds for ``head_dim`` and ``rows`` query heads a CTA, given ``ctas_per_sm``
     at head_dim 128."""
-    factor = (RESIDENCY_ONE_ROW_TILE_D64 if head_dim == 64 and rows <= 16
-              else RESIDENCY_VS_HEAD_DIM_128.get(head_dim, 1.0))
+    if head_dim == 64:
+        factor = RESIDENCY_D64_BY_ROW_TILES[1 if rows <= 16 else 2 if rows <= 32 else 4]
+    else:
+        factor = RESIDENCY_VS_HEAD_DIM_128.get(head_dim, 1.0)
     return max(1, int(ctas_per_sm * factor + 0.5))
 
 

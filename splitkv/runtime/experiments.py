@@ -46,8 +46,10 @@ class DecodeExperiments:
         page lookups ahead, the softmax's cross-lane max and rescale check) are paid half as
         often per byte, where rows are 128 bytes (16-bit head_dim 64, fp8 head_dim 128);
         the stages halve with it, and a per-shape plan keeps 4 warps unless ``warps`` says
-        otherwise (``benchmarks/ab_tile_tokens.py``). None: 32 for fp8 head_dim 128 plans
-        of 4 warps and one row tile (``features.default_tile_per_warp``), else 16.
+        otherwise (``benchmarks/ab_tile_tokens.py``). None: 32 for fp8 head_dim 128
+        per-shape plans of 4 warps and one row tile where neither stages nor warps are forced
+        (``features.default_tile_per_warp``; not multi-token plans, not graph-stable
+        wrappers), else 16.
     dim_split: 2 splits the head dim of O = P V between pairs of warps, each computing the same
         scores and accumulating half of O (WARPS_D): CTAs of 8 warps keep 64-token tiles, so
         head_dim 256, one 4-warp CTA an SM today, gets 8 warps an SM in 128 KiB, and O's
@@ -98,7 +100,7 @@ class DecodeExperiments:
             raise ValueError(f"dim_split: expected 1 or 2 (or None: 1), got {self.dim_split!r}")
         if self.tile_per_warp is not None and (isinstance(self.tile_per_warp, bool)
                                                or self.tile_per_warp not in (16, 32)):
-            raise ValueError(f"tile_per_warp: expected 16 or 32 (or None: 16), got "
+            raise ValueError(f"tile_per_warp: expected 16 or 32 (or None: the default), got "
                              f"{self.tile_per_warp!r}")
         if self.rows_per_cta is not None and (isinstance(self.rows_per_cta, bool)
                                               or self.rows_per_cta not in (16, 32, 64)):

@@ -18,6 +18,8 @@
 #   bash benchmarks/device_run.sh ab_dim_split         # issue 18: d256, O's dims over warp pairs
 #   bash benchmarks/device_run.sh tests_s12           # the GPU tests of session 12's unrun changes
 #   bash benchmarks/device_run.sh tests_s13           # session 13's default builds, digests
+#   bash benchmarks/device_run.sh calibrate eval eval_candidate  # refit (fits stream_us too),
+#     both evaluations, and the offline stream_us candidate's, in one run
 #   bash benchmarks/device_run.sh tests_only; then memcheck sanitize  # two calls, each < 10 min
 #   bash benchmarks/device_run.sh calibrate_fp8 bench_fp8   # fit fp8's cost model, then bench it
 #   bash benchmarks/device_run.sh device_plan plan_cost  # plan_on_device tests; planning's cost per step
@@ -83,6 +85,11 @@ for phase in "$@"; do
       # the 44 standard held-out shapes and issue 18's 24 class shapes (--shapes all)
       python3 benchmarks/eval_planner.py --profile "$PROFILE" --json "$RES/h200-planner.json" 2>&1 \
         | tee "$RES/eval.log" | tail -8 ;;
+    eval_candidate)
+      # session 13's offline refit with stream_us (results/calibration/*-stream-candidate.yaml)
+      python3 benchmarks/eval_planner.py \
+        --profile benchmarks/results/calibration/nvidia-h200-stream-candidate.yaml \
+        --json "$RES/h200-planner-stream-candidate.json" 2>&1 | tee "$RES/eval_candidate.log" | tail -8 ;;
     eval_fp8)
       python3 benchmarks/eval_planner.py --profile "$PROFILE" --kv-dtype fp8_e4m3 \
         --json "$RES/h200-planner-fp8.json" 2>&1 | tee "$RES/eval_fp8.log" | tail -8 ;;

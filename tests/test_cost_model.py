@@ -11,6 +11,9 @@ from splitkv.planner.profiles import roofline_prior
 H200 = dict(num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0, clusters=True)
 # A "GPU" unlike the prior in every parameter the prior sets (and any feature added later).
 TRUTH = {name: 1.5 * value + 0.05 for name, value in roofline_prior(132, 4460.0).items()}
+# stream_us (0 in the prior) overlaps kv_us on full grids: a truth the size of kv_us's keeps it
+# identifiable from the lone and ragged plans, where the two differ
+TRUTH["stream_us"] = 0.4
 CONST, KV_US = FEATURE_NAMES.index("const"), FEATURE_NAMES.index("kv_us")
 
 
@@ -96,6 +99,24 @@ def test_unequal_chunks_pay_a_tail():
     x = plan_features(p, [1000, 200], [1, 1], "single", **H200)
     # largest 1000 tokens, mean 600: 400 tokens of one kv head at one slot's bandwidth
     assert feature(x, "tail_us") == pytest.approx(400 * 512 / (4460e3 / 264))
+
+
+def test_stream_us_is_the_largest_cta_alone_or_the_full_grids_bytes():
+    """stream_us: a lone CTA streams at LONE_CTA_GBPS; a full grid of equal chunks reads at the
+    device's bandwidth (kv_us); a full grid with one long chunk reads its share of that chunk
+    at the device's rate and the rest alone."""
+    from splitkv.planner.cost_model import LONE_CTA_GBPS
+
+    lone = plan_features(problem([32768], 32, 8), [32768], [1], "single", **H200)
+    assert feature(lone, "stream_us") == pytest.approx(32768 * 512 / (LONE_CTA_GBPS * 1e3))
+    full = plan_features(problem([512] * 300, 32, 8), [512] * 300, [1] * 300, "single", **H200)
+    assert feature(full, "stream_us") == pytest.approx(feature(full, "kv_us"))
+    lens = [512] * 299 + [8192]
+    ragged = plan_features(problem(lens, 32, 8), lens, [1] * 300, "single", **H200)
+    w, slots = sum(lens) * 8, 264                     # tokens of every CTA; 2 CTAs an SM
+    alone = 8192 - w / slots
+    assert feature(ragged, "stream_us") == pytest.approx(
+        (w + 4460 / LONE_CTA_GBPS * alone) * 512 / 4460e3)
 
 
 def test_large_groups_launch_head_tiles():

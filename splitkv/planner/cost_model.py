@@ -56,6 +56,17 @@ The feature columns, in order (``FEATURE_NAMES``):
                   as above). A short chunk's time is mostly its start-up, which a second CTA
                   does not shorten. Cluster plans count too (all were measured as ticket
                   plans).
+  stream_us       the grid's streaming time: while it is full (min(items, slots) CTAs at
+                  once) the grid reads at the device's bandwidth, and the largest CTA only
+                  its share; what that CTA has left past its share it then streams alone, at
+                  ``LONE_CTA_GBPS``; and never less than that CTA alone. In tokens of one kv
+                  head, max(rho L, W + rho max(0, L - W / min(items, slots))), rho the
+                  device's bandwidth over LONE_CTA_GBPS, L the largest CTA's tokens, W all
+                  CTAs' tokens; times one token's bytes / the bandwidth. The per-SM critical
+                  path (crit_us) charges the largest CTA at a whole SM's rate, where in a full
+                  grid of ragged chunks it streams at its share (benchmarks/offline,
+                  session 13: a grid of 516 CTAs with one of 3,682 tokens ran 74.7 us where
+                  crit_us predicted 61.8). Profiles fitted before it hold 0.
 """
 
 from __future__ import annotations
@@ -76,7 +87,7 @@ from .stats import (ONE, S_COUNTS, S_LARGEST, S_MAX_CHUNK_TOKENS, S_MAX_SPLITS, 
 
 FEATURE_NAMES = ("const", "launches", "kv_us", "crit_us", "crit_tiles", "crit_tile_rows",
                  "waves", "partial_us", "fused_tail_us", "fused_merges", "merge_chain",
-                 "tail_us", "cluster_merges", "lone_cta_us")
+                 "tail_us", "cluster_merges", "lone_cta_us", "stream_us")
 F_LAUNCHES, F_FUSED_TAIL_US, F_FUSED_MERGES, F_MERGE_CHAIN, F_CLUSTER_MERGES = indices(
     FEATURE_NAMES, "launches", "fused_tail_us", "fused_merges", "merge_chain", "cluster_merges")
 # The features a clustered fused merge does not pay, for the one it pays instead
@@ -84,6 +95,9 @@ F_LAUNCHES, F_FUSED_TAIL_US, F_FUSED_MERGES, F_MERGE_CHAIN, F_CLUSTER_MERGES = i
 F_TICKET = rows_of(FEATURE_NAMES, "partial_us", "fused_tail_us", "fused_merges")
 # Chunks from which a lone CTA's streaming rate, not its start-up, sets its time (lone_cta_us).
 LONE_CTA_MIN_TOKENS = 1024
+# What one CTA alone streams, GB/s (stream_us): chosen on the H200 sweep alone, where the
+# held-out error was lowest (benchmarks/offline/s13_r1_scan.py; 50-70 fit alike).
+LONE_CTA_GBPS = 70.0
 
 SINGLE, SPLIT_MERGE, FUSED = (STRATEGIES.index(s) for s in ("single", "split_merge", "fused"))
 
@@ -161,7 +175,7 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
             "crit_tiles": head_dim / 128, "crit_tile_rows": rows * head_dim / 128,
             "partial_us": 2 * num_qo_heads * partial_bytes / bw,
             "fused_tail_us": rows * partial_bytes / slot_bw, "tail_us": token_bytes / slot_bw,
-            "lone_cta_us": token_bytes / sm_bw}
+            "lone_cta_us": token_bytes / sm_bw, "stream_us": token_bytes / bw}
     units = np.array([unit.get(name, 1.0) for name in FEATURE_NAMES])[:, None]
     units.setflags(write=False)
     return items_per_chunk, slots, units
@@ -181,11 +195,11 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
 # others by the R_ constants below.
 FEATURE_ROWS = STAT_NAMES + ("one", "one_plus_split", "split", "split_x_max_splits",
                              "crit_tokens", "crit_tiles", "waves", "sm_waves", "tail_tokens",
-                             "clustered", "lone_tokens")
+                             "clustered", "lone_tokens", "stream_tokens")
 (R_ONE, R_ONE_PLUS_SPLIT, R_SPLIT, R_SPLIT_X_MAX_SPLITS, R_CRIT_TOKENS, R_SM_WAVES,
- R_TAIL_TOKENS, R_CLUSTERED, R_LONE_TOKENS) = indices(
+ R_TAIL_TOKENS, R_CLUSTERED, R_LONE_TOKENS, R_STREAM_TOKENS) = indices(
     FEATURE_ROWS, "one", "one_plus_split", "split", "split_x_max_splits", "crit_tokens",
-    "sm_waves", "tail_tokens", "clustered", "lone_tokens")
+    "sm_waves", "tail_tokens", "clustered", "lone_tokens", "stream_tokens")
 # Rows that one call reads or fills together, in step with ``stats``' S_COUNTS (chunks, tokens,
 # tiles) and S_LARGEST (the largest chunk's tokens, tiles): the critical path's tokens and
 # tiles, and the two wave counts.
@@ -195,7 +209,7 @@ R_WAVES = rows_of(FEATURE_ROWS, "waves", "sm_waves")
 FEATURE_SOURCE = np.array(indices(
     FEATURE_ROWS, "one", "one", "total_tokens", "crit_tokens", "crit_tiles", "crit_tiles",
     "waves", "split_chunks", "split_x_max_splits", "split", "split_x_max_splits", "tail_tokens",
-    "clustered", "lone_tokens"))
+    "clustered", "lone_tokens", "stream_tokens"))
 
 
 def new_feature_rows(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -205,12 +219,13 @@ def new_feature_rows(n: int) -> tuple[np.ndarray, np.ndarray]:
     return rows, rows[:len(STAT_NAMES)]
 
 
-def row_features(rows, items_per_chunk, slots, num_sms, some_items=False,
+def row_features(rows, items_per_chunk, slots, num_sms, stream_ratio, some_items=False,
                  cluster_batch_size=0) -> np.ndarray:
     """Fill the derived rows of a ``new_feature_rows`` array from its stats; returns it.
     Waves (start-ups) count per slot, the critical path per SM: ``critical_path`` with
-    ``num_sms`` for its slots. ``some_items``: every column has at least one chunk (the
-    planner's rows), so the guard of the mean against 0 items can be skipped.
+    ``num_sms`` for its slots. ``stream_ratio``: the device's bandwidth over a lone CTA's
+    (``stream_ratio_of``), for stream_us. ``some_items``: every column has at least one chunk
+    (the planner's rows), so the guard of the mean against 0 items can be skipped.
     ``cluster_batch_size``: the batch size when the GPU has clusters and some row may use
     them, else 0 (the 'clustered' row is then 0)."""
     max_splits = rows[S_MAX_SPLITS]
@@ -226,6 +241,16 @@ def row_features(rows, items_per_chunk, slots, num_sms, some_items=False,
     np.ceil(waves_rows, waves_rows)
     if not some_items:
         np.maximum(items, 1.0, out=items)
+    # stream_tokens: max(rho L, W + rho max(0, L - W / min(items, slots))), W = crit[0] here
+    rho, largest = _float_array(stream_ratio), rows[S_MAX_CHUNK_TOKENS]
+    stream = rows[R_STREAM_TOKENS]
+    np.minimum(items, _float_array(slots), out=stream)
+    np.divide(crit[0], stream, out=stream)         # the largest CTA's share while full
+    np.subtract(largest, stream, out=stream)
+    np.maximum(stream, 0.0, out=stream)            # what it streams alone after
+    stream *= rho
+    stream += crit[0]
+    np.maximum(stream, rho * largest, out=stream)
     # critical_path of tokens and tiles per SM: max(largest, sm waves * (total / max(items, 1)))
     crit /= items                                  # the mean chunk's tokens and tiles
     max_chunk_tokens = rows[S_MAX_CHUNK_TOKENS]
@@ -248,6 +273,11 @@ def row_features(rows, items_per_chunk, slots, num_sms, some_items=False,
 
 # A 0-d array rather than a Python number (see ``stats.ONE``).
 _LONE_CTA_MIN_TOKENS = np.array(float(LONE_CTA_MIN_TOKENS))
+
+
+def stream_ratio_of(bandwidth_gbps: float) -> float:
+    """stream_us's rho: the device's bandwidth over what one CTA alone streams."""
+    return float(bandwidth_gbps) / LONE_CTA_GBPS
 
 
 @functools.lru_cache(maxsize=64)
@@ -319,7 +349,8 @@ def features_from_stats(num_qo_heads, num_kv_heads, head_dim, strategy_code, sta
     stat_rows[:] = stats
     index = feature_index(n, np.arange(n), strategy_code)
     cluster_batch_size = batch_size if clusters and clustered_as is None else 0
-    row_features(rows, ipc, slots, num_sms, cluster_batch_size=cluster_batch_size)
+    row_features(rows, ipc, slots, num_sms, stream_ratio_of(bandwidth_gbps),
+                 cluster_batch_size=cluster_batch_size)
     if clustered_as is not None:
         rows[R_CLUSTERED] = clustered_as
     return gather_features(rows, index, strategy_scale(units, strategy_code, n),

@@ -30,7 +30,8 @@ from ..core.problem import DecodeProblem
 from ..core.execution import DEFAULT_LAUNCH_ORDER, check_launch_order, may_cluster
 from ..core.geometry import TILE_TOKENS
 from .cost_model import (CostModel, feature_constants, feature_index, features_from_stats,
-                         gather_features, new_feature_rows, row_features, strategy_scale)
+                         gather_features, new_feature_rows, row_features, strategy_scale,
+                         stream_ratio_of)
 from .stats import (S_NUM_CHUNKS, STAT_NAMES, equal_candidate_stats, ones,
                     ragged_candidate_stats)
 
@@ -320,7 +321,8 @@ def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=N
     # (kernels_cu/device_plan.cuh) rounds the same way; a matrix-vector product's order is
     # the BLAS library's.
     clusters = may_cluster(model.clusters, max_len)
-    x = gather_features(row_features(rows, ipc, slots, model.num_sms, some_items=True,
+    x = gather_features(row_features(rows, ipc, slots, model.num_sms,
+                                     stream_ratio_of(model.bandwidth_gbps), some_items=True,
                                      cluster_batch_size=batch_size if clusters else 0),
                         index, scale, clusters=clusters)
     x *= model.coef_[:, None]

@@ -87,14 +87,15 @@ def roofline_prior(num_sms: int, bandwidth_gbps: float) -> dict:
     work (0.02 us, +0.005 us per query head), partials at full bandwidth, the fused tail at
     one CTA's bandwidth plus ~1 us for the ticket atomic and fences, a tenth of the largest
     chunk's excess over the mean as a scheduling tail, and a lone CTA streaming 3% slower
-    than its SM's share (about what was measured: NOTES.md).
+    than its SM's share (about what was measured: NOTES.md). stream_us 0: crit_us carries the
+    critical path until a calibration fits both.
     The parameters do not depend on the SM count or bandwidth: the features scale with them.
     """
     del num_sms, bandwidth_gbps
     return {"const": 0.5, "launches": 0.52, "kv_us": 0.24, "crit_us": 1.62, "crit_tiles": 0.02,
             "crit_tile_rows": 0.005, "waves": 0.6, "partial_us": 1.0, "fused_tail_us": 1.0,
             "fused_merges": 1.0, "merge_chain": 0.05, "tail_us": 0.1, "cluster_merges": 0.3,
-            "lone_cta_us": 0.05}
+            "lone_cta_us": 0.05, "stream_us": 0.0}
 
 
 @dataclass(frozen=True)
@@ -236,6 +237,8 @@ class Profile:
             if isinstance(coef, dict) and "lone_cta_us" not in coef:
                 # fitted before the feature existed: that fit is the model with it 0
                 coef = {**coef, "lone_cta_us": 0.0}
+            if isinstance(coef, dict) and "stream_us" not in coef:
+                coef = {**coef, "stream_us": 0.0}      # the same (session 13)
             if not isinstance(coef, dict) or set(coef) != set(FEATURE_NAMES):
                 got = sorted(coef) if isinstance(coef, dict) else coef
                 raise bad(f"{where}: expected one parameter for each feature "

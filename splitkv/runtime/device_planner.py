@@ -19,7 +19,8 @@ import numpy as np
 
 from ..core.execution import LAUNCH_ORDERS
 from ..core.geometry import RECORD_PAGES, TILE_TOKENS, ctas_per_kv_head
-from ..planner.cost_model import FEATURE_NAMES, LONE_CTA_MIN_TOKENS, CostModel, feature_constants
+from ..planner.cost_model import (FEATURE_NAMES, LONE_CTA_MIN_TOKENS, CostModel, feature_constants,
+                                  stream_ratio_of)
 from .kernel_abi import CHUNK_RECORD
 from .kernel_source import NVRTC_OPTIONS, read_source
 from .records import idle_records, record_pages_needed
@@ -47,6 +48,7 @@ class DevicePlanParams(ctypes.Structure):
         ("merge_indptr", _POINTER), ("scratch", _POINTER), ("state", _POINTER),
         ("predicted_us", _POINTER), ("coef", ctypes.c_double * _FEATURES),
         ("unit", ctypes.c_double * _FEATURES), ("lone_min_tokens", ctypes.c_double),
+        ("stream_ratio", ctypes.c_double),
         ("batch_size", ctypes.c_int32), ("max_batch", ctypes.c_int32),
         ("max_chunks", ctypes.c_int32), ("items_per_chunk", ctypes.c_int32),
         ("slots", ctypes.c_int32), ("num_sms", ctypes.c_int32), ("page_size", ctypes.c_int32),
@@ -85,6 +87,7 @@ def plan_params(model: CostModel, *, num_qo_heads: int, num_kv_heads: int, head_
     p.coef[:] = [float(c) for c in model.coef_]
     p.unit[:] = [float(u) for u in units[:, 0]]
     p.lone_min_tokens = float(LONE_CTA_MIN_TOKENS)
+    p.stream_ratio = stream_ratio_of(model.bandwidth_gbps)
     p.max_batch, p.max_chunks = max_batch, max_chunks
     p.items_per_chunk = num_kv_heads * ctas_per_kv_head(num_qo_heads // num_kv_heads)
     assert p.items_per_chunk == ipc

@@ -1,0 +1,167 @@
+"""Session-13 offline study helpers (adapted from common.py to the session-13 files):
+the 68 eval shapes of benchmarks/results/h200-planner.json with every measured candidate
+rebuilt (and checked against the JSON's label, chunk count and predicted_us), the sweep CSV
+benchmarks/results/calibration/nvidia-h200.csv with fit_profile's held-out split, fitting and
+scoring with feature *variants* computed here (nothing in splitkv is modified)."""
+
+import json
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+
+from eval_planner import heldout_class_shapes, heldout_shapes  # noqa: E402
+from splitkv.core.plan import plan_chunk_tokens  # noqa: E402
+from splitkv.planner import choose_plan  # noqa: E402
+from splitkv.planner.cost_model import CostModel, plan_features  # noqa: E402
+from splitkv.planner.profiles import load_profile  # noqa: E402
+from splitkv.calibration.sweep import read_measurements  # noqa: E402
+from splitkv.calibration.fit import split_heldout  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+PROFILE = ROOT / "splitkv" / "planner" / "profiles" / "nvidia-h200.yaml"
+SWEEP_CSV = RESULTS / "calibration" / "nvidia-h200.csv"
+EVAL_JSON = RESULTS / "h200-planner.json"
+NUM_SMS, BW = 132, 4460.0
+HYPER = dict(num_sms=NUM_SMS, ctas_per_sm=2, bandwidth_gbps=BW, clusters=True)
+
+
+def shipped_model() -> CostModel:
+    return load_profile(path=PROFILE).cost_model(None)
+
+
+@dataclass
+class Cand:
+    label: str
+    chunk: object
+    plan: object
+    us: float
+    pred_json: float
+
+
+@dataclass
+class Shape:
+    name: str
+    problem: object
+    cands: list
+
+    @property
+    def best_us(self):
+        return min(c.us for c in self.cands)
+
+
+def load_eval() -> list:
+    data = json.load(open(EVAL_JSON))
+    problems = dict(heldout_shapes() + heldout_class_shapes())
+    shipped = shipped_model()
+    out = []
+    for row in data["shapes"]:
+        prob = problems[row["shape"]]
+        assert prob.batch_size == row["batch"] and prob.total_tokens == row["tokens"]
+        cands = []
+        for c in row["candidates"]:
+            if c["chunk_tokens"] == "planner":
+                p = choose_plan(prob, shipped)
+            elif c["chunk_tokens"] == "single":
+                p = plan_chunk_tokens(prob, 1 << 30, "single")
+            else:
+                p = plan_chunk_tokens(prob, c["chunk_tokens"], c["plan"].split("/")[0], align=64)
+            if c["chunk_tokens"] != "planner":
+                p = p.with_execution(clusters=True)
+            lab = f"{p.strategy}/{p.num_splits}"
+            assert lab == c["plan"] and p.num_chunks == c["num_chunks"], (row["shape"], c, lab)
+            cands.append(Cand(c["plan"], c["chunk_tokens"], p, float(c["us"]),
+                              float(c["predicted_us"])))
+        out.append(Shape(row["shape"], prob, cands))
+    return out
+
+
+def sweep():
+    """(all, train, heldout) lists of (shape, plan, us), plans as they ran (clusters), with
+    fit_profile's split (20% of shapes, seed 0)."""
+    ms = read_measurements(SWEEP_CSV, quick=False, seed=0)
+    ms = [replace(m, plan=m.plan.with_execution(clusters=True)) for m in ms]
+    train, held = split_heldout(ms, 0.2, 0)
+    t = lambda L: [(m.shape, m.plan, m.measured_us) for m in L]
+    return t(ms), t(train), t(held)
+
+
+def lib_features(plan):
+    return plan_features(plan.problem, plan.chunk_end - plan.chunk_start,
+                         plan.chunks_per_request, plan.strategy, num_sms=NUM_SMS,
+                         ctas_per_sm=2, bandwidth_gbps=BW, merge=plan.merge)
+
+
+def fit_xy(x, y, huber_delta=0.1):
+    """CostModel.fit's arithmetic for any number of columns (NNLS on relative error, 4 Huber
+    re-weightings). Returns coef."""
+    from scipy.optimize import nnls
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    a = x / y[:, None]
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    a = a / scale
+    weights = np.ones_like(y)
+    for _ in range(4):
+        sw = np.sqrt(weights)
+        c, _ = nnls(a * sw[:, None], sw, maxiter=50 * a.shape[1])
+        resid = a @ c - 1.0
+        weights = np.minimum(1.0, huber_delta / np.maximum(np.abs(resid), 1e-12))
+    return c / scale
+
+
+def fit_report(featfn, exclude=None):
+    """Fit on the sweep with a feature function: RMS / mean relative error on all points (fit
+    on all), held-out mean / worst error and held-out decisions (fit on train). ``exclude``:
+    predicate on (shape, plan) to drop rows from fitting (not used by default)."""
+    allm, train, held = sweep()
+    if exclude:
+        allm = [r for r in allm if not exclude(r)]
+        train = [r for r in train if not exclude(r)]
+    X = lambda L: np.array([featfn(p) for _, p, _ in L])
+    Y = lambda L: np.array([u for _, _, u in L])
+    xa, ya = X(allm), Y(allm)
+    c_all = fit_xy(xa, ya)
+    rel = xa @ c_all / ya - 1
+    xt, yt = X(train), Y(train)
+    c_tr = fit_xy(xt, yt)
+    xh, yh = X(held), Y(held)
+    eh = np.abs(xh @ c_tr / yh - 1)
+    # held-out decisions (regret)
+    regrets = []
+    shapes = sorted({s for s, _, _ in held})
+    ph = xh @ c_tr
+    for s in shapes:
+        idx = [i for i, r in enumerate(held) if r[0] == s]
+        pick = idx[int(np.argmin(ph[idx]))]
+        regrets.append(yh[pick] / yh[idx].min() - 1)
+    return dict(coef=c_all, coef_train=c_tr, rms=float(np.sqrt(np.mean(rel ** 2))),
+                mape=float(np.mean(np.abs(rel))), held_mape=float(eh.mean()),
+                held_max=float(eh.max()), held_regret=float(np.mean(regrets)),
+                held_within5=float(np.mean(np.array(regrets) <= 0.05)), n=len(ya),
+                n_held=len(yh))
+
+
+def score_eval(shapes, featfn, coef):
+    """Pick = argmin predicted among the measured candidates; ratio = its us / best us."""
+    rows = []
+    for s in shapes:
+        x = np.array([featfn(c.plan) for c in s.cands])
+        pred = x @ coef
+        i = int(np.argmin(pred))
+        rows.append(dict(shape=s.name, pick=s.cands[i], ratio=s.cands[i].us / s.best_us,
+                         pred=pred, ape=np.abs(pred / np.array([c.us for c in s.cands]) - 1)))
+    r = np.array([x["ratio"] for x in rows])
+    return rows, dict(within5=float(np.mean(r <= 1.05)), geomean=float(np.exp(np.mean(np.log(r)))),
+                      worst=float(r.max()),
+                      mdape=float(np.median(np.concatenate([x["ape"] for x in rows]))))
+
+
+def label(c):
+    return f"{c.label}@{c.chunk}"

@@ -272,8 +272,9 @@ def test_planning_256_ragged_requests_is_cheap():
 
 # --- Golden decisions -------------------------------------------------------------------------
 # choose_plan is tuned for speed (it runs on every decode step); these pin what it decides so a
-# speed-up can be shown to change no plan. Two models with literal coefficients (the roofline
-# prior and a calibrated H200 fit as of writing), so editing a shipped profile does not move them.
+# speed-up can be shown to change no plan. Three models with literal coefficients (the roofline
+# prior, a calibrated H200 fit as of writing, and one with stream_us), so editing a shipped
+# profile does not move them.
 # The decisions are a table by case (tests/data/golden_plans.json), so a change names its cases.
 
 GOLDEN_MODELS = (
@@ -287,6 +288,11 @@ GOLDEN_MODELS = (
                                       0.16407905293316438, 0.07975235492270334, 0.0, 0.0,
                                       0.0],
                                      num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0)),
+    # session 13's offline refit with stream_us (the candidate profile), rounded
+    ("h200 stream", CostModel.from_coef([0.0, 1.0408, 0.1276, 0.0, 0.3718, 0.0056, 2.8648,
+                                         2.9549, 0.6021, 1.2716, 0.09, 0.0, 0.2682, 0.034,
+                                         0.4596],
+                                        num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0)),
 )
 GOLDEN_PLANS = Path(__file__).parent / "data" / "golden_plans.json"
 LENGTH_SHAPES = ("equal", "ragged", "log-ragged", "tiny", "some empty")
@@ -324,7 +330,7 @@ def golden_requests(count=320, seed=20261129):
             choices = ["split_merge", "fused"] + (["single"] if not num_splits or num_splits == 1
                                                   else [])
             strategy = str(rng.choice(choices))
-        model_name, model = GOLDEN_MODELS[i % 2]
+        model_name, model = GOLDEN_MODELS[i % len(GOLDEN_MODELS)]
         force = [f"{num_splits} splits"] * (num_splits is not None) + [strategy] * bool(strategy)
         name = ", ".join([f"{i:03d} b{b} {LENGTH_SHAPES[shape]} max {int(lens.max())}",
                           f"{p.num_qo_heads}/{hk} d{p.head_dim}", model_name, *force])

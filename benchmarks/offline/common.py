@@ -16,12 +16,13 @@ from eval_planner import heldout_class_shapes, heldout_shapes  # noqa: E402
 from splitkv.core.geometry import ctas_per_kv_head  # noqa: E402
 from splitkv.core.plan import plan_chunk_tokens  # noqa: E402
 from splitkv.planner import choose_plan  # noqa: E402
-from splitkv.planner.cost_model import CostModel, plan_features  # noqa: E402
+from splitkv.planner.cost_model import FEATURE_NAMES, CostModel, plan_features  # noqa: E402
 from splitkv.planner.planner import rank_candidates  # noqa: E402
 from splitkv.planner.profiles import load_profile  # noqa: E402
 from splitkv.runtime.kernel_source import row_tiles_for  # noqa: E402
 from splitkv.calibration.sweep import read_measurements  # noqa: E402
 
+LONE = FEATURE_NAMES.index("lone_cta_us")   # its column (stream_us follows it since session 13)
 RESULTS = ROOT / "benchmarks" / "results"
 PROFILE = ROOT / "splitkv" / "planner" / "profiles" / "nvidia-h200.yaml"
 NUM_SMS, BW = 132, 4460.0
@@ -176,26 +177,26 @@ def features_core(plan, variant="base", lone_mode="lib"):
         x = np.append(x, x[4] if w else 0.0)
         if w:
             x[4] = 0.0
-            x[-2] = 0.0
+            x[LONE] = 0.0
         return x
     if lone_mode in ("no8w", "res1") and warps8(plan):
         x = x.copy()
-        x[-1] = 0.0
+        x[LONE] = 0.0
     elif lone_mode == "res1" and RESIDENCY[plan.problem.head_dim] == 1:
         # every CTA of a one-per-SM head_dim is alone on its SM: the lone rate whenever the
         # largest chunk is long, whatever the grid size
         sizes = plan.chunk_end - plan.chunk_start
         x = x.copy()
-        x[-1] = x[3] if sizes.size and sizes.max() >= 1024 else 0.0   # crit_us's value
+        x[LONE] = x[3] if sizes.size and sizes.max() >= 1024 else 0.0   # crit_us's value
     return x
 
 
 def fit(samples_xy) -> CostModel:
     """The library's fit (CostModel.fit: NNLS on relative error, Huber re-weighting) on
     (feature vector, us) pairs; for feature vectors longer than the library's (the 'ext8w'
-    variant), the same steps copied from CostModel.fit (checked equal on 14 columns)."""
+    variant), the same steps copied from CostModel.fit (checked equal on the library's columns)."""
     samples_xy = list(samples_xy)
-    if len(samples_xy[0][0]) == 14:
+    if len(samples_xy[0][0]) == len(FEATURE_NAMES):
         return CostModel(**HYPER).fit(samples_xy)
     return fit_copy(samples_xy)
 
@@ -232,7 +233,7 @@ def planner_choice(problem, model, variant="base", lone_mode="lib", generic=Fals
     per-plan features; argmin (ties: enumeration order)."""
     if variant == "base" and lone_mode == "lib" and not generic and isinstance(model, CostModel):
         return choose_plan(problem, model)
-    enum = CostModel.from_coef(model.coef_[:14], **{**HYPER, "ctas_per_sm":
+    enum = CostModel.from_coef(model.coef_[:len(FEATURE_NAMES)], **{**HYPER, "ctas_per_sm":
                                                 RESIDENCY[problem.head_dim]
                                                 if variant != "base" else 2})
     ranked = rank_candidates(problem, enum)

@@ -66,7 +66,10 @@ The feature columns, in order (``FEATURE_NAMES``):
                   path (crit_us) charges the largest CTA at a whole SM's rate, where in a full
                   grid of ragged chunks it streams at its share (benchmarks/offline,
                   session 13: a grid of 516 CTAs with one of 3,682 tokens ran 74.7 us where
-                  crit_us predicted 61.8). Profiles fitted before it hold 0.
+                  crit_us predicted 61.8). Profiles fitted before it hold 0. W counts every
+                  CTA's tokens, so a group past 64 query heads (several CTAs a kv head, the
+                  second reading from L2) counts each; fp8 fits use the same rho over 16-bit
+                  bytes (a lone fp8 CTA's rate was not measured apart).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@
 #   bash benchmarks/device_run.sh calibrate_fp8 bench_fp8   # fit fp8's cost model, then bench it
 #   bash benchmarks/device_run.sh device_plan plan_cost  # plan_on_device tests; planning's cost per step
 #   bash benchmarks/device_run.sh dissect              # what a short call spends its time on
+#   bash benchmarks/device_run.sh ncu_short            # Nsight Compute: short requests' CTAs
 #   bash benchmarks/device_run.sh pdl                  # A/B: plain launches against PDL
 #   bash benchmarks/device_run.sh dist                 # 2+ GPUs: context-parallel tests and benchmark
 #   bash benchmarks/device_run.sh baseline             # the bench of an older tree in .baseline/
@@ -198,6 +199,18 @@ for phase in "$@"; do
       python3 tests/output_digests.py --write "$RES/h200_output_digests.json" 2>&1 | tail -2 ;;
     tests_only)
       python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/ 2>&1 | tee "$RES/gpu_tests.log" | tail -12 ;;
+    ncu_short)
+      # issue 18's short requests (7.9% behind SDPA): where a CTA of 384 tokens waits, beside
+      # b32_n8k's long CTAs (the same kernel at 95% of the floor)
+      for c in short_b256_n384 b32_n8k; do
+        ncu --clock-control none --kernel-name decode_partial --launch-skip 3 --launch-count 1 \
+          --section SpeedOfLight --section Occupancy --section WarpStateStats \
+          --section LaunchStats --section SchedulerStats \
+          python3 benchmarks/profile_case.py $c 2>&1 | grep -v "^==PROF==" | tee -a "$RES/ncu_short.log" | tail -60
+      done
+      # and what its parts cost: page lookups, K/V copies, the softmax and MMAs (patched out)
+      python3 benchmarks/dissect_latency.py --cases short_b256_n384,b32_n2k \
+        --probes base,no_pages,no_kv,bare,empty 2>&1 | grep -v Warning | tee -a "$RES/ncu_short.log" | tail -8 ;;
     dissect)
       python3 benchmarks/dissect_latency.py --probes base,no_merge,bare,empty,cluster \
         --json "$RES/h200-dissect.json" 2>&1 | grep -v Warning | tee "$RES/dissect.log" | tail -25 ;;

@@ -39,10 +39,10 @@ from splitkv.runtime.kernel_source import DecodeVariant
 from splitkv.runtime.testing import scattered_page_table
 from splitkv.runtime.timing import make_layers, time_wrapper_us
 
-_COPIES = ("cp_async16(k_smem_u32 + dst, params.k_cache + off, valid ? 16 : 0);\n"
-           "      cp_async16(v_smem_u32 + dst, params.v_cache + off, valid ? 16 : 0);")
-_NO_COPIES = ("cp_async16(k_smem_u32 + dst, params.k_cache + off, 0);\n"
-              "      cp_async16(v_smem_u32 + dst, params.v_cache + off, 0);")
+_COPIES = ("cp_async16(k_smem_u32 + dst, k_bytes + off, valid ? 16 : 0);\n"
+           "      cp_async16(v_smem_u32 + dst, v_bytes + off, valid ? 16 : 0);")
+_NO_COPIES = ("cp_async16(k_smem_u32 + dst, k_bytes + off, 0);\n"
+              "      cp_async16(v_smem_u32 + dst, v_bytes + off, 0);")
 _MERGE = "  if (chunk.flags & RECORD_TICKET_MERGE)\n"
 _PAGES = "? table[pidx] : -1"
 _SMEM = "extern __shared__ __align__(128) unsigned char smem[];"
@@ -66,6 +66,7 @@ PLANS = {
     "b1_n128k": [("fused", 4096)],
     "b32_n8k": [("single", 1 << 30)],
     "ragged_b32": [("fused", 2048)],
+    "short_b256_n384": [("single", 1 << 30)],     # issue 18: 2,048 CTAs of 384 tokens
 }
 
 

@@ -392,3 +392,21 @@ def test_the_head_dim_split_between_warp_pairs_compiles(variant):
             replace(variant, **bad)
     with pytest.raises(ValueError, match="dim_split: expected 1 or 2"):
         replace(variant, dim_split=4)
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_dissect_probes_patch_the_current_kernel(head_dim):
+    """benchmarks/dissect_latency.py patches the kernel source by exact strings (its probes
+    patch out the copies, page lookups, merge): each must still find its target once and
+    build, or the probe times the unpatched kernel (a stale target raised in session 13)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "dissect_latency.py"
+    spec = importlib.util.spec_from_file_location("dissect_latency", path)
+    dissect = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dissect)
+    for probe in dissect.PATCHES:
+        variant = dissect.ProbeVariant("bfloat16", head_dim, 1, probe=probe)
+        assert compile_ptx(variant.source(), variant.name, "compute_90"), probe

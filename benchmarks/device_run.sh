@@ -25,6 +25,7 @@
 #   bash benchmarks/device_run.sh device_plan plan_cost  # plan_on_device tests; planning's cost per step
 #   bash benchmarks/device_run.sh dissect              # what a short call spends its time on
 #   bash benchmarks/device_run.sh ncu_short            # Nsight Compute: short requests' CTAs
+#   bash benchmarks/device_run.sh ncu_fp8_conflicts    # where fp8's shared-store conflicts are
 #   bash benchmarks/device_run.sh pdl                  # A/B: plain launches against PDL
 #   bash benchmarks/device_run.sh dist                 # 2+ GPUs: context-parallel tests and benchmark
 #   bash benchmarks/device_run.sh baseline             # the bench of an older tree in .baseline/
@@ -211,6 +212,15 @@ for phase in "$@"; do
       # and what its parts cost: page lookups, K/V copies, the softmax and MMAs (patched out)
       python3 benchmarks/dissect_latency.py --cases short_b256_n384,b32_n2k \
         --probes base,no_pages,no_kv,bare,empty 2>&1 | grep -v Warning | tee -a "$RES/ncu_short.log" | tail -8 ;;
+    ncu_fp8_conflicts)
+      # fp8's ~7,900 shared-store bank conflicts a CTA (16-bit: ~790), constant per CTA
+      # (b128_n2k 8.1 M over 1,024 CTAs, b32_n8k 2.0 M over 256; results/ncu/h200-fp8-stalls.txt):
+      # which instructions (SourceCounters' tables name the SASS)
+      ncu --clock-control none --kernel-name decode_partial --launch-skip 3 --launch-count 1 \
+        --section SourceCounters --print-details all \
+        --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum \
+        python3 benchmarks/profile_case.py b128_n2k 0 float8_e4m3fn 2>&1 | grep -v "^==PROF==" \
+        | tee "$RES/ncu_fp8_conflicts.log" | tail -60 ;;
     dissect)
       python3 benchmarks/dissect_latency.py --probes base,no_merge,bare,empty,cluster \
         --json "$RES/h200-dissect.json" 2>&1 | grep -v Warning | tee "$RES/dissect.log" | tail -25 ;;

@@ -9,14 +9,10 @@ import sys
 
 import numpy as np
 
+from common import same_plan
 from s13_common import load_eval
 from splitkv.planner import choose_plan
 from splitkv.planner.profiles import load_profile
-
-
-def same_plan(a, b) -> bool:
-    return (a.strategy == b.strategy and np.array_equal(a.chunk_start, b.chunk_start)
-            and np.array_equal(a.chunk_end, b.chunk_end))
 
 
 def evaluate(path, shapes):

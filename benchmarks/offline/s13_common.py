@@ -1,4 +1,4 @@
-"""Session-13 offline study helpers (adapted from common.py to the session-13 files):
+"""Session-13 offline study helpers (on common.py's, for the session-13 files):
 the 68 eval shapes of benchmarks/results/h200-planner.json with every measured candidate
 rebuilt (and checked against the JSON's label, chunk count and predicted_us), the sweep CSV
 benchmarks/results/calibration/nvidia-h200.csv with fit_profile's held-out split, fitting and
@@ -6,7 +6,7 @@ scoring with feature *variants* computed here (nothing in splitkv is modified)."
 
 import json
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,41 +18,14 @@ sys.path.insert(0, str(ROOT))
 from eval_planner import heldout_class_shapes, heldout_shapes  # noqa: E402
 from splitkv.core.plan import plan_chunk_tokens  # noqa: E402
 from splitkv.planner import choose_plan  # noqa: E402
-from splitkv.planner.cost_model import CostModel, plan_features  # noqa: E402
-from splitkv.planner.profiles import load_profile  # noqa: E402
+from splitkv.planner.cost_model import plan_features  # noqa: E402
 from splitkv.calibration.sweep import read_measurements  # noqa: E402
 from splitkv.calibration.fit import split_heldout  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
-PROFILE = ROOT / "splitkv" / "planner" / "profiles" / "nvidia-h200.yaml"
+from common import BW, NUM_SMS, RESULTS, Cand, Shape, shipped_model  # noqa: E402,F401
+
 SWEEP_CSV = RESULTS / "calibration" / "nvidia-h200.csv"
 EVAL_JSON = RESULTS / "h200-planner.json"
-NUM_SMS, BW = 132, 4460.0
-HYPER = dict(num_sms=NUM_SMS, ctas_per_sm=2, bandwidth_gbps=BW, clusters=True)
-
-
-def shipped_model() -> CostModel:
-    return load_profile(path=PROFILE).cost_model(None)
-
-
-@dataclass
-class Cand:
-    label: str
-    chunk: object
-    plan: object
-    us: float
-    pred_json: float
-
-
-@dataclass
-class Shape:
-    name: str
-    problem: object
-    cands: list
-
-    @property
-    def best_us(self):
-        return min(c.us for c in self.cands)
 
 
 def load_eval() -> list:

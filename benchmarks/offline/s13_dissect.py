@@ -5,7 +5,6 @@
 import sys
 import numpy as np
 from s13_common import lib_features, load_eval, shipped_model, label
-from splitkv.planner.cost_model import FEATURE_NAMES
 
 names = sys.argv[1:] or ["r256_n907_g5_hk2", "r192_n322_g2_hk2", "r2_n12414_g8_hk4",
                          "b8_n757_g5_hk4", "page1_b8_n2243_h32/8"]

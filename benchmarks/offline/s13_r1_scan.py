@@ -5,7 +5,6 @@ held-out error per value; the eval numbers are printed for information, not used
 """
 from s13_common import fit_report, load_eval, score_eval  # noqa: sets the path
 import s13_variants as V
-from s13_common import fit_report, load_eval, score_eval
 
 shapes = load_eval()
 for bw in (4460e3, 4000e3):

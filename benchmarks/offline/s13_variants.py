@@ -33,11 +33,9 @@
                (kv bytes x max(0, 1 - slots / items)).
 Combine with '+', e.g. 'shared+mgrid'.
 """
-import functools
-
 import numpy as np
 
-from splitkv.core.geometry import ctas_per_kv_head, TILE_TOKENS
+from splitkv.core.geometry import TILE_TOKENS
 from splitkv.planner.cost_model import FEATURE_NAMES, feature_constants
 from s13_common import BW, NUM_SMS, lib_features
 

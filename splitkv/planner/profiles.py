@@ -51,6 +51,9 @@ DEFAULT_NUM_SMS = 132
 
 # what a profile's kv_fp8 and kv_fp8_graph_stable mappings may hold
 FP8_FIELDS = {"coef", "fit_error", "heldout_error", "measured_bandwidth_gbps", "date", "sweep"}
+# Cost-model features a profile written before them may lack (lone_cta_us, session 5; stream_us,
+# session 13): read as 0, the model that profile was fitted as.
+FEATURES_ADDED_LATER = ("lone_cta_us", "stream_us")
 FP8_FITS = ("kv_fp8", "kv_fp8_graph_stable")
 
 
@@ -234,11 +237,9 @@ class Profile:
                 # written before clusters: its model never predicts a cluster merge (the
                 # wrapper only ever turns a model's clusters off), so it goes unused
                 coef = {**coef, "cluster_merges": 0.0}
-            if isinstance(coef, dict) and "lone_cta_us" not in coef:
-                # fitted before the feature existed: that fit is the model with it 0
-                coef = {**coef, "lone_cta_us": 0.0}
-            if isinstance(coef, dict) and "stream_us" not in coef:
-                coef = {**coef, "stream_us": 0.0}      # the same (session 13)
+            if isinstance(coef, dict):
+                # fitted before these features existed: that fit is the model with them 0
+                coef = {**{name: 0.0 for name in FEATURES_ADDED_LATER}, **coef}
             if not isinstance(coef, dict) or set(coef) != set(FEATURE_NAMES):
                 got = sorted(coef) if isinstance(coef, dict) else coef
                 raise bad(f"{where}: expected one parameter for each feature "

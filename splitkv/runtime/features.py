@@ -137,10 +137,12 @@ def default_occupancy(variant, *, forced: bool):
 
 
 def default_tile_per_warp(kv_dtype: str | None, head_dim: int, warps: int, row_tiles: int,
-                          multi_token: bool) -> int:
+                          multi_token: bool, *, forced: bool = False) -> int:
     """Tokens a warp's tile of a per-shape plan holds by default: 32 for fp8 head_dim 128 at 4
-    warps and one row tile (the rule above), else 16. Not for multi-token plans (unmeasured)."""
-    if kv_dtype and head_dim == 128 and warps == 4 and row_tiles == 1 and not multi_token:
+    warps and one row tile (the rule above), else 16. Not for multi-token plans (unmeasured),
+    nor where an experiment forced the stages or warps the rule goes with (``forced``)."""
+    if (not forced and kv_dtype and head_dim == 128 and warps == 4 and row_tiles == 1
+            and not multi_token):
         return 32
     return 16
 

@@ -437,11 +437,9 @@ class BatchDecodeWrapper:
                            page_size=self.page_size, head_dim=self.head_dim,
                            mean_chunk_tokens=float(sizes.mean()) if sizes.size else 0.0,
                            multi_token=query_rows is not None)
-        # the shape's tile only where no experiment forced the stages or warps it goes with
-        tile_per_warp = ex.tile_per_warp or (
-            default_tile_per_warp(self.kv_dtype, self.head_dim, warps, row_tiles,
-                                  query_rows is not None)
-            if ex.stages is None and forced_warps is None else 16)
+        tile_per_warp = ex.tile_per_warp or default_tile_per_warp(
+            self.kv_dtype, self.head_dim, warps, row_tiles, query_rows is not None,
+            forced=ex.stages is not None or forced_warps is not None)
         variant = default_occupancy(replace(
             self.variant, cluster=chosen.cluster_size, soft_cap=int(soft_cap_log2 > 0),
             num_warps=warps, stages=ex.stages or 0, row_tiles=row_tiles,

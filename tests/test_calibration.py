@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from splitkv.calibration.calibrate import QUICK_TIMING
+from splitkv.core.problem import DecodeProblem
 from splitkv.calibration.fit import decisions, fit_profile, split_heldout
 from splitkv.calibration.sweep import (MAX_KV_BYTES, candidate_plans, measure, sweep_points,
                                        sweep_shapes)
@@ -70,6 +71,15 @@ def test_candidate_plans_span_good_and_bad(prior_model):
     assert sum(label.endswith("fused") for label in labels) == 4
     best = min(plans, key=lambda lp: lp[1].predicted_us)
     assert best[1].predicted_us == pytest.approx(prior_model.predict(best[1]))
+
+
+def test_candidate_plans_time_each_cut_of_the_requests_once(prior_model):
+    # 8 requests of 8192 tokens: num splits 4, chunk tokens 2048 and 2304 cut them alike; the
+    # sweep times that cut once and spends its other slots on different ones
+    problem = DecodeProblem(np.full(8, 8192), 16, 8, 256, 16)
+    plans = candidate_plans(problem, prior_model, max_decompositions=5)
+    cuts = {(p.strategy, p.chunk_request.tobytes() + p.chunk_start.tobytes()) for _, p in plans}
+    assert len(cuts) == len(plans) == 9
 
 
 def test_measure_and_fit_recover_the_simulated_gpu(prior_model, fake_gpu):

@@ -109,11 +109,19 @@ def sweep_shapes(quick: bool = False, seed: int = 0) -> list[SweepShape]:
 def candidate_plans(problem: DecodeProblem, model: CostModel,
                     max_decompositions: int = 5) -> list[tuple[str, Plan]]:
     """No split, then up to ``max_decompositions - 1`` split decompositions: the best ranked
-    by ``model`` and a spread of worse ones; each split one as 'split_merge' and 'fused'."""
+    by ``model`` and a spread of worse ones, no two cutting the requests alike; each split one
+    as 'split_merge' and 'fused'."""
     ranked = rank_candidates(problem, model)
-    decomps = []
+    no_split = next(c for c in ranked if c.kind == NO_SPLIT)
+    decomps, cuts = [], {_chunk_cuts(no_split.build(problem))}
     for c in ranked:
-        if c.kind != NO_SPLIT and (c.kind, c.value) not in decomps:
+        if c.kind == NO_SPLIT or (c.kind, c.value) in decomps:
+            continue
+        # several decompositions often cut the requests alike (num splits 4 and chunk tokens
+        # 2048 over 8k tokens): time one of them, so the sweep's points are distinct plans
+        cut = _chunk_cuts(c.build(problem))
+        if cut not in cuts:
+            cuts.add(cut)
             decomps.append((c.kind, c.value))
     want = max_decompositions - 1
     if len(decomps) > want:
@@ -122,10 +130,16 @@ def candidate_plans(problem: DecodeProblem, model: CostModel,
         step = len(rest) / (want - len(best))
         decomps = best + [rest[int(i * step)] for i in range(want - len(best))]
     by_key = {(c.kind, c.value, c.strategy): c for c in ranked}
-    chosen = [next(c for c in ranked if c.kind == NO_SPLIT)]
+    chosen = [no_split]
     chosen += [by_key[(kind, value, strategy)] for kind, value in decomps
                for strategy in ("split_merge", "fused")]
     return [(c.label, c.build(problem, clusters=model.clusters)) for c in chosen]
+
+
+def _chunk_cuts(plan: Plan) -> bytes:
+    """Where ``plan`` cuts its requests: equal for plans that differ only in how they were
+    asked for."""
+    return plan.chunk_request.tobytes() + plan.chunk_start.tobytes()
 
 
 def sweep_points(model: CostModel, quick: bool = False, seed: int = 0) -> list[SweepPoint]:

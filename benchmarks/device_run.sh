@@ -20,7 +20,8 @@
 #   bash benchmarks/device_run.sh tests_s13           # session 13's default builds, digests
 #   bash benchmarks/device_run.sh calibrate eval eval_candidate  # refit (fits stream_us too),
 #     both evaluations, and the offline stream_us candidate's, in one run
-#   bash benchmarks/device_run.sh tests_only; then memcheck sanitize  # two calls, each < 10 min
+#   bash benchmarks/device_run.sh tests_a; then tests_b; then tests_c  # every GPU test, 3 calls
+#   bash benchmarks/device_run.sh memcheck; then sanitize  # each < 10 min
 #   bash benchmarks/device_run.sh calibrate_fp8 bench_fp8   # fit fp8's cost model, then bench it
 #   bash benchmarks/device_run.sh device_plan plan_cost  # plan_on_device tests; planning's cost per step
 #   bash benchmarks/device_run.sh dissect              # what a short call spends its time on
@@ -199,7 +200,17 @@ for phase in "$@"; do
         | tee "$RES/gpu_tests_s13.log" | tail -12
       python3 tests/output_digests.py --write "$RES/h200_output_digests.json" 2>&1 | tail -2 ;;
     tests_only)
+      # every GPU test in one call: past the device tool's 10 minutes since session 14 (~14 min
+      # on a fresh machine); tests_a, tests_b and tests_c split it into three calls
       python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/ 2>&1 | tee "$RES/gpu_tests.log" | tail -12 ;;
+    tests_a|tests_b|tests_c)
+      case $phase in
+        tests_a) files=$(ls tests/test_gpu_[a-f]*.py) ;;              # capture .. fuzz_run
+        tests_b) files=$(ls tests/test_gpu_[g-l]*.py tests/test_bench_probe.py tests/test_distributed.py) ;;
+        tests_c) files=$(ls tests/test_gpu_[m-z]*.py) ;;              # multi_token .. window
+      esac
+      python3 -m pytest -q -m gpu -rs -p no:cacheprovider --durations=10 $files 2>&1 \
+        | tee "$RES/gpu_$phase.log" | tail -16 ;;
     ncu_short)
       # issue 18's short requests (7.9% behind SDPA): where a CTA of 384 tokens waits, beside
       # b32_n8k's long CTAs (the same kernel at 95% of the floor)

@@ -119,6 +119,18 @@ def test_stream_us_is_the_largest_cta_alone_or_the_full_grids_bytes():
         (w + 4460 / LONE_CTA_GBPS * alone) * 512 / 4460e3)
 
 
+def test_wide_waves_count_head_dim_256s_start_ups_again():
+    """wide_waves: waves x (head_dim / 128 - 1): the wave count itself at head_dim 256 (one CTA
+    an SM, so 8 requests x 4 chunks x 8 kv heads = 256 CTAs are 2 waves on 132 slots), 0 at
+    128 and 64, whatever their waves."""
+    lens, chunks = [8192] * 8, [2048] * 32
+    d256 = plan_features(problem(lens, 16, 8, 256), chunks, [4] * 8, "split_merge", **H200)
+    assert feature(d256, "waves") == 2.0 and feature(d256, "wide_waves") == 2.0
+    for head_dim in (64, 128):
+        x = plan_features(problem(lens, 16, 8, head_dim), chunks, [4] * 8, "split_merge", **H200)
+        assert feature(x, "waves") == 1.0 and feature(x, "wide_waves") == 0.0
+
+
 def test_large_groups_launch_head_tiles():
     x64 = plan_features(problem([4096], 64, 1), [4096], [1], "single", **H200)
     x128 = plan_features(problem([4096], 128, 1), [4096], [1], "single", **H200)

@@ -70,6 +70,11 @@ The feature columns, in order (``FEATURE_NAMES``):
                   CTA's tokens, so a group past 64 query heads (several CTAs a kv head, the
                   second reading from L2) counts each; fp8 fits use the same rho over 16-bit
                   bytes (a lone fp8 CTA's rate was not measured apart).
+  wide_waves      waves again, x (head_dim / 128 - 1) past head_dim 128 (0 at 128 and below):
+                  a CTA of head_dim 256 fills a pipeline of tiles twice as wide, and alone on
+                  its SM (one CTA an SM) nothing hides that start-up. Without it the H200 fit
+                  predicted head_dim 256 plans 6-25% fast, the more so the more waves
+                  (benchmarks/NOTES.md, session 14). Profiles fitted before it hold 0.
 """
 
 from __future__ import annotations
@@ -90,7 +95,7 @@ from .stats import (ONE, S_COUNTS, S_LARGEST, S_MAX_CHUNK_TOKENS, S_MAX_SPLITS, 
 
 FEATURE_NAMES = ("const", "launches", "kv_us", "crit_us", "crit_tiles", "crit_tile_rows",
                  "waves", "partial_us", "fused_tail_us", "fused_merges", "merge_chain",
-                 "tail_us", "cluster_merges", "lone_cta_us", "stream_us")
+                 "tail_us", "cluster_merges", "lone_cta_us", "stream_us", "wide_waves")
 F_LAUNCHES, F_FUSED_TAIL_US, F_FUSED_MERGES, F_MERGE_CHAIN, F_CLUSTER_MERGES = indices(
     FEATURE_NAMES, "launches", "fused_tail_us", "fused_merges", "merge_chain", "cluster_merges")
 # The features a clustered fused merge does not pay, for the one it pays instead
@@ -178,7 +183,8 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
             "crit_tiles": head_dim / 128, "crit_tile_rows": rows * head_dim / 128,
             "partial_us": 2 * num_qo_heads * partial_bytes / bw,
             "fused_tail_us": rows * partial_bytes / slot_bw, "tail_us": token_bytes / slot_bw,
-            "lone_cta_us": token_bytes / sm_bw, "stream_us": token_bytes / bw}
+            "lone_cta_us": token_bytes / sm_bw, "stream_us": token_bytes / bw,
+            "wide_waves": max(0.0, head_dim / 128 - 1.0)}
     units = np.array([unit.get(name, 1.0) for name in FEATURE_NAMES])[:, None]
     units.setflags(write=False)
     return items_per_chunk, slots, units
@@ -212,7 +218,7 @@ R_WAVES = rows_of(FEATURE_ROWS, "waves", "sm_waves")
 FEATURE_SOURCE = np.array(indices(
     FEATURE_ROWS, "one", "one", "total_tokens", "crit_tokens", "crit_tiles", "crit_tiles",
     "waves", "split_chunks", "split_x_max_splits", "split", "split_x_max_splits", "tail_tokens",
-    "clustered", "lone_tokens", "stream_tokens"))
+    "clustered", "lone_tokens", "stream_tokens", "waves"))
 
 
 def new_feature_rows(n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -52,8 +52,8 @@ DEFAULT_NUM_SMS = 132
 # what a profile's kv_fp8 and kv_fp8_graph_stable mappings may hold
 FP8_FIELDS = {"coef", "fit_error", "heldout_error", "measured_bandwidth_gbps", "date", "sweep"}
 # Cost-model features a profile written before them may lack (lone_cta_us, session 5; stream_us,
-# session 13): read as 0, the model that profile was fitted as.
-FEATURES_ADDED_LATER = ("lone_cta_us", "stream_us")
+# session 13; wide_waves, session 14): read as 0, the model that profile was fitted as.
+FEATURES_ADDED_LATER = ("lone_cta_us", "stream_us", "wide_waves")
 FP8_FITS = ("kv_fp8", "kv_fp8_graph_stable")
 
 
@@ -91,14 +91,15 @@ def roofline_prior(num_sms: int, bandwidth_gbps: float) -> dict:
     one CTA's bandwidth plus ~1 us for the ticket atomic and fences, a tenth of the largest
     chunk's excess over the mean as a scheduling tail, and a lone CTA streaming 3% slower
     than its SM's share (about what was measured: NOTES.md). stream_us 0: crit_us carries the
-    critical path until a calibration fits both.
+    critical path until a calibration fits both; wide_waves 0: waves counts every start-up
+    alike until then.
     The parameters do not depend on the SM count or bandwidth: the features scale with them.
     """
     del num_sms, bandwidth_gbps
     return {"const": 0.5, "launches": 0.52, "kv_us": 0.24, "crit_us": 1.62, "crit_tiles": 0.02,
             "crit_tile_rows": 0.005, "waves": 0.6, "partial_us": 1.0, "fused_tail_us": 1.0,
             "fused_merges": 1.0, "merge_chain": 0.05, "tail_us": 0.1, "cluster_merges": 0.3,
-            "lone_cta_us": 0.05, "stream_us": 0.0}
+            "lone_cta_us": 0.05, "stream_us": 0.0, "wide_waves": 0.0}
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ import sys
 
 import numpy as np
 
+from splitkv.cli import args as A
+from splitkv.runtime import gpu_available
+
 
 def rel_l2(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -22,15 +25,21 @@ def rel_l2(a, b) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lens", default="30000,4097,3,0,700",
+    ap.add_argument("--lens", type=A.lengths, default="30000,4097,3,0,700",
                     help="tokens of each request, comma-separated (default %(default)s)")
-    ap.add_argument("--heads", default="32,8", help="qo,kv heads (default %(default)s)")
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--heads", type=A.heads, default="32/8",
+                    help="query heads / kv heads, as `splitkv plan` takes them (default "
+                         "%(default)s)")
+    ap.add_argument("--head-dim", type=A.head_dim, default=128)
+    ap.add_argument("--page-size", type=A.int_range(1), default=16)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check", action="store_true", help="exit 1 unless rel L2 vs one GPU < 1e-2")
     args = ap.parse_args()
+    ok, why = gpu_available()
+    if not ok:
+        print(f"context_parallel.py needs a CUDA GPU for each rank: {why}", file=sys.stderr)
+        return 2
 
     import cupy
 
@@ -41,8 +50,7 @@ def main() -> int:
     from splitkv.runtime.testing import random_device_array, scattered_page_table
 
     group = init_process_group()
-    lens = [int(x) for x in args.lens.split(",")]
-    hq, hk = (int(x) for x in args.heads.split(","))
+    lens, (hq, hk) = args.lens, args.heads
     d, page, dtype = args.head_dim, args.page_size, args.dtype
 
     # The same global batch on every rank (same seed); each rank then keeps only its pages.

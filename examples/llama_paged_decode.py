@@ -41,7 +41,13 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
+
+try:
+    import torch
+    import transformers  # noqa: F401  (the model below is a transformers Llama)
+except ImportError as exc:
+    sys.exit(f"llama_paged_decode.py needs PyTorch and transformers (on the CPU too: the model "
+             f"is a transformers Llama): pip install torch transformers ({exc})")
 
 # One tolerance, in logits, per model dtype, for two checks: every decode step's logits must be
 # within it of the model's own (max over the vocabulary), and a step whose argmax differs from

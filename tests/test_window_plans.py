@@ -76,6 +76,9 @@ def test_windowed_plans_refuse_what_they_cannot_serve(rng):
     plan = plan_fixed_splits(problem, 2, "split_merge")
     with pytest.raises(ValueError, match="window_left: the plan was made for window_left=50"):
         execute_plan_cpu(plan, b.q, b.k_cache, b.v_cache, b.page_table, window_left=10)
+    # -1 asks for no window, which a plan of windows cannot give (leaving it out runs the plan's)
+    with pytest.raises(ValueError, match="this call has -1 \\(no window\\); leave it out"):
+        execute_plan_cpu(plan, b.q, b.k_cache, b.v_cache, b.page_table, window_left=-1)
     q = rng.standard_normal((4, 8, 64))
     with pytest.raises(ValueError, match="window_left: a plan made for window_left=50 runs "
                                          "query rows"):

@@ -16,11 +16,15 @@ from .reference import attend, kv_format, kv_to_float64, to_float64
 
 
 def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_scale=None, *,
-                     kv_dtype=None, k_scale=None, v_scale=None, window_left: int = -1,
+                     kv_dtype=None, k_scale=None, v_scale=None, window_left: int | None = None,
                      logits_soft_cap=None, qo_indptr=None, kv_layout: str = "NHD"):
     """Partial states, float64: (partial_o [num_chunks, num_qo_heads, head_dim],
     partial_lse [num_chunks, num_qo_heads]); with ``qo_indptr``, one per query row of the
-    chunk's request: [num_chunks, max q_len, ...] (rows past a request's q_len stay empty)."""
+    chunk's request: [num_chunks, max q_len, ...] (rows past a request's q_len stay empty).
+    ``window_left``: None runs the plan's window (its problem's ``window_left``, -1: none); a
+    value must be the plan's, except that a plan without a window may run any (it covers
+    every token, and each query masks its own window); query rows of a windowed plan
+    (``qo_indptr``) give theirs, which the plan was made to cover."""
     V.check_instance("plan", plan, Plan)
     V.check_instance("page_table", page_table, PageTable)
     p = plan.problem
@@ -32,7 +36,8 @@ def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
                              page_table.kv_indices, p.num_qo_heads, p.num_kv_heads, p.head_dim,
                              kv_dtype=fmt)
     sm_scale = V.check_sm_scale(sm_scale, p.head_dim)
-    variant = VA.check_variant(p.num_qo_heads, window_left, logits_soft_cap)
+    variant = VA.check_variant(p.num_qo_heads, -1 if window_left is None else window_left,
+                               logits_soft_cap)
     if p.windowed and rows.max_q_len > 1:
         # several rows: the plan covers every row's window and each row masks its own, as the
         # GPU's multi-token build does
@@ -46,9 +51,11 @@ def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
                              f"(variants.covering_window_left); the plan covers "
                              f"{p.window_left}")
     elif p.windowed:    # a plan over windows: its chunks are the window, as on the GPU
-        if variant.window_left not in (-1, p.window_left):
+        if window_left is not None and variant.window_left != p.window_left:
             raise ValueError(f"window_left: the plan was made for window_left={p.window_left}, "
-                             f"this call has {variant.window_left}")
+                             f"this call has {variant.window_left}"
+                             f"{' (no window)' if variant.window_left < 0 else ''}; leave it "
+                             "out to run the plan's window")
         # no mask: the chunks alone say what is read (a plan that read more would be wrong here
         # as it would be on the GPU, whose kernels mask nothing before a chunk)
         variant = VA.Variant(-1, variant.logits_soft_cap)
@@ -100,13 +107,13 @@ def merge_partials(plan: Plan, partial_o: np.ndarray, partial_lse: np.ndarray, *
 
 
 def execute_plan_cpu(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_scale=None, *,
-                     kv_dtype=None, k_scale=None, v_scale=None, window_left: int = -1,
+                     kv_dtype=None, k_scale=None, v_scale=None, window_left: int | None = None,
                      logits_soft_cap=None, sinks=None, qo_indptr=None, kv_layout: str = "NHD"):
     """Run ``plan`` on the host. q: [batch, num_qo_heads, head_dim]; k_cache, v_cache:
     [num_pages, page_size, num_kv_heads, head_dim] (NHD), any float dtype (computed in float64),
     or fp8 with ``kv_dtype`` and the scales as ``reference_decode`` takes them; the variants
     (``window_left``, ``logits_soft_cap``, ``sinks``, ``qo_indptr``) as ``core.variants``
-    defines them; K/V as two arrays, a pair or a combined array, NHD or HND (``core.layouts``).
+    defines them (``window_left`` None: the plan's window; see ``compute_partials``); K/V as two arrays, a pair or a combined array, NHD or HND (``core.layouts``).
     Returns (out [batch, num_qo_heads, head_dim], lse [batch, num_qo_heads]),
     float64, with a row per query row instead of per request under ``qo_indptr``.
 

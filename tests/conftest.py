@@ -64,6 +64,18 @@ def make_batch(rng):
     return lambda kv_lens, **kwargs: build_batch(rng, kv_lens, **kwargs)
 
 
+# NVRTC's register and spill report of each kernel variant the compile tests built
+# (test_kernels_compile.py), printed after the run instead of inside the progress line.
+REGISTER_REPORT: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter):
+    if REGISTER_REPORT:
+        terminalreporter.section(f"NVRTC register report ({len(REGISTER_REPORT)} builds)")
+        for line in REGISTER_REPORT:
+            terminalreporter.write_line(line)
+
+
 def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:

@@ -187,8 +187,11 @@ BAD_ARGUMENTS = [
     # (argv, what the one line on stderr says)
     (["plan", "--batch", "-1"], "argument --batch: expected an integer from 1 to 1,048,576, got -1"),
     (["plan", "--window-left", "-2"], "argument --window-left: expected an integer from -1"),
-    (["bench", "--kv-dtype", "int8"], "argument --kv-dtype: expected fp8_e4m3, fp8_e5m2, "
-                                      "float8_e4m3fn or float8_e5m2; got 'int8'"),
+    (["bench", "--kv-dtype", "int8"], "argument --kv-dtype: expected an fp8 format "
+                                      "(float8_e4m3fn, float8_e5m2, or e4m3, e5m2, fp8, "
+                                      "fp8_e4m3, fp8_e5m2), got 'int8'"),
+    (["demo", "--cases", "mha,,gqa5"], "argument --cases: entry 1 of 'mha,,gqa5' is empty"),
+    (["demo", "--extra"], "splitkv demo: error: unrecognized arguments: --extra"),
     (["plan", "--batch", "0"], "argument --batch: expected an integer from 1"),
     (["plan", "--batch", "1048577"], "argument --batch: expected an integer from 1 to 1,048,576"),
     (["plan", "--lens", ""], "argument --lens: expected comma-separated token counts like "
@@ -245,7 +248,16 @@ def test_a_bad_argument_is_one_line_and_exit_2(argv, message, capsys):
     out, err = capsys.readouterr()
     assert out == ""
     assert err.count("\n") == 1 and message in err, err
-    assert err.startswith((f"splitkv {argv[0]}: error: argument ", "splitkv: error: "))
+    assert err.startswith((f"splitkv {argv[0]}: error: argument ",
+                           f"splitkv {argv[0]}: error: unrecognized arguments: ",
+                           "splitkv: error: "))
+
+
+def test_calibrate_names_a_missing_flag_before_looking_for_a_gpu(capsys):
+    assert cli.main(["calibrate", "--graph-stable"]) == 2
+    assert capsys.readouterr().err == ("splitkv calibrate: --graph-stable fits the model "
+                                       "graph-stable fp8 wrappers plan with: give --kv-dtype "
+                                       "too\n")
 
 
 def test_bench_refuses_a_split_single_strategy_before_looking_for_a_gpu(capsys):

@@ -112,7 +112,7 @@ def test_bad_fp8_inputs_are_named(rng):
         reference_decode(b.q, k, v, b.page_table)
     with pytest.raises(ValueError, match="kv_dtype: expected None or an fp8 format"):
         reference_decode(b.q, k, v, b.page_table, kv_dtype="int8")
-    with pytest.raises(TypeError, match="v_cache: an float8_e4m3fn cache"):
+    with pytest.raises(TypeError, match="v_cache: a float8_e4m3fn cache"):
         reference_decode(b.q, k, b.v_cache, b.page_table, kv_dtype=fmt)
     with pytest.raises(ValueError, match="k_scale: expected one value .* or 2"):
         reference_decode(b.q, k, v, b.page_table, kv_dtype=fmt, k_scale=[1.0, 2.0, 3.0])

@@ -1,6 +1,6 @@
 """Every kernel variant compiles through NVRTC for sm_80 and sm_90, with no GPU needed; the
-register and spill report of each is printed, and the main variants must not spill. The kernels'
-argument structs are laid out as runtime/kernel_abi.py writes them (every compile checks sizes
+register and spill report of each is printed after the run (conftest.REGISTER_REPORT), and the
+main variants must not spill. The kernels' argument structs are laid out as runtime/kernel_abi.py writes them (every compile checks sizes
 and kinds; the offsets are read from a probe kernel's PTX), and the launch structs as cuda.h
 has them."""
 
@@ -14,6 +14,7 @@ import pytest
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
                             reason="CuPy with NVRTC not installed (pip install -e '.[nvrtc]')")
 
+from conftest import REGISTER_REPORT  # noqa: E402
 from splitkv.runtime import kernel_abi  # noqa: E402
 from splitkv.runtime.kernel_source import (DecodeVariant, all_variants,  # noqa: E402
                                            compile_cubin, compile_ptx, fp8_variants, read_source)
@@ -37,15 +38,14 @@ def resource_report(log: str) -> dict[str, tuple[int, int]]:
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name)
-def test_variant_compiles(variant, arch, capsys):
+def test_variant_compiles(variant, arch):
     cubin, log = compile_cubin(variant.source(), arch, variant.name, verbose=True)
     assert cubin[:4] == b"\x7fELF"
     report = resource_report(log)
     assert set(report) == {"decode_partial", "merge_partials"}, log
-    with capsys.disabled():
-        regs, spill = report["decode_partial"]
-        print(f"\n  {variant.name} {arch}: decode_partial {regs} regs, {spill} B spilled; "
-              f"merge_partials {report['merge_partials'][0]} regs", end="")
+    regs, spill = report["decode_partial"]
+    REGISTER_REPORT.append(f"{variant.name} {arch}: decode_partial {regs} regs, {spill} B "
+                           f"spilled; merge_partials {report['merge_partials'][0]} regs")
     if variant in MAIN_VARIANTS:
         assert report["decode_partial"][1] == 0, f"{variant.name} spills registers on {arch}"
 

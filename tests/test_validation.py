@@ -501,3 +501,22 @@ def test_compact_merge_is_an_option():
     with pytest.raises(TypeError, match="compact_merge: expected None, True or False"):
         DecodeExperiments(compact_merge=1)
     assert DecodeExperiments(compact_merge=True).compact_merge is True
+
+
+def test_a_plan_run_on_another_batch_says_how_it_differs(rng):
+    inp = host_decode_inputs(rng, [20, 9])
+    q, k, v, plan = inp["q"], inp["k_cache"], inp["v_cache"], inp["plan"]
+    longer = PageTable.from_block_table([[2, 0], [1, 3]], [20, 10], 16, num_pages=4)
+    with pytest.raises(ValueError, match=r"page_table: .*\(request 1: 10 tokens, the plan's 9\)"):
+        execute_plan_cpu(plan, q, k, v, longer)
+    one = PageTable.from_block_table([[2, 0]], [20], 16, num_pages=4)
+    with pytest.raises(ValueError, match="page_table: 1 requests, the plan was made for 2"):
+        execute_plan_cpu(plan, q[:1], k, v, one)
+
+
+def test_host_paths_name_the_arrays_whose_head_counts_disagree(rng):
+    inp = host_decode_inputs(rng, [20, 9])
+    q3 = rng.standard_normal((2, 3, 64))                   # 3 query heads over 2 kv heads
+    with pytest.raises(ValueError, match=r"q: its 3 query heads \(axis 1\) are not a multiple "
+                                         r"of the 2 kv heads of k_cache"):
+        reference_decode(q3, inp["k_cache"], inp["v_cache"], inp["page_table"])

@@ -227,8 +227,8 @@ def markdown_table(result: dict) -> str:
     """``run_cases``' result as a markdown table, a row per case with its verdicts against the
     peers and the latency targets, under a line on the read floor and the planner's CPU time."""
     kv = result.get("kv_dtype")
-    lines = [(f"K/V: {kv} (GB/s and % of the floor count its one-byte codes; peers: issue 15's "
-              f"fp8 table). " if kv else "")
+    lines = [(f"K/V: {kv} (GB/s and % of the floor count its one-byte codes; peers: FlashInfer "
+              f"0.7.2's fp8 paths as measured on the H200, cases.FP8_BEST_PEER_US). " if kv else "")
              + f"read floor: {result['read_gbps']:,.0f} GB/s (the fastest streaming read of "
              f"{len(PROBE_SHAPES)} launch shapes, probed before and after the cases); first-call compile "
              f"{result['first_call_compile_s']} s; planner (choose_plan) CPU time: ragged_b32 "

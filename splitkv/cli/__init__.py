@@ -31,8 +31,10 @@ def build_parser(command: str | None = None, module=None) -> argparse.ArgumentPa
         prog="splitkv", description="Decode attention over a paged KV cache, split adaptively.")
     parser.add_argument("--version", action="version", version=f"splitkv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.commands = {}
     for name, (_, help_text) in COMMANDS.items():
-        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser = parser.commands[name] = sub.add_parser(name, help=help_text,
+                                                            description=help_text)
         if name == command and module is not None:
             module.add_arguments(sub_parser)
     return parser
@@ -95,7 +97,10 @@ def _dispatch(argv: list[str]) -> int:
         if module is None:
             return 2
     parser = build_parser(command, module)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:      # said by the subcommand's parser, so its usage and --help are the ones named
+        parser.commands.get(args.command, parser).error(
+            f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2

@@ -34,9 +34,10 @@ def _cases(text: str) -> str:
 
 def add_arguments(parser) -> None:
     parser.add_argument("--cases", type=_cases, default=None,
-                        help="comma-separated case names, or groups: 'standard' (ANCHORS.md's "
-                             "cases, the default), 'classes' (issue 18's: head_dim 64/256, page "
-                             "1/64, groups 16/32, short requests)")
+                        help="comma-separated case names, or groups: 'standard' (the 12 standard "
+                             "decode cases, the default), 'classes' (head_dim 64/256, pages "
+                             "1/64, groups 16/32, hundreds of short requests, a batch-1 request "
+                             "of 3k tokens)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--kv-dtype", default=None, type=A.fp8_kv_dtype,
                         help="fp8 K/V: fp8_e4m3 (float8_e4m3fn) or fp8_e5m2 (float8_e5m2); "

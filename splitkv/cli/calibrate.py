@@ -83,6 +83,12 @@ def run(args) -> int:
         error = _select_device(args.device)
         if error:
             return A.refuse("calibrate", error)
+    if args.base is not None and args.kv_dtype is None:
+        return A.refuse("calibrate", "--base is the profile an fp8 fit is added to: give "
+                                     "--kv-dtype too")
+    if args.graph_stable and args.kv_dtype is None:
+        return A.refuse("calibrate", "--graph-stable fits the model graph-stable fp8 wrappers "
+                                     "plan with: give --kv-dtype too")
     try:
         from ..runtime import device_info, gpu_available
     except ImportError as exc:
@@ -96,12 +102,6 @@ def run(args) -> int:
     from ..calibration.sweep import MeasurementLog
 
     info = device_info()
-    if args.base is not None and args.kv_dtype is None:
-        return A.refuse("calibrate", "--base is the profile an fp8 fit is added to: give "
-                                     "--kv-dtype too")
-    if args.graph_stable and args.kv_dtype is None:
-        return A.refuse("calibrate", "--graph-stable fits the model graph-stable fp8 wrappers "
-                                     "plan with: give --kv-dtype too")
     base = None
     if args.kv_dtype:
         from ..planner.profiles import ProfileError, load_profile

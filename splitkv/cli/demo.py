@@ -13,7 +13,11 @@ from . import args as A
 
 def _cases(text: str) -> list[str]:
     """Some of ``CASE_NAMES``, comma-separated."""
-    wanted = [name.strip() for name in text.split(",") if name.strip()]
+    wanted = [name.strip() for name in text.split(",")]
+    if "" in wanted and any(wanted):
+        raise argparse.ArgumentTypeError(f"entry {wanted.index('')} of {A.quote(text)} is "
+                                         f"empty; expected some of {', '.join(CASE_NAMES)}")
+    wanted = [name for name in wanted if name]
     unknown = sorted(set(wanted) - set(CASE_NAMES))
     if unknown or not wanted:
         shown = ", ".join(map(A.quote, unknown[:5])) + (" ..." if len(unknown) > 5 else "")

@@ -309,7 +309,13 @@ def check_plan_for_table(plan, page_table, *, num_qo_heads: int | None = None,
         raise ValueError(f"page_table: page_size {page_table.page_size} differs from the plan's "
                          f"{p.page_size}")
     if not np.array_equal(p.kv_lens, page_table.kv_lens):
-        raise ValueError("page_table: its request lengths differ from the ones the plan was made for")
+        if p.batch_size != page_table.batch_size:
+            raise ValueError(f"page_table: {page_table.batch_size} requests, the plan was made "
+                             f"for {p.batch_size}")
+        first = int(np.flatnonzero(p.kv_lens != page_table.kv_lens)[0])
+        raise ValueError(f"page_table: its request lengths differ from the ones the plan was "
+                         f"made for (request {first}: {int(page_table.kv_lens[first])} tokens, "
+                         f"the plan's {int(p.kv_lens[first])})")
     if window_left is not None and window_left != p.window_left:
         raise ValueError(f"window_left: the plan was made for window_left={p.window_left}, this "
                          f"call has {window_left}")
@@ -454,7 +460,7 @@ def check_attention_arrays(q, k_cache, v_cache, batch_size: int, page_size: int,
         shape, dtype = device_array_shape_dtype(name, arr)
         if kv_dtype is not None and name != "q":
             if dtype not in ("uint8", kv_dtype):
-                raise TypeError(f"{name}: an {kv_dtype} cache (kv_dtype) is uint8 codes or "
+                raise TypeError(f"{name}: a {kv_dtype} cache (kv_dtype) is uint8 codes or "
                                 f"{kv_dtype} values; got dtype {dtype!r}")
         elif dtype not in HOST_FLOAT_DTYPES:
             hint = (f"; an fp8 cache needs kv_dtype (e.g. kv_dtype='float8_e4m3fn')"
@@ -481,7 +487,12 @@ def check_attention_arrays(q, k_cache, v_cache, batch_size: int, page_size: int,
     if shapes["v_cache"][1] != shapes["k_cache"][1] and kv_dtype is None:
         raise TypeError(f"v_cache: expected dtype {shapes['k_cache'][1]} (the dtype of k_cache), "
                         f"got {shapes['v_cache'][1]}")
-    check_heads(num_qo_heads, num_kv_heads)
+    if num_qo_heads % num_kv_heads == 0:
+        check_heads(num_qo_heads, num_kv_heads)
+    else:    # the counts came from the arrays: name them
+        raise ValueError(f"q: its {num_qo_heads} query heads (axis 1) are not a multiple of the "
+                         f"{num_kv_heads} kv heads of k_cache (axis 2); grouped-query attention "
+                         "needs each kv head to serve the same number of query heads")
     # Each cache must hold every page of the table (as on the GPU, their page counts may
     # differ); one that falls short is named, both short by as much: the table is.
     k_pages, v_pages = k_shape[0], v_shape[0]

@@ -1,8 +1,8 @@
 """Every kernel variant compiles through NVRTC for sm_80 and sm_90, with no GPU needed; the
 register and spill report of each is printed after the run (conftest.REGISTER_REPORT), and the
-main variants must not spill. The kernels' argument structs are laid out as runtime/kernel_abi.py writes them (every compile checks sizes
-and kinds; the offsets are read from a probe kernel's PTX), and the launch structs as cuda.h
-has them."""
+main variants must not spill. The kernels' argument structs are laid out as
+runtime/kernel_abi.py writes them (every compile checks sizes and kinds; the offsets are read
+from a probe kernel's PTX), and the launch structs as cuda.h has them."""
 
 from __future__ import annotations
 

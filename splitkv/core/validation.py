@@ -463,7 +463,7 @@ def check_attention_arrays(q, k_cache, v_cache, batch_size: int, page_size: int,
                 raise TypeError(f"{name}: a {kv_dtype} cache (kv_dtype) is uint8 codes or "
                                 f"{kv_dtype} values; got dtype {dtype!r}")
         elif dtype not in HOST_FLOAT_DTYPES:
-            hint = (f"; an fp8 cache needs kv_dtype (e.g. kv_dtype='float8_e4m3fn')"
+            hint = ("; an fp8 cache needs kv_dtype (e.g. kv_dtype='float8_e4m3fn')"
                     if dtype == "uint8" else "")
             raise TypeError(f"{name}: dtype {dtype!r} is not supported; expected one of "
                             f"{HOST_FLOAT_DTYPES} (uint16 = raw bfloat16 bits){hint}")

@@ -2,25 +2,27 @@
 cost model gains a feature. Plans are rebuilt from the CSVs that `splitkv calibrate` wrote.
 
     # the 16-bit fit alone
-    PYTHONPATH=$PWD python3 benchmarks/refit_profile.py results/calibration/nvidia-h200.csv OUT.yaml
+    C=benchmarks/results/calibration
+    PYTHONPATH=$PWD python3 benchmarks/refit_profile.py $C/nvidia-h200.csv OUT.yaml
     # and the fp8 fits beside it (kv_fp8, kv_fp8_graph_stable), as a profile ships them
-    PYTHONPATH=$PWD python3 benchmarks/refit_profile.py results/calibration/nvidia-h200.csv OUT.yaml \
-        --fp8 results/calibration/nvidia-h200.fp8.csv \
-        --fp8-graph-stable results/calibration/nvidia-h200.fp8-graph-stable.csv
+    PYTHONPATH=$PWD python3 benchmarks/refit_profile.py $C/nvidia-h200.csv OUT.yaml \
+        --fp8 $C/nvidia-h200.fp8.csv --fp8-graph-stable $C/nvidia-h200.fp8-graph-stable.csv
 
-An fp8 fit not named stays the one ``--like`` has. Each refit keeps the sweep record (name, seed, timing) of the fit it replaces in ``--like``
-(by default the shipped profile) and adds the CSV it was refitted from.
+An fp8 fit not named stays the one ``--like`` has (by default the shipped profile). Each refit
+keeps the sweep record (name, seed, timing) of the fit it replaces there and adds the CSV it
+was refitted from.
 """
 
 import argparse
 from dataclasses import replace
+from pathlib import Path
 
 from splitkv.calibration.fit import fit_profile
 from splitkv.calibration.sweep import read_measurements
 from splitkv.planner.profiles import load_profile
 
 DEVICE = {"name": "NVIDIA H200", "num_sms": 132, "cc": "90"}
-SHIPPED = "splitkv/planner/profiles/nvidia-h200.yaml"
+SHIPPED = Path(__file__).resolve().parents[1] / "splitkv/planner/profiles/nvidia-h200.yaml"
 
 
 def refit(csv_path, like_sweep: dict, fp8: bool):

@@ -510,7 +510,8 @@ def test_a_plan_run_on_another_batch_says_how_it_differs(rng):
     with pytest.raises(ValueError, match=r"page_table: .*\(request 1: 10 tokens, the plan's 9\)"):
         execute_plan_cpu(plan, q, k, v, longer)
     one = PageTable.from_block_table([[2, 0]], [20], 16, num_pages=4)
-    with pytest.raises(ValueError, match="page_table: 1 requests, the plan was made for 2"):
+    with pytest.raises(ValueError, match="page_table: a batch of 1, the plan was made for a "
+                                         "batch of 2"):
         execute_plan_cpu(plan, q[:1], k, v, one)
 
 
@@ -520,3 +521,6 @@ def test_host_paths_name_the_arrays_whose_head_counts_disagree(rng):
     with pytest.raises(ValueError, match=r"q: its 3 query heads \(axis 1\) are not a multiple "
                                          r"of the 2 kv heads of k_cache"):
         reference_decode(q3, inp["k_cache"], inp["v_cache"], inp["page_table"])
+    k0 = np.zeros((4, 16, 0, 64))                           # no kv heads at all
+    with pytest.raises(ValueError, match="num_kv_heads: expected an integer >= 1, got 0"):
+        reference_decode(inp["q"], k0, k0, inp["page_table"])

@@ -113,7 +113,8 @@ def execute_plan_cpu(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
     [num_pages, page_size, num_kv_heads, head_dim] (NHD), any float dtype (computed in float64),
     or fp8 with ``kv_dtype`` and the scales as ``reference_decode`` takes them; the variants
     (``window_left``, ``logits_soft_cap``, ``sinks``, ``qo_indptr``) as ``core.variants``
-    defines them (``window_left`` None: the plan's window; see ``compute_partials``); K/V as two arrays, a pair or a combined array, NHD or HND (``core.layouts``).
+    defines them (``window_left`` None: the plan's window; see ``compute_partials``); K/V as
+    two arrays, a pair or a combined array, NHD or HND (``core.layouts``).
     Returns (out [batch, num_qo_heads, head_dim], lse [batch, num_qo_heads]),
     float64, with a row per query row instead of per request under ``qo_indptr``.
 

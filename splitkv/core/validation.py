@@ -310,8 +310,8 @@ def check_plan_for_table(plan, page_table, *, num_qo_heads: int | None = None,
                          f"{p.page_size}")
     if not np.array_equal(p.kv_lens, page_table.kv_lens):
         if p.batch_size != page_table.batch_size:
-            raise ValueError(f"page_table: {page_table.batch_size} requests, the plan was made "
-                             f"for {p.batch_size}")
+            raise ValueError(f"page_table: a batch of {page_table.batch_size}, the plan was "
+                             f"made for a batch of {p.batch_size}")
         first = int(np.flatnonzero(p.kv_lens != page_table.kv_lens)[0])
         raise ValueError(f"page_table: its request lengths differ from the ones the plan was "
                          f"made for (request {first}: {int(page_table.kv_lens[first])} tokens, "
@@ -487,12 +487,12 @@ def check_attention_arrays(q, k_cache, v_cache, batch_size: int, page_size: int,
     if shapes["v_cache"][1] != shapes["k_cache"][1] and kv_dtype is None:
         raise TypeError(f"v_cache: expected dtype {shapes['k_cache'][1]} (the dtype of k_cache), "
                         f"got {shapes['v_cache'][1]}")
-    if num_qo_heads % num_kv_heads == 0:
-        check_heads(num_qo_heads, num_kv_heads)
-    else:    # the counts came from the arrays: name them
+    if num_qo_heads >= 1 and num_kv_heads >= 1 and num_qo_heads % num_kv_heads:
+        # the counts came from the arrays: name them
         raise ValueError(f"q: its {num_qo_heads} query heads (axis 1) are not a multiple of the "
                          f"{num_kv_heads} kv heads of k_cache (axis 2); grouped-query attention "
                          "needs each kv head to serve the same number of query heads")
+    check_heads(num_qo_heads, num_kv_heads)
     # Each cache must hold every page of the table (as on the GPU, their page counts may
     # differ); one that falls short is named, both short by as much: the table is.
     k_pages, v_pages = k_shape[0], v_shape[0]

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from splitkv.cli import args as A
+
 STEP_KEYS = ("local_us", "exchange_merge_us", "step_us", "single_gpu_us")
 
 
@@ -174,7 +176,9 @@ def print_table(cases: list[dict]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description="context-parallel decode latency (run under the launcher)")
     ap.add_argument("--tokens", default="131072,1048576", help="request lengths (default %(default)s)")
-    ap.add_argument("--heads", default="32,8", help="qo,kv heads (default %(default)s)")
+    ap.add_argument("--heads", type=A.heads, default="32/8",
+                    help="query heads / kv heads, as `splitkv plan` takes them (default "
+                         "%(default)s)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
@@ -185,7 +189,6 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="rank 0 writes the results here")
     args = ap.parse_args()
-    args.heads = tuple(int(x) for x in args.heads.split(","))
 
     import cupy
     from cupy.cuda import nccl

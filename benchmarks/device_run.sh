@@ -27,6 +27,7 @@
 #   bash benchmarks/device_run.sh dissect              # what a short call spends its time on
 #   bash benchmarks/device_run.sh ncu_short            # Nsight Compute: short requests' CTAs
 #   bash benchmarks/device_run.sh ncu_fp8_conflicts    # where fp8's shared-store conflicts are
+#   bash benchmarks/device_run.sh merge_cost           # split_merge's merge kernel, fused's merges
 #   bash benchmarks/device_run.sh pdl                  # A/B: plain launches against PDL
 #   bash benchmarks/device_run.sh dist                 # 2+ GPUs: context-parallel tests and benchmark
 #   bash benchmarks/device_run.sh baseline             # the bench of an older tree in .baseline/
@@ -223,6 +224,11 @@ for phase in "$@"; do
       # and what its parts cost: page lookups, K/V copies, the softmax and MMAs (patched out)
       python3 benchmarks/dissect_latency.py --cases short_b256_n384,b32_n2k \
         --probes base,no_pages,no_kv,bare,empty 2>&1 | grep -v Warning | tee -a "$RES/ncu_short.log" | tail -8 ;;
+    merge_cost)
+      # session 14's lead: split_merge against fused on the same cuts at large batches; what
+      # the merge kernel costs (merge_empty) and what the fused merges cost (no_merge)
+      python3 benchmarks/dissect_latency.py --plan-set merge --probes base,no_merge,merge_empty \
+        --json "$RES/h200-merge-cost.json" 2>&1 | grep -v Warning | tee "$RES/merge_cost.log" | tail -20 ;;
     ncu_fp8_conflicts)
       # fp8's ~7,900 shared-store bank conflicts a CTA (16-bit: ~790), constant per CTA
       # (b128_n2k 8.1 M over 1,024 CTAs, b32_n8k 2.0 M over 256; results/ncu/h200-fp8-stalls.txt):

@@ -7,6 +7,8 @@ decode kernel cut out (by patching its source), so the differences price each pa
   no_kv      the K/V copies read nothing (zero-fill): no K/V traffic at all
   bare       no K/V traffic and no merge: start-up, Q, page table, math, epilogue
   empty      returns at once: the launch itself, in a graph of one call per layer
+  merge_empty  split_merge's second kernel returns at once (its launch stays): base minus this
+             is what that kernel's merging costs
   cluster    as shipped, fused plans merging in thread-block clusters where eligible (the
              probes above all use the atomic-ticket merge)
   cluster_any     every fused plan with 2, 4, 8 or 16 chunks per request in clusters, however
@@ -18,6 +20,10 @@ decode kernel cut out (by patching its source), so the differences price each pa
 The patched kernels compute wrong answers on purpose; only their times mean anything.
 
     python3 benchmarks/dissect_latency.py [--cases b1_n1k,b1_n8k] [--json out.json]
+    python3 benchmarks/dissect_latency.py --plan-set merge --probes base,no_merge,merge_empty
+
+``--plan-set merge`` times the same cuts as split_merge and fused at large batches, short and
+long chunks (NOTES.md, session 14: the cost model's weakest call is between the two there).
 """
 
 import argparse
@@ -46,6 +52,7 @@ _NO_COPIES = ("cp_async16(k_smem_u32 + dst, k_bytes + off, 0);\n"
 _MERGE = "  if (chunk.flags & RECORD_TICKET_MERGE)\n"
 _PAGES = "? table[pidx] : -1"
 _SMEM = "extern __shared__ __align__(128) unsigned char smem[];"
+_MERGE_KERNEL = "  wait_for_prior_grid();   // the partials are the previous kernel's output\n"
 PATCHES = {
     "base": [],
     "no_merge": [(_MERGE, "  if (false)\n")],
@@ -53,6 +60,7 @@ PATCHES = {
     "no_kv": [(_COPIES, _NO_COPIES)],
     "bare": [(_COPIES, _NO_COPIES), (_MERGE, "  if (false)\n")],
     "empty": [(_SMEM, _SMEM + "\n  if (blockDim.x > 0) return;")],
+    "merge_empty": [(_MERGE_KERNEL, _MERGE_KERNEL + "  if (blockDim.x > 0) return;\n")],
 }
 # The plans to dissect per case: (strategy, chunk tokens).
 PLANS = {
@@ -68,6 +76,14 @@ PLANS = {
     "ragged_b32": [("fused", 2048)],
     "short_b256_n384": [("single", 1 << 30)],     # issue 18: 2,048 CTAs of 384 tokens
 }
+# --plan-set merge: one cut each way, long chunks (where fused won by 1-11 us in the sweep) and
+# short ones (where it lost by 5-23 us).
+MERGE_PLANS = {
+    "b128_n2k": [(s, c) for c in (1024, 512, 256) for s in ("split_merge", "fused")],
+    "short_b256_n384": [(s, c) for c in (192, 128, 64) for s in ("split_merge", "fused")],
+    "b32_n8k": [(s, c) for c in (4096, 1024) for s in ("split_merge", "fused")],
+}
+PLAN_SETS = {"default": PLANS, "merge": MERGE_PLANS}
 
 
 CLUSTER_PROBES = ("cluster", "cluster_any", "cluster_spread", "cluster_1sm")
@@ -119,17 +135,19 @@ class ProbeVariant(DecodeVariant):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", default=",".join(PLANS))
+    parser.add_argument("--plan-set", choices=sorted(PLAN_SETS), default="default")
+    parser.add_argument("--cases", default=None, help="default: every case of the plan set")
     parser.add_argument("--json", default=None)
     parser.add_argument("--probes", default=",".join([*PATCHES, "cluster"]),
                         help="comma-separated subset of the probes")
     args = parser.parse_args()
+    plans = PLAN_SETS[args.plan_set]
     rows = []
-    for case in select(args.cases):
+    for case in select(args.cases or ",".join(plans)):
         pt, _ = scattered_page_table(case.kv_lens, case.page_size, np.random.default_rng(0), 0)
         prob = DecodeProblem.from_page_table(pt, case.num_qo_heads, case.num_kv_heads, case.head_dim)
         data = make_layers(pt, prob.num_qo_heads, prob.num_kv_heads, prob.head_dim, prob.dtype)
-        for strategy, chunk in PLANS[case.name]:
+        for strategy, chunk in plans[case.name]:
             plan = plan_chunk_tokens(prob, chunk, strategy, align=64)
             times, sizes = {}, {}
             chosen = args.probes.split(",")

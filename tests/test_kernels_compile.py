@@ -410,3 +410,6 @@ def test_the_dissect_probes_patch_the_current_kernel(head_dim):
     for probe in dissect.PATCHES:
         variant = dissect.ProbeVariant("bfloat16", head_dim, 1, probe=probe)
         assert compile_ptx(variant.source(), variant.name, "compute_90"), probe
+    from splitkv.bench.cases import select
+    for plans in dissect.PLAN_SETS.values():      # every plan set names bench cases
+        assert [c.name for c in select(",".join(plans))] == list(plans)

@@ -7,6 +7,7 @@ became the wide_waves column.
 """
 import collections
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def main(profile=None, csv=None):
     csv = csv or ROOT / "benchmarks/results/calibration/nvidia-h200.csv"
     model = load_profile(path=profile).cost_model() if profile else load_profile().cost_model()
-    measured = read_measurements(csv)
+    # as they ran: eligible fused plans merged in clusters (as fit_profile sees them)
+    measured = [replace(m, plan=m.plan.with_execution(clusters=model.clusters))
+                for m in read_measurements(csv)]
     predicted = model.predict([m.plan for m in measured])
     rows = []
     for m, pred in zip(measured, predicted):

@@ -16,7 +16,8 @@ from eval_planner import heldout_class_shapes, heldout_shapes  # noqa: E402
 from splitkv.core.geometry import ctas_per_kv_head  # noqa: E402
 from splitkv.core.plan import plan_chunk_tokens  # noqa: E402
 from splitkv.planner import choose_plan  # noqa: E402
-from splitkv.planner.cost_model import FEATURE_NAMES, CostModel, plan_features  # noqa: E402
+from splitkv.planner.cost_model import (FEATURE_NAMES, CostModel, fit_relative,  # noqa: E402
+                                        plan_features)
 from splitkv.planner.planner import rank_candidates  # noqa: E402
 from splitkv.planner.profiles import load_profile  # noqa: E402
 from splitkv.runtime.kernel_source import row_tiles_for  # noqa: E402
@@ -207,21 +208,10 @@ class _Fitted:
 
 
 def fit_copy(samples_xy, huber_delta=0.1):
-    """CostModel.fit's arithmetic, any number of columns."""
-    from scipy.optimize import nnls
+    """CostModel.fit's arithmetic (``cost_model.fit_relative``), any number of columns."""
     x = np.array([f for f, _ in samples_xy], dtype=np.float64)
     y = np.array([t for _, t in samples_xy], dtype=np.float64)
-    a = x / y[:, None]
-    scale = np.linalg.norm(a, axis=0)
-    scale[scale == 0] = 1.0
-    a = a / scale
-    weights = np.ones_like(y)
-    for _ in range(4):
-        sw = np.sqrt(weights)
-        c, _ = nnls(a * sw[:, None], sw, maxiter=50 * a.shape[1])
-        resid = a @ c - 1.0
-        weights = np.minimum(1.0, huber_delta / np.maximum(np.abs(resid), 1e-12))
-    return _Fitted(c / scale)
+    return _Fitted(fit_relative(x, y, huber_delta))
 
 
 # ---- planner choice under a variant --------------------------------------------------------

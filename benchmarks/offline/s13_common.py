@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 from eval_planner import heldout_class_shapes, heldout_shapes  # noqa: E402
 from splitkv.core.plan import plan_chunk_tokens  # noqa: E402
 from splitkv.planner import choose_plan  # noqa: E402
-from splitkv.planner.cost_model import plan_features  # noqa: E402
+from splitkv.planner.cost_model import fit_relative, plan_features  # noqa: E402
 from splitkv.calibration.sweep import read_measurements  # noqa: E402
 from splitkv.calibration.fit import split_heldout  # noqa: E402
 
@@ -71,22 +71,10 @@ def lib_features(plan):
 
 
 def fit_xy(x, y, huber_delta=0.1):
-    """CostModel.fit's arithmetic for any number of columns (NNLS on relative error, 4 Huber
-    re-weightings). Returns coef."""
-    from scipy.optimize import nnls
-    x = np.asarray(x, dtype=np.float64)
-    y = np.asarray(y, dtype=np.float64)
-    a = x / y[:, None]
-    scale = np.linalg.norm(a, axis=0)
-    scale[scale == 0] = 1.0
-    a = a / scale
-    weights = np.ones_like(y)
-    for _ in range(4):
-        sw = np.sqrt(weights)
-        c, _ = nnls(a * sw[:, None], sw, maxiter=50 * a.shape[1])
-        resid = a @ c - 1.0
-        weights = np.minimum(1.0, huber_delta / np.maximum(np.abs(resid), 1e-12))
-    return c / scale
+    """CostModel.fit's arithmetic (``cost_model.fit_relative``) for any number of columns.
+    Returns coef."""
+    return fit_relative(np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64),
+                        huber_delta)
 
 
 def fit_report(featfn, exclude=None):

@@ -386,6 +386,24 @@ def plan_features(problem, chunk_tokens, chunks_per_request, strategy, *, num_sm
     return x[0]
 
 
+def fit_relative(x: np.ndarray, y: np.ndarray, huber_delta: float = 0.1,
+                 rounds: int = 4) -> np.ndarray:
+    """Non-negative coefficients c minimising the squared relative error of x @ c against y
+    (``CostModel.fit``'s arithmetic, for feature matrices of any width): columns scaled to
+    unit norm, then ``rounds`` NNLS solves, each re-weighted Huber-wise by the last."""
+    a = x / y[:, None]                           # relative error: (x @ c - y) / y
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0                      # a feature that never varies stays at 0
+    a = a / scale
+    weights = np.ones_like(y)
+    for _ in range(rounds):
+        sw = np.sqrt(weights)
+        c, _ = nnls(a * sw[:, None], sw, maxiter=50 * a.shape[1])
+        resid = a @ c - 1.0
+        weights = np.minimum(1.0, huber_delta / np.maximum(np.abs(resid), 1e-12))
+    return c / scale
+
+
 class CostModel:
     """Predicted microseconds of one decode call = features(plan) @ coef_.
 
@@ -482,17 +500,7 @@ class CostModel:
         y = np.array([float(t) for _, t in samples])
         if not np.all(np.isfinite(y)) or np.any(y <= 0):
             raise ValueError("samples: measured times must be finite and > 0 microseconds")
-        a = x / y[:, None]                       # relative error: (x @ c - y) / y
-        scale = np.linalg.norm(a, axis=0)
-        scale[scale == 0] = 1.0                  # a feature that never varies stays at 0
-        a = a / scale
-        weights = np.ones_like(y)
-        for _ in range(4 if self.robust else 1):
-            sw = np.sqrt(weights)
-            c, _ = nnls(a * sw[:, None], sw, maxiter=50 * a.shape[1])
-            resid = a @ c - 1.0
-            weights = np.minimum(1.0, huber_delta / np.maximum(np.abs(resid), 1e-12))
-        self.coef_ = c / scale
+        self.coef_ = fit_relative(x, y, huber_delta, rounds=4 if self.robust else 1)
         rel = x @ self.coef_ / y - 1.0
         self.fit_error_ = float(np.sqrt(np.mean(rel ** 2)))
         self.fit_mape_ = float(np.mean(np.abs(rel)))

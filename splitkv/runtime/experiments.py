@@ -106,3 +106,16 @@ class DecodeExperiments:
                                               or self.rows_per_cta not in (16, 32, 64)):
             raise ValueError(f"rows_per_cta: expected 16, 32 or 64 (or None: 64), got "
                              f"{self.rows_per_cta!r}")
+
+    @property
+    def forced_warps(self) -> int | None:
+        """The warps a CTA runs whatever the plan: ``warps``, else the 8 of ``dim_split=2`` or
+        the 4 that ``tile_per_warp=32`` was measured at; None: the plan's (``plan_warps``)."""
+        if self.warps:
+            return self.warps
+        return 8 if self.dim_split == 2 else 4 if self.tile_per_warp == 32 else None
+
+    @property
+    def forces_occupancy(self) -> bool:
+        """Stages or a register cap given, so ``features.default_occupancy`` stands aside."""
+        return self.stages is not None or self.max_registers is not None

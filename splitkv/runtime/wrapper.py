@@ -148,9 +148,8 @@ class BatchDecodeWrapper:
                                                  experiments.stages or 0,
                                                  experiments.max_registers or 0,
                                                  kv_dtype=self.kv_dtype or "",
-                                                 num_warps=experiments.warps or (
-                                                     8 if experiments.dim_split == 2
-                                                     else WARPS_PER_CTA),
+                                                 num_warps=(experiments.forced_warps
+                                                            or WARPS_PER_CTA),
                                                  q_in_smem=int(q_in_smem), pow2_pages=int(pow2),
                                                  tile_per_warp=experiments.tile_per_warp or 16,
                                                  dim_split=experiments.dim_split or 1)
@@ -160,9 +159,6 @@ class BatchDecodeWrapper:
         if experiments.pow2_pages and self.page_size & (self.page_size - 1):
             raise ValueError(f"experiments: pow2_pages needs a page_size that is a power of two, "
                              f"got page_size={self.page_size}")
-        # the stages and register cap are the shape's (features.default_occupancy) unless forced
-        self._occupancy_forced = (experiments.stages is not None
-                                  or experiments.max_registers is not None)
         self._profile = profile
         self._resolved_profile = None         # the Profile, once read
         self._plan: Plan | None = None
@@ -428,11 +424,8 @@ class BatchDecodeWrapper:
                           "the merge kernel's: a thread per 4 dims of each request's heads")
         row_tiles = row_tiles_for(min(group, max_rows))
         sizes = chosen.chunk_end - chosen.chunk_start
-        # dim_split=2 runs 8 warps, tile_per_warp=32 the 128-token tile at 4 warps it was
-        # measured as, unless the warps are forced
         ex = self.experiments
-        forced_warps = ex.warps or (8 if ex.dim_split == 2 else
-                                    4 if ex.tile_per_warp == 32 else None)
+        forced_warps = ex.forced_warps
         warps = plan_warps(self.kv_dtype, ctas, forced_warps, row_tiles=row_tiles,
                            page_size=self.page_size, head_dim=self.head_dim,
                            mean_chunk_tokens=float(sizes.mean()) if sizes.size else 0.0,
@@ -444,7 +437,7 @@ class BatchDecodeWrapper:
             self.variant, cluster=chosen.cluster_size, soft_cap=int(soft_cap_log2 > 0),
             num_warps=warps, stages=ex.stages or 0, row_tiles=row_tiles,
             tile_per_warp=tile_per_warp, multi_token=int(query_rows is not None),
-            unified_max=int(phi is not None)), forced=self._occupancy_forced)
+            unified_max=int(phi is not None)), forced=ex.forces_occupancy)
         kernels = get_decode_kernels(fitting_build(
             variant, q_default=ex.q_in_smem is None, warps_default=forced_warps is None,
             stages=ex.stages or 0))
@@ -536,7 +529,7 @@ class BatchDecodeWrapper:
         return get_decode_kernels(fitting_build(default_occupancy(replace(
             self.variant, soft_cap=soft_cap, multi_token=int(multi),
             row_tiles=row_tiles_for(self.group_size * self._max_q_len)),
-            forced=self._occupancy_forced),
+            forced=self.experiments.forces_occupancy),
             q_default=self.experiments.q_in_smem is None, warps_default=False))
 
     def _plan_graph(self, chosen: Plan, page_table: PageTable, s, sm_scale_log2: float,

@@ -17,7 +17,7 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from splitkv.calibration.fit import fit_profile
+from splitkv.calibration.fit import fit_profile, fit_tile_rule
 from splitkv.calibration.sweep import read_measurements
 from splitkv.planner.profiles import load_profile
 
@@ -25,14 +25,15 @@ DEVICE = {"name": "NVIDIA H200", "num_sms": 132, "cc": "90"}
 SHIPPED = Path(__file__).resolve().parents[1] / "splitkv/planner/profiles/nvidia-h200.yaml"
 
 
-def refit(csv_path, like_sweep: dict, fp8: bool):
+def refit(csv_path, like_sweep: dict, fp8: bool, graph_stable: bool = False):
     measurements = read_measurements(csv_path, quick=False, seed=0)
     sweep = {**(like_sweep or {}), "refit_from": str(csv_path)}
     sweep.pop("points", None)
     sweep.pop("shapes", None)
     sweep.pop("heldout_shapes", None)
     profile, report = fit_profile(measurements, DEVICE, sweep=sweep,
-                                  kv_bytes_per_element=1 if fp8 else 2)
+                                  kv_bytes_per_element=1 if fp8 else 2,
+                                  tile_rule=fit_tile_rule("fp8" if fp8 else None, graph_stable))
     return profile, report
 
 
@@ -60,7 +61,7 @@ def main():
     for path, graph_stable, old in ((args.fp8, False, like.kv_fp8),
                                     (args.fp8_graph_stable, True, like.kv_fp8_graph_stable)):
         if path:
-            fit, rep = refit(path, (old or {}).get("sweep"), fp8=True)
+            fit, rep = refit(path, (old or {}).get("sweep"), fp8=True, graph_stable=graph_stable)
             show("fp8 graph-stable" if graph_stable else "fp8", fit, rep)
             profile = profile.with_kv_fp8(fit, graph_stable=graph_stable)
     profile.save(args.out)

@@ -124,6 +124,17 @@ def test_chooses_the_host_planners_plan_under_other_models():
     assert set(strategies) == {"single", "split_merge", "fused"}, strategies
 
 
+def test_a_model_counting_other_tiles_is_refused_before_any_plan():
+    """The planner on the device counts 64-token tiles; a model with a tile rule (the
+    per-shape fp8 fit) would plan otherwise on the host, so it is refused by name."""
+    fp8 = load_profile(device_name="NVIDIA H200", num_sms=132).cost_model("float8_e4m3fn")
+    assert fp8.tile_rule == "fp8"
+    with pytest.raises(ValueError, match="tile_rule 'fp8' plans only on the host"):
+        plan_params(fp8.with_clusters(False), num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                    page_size=16, stages=3, max_batch=4, max_chunks=64,
+                    launch_order="longest_chunks")
+
+
 def test_a_single_candidate_predicts_the_same_bits():
     """Tiny contexts leave one candidate (no split): its prediction summed in feature order on
     both sides (NumPy would sum a lone column pairwise). Found by review: lens [0, 2, 2]."""

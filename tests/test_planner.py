@@ -130,14 +130,18 @@ def reference_choice(p, model, num_splits=None, strategy=None):
     return scored, times.index(min(times))
 
 
-def reference_requests(count=240, seed=7):
+def reference_requests(count=320, seed=7):
     """Random (problem, model, num_splits, strategy): batches of 1..256, equal and ragged
     lengths 1..128k (some with empty requests), GQA groups 1..8 (and some of 96) over 1..8 kv
     heads; a sixth with a forced split count or
     strategy."""
     rng = np.random.default_rng(seed)
+    # the fourth counts fp8's 128-token tiles (with the fp8 fit's parameters: the prior's
+    # crit_tiles would not tell the rule from none)
+    fp8 = CostModel.from_coef(default_profile().cost_model("float8_e4m3fn").coef_, num_sms=132,
+                              clusters=True, tile_rule="fp8")
     models = (PRIOR, default_profile().cost_model(),
-              CostModel.from_coef(roofline_prior(132, 4460.0), num_sms=132, clusters=True))
+              CostModel.from_coef(roofline_prior(132, 4460.0), num_sms=132, clusters=True), fp8)
     out = []
     for i in range(count):
         b = int(np.exp(rng.uniform(0, np.log(257))))
@@ -158,7 +162,7 @@ def reference_requests(count=240, seed=7):
         if i % 6 == 5:
             num_splits, strategy = [(1, None), (3, None), (None, "fused"), (None, "single"),
                                     (5, "split_merge"), (None, "split_merge")][int(rng.integers(6))]
-        out.append((p, models[i % 3], num_splits, strategy))
+        out.append((p, models[i % len(models)], num_splits, strategy))
     return out
 
 

@@ -245,7 +245,36 @@ def test_the_shipped_h200_profile_has_both_fp8_fits():
     assert graph["lone_cta_us"] > 10 * per_shape["lone_cta_us"]
 
 
+def test_an_fp8_fits_tile_rule_travels_with_it(tmp_path):
+    """A per-shape fp8 fit counting its builds' 128-token tiles says so (tile_rule 'fp8'), and
+    plans so; the 16-bit fit, and a graph-stable wrapper borrowing that fit (the planner on
+    the device counts 64-token tiles), do not. A fit without the field counts 64."""
+    from dataclasses import replace
+
+    fp8 = replace(make_profile(const=1.0), tile_rule="fp8")
+    both = make_profile().with_kv_fp8(fp8)
+    assert both.kv_fp8["tile_rule"] == "fp8"
+    assert both.cost_model("float8_e4m3fn").tile_rule == "fp8"
+    assert both.cost_model().tile_rule == ""
+    borrowed = both.cost_model("float8_e4m3fn", graph_stable=True)
+    assert borrowed.tile_rule == "" and borrowed.coef_dict() == both.kv_fp8["coef"]
+    q = read_profile(both.save(tmp_path / "both.yaml"))
+    assert q == both and q.cost_model("float8_e4m3fn").tile_rule == "fp8"
+    assert "tile_rule" not in make_profile().to_yaml()           # written only where set
+    old = make_profile().with_kv_fp8(make_profile(const=1.0))
+    assert "tile_rule" not in old.kv_fp8 and old.cost_model("float8_e4m3fn").tile_rule == ""
+
+
+def test_the_shipped_fp8_fits_count_the_tiles_they_were_timed_with():
+    h200 = default_profile()
+    assert h200.cost_model("float8_e4m3fn").tile_rule == "fp8"
+    assert h200.cost_model("float8_e4m3fn", graph_stable=True).tile_rule == ""
+    assert h200.cost_model().tile_rule == ""
+
+
 @pytest.mark.parametrize("change, blamed", [
+    (lambda d: d["kv_fp8"].update(tile_rule="128"), "kv_fp8.tile_rule: expected one of"),
+    (lambda d: d.update(tile_rule=True), "tile_rule: expected one of"),
     (lambda d: d["kv_fp8"]["coef"].pop("kv_us"), "kv_fp8.coef: expected one parameter"),
     (lambda d: d["kv_fp8"]["coef"].update(kv_us=-1.0), "kv_fp8.coef.kv_us: expected a finite"),
     (lambda d: d["kv_fp8"].update(speed=3), "kv_fp8: unknown fields \\['speed'\\]"),

@@ -6,8 +6,8 @@ import pytest
 
 from splitkv import DecodeProblem, plan_chunk_tokens, plan_fixed_splits, plan_from_chunk_counts
 from splitkv.core.geometry import TILE_TOKENS
-from splitkv.planner.stats import (STAT_NAMES, decomposition_stats, equal_candidate_stats,
-                                   ragged_candidate_stats, rows_of)
+from splitkv.planner.stats import (S_ODD_CHUNKS, STAT_NAMES, decomposition_stats,
+                                   equal_candidate_stats, ragged_candidate_stats, rows_of)
 
 NO_SPLIT = 2.0 ** 60            # the chunk size of the no-split row: one chunk each
 
@@ -20,7 +20,8 @@ def reference_stats(chunk_tokens, chunks_per_request) -> dict:
     return {"num_chunks": len(tokens), "total_tokens": sum(tokens), "total_tiles": sum(tiles),
             "max_chunk_tokens": max(tokens, default=0), "max_chunk_tiles": max(tiles, default=0),
             "max_splits": max(counts, default=0),
-            "split_chunks": sum(k for k in counts if k > 1)}
+            "split_chunks": sum(k for k in counts if k > 1),
+            "odd_chunks": sum(t % 2 for t in tiles)}
 
 
 def plan_stats(plan) -> dict:
@@ -32,10 +33,10 @@ def by_name(stats) -> dict:
 
 
 def test_decomposition_stats_worked_example():
-    # 5 chunks of 2 + 1 + 1 + 1 requests; 101 tokens are 2 tiles
+    # 5 chunks of 2 + 1 + 1 + 1 requests; 101 tokens are 2 tiles (3 chunks of one: odd)
     assert by_name(decomposition_stats([64, 101, 92, 32, 29], [2, 1, 1, 1])) == {
         "num_chunks": 5, "total_tokens": 318, "total_tiles": 7, "max_chunk_tokens": 101,
-        "max_chunk_tiles": 2, "max_splits": 2, "split_chunks": 2}
+        "max_chunk_tiles": 2, "max_splits": 2, "split_chunks": 2, "odd_chunks": 3}
     assert by_name(decomposition_stats([], [])) == dict.fromkeys(STAT_NAMES, 0)
 
 
@@ -97,8 +98,15 @@ def test_closed_forms_match_the_built_plans():
         out = np.full((len(STAT_NAMES), len(rows)), np.nan)
         divisors = np.array([*chunk, TILE_TOKENS], float)[:, None]
         k, units = ragged_candidate_stats(out, lens.astype(float), min_len, max_len, total,
-                                          divisors, splits, caps, num_tiny)
+                                          divisors, splits, caps, num_tiny, odd_chunks=True)
         assert {name: row.tolist() for name, row in zip(STAT_NAMES, out)} == want, (lens, rows)
+        # not asked for, the odd chunks are 0 and the rest the same
+        unasked = np.full_like(out, np.nan)
+        ragged_candidate_stats(unasked, lens.astype(float), min_len, max_len, total, divisors,
+                               splits, caps, num_tiny)
+        assert unasked[S_ODD_CHUNKS].tolist() == [0.0] * len(rows)
+        unasked[S_ODD_CHUNKS] = out[S_ODD_CHUNKS]
+        np.testing.assert_array_equal(unasked, out)
         for row, plan in enumerate(plans):
             np.testing.assert_array_equal(k[row], plan.chunks_per_request, err_msg=str(rows[row]))
         np.testing.assert_array_equal(units, -(-lens // TILE_TOKENS))
@@ -106,8 +114,12 @@ def test_closed_forms_match_the_built_plans():
         if min_len == max_len:
             out = np.full((len(STAT_NAMES), len(rows)), np.nan)
             k = equal_candidate_stats(out, max_len, lens.size, total, chunk, splits, caps,
-                                      num_tiny)
+                                      num_tiny, odd_chunks=True)
             assert {name: row.tolist() for name, row in zip(STAT_NAMES, out)} == want, lens
+            unasked = np.full_like(out, np.nan)
+            equal_candidate_stats(unasked, max_len, lens.size, total, chunk, splits, caps,
+                                  num_tiny)
+            assert unasked[S_ODD_CHUNKS].tolist() == [0.0] * len(rows)
             assert k == [[int(plan.chunks_per_request[0])] for plan in plans]
 
 

@@ -339,6 +339,27 @@ def test_sixteen_bit_lone_ctas_get_eight_warps_where_four_are_issue_bound(monkey
     assert features.row_step(128, 2, 2) == 4 and features.row_step(256, 1, 2) == 1
 
 
+def test_the_cost_models_fp8_tiles_are_the_builds_the_wrapper_picks(monkeypatch):
+    """geometry.fp8_tile_tokens (what the fp8 cost model counts) against plan_warps x
+    default_tile_per_warp (what the wrapper builds), for every head_dim, group and grid."""
+    from splitkv.core.geometry import ctas_per_kv_head, fp8_tile_tokens
+    from splitkv.runtime import features
+    from splitkv.runtime.kernel_source import row_tiles_for
+
+    monkeypatch.setattr(features, "device_info", lambda: {"num_sms": 132})
+    for head_dim in (64, 128, 256):
+        for group in (1, 4, 8, 16, 17, 32, 64, 128):
+            rows = -(-group // ctas_per_kv_head(group))
+            row_tiles = row_tiles_for(rows)
+            for ctas in (1, 131, 132, 133, 5000):
+                warps = features.plan_warps("float8_e4m3fn", ctas, row_tiles=row_tiles,
+                                            head_dim=head_dim)
+                tokens = warps * features.default_tile_per_warp(
+                    "float8_e4m3fn", head_dim, warps, row_tiles, False)
+                assert tokens == fp8_tile_tokens(head_dim, rows, ctas <= 132), \
+                    (head_dim, group, ctas)
+
+
 def test_max_q_len_is_a_checked_graph_stable_capacity():
     from splitkv.runtime.wrapper import BatchDecodeWrapper
 

@@ -14,8 +14,6 @@ candidates (argmin predicted among them).
 import sys
 from dataclasses import replace
 
-import numpy as np
-
 import s13_common as C
 from s15_eval import load
 from splitkv.calibration.fit import split_heldout

@@ -16,7 +16,7 @@ from ..planner.profiles import device_slug, prior_profile, user_profile_dir
 from ..core.problem import DecodeProblem
 from ..runtime import timing as runtime_timing
 from ..runtime.experiments import DecodeExperiments
-from .fit import FitReport, fit_profile
+from .fit import FitReport, fit_profile, fit_tile_rule
 from .sweep import Measurement, SweepPoint, measure, sweep_points, write_measurements
 
 QUICK_TIMING = {"trials": 3, "min_trial_ms": 10.0}
@@ -73,7 +73,8 @@ def calibrate(points: list[SweepPoint], device: dict, *, quick: bool = False, se
                                   "min_trial_ms": runtime_timing.MIN_TRIAL_MS},
              **fp8, **({"graph_stable": True} if graph_stable else {})}
     profile, report = fit_profile(measurements, device, seed=seed, sweep=sweep,
-                                  kv_bytes_per_element=1 if kv_dtype else 2)
+                                  kv_bytes_per_element=1 if kv_dtype else 2,
+                                  tile_rule=fit_tile_rule(kv_dtype, graph_stable))
     return profile, report, measurements
 
 

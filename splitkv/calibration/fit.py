@@ -91,20 +91,29 @@ def _relative_errors(model, measurements) -> np.ndarray:
     return np.abs(predicted / measured - 1.0)
 
 
+def fit_tile_rule(kv_dtype: str | None, graph_stable: bool) -> str:
+    """The tiles a fit counts: fp8's per-shape builds run 128-token tiles where
+    ``geometry.fp8_tile_tokens`` says ('fp8'); the 16-bit builds, and the graph-stable fp8
+    fit (the planner on the device counts 64-token tiles), count 64 ('')."""
+    return "fp8" if kv_dtype and not graph_stable else ""
+
+
 def fit_profile(measurements, device: dict, *, heldout_fraction: float = 0.2, seed: int = 0,
                 ctas_per_sm: int = 2, bandwidth_gbps: float | None = None,
-                sweep: dict | None = None, kv_bytes_per_element: int = 2
-                ) -> tuple[Profile, FitReport]:
+                sweep: dict | None = None, kv_bytes_per_element: int = 2,
+                tile_rule: str = "") -> tuple[Profile, FitReport]:
     """Fit on ``measurements`` (from ``sweep.measure``) for the device ``device``
     (``splitkv.runtime.device_info()``: name, num_sms, ...). ``kv_bytes_per_element``: 1 for
-    measurements over fp8 K/V, whose best bandwidth counts one-byte codes."""
+    measurements over fp8 K/V, whose best bandwidth counts one-byte codes. ``tile_rule``: how
+    the model counts tiles (``cost_model.TILE_RULES``; ``fit_tile_rule`` says which a sweep's
+    builds need)."""
     if bandwidth_gbps is None:
         bandwidth_gbps = guess_bandwidth_gbps(device["name"])
     # sm_90+ runs suitable fused plans as clusters (the wrapper's default): the model knows,
     # and each plan is fitted as it ran there
     hyper = dict(num_sms=int(device["num_sms"]), ctas_per_sm=ctas_per_sm,
                  bandwidth_gbps=float(bandwidth_gbps),
-                 clusters=int(device.get("cc", 0)) >= 90)
+                 clusters=int(device.get("cc", 0)) >= 90, tile_rule=tile_rule)
     measurements = [replace(m, plan=m.plan.with_execution(clusters=hyper["clusters"]))
                     for m in measurements]
 

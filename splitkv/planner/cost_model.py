@@ -33,7 +33,10 @@ The feature columns, in order (``FEATURE_NAMES``):
   kv_us           all K and V bytes / device bandwidth (contention for DRAM).
   crit_us         bytes of the most loaded SM / one SM's bandwidth (the critical path).
   crit_tiles      64-token tiles on the most loaded SM (partial tiles count whole),
-                  x head_dim / 128: per-tile work that is not memory traffic.
+                  x head_dim / 128: per-tile work that is not memory traffic. A model whose
+                  ``tile_rule`` is 'fp8' counts the tiles fp8's default builds run
+                  (``count_build_tiles``): a 128-token tile as two of 64, so a chunk of 100
+                  tokens costs what two chunks of 50 do.
   crit_tile_rows  the same x query heads per CTA: compute that grows with the GQA group.
   waves           CTAs the most loaded slot runs one after the other (each pays a start-up).
   partial_us      fp32 partials written and read back / device bandwidth.
@@ -86,10 +89,11 @@ import numpy as np
 from scipy.optimize import nnls
 
 from ..core.execution import MERGE_CLUSTER, clustered
-from ..core.geometry import ctas_per_kv_head
+from ..core.geometry import LONG_TILE_TOKENS, ctas_per_kv_head, fp8_tile_tokens
 from ..core.plan import Plan
 from ..core.validation import STRATEGIES
-from .stats import (ONE, S_COUNTS, S_LARGEST, S_MAX_CHUNK_TOKENS, S_MAX_SPLITS, S_NUM_CHUNKS,
+from .stats import (ONE, S_COUNTS, S_LARGEST, S_MAX_CHUNK_TILES, S_MAX_CHUNK_TOKENS,
+                    S_MAX_SPLITS, S_NUM_CHUNKS, S_ODD_CHUNKS, S_TOTAL_TILES,
                     STAT_NAMES, TWO, decomposition_stats, indices, rows_of)
 
 
@@ -108,6 +112,37 @@ LONE_CTA_MIN_TOKENS = 1024
 LONE_CTA_GBPS = 70.0
 
 SINGLE, SPLIT_MERGE, FUSED = (STRATEGIES.index(s) for s in ("single", "split_merge", "fused"))
+
+# How a model counts tiles (``CostModel.tile_rule``): '' 64-token tiles everywhere (the 16-bit
+# builds, and fits made before the rule); 'fp8' the tiles of fp8's default builds
+# (``geometry.fp8_tile_tokens``). The fp8 H200 fit counting them: fit RMS 8.4 -> 8.0%,
+# held-out 7.1 -> 6.7%, eval 59 -> 62 of 68 shapes within 5% (benchmarks/NOTES.md, session 15).
+TILE_RULES = ("", "fp8")
+
+
+def check_tile_rule(tile_rule) -> str:
+    if tile_rule not in TILE_RULES:
+        raise ValueError(f"tile_rule: expected one of {list(TILE_RULES)}, got {tile_rule!r}")
+    return tile_rule
+
+
+def count_build_tiles(rows, tile_rule: str, num_qo_heads: int, num_kv_heads: int,
+                      head_dim: int, items_per_chunk: int, num_sms: int) -> None:
+    """Turn the stats rows' 64-token tile counts (``rows[S_TOTAL_TILES]``,
+    ``rows[S_MAX_CHUNK_TILES]``, one column per decomposition) into the tiles ``tile_rule``'s
+    builds run, in 64-token units: where a column's build streams 128-token tiles, each chunk
+    of an odd number of tiles runs one more half (``S_ODD_CHUNKS``), and the largest chunk's
+    count rounds up to even. Splitting a 100-token request then saves no tile. In place."""
+    if not tile_rule:
+        return
+    group = num_qo_heads // num_kv_heads
+    rows_per_cta = -(-group // ctas_per_kv_head(group))
+    if fp8_tile_tokens(head_dim, rows_per_cta, lone=False) == LONG_TILE_TOKENS:
+        long = ONE                              # every grid
+    else:                                       # only grids that give no SM two CTAs
+        long = rows[S_NUM_CHUNKS] * float(items_per_chunk) <= num_sms
+    rows[S_TOTAL_TILES] += rows[S_ODD_CHUNKS] * long
+    rows[S_MAX_CHUNK_TILES] += np.mod(rows[S_MAX_CHUNK_TILES], 2.0) * long
 
 
 def waves(num_items, slots):
@@ -343,19 +378,20 @@ def gather_features(rows, index, scale, clusters=False) -> np.ndarray:
 
 def features_from_stats(num_qo_heads, num_kv_heads, head_dim, strategy_code, stats, *,
                         num_sms, ctas_per_sm, bandwidth_gbps, batch_size=0,
-                        clusters=False, clustered_as=None) -> np.ndarray:
+                        clusters=False, clustered_as=None, tile_rule="") -> np.ndarray:
     """Feature matrix ``[n, len(FEATURE_NAMES)]`` of n candidates from their ``stats``
     ``[len(STAT_NAMES), n]`` and strategy codes (index in ``STRATEGIES``; [n] or one for all).
     The planner computes the statistics of many candidates at once in closed form;
     ``plan_features`` computes them from a built plan. ``clusters``: the GPU merges suitable
     fused plans in clusters (needs the ``batch_size`` of the decompositions);
     ``clustered_as``: 1.0 or 0.0, whether the candidates merge in clusters, when that is known
-    (a built plan's execution) rather than derived."""
+    (a built plan's execution) rather than derived; ``tile_rule``: ``CostModel.tile_rule``."""
     ipc, slots, units = feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms,
                                           ctas_per_sm, bandwidth_gbps)
     n = np.shape(stats)[1]
     rows, stat_rows = new_feature_rows(n)
     stat_rows[:] = stats
+    count_build_tiles(rows, tile_rule, num_qo_heads, num_kv_heads, head_dim, ipc, num_sms)
     index = feature_index(n, np.arange(n), strategy_code)
     cluster_batch_size = batch_size if clusters and clustered_as is None else 0
     row_features(rows, ipc, slots, num_sms, stream_ratio_of(bandwidth_gbps),
@@ -368,11 +404,12 @@ def features_from_stats(num_qo_heads, num_kv_heads, head_dim, strategy_code, sta
 
 def plan_features(problem, chunk_tokens, chunks_per_request, strategy, *, num_sms=132,
                   ctas_per_sm=2, bandwidth_gbps=4460.0, clusters=False,
-                  merge: str | None = None) -> np.ndarray:
+                  merge: str | None = None, tile_rule: str = "") -> np.ndarray:
     """Feature vector of one decomposition: per-chunk token counts, chunks per request and the
     strategy ('single', 'split_merge' or 'fused'). ``merge``: the plan's merge mode
     (``Plan.merge``), which says whether it merges in clusters; None: as ``execution.decide``
-    would on a GPU with (``clusters``) or without thread-block clusters."""
+    would on a GPU with (``clusters``) or without thread-block clusters. ``tile_rule``: how
+    tiles are counted (``CostModel.tile_rule``)."""
     stats = decomposition_stats(chunk_tokens, chunks_per_request)
     if merge is not None:
         clusters = merge == MERGE_CLUSTER
@@ -382,7 +419,8 @@ def plan_features(problem, chunk_tokens, chunks_per_request, strategy, *, num_sm
                             STRATEGIES.index(strategy), stats[:, None], num_sms=num_sms,
                             ctas_per_sm=ctas_per_sm, bandwidth_gbps=bandwidth_gbps,
                             batch_size=len(chunks_per_request), clusters=clusters,
-                            clustered_as=None if merge is None else float(clusters))
+                            clustered_as=None if merge is None else float(clusters),
+                            tile_rule=check_tile_rule(tile_rule))
     return x[0]
 
 
@@ -418,12 +456,13 @@ class CostModel:
     feature_names = FEATURE_NAMES
 
     def __init__(self, num_sms: int = 132, ctas_per_sm: int = 2, bandwidth_gbps: float = 4460.0,
-                 robust: bool = True, clusters: bool = False):
+                 robust: bool = True, clusters: bool = False, tile_rule: str = ""):
         self.num_sms = num_sms
         self.ctas_per_sm = ctas_per_sm
         self.bandwidth_gbps = bandwidth_gbps
         self.clusters = clusters        # the GPU merges suitable fused plans in clusters
         self.robust = robust
+        self.tile_rule = check_tile_rule(tile_rule)   # how it counts tiles (TILE_RULES)
 
     @classmethod
     def from_coef(cls, coef, **hyperparameters) -> "CostModel":
@@ -461,14 +500,15 @@ class CostModel:
 
     def _hardware(self) -> dict:
         return dict(num_sms=self.num_sms, ctas_per_sm=self.ctas_per_sm,
-                    bandwidth_gbps=self.bandwidth_gbps, clusters=self.clusters)
+                    bandwidth_gbps=self.bandwidth_gbps, clusters=self.clusters,
+                    tile_rule=self.tile_rule)
 
     def features(self, plan: Plan) -> np.ndarray:
         """Feature vector of a built plan, as its execution runs it (``plan.merge``)."""
         return plan_features(plan.problem, plan.chunk_end - plan.chunk_start,
                              plan.chunks_per_request, plan.strategy, num_sms=self.num_sms,
                              ctas_per_sm=self.ctas_per_sm, bandwidth_gbps=self.bandwidth_gbps,
-                             merge=plan.merge)
+                             merge=plan.merge, tile_rule=self.tile_rule)
 
     def _design(self, sources) -> np.ndarray:
         """Feature matrix from plans or feature vectors (rows of length len(FEATURE_NAMES))."""
@@ -526,7 +566,8 @@ class CostModel:
 
     def __repr__(self) -> str:
         head = (f"CostModel(num_sms={self.num_sms}, ctas_per_sm={self.ctas_per_sm}, "
-                f"bandwidth_gbps={self.bandwidth_gbps}, clusters={self.clusters}")
+                f"bandwidth_gbps={self.bandwidth_gbps}, clusters={self.clusters}"
+                + (f", tile_rule={self.tile_rule!r}" if self.tile_rule else ""))
         if getattr(self, "coef_", None) is None:
             return head + ", not fitted)"
         coef = ", ".join(f"{k}={v:.3g}" for k, v in self.coef_dict().items())

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from .cost_model import FEATURE_NAMES, CostModel
+from .cost_model import FEATURE_NAMES, TILE_RULES, CostModel
 
 PROFILE_ENV = "SPLITKV_PROFILE"
 REFERENCE_DEVICE = "NVIDIA H200"       # what plans made without a device are made for
@@ -50,7 +50,8 @@ DEFAULT_NUM_SMS = 132
 
 
 # what a profile's kv_fp8 and kv_fp8_graph_stable mappings may hold
-FP8_FIELDS = {"coef", "fit_error", "heldout_error", "measured_bandwidth_gbps", "date", "sweep"}
+FP8_FIELDS = {"coef", "fit_error", "heldout_error", "measured_bandwidth_gbps", "date", "sweep",
+              "tile_rule"}
 # Cost-model features a profile written before them may lack (lone_cta_us, session 5; stream_us,
 # session 13; wide_waves, session 14): read as 0, the model that profile was fitted as.
 FEATURES_ADDED_LATER = ("lone_cta_us", "stream_us", "wide_waves")
@@ -119,8 +120,12 @@ class Profile:
     splitkv_version: str = ""
     source: str = ""                        # 'calibrated' or PRIOR_SOURCE
     sweep: dict = field(default_factory=dict)
+    # how `coef`'s model counts tiles (cost_model.TILE_RULES): '' (64-token tiles), or 'fp8'
+    # for a fit over fp8 K/V that counts its builds' 128-token tiles; written only when set
+    tile_rule: str = ""
     # the fit over fp8 K/V: {"coef", "fit_error", "heldout_error", "measured_bandwidth_gbps"
-    # (on one-byte codes), "date", "sweep"}; None: fp8 caches plan with `coef`
+    # (on one-byte codes), "date", "sweep", and "tile_rule" where set}; None: fp8 caches plan
+    # with `coef`. A fit without "tile_rule" was made counting 64-token tiles, and plans so.
     kv_fp8: dict | None = None
     # the same, timed with 4-warp CTAs everywhere (graph-stable fp8 wrappers); None: they
     # plan with kv_fp8
@@ -131,24 +136,31 @@ class Profile:
     def is_prior(self) -> bool:
         return self.source.startswith("prior")
 
-    def _model_of(self, coef: dict, fit_error) -> CostModel:
+    def _model_of(self, coef: dict, fit_error, tile_rule: str) -> CostModel:
         model = CostModel.from_coef(coef, num_sms=self.num_sms, ctas_per_sm=self.ctas_per_sm,
-                                    bandwidth_gbps=self.bandwidth_gbps, clusters=self.clusters)
+                                    bandwidth_gbps=self.bandwidth_gbps, clusters=self.clusters,
+                                    tile_rule=tile_rule)
         model.fit_error_ = fit_error
         return model
 
     @cached_property
     def _model(self) -> CostModel:
-        return self._model_of(self.coef, self.fit_error)
+        return self._model_of(self.coef, self.fit_error, self.tile_rule)
 
     @cached_property
     def _fp8_model(self) -> CostModel:
-        return self._model_of(self.kv_fp8["coef"], self.kv_fp8.get("fit_error"))
+        fit = self.kv_fp8
+        return self._model_of(fit["coef"], fit.get("fit_error"), fit.get("tile_rule", ""))
+
+    @cached_property
+    def _fp8_model_64(self) -> CostModel:
+        fit = self.kv_fp8
+        return self._model_of(fit["coef"], fit.get("fit_error"), "")
 
     @cached_property
     def _fp8_graph_stable_model(self) -> CostModel:
         fit = self.kv_fp8_graph_stable
-        return self._model_of(fit["coef"], fit.get("fit_error"))
+        return self._model_of(fit["coef"], fit.get("fit_error"), fit.get("tile_rule", ""))
 
     def cost_model(self, kv_dtype: str | None = None, graph_stable: bool = False) -> CostModel:
         """The model to plan with: for an fp8 ``kv_dtype``, the fp8 fit where the profile has
@@ -158,6 +170,9 @@ class Profile:
         if kv_dtype and graph_stable and self.kv_fp8_graph_stable is not None:
             return self._fp8_graph_stable_model
         if kv_dtype and self.kv_fp8 is not None:
+            if graph_stable and self._fp8_model.tile_rule:
+                # the planner on the device counts 64-token tiles: plan as it does
+                return self._fp8_model_64
             return self._fp8_model
         return self._model
 
@@ -168,7 +183,7 @@ class Profile:
         fit = {"coef": {k: float(fp8.coef[k]) for k in FEATURE_NAMES},
                "fit_error": fp8.fit_error, "heldout_error": fp8.heldout_error,
                "measured_bandwidth_gbps": fp8.measured_bandwidth_gbps, "date": fp8.date,
-               "sweep": fp8.sweep}
+               "sweep": fp8.sweep, **({"tile_rule": fp8.tile_rule} if fp8.tile_rule else {})}
         return replace(self, **{"kv_fp8_graph_stable" if graph_stable else "kv_fp8": fit})
 
     def to_dict(self) -> dict:
@@ -178,6 +193,8 @@ class Profile:
         for key in FP8_FITS:
             if d[key] is None:
                 del d[key]
+        if not self.tile_rule:
+            del d["tile_rule"]
         return d
 
     def to_yaml(self) -> str:
@@ -233,6 +250,11 @@ class Profile:
         clusters = data.get("clusters", False)
         if not isinstance(clusters, bool):
             raise bad(f"clusters: expected true or false, got {clusters!r}")
+
+        def tile_rule(value, where):
+            if value not in TILE_RULES:
+                raise bad(f"{where}: expected one of {list(TILE_RULES)}, got {value!r}")
+            return value
         def parameters(coef, where):
             if isinstance(coef, dict) and not clusters and "cluster_merges" not in coef:
                 # written before clusters: its model never predicts a cluster merge (the
@@ -268,6 +290,8 @@ class Profile:
                                       or not math.isfinite(v) or v < 0):
                     raise bad(f"{name}.{key}: expected a finite non-negative number, got {v!r}")
             date = fit.get("date") or ""
+            if "tile_rule" in fit:
+                tile_rule(fit["tile_rule"], f"{name}.tile_rule")
             return {**fit, "coef": parameters(fit["coef"], f"{name}.coef"),
                     "date": date.isoformat() if isinstance(date, datetime.date) else str(date)}
 
@@ -289,6 +313,7 @@ class Profile:
                    coef=coef, **fits,
                    ctas_per_sm=integer("ctas_per_sm") if "ctas_per_sm" in data else 2,
                    clusters=clusters,
+                   tile_rule=tile_rule(data.get("tile_rule", ""), "tile_rule"),
                    measured_bandwidth_gbps=number("measured_bandwidth_gbps", optional=True),
                    fit_error=number("fit_error", optional=True),
                    heldout_error=number("heldout_error", optional=True),

@@ -25,9 +25,11 @@ from ..core.geometry import TILE_TOKENS
 
 # The numbers of a decomposition the features need, rows of a ``stats`` array in this order.
 # ``max_splits`` is the most chunks any request has; ``split_chunks`` counts the chunks of
-# requests cut into more than one.
+# requests cut into more than one; ``odd_chunks`` the chunks of an odd number of tiles (what a
+# build of 128-token tiles runs one more half tile for: ``cost_model.count_build_tiles``),
+# computed only where asked for (else 0), since only fp8 fits count those tiles.
 STAT_NAMES = ("num_chunks", "total_tokens", "total_tiles", "max_chunk_tokens",
-              "max_chunk_tiles", "max_splits", "split_chunks")
+              "max_chunk_tiles", "max_splits", "split_chunks", "odd_chunks")
 
 
 def rows_of(names, *wanted) -> slice:
@@ -46,7 +48,7 @@ def indices(names, *wanted) -> tuple[int, ...]:
 
 
 (S_NUM_CHUNKS, S_TOTAL_TOKENS, S_TOTAL_TILES, S_MAX_CHUNK_TOKENS, S_MAX_CHUNK_TILES,
- S_MAX_SPLITS, S_SPLIT_CHUNKS) = indices(STAT_NAMES, *STAT_NAMES)
+ S_MAX_SPLITS, S_SPLIT_CHUNKS, S_ODD_CHUNKS) = indices(STAT_NAMES, *STAT_NAMES)
 # Rows that one NumPy call reads or fills together: the maxima over the requests
 # (``ragged_candidate_stats`` takes them in one reduction); the counts and the largest chunk's
 # tokens and tiles, which ``cost_model.row_features`` turns into work items and critical paths.
@@ -75,6 +77,7 @@ def decomposition_stats(chunk_tokens, chunks_per_request) -> np.ndarray:
     stats[S_MAX_CHUNK_TILES] = tiles.max()
     stats[S_MAX_SPLITS] = cpr.max()
     stats[S_SPLIT_CHUNKS] = cpr[cpr > 1].sum()
+    stats[S_ODD_CHUNKS] = np.count_nonzero(tiles & 1)
     return stats
 
 
@@ -88,7 +91,8 @@ def ones(n: int) -> np.ndarray:
 
 def ragged_candidate_stats(out, lens: np.ndarray, min_len: int, max_len: int, total: int,
                            divisors: np.ndarray, splits: slice, split_caps: np.ndarray,
-                           num_tiny: int) -> tuple[np.ndarray, np.ndarray]:
+                           num_tiny: int, odd_chunks: bool = False
+                           ) -> tuple[np.ndarray, np.ndarray]:
     """Fill ``out`` [len(STAT_NAMES), rows] with the statistics of every candidate row in
     closed form from the lengths; return what the winning row's plan is built from: the chunk
     counts k [rows, requests] and the tiles of each request [requests].
@@ -109,6 +113,11 @@ def ragged_candidate_stats(out, lens: np.ndarray, min_len: int, max_len: int, to
              1000 - 64 x 2 x 5 = 360 < 64 x 6: the largest is the last, 360 tokens.
       k = 4: m = 4, chunks of 4 tiles = 256, 256, 256, 232 tokens;
              1000 - 64 x 3 x 3 = 424 > 64 x 4: the largest is a whole one, 256 tokens.
+
+    The odd chunks (``odd_chunks``, else that row is 0). Of the k chunks, r = u - k q hold
+    q + 1 tiles and k - r hold q (q = floor(u / k)): r are odd when q is even, k - r when q is
+    odd, that is r + (q mod 2)(k - 2 r). For 1000 tokens, k = 3: q = 5, r = 1, so 2 odd chunks
+    (the two of 5 tiles).
 
     This runs on every decode step, and at these sizes each NumPy call costs more than the
     arithmetic (a reduction or a sort several times more than an element-wise call), so the
@@ -155,17 +164,36 @@ def ragged_candidate_stats(out, lens: np.ndarray, min_len: int, max_len: int, to
     # the maxima of the largest chunk, m and k (in S_MAXIMA order); then tiles -> tokens
     np.maximum.reduce(work[rows:4 * rows], axis=1, out=out[S_MAXIMA].reshape(3 * rows))
     np.multiply(out[S_MAX_CHUNK_TOKENS], _TILE_TOKENS, out[S_MAX_CHUNK_TOKENS])
+    if odd_chunks:
+        # q = floor(u / k) in m - 1's block, r = u - k q in k - 1's: r + (q mod 2)(k - 2 r)
+        q, r = work[:rows], work[rows:2 * rows]
+        np.divide(units, k, q)
+        np.floor(q, q)
+        np.multiply(q, k, r)
+        np.subtract(units, r, r)
+        np.mod(q, TWO, q)
+        odd = work[2 * rows:3 * rows]                    # m is no longer needed
+        np.multiply(r, -2.0, odd)
+        odd += k
+        odd *= q
+        odd += r
+        out[S_ODD_CHUNKS] = odd.dot(ones(n))
+    else:
+        out[S_ODD_CHUNKS] = 0.0
     if num_tiny:
         # Every tiny chunk is one tile (a partial one); an empty request has no tile.
         tiny = slice(rows - num_tiny, rows)
         out[S_TOTAL_TILES, tiny] = out[S_NUM_CHUNKS, tiny] - (n - np.count_nonzero(lens))
         out[S_MAX_CHUNK_TOKENS, tiny] = np.minimum(divisors[tiny, 0], max_len)
         out[S_MAX_CHUNK_TILES, tiny] = 1.0 if max_len else 0.0
+        if odd_chunks:
+            out[S_ODD_CHUNKS, tiny] = out[S_TOTAL_TILES, tiny]
     return k, units
 
 
 def equal_candidate_stats(out, length: int, copies: int, total: int, chunk: list,
-                          splits: slice, split_caps, num_tiny: int) -> list:
+                          splits: slice, split_caps, num_tiny: int,
+                          odd_chunks: bool = False) -> list:
     """``ragged_candidate_stats`` when every request has the same length (``copies`` of them),
     with the chunk sizes ``chunk`` (``divisors`` without the tile): each row is a few integers,
     cheaper in plain Python than in NumPy calls. The same formulas, exact (Python integers,
@@ -179,7 +207,7 @@ def equal_candidate_stats(out, length: int, copies: int, total: int, chunk: list
     st = [[] for _ in STAT_NAMES]
     num_chunks, max_tokens = st[S_NUM_CHUNKS], st[S_MAX_CHUNK_TOKENS]
     max_tiles, max_splits = st[S_MAX_CHUNK_TILES], st[S_MAX_SPLITS]
-    split_chunks = st[S_SPLIT_CHUNKS]
+    split_chunks, odd = st[S_SPLIT_CHUNKS], st[S_ODD_CHUNKS]
     for c, cap in zip(chunk, caps):
         k = -(-length1 // int(c))
         if cap is not None and k > cap:
@@ -191,6 +219,11 @@ def equal_candidate_stats(out, length: int, copies: int, total: int, chunk: list
         max_tiles.append(m)
         split_chunks.append(k * copies if k > 1 else 0)
         max_splits.append(k)
+        if odd_chunks:
+            q, r = divmod(units, k)
+            odd.append((r + (q & 1) * (k - 2 * r)) * copies)
+        else:
+            odd.append(0)
     st[S_TOTAL_TOKENS] = [total] * len(chunk)
     total_tiles = st[S_TOTAL_TILES] = [units * copies] * len(chunk)
     for j in range(len(chunk) - num_tiny, len(chunk)):
@@ -198,5 +231,7 @@ def equal_candidate_stats(out, length: int, copies: int, total: int, chunk: list
         total_tiles[j] = num_chunks[j] - (copies if length == 0 else 0)
         max_tokens[j] = min(chunk[j], length)
         max_tiles[j] = 1 if length else 0
+        if odd_chunks:
+            odd[j] = total_tiles[j]
     out[:] = st
     return [[k] for k in max_splits]

@@ -80,7 +80,11 @@ def plan_params(model: CostModel, *, num_qo_heads: int, num_kv_heads: int, head_
                 page_size: int, stages: int, max_batch: int, max_chunks: int,
                 launch_order: str, tile_tokens: int = TILE_TOKENS) -> DevicePlanParams:
     """The constants of a planning kernel's argument (no pointers, no batch): the model's
-    coefficients and the shape's units, for a GPU without clusters (a graph-stable grid)."""
+    coefficients and the shape's units, for a GPU without clusters (a graph-stable grid).
+    The planner on the device counts 64-token tiles: a model counting others is refused."""
+    if model.tile_rule:
+        raise ValueError(f"model: the planner on the device counts 64-token tiles; a model "
+                         f"with tile_rule {model.tile_rule!r} plans only on the host")
     ipc, slots, units = feature_constants(num_qo_heads, num_kv_heads, head_dim, model.num_sms,
                                           model.ctas_per_sm, model.bandwidth_gbps)
     p = DevicePlanParams()

@@ -131,6 +131,49 @@ def test_wide_waves_count_head_dim_256s_start_ups_again():
         assert feature(x, "waves") == 1.0 and feature(x, "wide_waves") == 0.0
 
 
+def test_the_fp8_tile_rule_counts_128_token_tiles_where_the_builds_run_them():
+    """Under tile_rule 'fp8' a 100-token request split in two runs a partial 128-token tile in
+    each of two CTAs where one CTA ran one: an SM's tiles double (512 -> 1,024 CTAs, 4 -> 8
+    waves of one tile). Counted in 64-token tiles the two cuts tie (2 tiles a CTA, or 1).
+    Multi-token plans ('fp8_multi_token') keep 64-token tiles unless the grid is lone."""
+    d128 = problem([100] * 64, 32, 8)             # 64 x 8 = 512 CTAs unsplit: not lone
+    fp8 = dict(H200, tile_rule="fp8")
+    one = plan_features(d128, [100] * 64, [1] * 64, "single", **fp8)
+    two = plan_features(d128, [64, 36] * 64, [2] * 64, "fused", **fp8)
+    assert (feature(one, "crit_tiles"), feature(two, "crit_tiles")) == (8.0, 16.0)
+    plain_one = plan_features(d128, [100] * 64, [1] * 64, "single", **H200)
+    plain_two = plan_features(d128, [64, 36] * 64, [2] * 64, "fused", **H200)
+    assert feature(plain_one, "crit_tiles") == feature(plain_two, "crit_tiles") == 8.0
+    multi = dict(H200, tile_rule="fp8_multi_token")
+    assert (plan_features(d128, [64, 36] * 64, [2] * 64, "fused", **multi)
+            == plain_two).all()
+    lone = problem([100] * 4, 32, 8)               # 4 x 8 = 32 CTAs: lone, 128-token tiles
+    assert feature(plan_features(lone, [100] * 4, [1] * 4, "single", **multi), "crit_tiles") \
+        == feature(plan_features(lone, [64, 36] * 4, [2] * 4, "fused", **multi), "crit_tiles")
+    assert CostModel(tile_rule="fp8").for_multi_token().tile_rule == "fp8_multi_token"
+    assert CostModel().for_multi_token().tile_rule == ""
+    with pytest.raises(ValueError, match="tile_rule: expected one of"):
+        CostModel(tile_rule="128")
+
+
+def test_merge_grid_counts_the_whole_batchs_merge_ctas_for_split_merge_only():
+    """merge_grid: the merge kernel's CTAs (a thread per request, query head and 4 dims, 128 a
+    CTA) per SM, for a split_merge plan that splits anything: 256 requests x 32 heads x 128
+    dims / 512 = 2,048 CTAs, 15.5 an SM, whether one request splits or all do; 0 for fused,
+    single and a split_merge plan that splits nothing."""
+    lens = [384] * 256
+    all_split = plan_features(problem(lens, 32, 8), [192] * 512, [2] * 256, "split_merge", **H200)
+    one_split = plan_features(problem(lens, 32, 8), [192] * 2 + [384] * 255, [2] + [1] * 255,
+                              "split_merge", **H200)
+    assert feature(all_split, "merge_grid") == feature(one_split, "merge_grid") == 2048 / 132
+    for strategy in ("fused", "single"):
+        chunks, counts = ([192] * 512, [2] * 256) if strategy == "fused" else (lens, [1] * 256)
+        x = plan_features(problem(lens, 32, 8), chunks, counts, strategy, **H200)
+        assert feature(x, "merge_grid") == 0.0
+    none = plan_features(problem(lens, 32, 8), lens, [1] * 256, "split_merge", **H200)
+    assert feature(none, "merge_grid") == 0.0
+
+
 def test_large_groups_launch_head_tiles():
     x64 = plan_features(problem([4096], 64, 1), [4096], [1], "single", **H200)
     x128 = plan_features(problem([4096], 128, 1), [4096], [1], "single", **H200)

@@ -277,26 +277,26 @@ def test_planning_256_ragged_requests_is_cheap():
 # --- Golden decisions -------------------------------------------------------------------------
 # choose_plan is tuned for speed (it runs on every decode step); these pin what it decides so a
 # speed-up can be shown to change no plan. Three models with literal coefficients (the roofline
-# prior, a calibrated H200 fit as of writing, and one with stream_us; wide_waves 0 in all, so
-# they pin that the column moves no plan of a profile fitted before it), so editing a shipped
-# profile does not move them.
+# prior, a calibrated H200 fit as of writing, and one with stream_us; wide_waves and merge_grid
+# 0 in all, so they pin that the columns move no plan of a profile fitted before them), so
+# editing a shipped profile does not move them.
 # The decisions are a table by case (tests/data/golden_plans.json), so a change names its cases.
 
 GOLDEN_MODELS = (
     ("prior", CostModel.from_coef([0.5, 0.52, 0.24, 1.62, 0.02, 0.005, 0.6, 1.0, 1.0, 1.0, 0.05,
-                                   0.1, 0.3, 0.0, 0.0, 0.0],
+                                   0.1, 0.3, 0.0, 0.0, 0.0, 0.0],
                                   num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0)),
     ("h200 fit", CostModel.from_coef([0.0, 1.8807719868661437, 0.32556644232783427,
                                       0.4517194084609214, 0.3615549426805041,
                                       0.0008415333516333831, 2.096808942828332,
                                       3.7370855474488534, 0.8718192272865495, 1.4490919835391016,
                                       0.16407905293316438, 0.07975235492270334, 0.0, 0.0,
-                                      0.0, 0.0],
+                                      0.0, 0.0, 0.0],
                                      num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0)),
     # session 13's offline refit with stream_us (the candidate profile), rounded
     ("h200 stream", CostModel.from_coef([0.0, 1.0408, 0.1276, 0.0, 0.3718, 0.0056, 2.8648,
                                          2.9549, 0.6021, 1.2716, 0.09, 0.0, 0.2682, 0.034,
-                                         0.4596, 0.0],
+                                         0.4596, 0.0, 0.0],
                                         num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0)),
 )
 GOLDEN_PLANS = Path(__file__).parent / "data" / "golden_plans.json"

@@ -265,6 +265,25 @@ def test_an_fp8_fits_tile_rule_travels_with_it(tmp_path):
     assert "tile_rule" not in old.kv_fp8 and old.cost_model("float8_e4m3fn").tile_rule == ""
 
 
+def test_graph_stable_models_always_count_64_token_tiles():
+    """The planner on the device counts 64-token tiles, so a graph-stable wrapper's model does
+    too, whichever fit it comes from: a graph-stable fit marked with a rule, or a lone fp8
+    profile (the rule at its top level). A profile cannot hold the multi-token rule."""
+    from dataclasses import replace
+
+    marked = replace(make_profile(const=2.0), tile_rule="fp8")
+    p = make_profile().with_kv_fp8(marked, graph_stable=True)
+    assert p.cost_model("float8_e4m3fn", graph_stable=True).tile_rule == ""
+    assert p.cost_model("float8_e4m3fn", graph_stable=True).coef_dict()["const"] == 2.0
+    alone = replace(make_profile(const=1.0), tile_rule="fp8")
+    assert alone.cost_model("float8_e4m3fn").tile_rule == "fp8"
+    assert alone.cost_model("float8_e4m3fn", graph_stable=True).tile_rule == ""
+    assert (alone.cost_model("float8_e4m3fn", graph_stable=True)
+            is alone.cost_model("float8_e4m3fn", graph_stable=True))        # cached
+    with pytest.raises(ProfileError, match="tile_rule: expected one of \\['', 'fp8'\\]"):
+        Profile.from_dict({**alone.to_dict(), "tile_rule": "fp8_multi_token"})
+
+
 def test_the_shipped_fp8_fits_count_the_tiles_they_were_timed_with():
     h200 = default_profile()
     assert h200.cost_model("float8_e4m3fn").tile_rule == "fp8"

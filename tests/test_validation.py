@@ -352,12 +352,13 @@ def test_the_cost_models_fp8_tiles_are_the_builds_the_wrapper_picks(monkeypatch)
             rows = -(-group // ctas_per_kv_head(group))
             row_tiles = row_tiles_for(rows)
             for ctas in (1, 131, 132, 133, 5000):
-                warps = features.plan_warps("float8_e4m3fn", ctas, row_tiles=row_tiles,
-                                            head_dim=head_dim)
-                tokens = warps * features.default_tile_per_warp(
-                    "float8_e4m3fn", head_dim, warps, row_tiles, False)
-                assert tokens == fp8_tile_tokens(head_dim, rows, ctas <= 132), \
-                    (head_dim, group, ctas)
+                for multi_token in (False, True):
+                    warps = features.plan_warps("float8_e4m3fn", ctas, row_tiles=row_tiles,
+                                                head_dim=head_dim, multi_token=multi_token)
+                    tokens = warps * features.default_tile_per_warp(
+                        "float8_e4m3fn", head_dim, warps, row_tiles, multi_token)
+                    assert tokens == fp8_tile_tokens(head_dim, rows, ctas <= 132,
+                                                     multi_token), (head_dim, group, ctas)
 
 
 def test_max_q_len_is_a_checked_graph_stable_capacity():

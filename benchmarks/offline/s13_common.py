@@ -21,17 +21,20 @@ from splitkv.planner import choose_plan  # noqa: E402
 from splitkv.planner.cost_model import fit_relative, plan_features  # noqa: E402
 from splitkv.calibration.sweep import read_measurements  # noqa: E402
 from splitkv.calibration.fit import split_heldout  # noqa: E402
+from splitkv.planner.profiles import load_profile  # noqa: E402
 
 from common import BW, NUM_SMS, RESULTS, Cand, Shape, shipped_model  # noqa: E402,F401
 
 SWEEP_CSV = RESULTS / "calibration" / "nvidia-h200.csv"
 EVAL_JSON = RESULTS / "h200-planner.json"
+# the profile EVAL_JSON's device run planned with (its 'planner' candidates are rebuilt with it)
+EVAL_PROFILE = RESULTS / "calibration" / "nvidia-h200-s15.yaml"
 
 
 def load_eval() -> list:
     data = json.load(open(EVAL_JSON))
     problems = dict(heldout_shapes() + heldout_class_shapes())
-    shipped = shipped_model()
+    shipped = load_profile(path=EVAL_PROFILE).cost_model(None)
     out = []
     for row in data["shapes"]:
         prob = problems[row["shape"]]

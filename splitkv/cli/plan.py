@@ -108,6 +108,8 @@ def run(args) -> int:
             profile = load_profile(args.profile, device_name=args.device_name,
                                    num_sms=args.num_sms)
         model = profile.cost_model(args.kv_dtype)
+        if args.q_len > 1:                       # the builds' tiles of multi-token plans
+            model = model.for_multi_token()
         ranked = rank_candidates(problem, model, args.num_splits, args.strategy)
         plan = ranked[0].build(problem, clusters=model.clusters)
     except (TypeError, ValueError, ProfileError) as exc:

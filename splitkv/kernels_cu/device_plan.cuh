@@ -29,7 +29,7 @@ constexpr int TILE = 64;                 // TILE_TOKENS
 constexpr int TINY_CONTEXT = 2048;       // planner.TINY_CONTEXT
 constexpr int MAX_WAVES = 32;            // planner.MAX_WAVES
 constexpr int WAVE_FILL_MAX = 4;         // wave_filling_* max_waves
-constexpr int NUM_FEATURES = 16;         // cost_model.FEATURE_NAMES
+constexpr int NUM_FEATURES = 17;         // cost_model.FEATURE_NAMES
 constexpr int MAX_ROWS = 64;             // candidate rows (no split, chunk sizes, split counts)
 constexpr double NO_SPLIT_CHUNK = 1152921504606846976.0;   // 2**60
 constexpr int IDLE_REQUEST = -1;
@@ -42,7 +42,7 @@ constexpr int LONGEST_CHUNKS = 0, LONGEST_REQUESTS = 1;   // 2: plan order
 // Feature columns (cost_model.FEATURE_NAMES order).
 enum { F_CONST, F_LAUNCHES, F_KV_US, F_CRIT_US, F_CRIT_TILES, F_CRIT_TILE_ROWS, F_WAVES,
        F_PARTIAL_US, F_FUSED_TAIL_US, F_FUSED_MERGES, F_MERGE_CHAIN, F_TAIL_US,
-       F_CLUSTER_MERGES, F_LONE_CTA_US, F_STREAM_US, F_WIDE_WAVES };
+       F_CLUSTER_MERGES, F_LONE_CTA_US, F_STREAM_US, F_WIDE_WAVES, F_MERGE_GRID };
 
 // Error codes in DevicePlanState::error (the first error a plan met; 0: none). A request with
 // an error is planned as empty, and nothing past its own page-table entries is read.
@@ -295,13 +295,13 @@ struct Scorer {
     double x[NUM_FEATURES] = {1.0, strategy == SPLIT_MERGE ? one_plus_split : 1.0, total,
                               crit_tokens, crit_tiles, crit_tiles, waves, split_chunks,
                               split_x_max_splits, split, split_x_max_splits, tail_tokens, 0.0,
-                              lone, stream, waves};
+                              lone, stream, waves, split * (double)batch};
     const double merges = strategy == SPLIT_MERGE ? 1.0 : 0.0;
     const double fuses = strategy == FUSED ? 1.0 : 0.0;
     double pred = 0.0;
     for (int f = 0; f < NUM_FEATURES; ++f) {
       double scale = p->unit[f];
-      if (f == F_MERGE_CHAIN) scale *= merges;
+      if (f == F_MERGE_CHAIN || f == F_MERGE_GRID) scale *= merges;
       if (f == F_FUSED_TAIL_US || f == F_FUSED_MERGES || f == F_CLUSTER_MERGES) scale *= fuses;
       const double term = (x[f] * scale) * p->coef[f];
       pred = f == 0 ? term : pred + term;

@@ -36,7 +36,7 @@ The feature columns, in order (``FEATURE_NAMES``):
                   x head_dim / 128: per-tile work that is not memory traffic. A model whose
                   ``tile_rule`` is 'fp8' counts the tiles fp8's default builds run
                   (``count_build_tiles``): a 128-token tile as two of 64, so a chunk of 100
-                  tokens costs what two chunks of 50 do.
+                  tokens costs one such tile, as a chunk of 50 does.
   crit_tile_rows  the same x query heads per CTA: compute that grows with the GQA group.
   waves           CTAs the most loaded slot runs one after the other (each pays a start-up).
   partial_us      fp32 partials written and read back / device bandwidth.
@@ -78,6 +78,12 @@ The feature columns, in order (``FEATURE_NAMES``):
                   its SM (one CTA an SM) nothing hides that start-up. Without it the H200 fit
                   predicted head_dim 256 plans 6-25% fast, the more so the more waves
                   (benchmarks/NOTES.md, session 14). Profiles fitted before it hold 0.
+  merge_grid      'split_merge' plans that merge: the merge kernel's CTAs per SM. Its grid is
+                  a thread per (request, query head, 4 dims), 128 a CTA, over the whole
+                  batch, split or not, so 256 requests of 32 heads launch 2,048 CTAs however
+                  few split. Measured on the H200 (merge_cost probe, session 15): 4-10 us of
+                  merge kernel at 128-256 requests; launches and merge_chain are per call.
+                  Profiles fitted before it hold 0.
 """
 
 from __future__ import annotations
@@ -99,12 +105,16 @@ from .stats import (ONE, S_COUNTS, S_LARGEST, S_MAX_CHUNK_TILES, S_MAX_CHUNK_TOK
 
 FEATURE_NAMES = ("const", "launches", "kv_us", "crit_us", "crit_tiles", "crit_tile_rows",
                  "waves", "partial_us", "fused_tail_us", "fused_merges", "merge_chain",
-                 "tail_us", "cluster_merges", "lone_cta_us", "stream_us", "wide_waves")
-F_LAUNCHES, F_FUSED_TAIL_US, F_FUSED_MERGES, F_MERGE_CHAIN, F_CLUSTER_MERGES = indices(
-    FEATURE_NAMES, "launches", "fused_tail_us", "fused_merges", "merge_chain", "cluster_merges")
+                 "tail_us", "cluster_merges", "lone_cta_us", "stream_us", "wide_waves",
+                 "merge_grid")
+F_LAUNCHES, F_FUSED_TAIL_US, F_FUSED_MERGES, F_MERGE_CHAIN, F_CLUSTER_MERGES, F_MERGE_GRID = \
+    indices(FEATURE_NAMES, "launches", "fused_tail_us", "fused_merges", "merge_chain",
+            "cluster_merges", "merge_grid")
 # The features a clustered fused merge does not pay, for the one it pays instead
 # (F_CLUSTER_MERGES).
 F_TICKET = rows_of(FEATURE_NAMES, "partial_us", "fused_tail_us", "fused_merges")
+# Dims of the merge kernel's rows one CTA merges: 128 threads of 4 dims (merge_grid).
+MERGE_DIMS_PER_CTA = 4 * 128
 # Chunks from which a lone CTA's streaming rate, not its start-up, sets its time (lone_cta_us).
 LONE_CTA_MIN_TOKENS = 1024
 # What one CTA alone streams, GB/s (stream_us): chosen on the H200 sweep alone, where the
@@ -114,10 +124,13 @@ LONE_CTA_GBPS = 70.0
 SINGLE, SPLIT_MERGE, FUSED = (STRATEGIES.index(s) for s in ("single", "split_merge", "fused"))
 
 # How a model counts tiles (``CostModel.tile_rule``): '' 64-token tiles everywhere (the 16-bit
-# builds, and fits made before the rule); 'fp8' the tiles of fp8's default builds
-# (``geometry.fp8_tile_tokens``). The fp8 H200 fit counting them: fit RMS 8.4 -> 8.0%,
-# held-out 7.1 -> 6.7%, eval 59 -> 62 of 68 shapes within 5% (benchmarks/NOTES.md, session 15).
-TILE_RULES = ("", "fp8")
+# fits, whose 8-warp lone grids of 128-token tiles are rare in the sweep, the graph-stable
+# fits, and fits made before the rule); 'fp8' the tiles of fp8's default per-shape builds
+# (``geometry.fp8_tile_tokens``); 'fp8_multi_token' the same for multi-token plans, whose
+# builds keep 16 tokens a warp (``CostModel.for_multi_token``; a profile never holds it). The
+# fp8 H200 fit counting them: fit RMS 8.4 -> 8.0%, held-out 7.1 -> 6.7%, eval 59 -> 62 of 68
+# shapes within 5% (benchmarks/NOTES.md, session 15).
+TILE_RULES = ("", "fp8", "fp8_multi_token")
 
 
 def check_tile_rule(tile_rule) -> str:
@@ -137,7 +150,8 @@ def count_build_tiles(rows, tile_rule: str, num_qo_heads: int, num_kv_heads: int
         return
     group = num_qo_heads // num_kv_heads
     rows_per_cta = -(-group // ctas_per_kv_head(group))
-    if fp8_tile_tokens(head_dim, rows_per_cta, lone=False) == LONG_TILE_TOKENS:
+    multi_token = tile_rule == "fp8_multi_token"
+    if fp8_tile_tokens(head_dim, rows_per_cta, False, multi_token) == LONG_TILE_TOKENS:
         long = ONE                              # every grid
     else:                                       # only grids that give no SM two CTAs
         long = rows[S_NUM_CHUNKS] * float(items_per_chunk) <= num_sms
@@ -219,7 +233,8 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
             "partial_us": 2 * num_qo_heads * partial_bytes / bw,
             "fused_tail_us": rows * partial_bytes / slot_bw, "tail_us": token_bytes / slot_bw,
             "lone_cta_us": token_bytes / sm_bw, "stream_us": token_bytes / bw,
-            "wide_waves": max(0.0, head_dim / 128 - 1.0)}
+            "wide_waves": max(0.0, head_dim / 128 - 1.0),
+            "merge_grid": num_qo_heads * head_dim / MERGE_DIMS_PER_CTA / num_sms}
     units = np.array([unit.get(name, 1.0) for name in FEATURE_NAMES])[:, None]
     units.setflags(write=False)
     return items_per_chunk, slots, units
@@ -239,11 +254,11 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
 # others by the R_ constants below.
 FEATURE_ROWS = STAT_NAMES + ("one", "one_plus_split", "split", "split_x_max_splits",
                              "crit_tokens", "crit_tiles", "waves", "sm_waves", "tail_tokens",
-                             "clustered", "lone_tokens", "stream_tokens")
+                             "clustered", "lone_tokens", "stream_tokens", "split_x_requests")
 (R_ONE, R_ONE_PLUS_SPLIT, R_SPLIT, R_SPLIT_X_MAX_SPLITS, R_CRIT_TOKENS, R_SM_WAVES,
- R_TAIL_TOKENS, R_CLUSTERED, R_LONE_TOKENS, R_STREAM_TOKENS) = indices(
+ R_TAIL_TOKENS, R_CLUSTERED, R_LONE_TOKENS, R_STREAM_TOKENS, R_SPLIT_X_REQUESTS) = indices(
     FEATURE_ROWS, "one", "one_plus_split", "split", "split_x_max_splits", "crit_tokens",
-    "sm_waves", "tail_tokens", "clustered", "lone_tokens", "stream_tokens")
+    "sm_waves", "tail_tokens", "clustered", "lone_tokens", "stream_tokens", "split_x_requests")
 # Rows that one call reads or fills together, in step with ``stats``' S_COUNTS (chunks, tokens,
 # tiles) and S_LARGEST (the largest chunk's tokens, tiles): the critical path's tokens and
 # tiles, and the two wave counts.
@@ -253,7 +268,7 @@ R_WAVES = rows_of(FEATURE_ROWS, "waves", "sm_waves")
 FEATURE_SOURCE = np.array(indices(
     FEATURE_ROWS, "one", "one", "total_tokens", "crit_tokens", "crit_tiles", "crit_tiles",
     "waves", "split_chunks", "split_x_max_splits", "split", "split_x_max_splits", "tail_tokens",
-    "clustered", "lone_tokens", "stream_tokens", "waves"))
+    "clustered", "lone_tokens", "stream_tokens", "waves", "split_x_requests"))
 
 
 def new_feature_rows(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -264,20 +279,22 @@ def new_feature_rows(n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def row_features(rows, items_per_chunk, slots, num_sms, stream_ratio, some_items=False,
-                 cluster_batch_size=0) -> np.ndarray:
+                 cluster_batch_size=0, batch_size=0) -> np.ndarray:
     """Fill the derived rows of a ``new_feature_rows`` array from its stats; returns it.
     Waves (start-ups) count per slot, the critical path per SM: ``critical_path`` with
     ``num_sms`` for its slots. ``stream_ratio``: the device's bandwidth over a lone CTA's
     (``stream_ratio_of``), for stream_us. ``some_items``: every column has at least one chunk
     (the planner's rows), so the guard of the mean against 0 items can be skipped.
     ``cluster_batch_size``: the batch size when the GPU has clusters and some row may use
-    them, else 0 (the 'clustered' row is then 0)."""
+    them, else 0 (the 'clustered' row is then 0). ``batch_size``: the requests of every
+    column (the merge kernel's grid spans them all)."""
     max_splits = rows[S_MAX_SPLITS]
     rows[R_ONE] = 1.0
     one_plus_split = rows[R_ONE_PLUS_SPLIT]
     np.minimum(max_splits, TWO, out=one_plus_split)   # max_splits >= 1: 1 + (max_splits > 1)
     np.subtract(one_plus_split, ONE, rows[R_SPLIT])
     np.multiply(rows[R_SPLIT], max_splits, rows[R_SPLIT_X_MAX_SPLITS])
+    np.multiply(rows[R_SPLIT], _float_array(batch_size), rows[R_SPLIT_X_REQUESTS])
     scaled = rows[S_COUNTS] * _float_array(items_per_chunk)
     items, crit = scaled[0], scaled[1:]            # work items; their tokens and tiles
     waves_rows = rows[R_WAVES]                     # waves(items, slots), waves(items, num_sms)
@@ -343,11 +360,13 @@ def _wave_slots(slots: int, num_sms: int) -> np.ndarray:
 def strategy_scale(units, strategy_code, n: int) -> np.ndarray:
     """``[len(FEATURE_NAMES), n]``: each feature's unit, or 0 where the strategy (code: index
     in ``STRATEGIES``, [n] or one for all) does not pay it: merge_chain only for
-    'split_merge', fused_tail_us, fused_merges and cluster_merges only for 'fused'."""
+    'split_merge' (and merge_grid), fused_tail_us, fused_merges and cluster_merges only for
+    'fused'."""
     scale = np.repeat(units, n, axis=1)
     merges = np.equal(strategy_code, SPLIT_MERGE)
     fuses = np.equal(strategy_code, FUSED)
     scale[F_MERGE_CHAIN] *= merges
+    scale[F_MERGE_GRID] *= merges
     scale[F_FUSED_TAIL_US] *= fuses
     scale[F_FUSED_MERGES] *= fuses
     scale[F_CLUSTER_MERGES] *= fuses
@@ -382,8 +401,9 @@ def features_from_stats(num_qo_heads, num_kv_heads, head_dim, strategy_code, sta
     """Feature matrix ``[n, len(FEATURE_NAMES)]`` of n candidates from their ``stats``
     ``[len(STAT_NAMES), n]`` and strategy codes (index in ``STRATEGIES``; [n] or one for all).
     The planner computes the statistics of many candidates at once in closed form;
-    ``plan_features`` computes them from a built plan. ``clusters``: the GPU merges suitable
-    fused plans in clusters (needs the ``batch_size`` of the decompositions);
+    ``plan_features`` computes them from a built plan. ``batch_size``: the decompositions'
+    requests (merge_grid's; and the clusters'). ``clusters``: the GPU merges suitable fused
+    plans in clusters;
     ``clustered_as``: 1.0 or 0.0, whether the candidates merge in clusters, when that is known
     (a built plan's execution) rather than derived; ``tile_rule``: ``CostModel.tile_rule``."""
     ipc, slots, units = feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms,
@@ -395,7 +415,7 @@ def features_from_stats(num_qo_heads, num_kv_heads, head_dim, strategy_code, sta
     index = feature_index(n, np.arange(n), strategy_code)
     cluster_batch_size = batch_size if clusters and clustered_as is None else 0
     row_features(rows, ipc, slots, num_sms, stream_ratio_of(bandwidth_gbps),
-                 cluster_batch_size=cluster_batch_size)
+                 cluster_batch_size=cluster_batch_size, batch_size=batch_size)
     if clustered_as is not None:
         rows[R_CLUSTERED] = clustered_as
     return gather_features(rows, index, strategy_scale(units, strategy_code, n),
@@ -483,6 +503,16 @@ class CostModel:
         model.fit_mape_ = None
         model.n_samples_ = 0
         return model
+
+    def for_multi_token(self) -> "CostModel":
+        """This model for multi-token plans (the planner's heads are query rows x heads): an
+        'fp8' tile rule becomes 'fp8_multi_token', whose builds run 64-token tiles unless the
+        grid is lone; any other model is itself."""
+        if self.tile_rule != "fp8":
+            return self
+        other = copy.copy(self)
+        other.tile_rule = "fp8_multi_token"
+        return other
 
     def with_clusters(self, clusters: bool) -> "CostModel":
         """This model, or a copy of it that predicts for a GPU with (or without) clusters: for

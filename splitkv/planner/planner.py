@@ -325,7 +325,8 @@ def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=N
     clusters = may_cluster(model.clusters, max_len)
     x = gather_features(row_features(rows, ipc, slots, model.num_sms,
                                      stream_ratio_of(model.bandwidth_gbps), some_items=True,
-                                     cluster_batch_size=batch_size if clusters else 0),
+                                     cluster_batch_size=batch_size if clusters else 0,
+                                     batch_size=batch_size),
                         index, scale, clusters=clusters)
     x *= model.coef_[:, None]
     if x.shape[1] > 1:

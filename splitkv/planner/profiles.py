@@ -23,6 +23,7 @@ A broken or mismatched file named by 1 or 2 is an error (the user asked for it);
 
 from __future__ import annotations
 
+import copy
 import datetime
 import math
 import os
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import yaml
 
-from .cost_model import FEATURE_NAMES, TILE_RULES, CostModel
+from .cost_model import FEATURE_NAMES, CostModel
 
 PROFILE_ENV = "SPLITKV_PROFILE"
 REFERENCE_DEVICE = "NVIDIA H200"       # what plans made without a device are made for
@@ -53,9 +54,13 @@ DEFAULT_NUM_SMS = 132
 FP8_FIELDS = {"coef", "fit_error", "heldout_error", "measured_bandwidth_gbps", "date", "sweep",
               "tile_rule"}
 # Cost-model features a profile written before them may lack (lone_cta_us, session 5; stream_us,
-# session 13; wide_waves, session 14): read as 0, the model that profile was fitted as.
-FEATURES_ADDED_LATER = ("lone_cta_us", "stream_us", "wide_waves")
+# session 13; wide_waves, session 14; merge_grid, session 15): read as 0, the model that
+# profile was fitted as.
+FEATURES_ADDED_LATER = ("lone_cta_us", "stream_us", "wide_waves", "merge_grid")
 FP8_FITS = ("kv_fp8", "kv_fp8_graph_stable")
+# the tile rules a profile's fits may hold (cost_model.TILE_RULES less the multi-token one,
+# which CostModel.for_multi_token derives)
+PROFILE_TILE_RULES = ("", "fp8")
 
 
 class ProfileError(ValueError):
@@ -93,14 +98,14 @@ def roofline_prior(num_sms: int, bandwidth_gbps: float) -> dict:
     chunk's excess over the mean as a scheduling tail, and a lone CTA streaming 3% slower
     than its SM's share (about what was measured: NOTES.md). stream_us 0: crit_us carries the
     critical path until a calibration fits both; wide_waves 0: waves counts every start-up
-    alike until then.
+    alike until then; merge_grid 0: launches carries the merge kernel until then.
     The parameters do not depend on the SM count or bandwidth: the features scale with them.
     """
     del num_sms, bandwidth_gbps
     return {"const": 0.5, "launches": 0.52, "kv_us": 0.24, "crit_us": 1.62, "crit_tiles": 0.02,
             "crit_tile_rows": 0.005, "waves": 0.6, "partial_us": 1.0, "fused_tail_us": 1.0,
             "fused_merges": 1.0, "merge_chain": 0.05, "tail_us": 0.1, "cluster_merges": 0.3,
-            "lone_cta_us": 0.05, "stream_us": 0.0, "wide_waves": 0.0}
+            "lone_cta_us": 0.05, "stream_us": 0.0, "wide_waves": 0.0, "merge_grid": 0.0}
 
 
 @dataclass(frozen=True)
@@ -153,11 +158,6 @@ class Profile:
         return self._model_of(fit["coef"], fit.get("fit_error"), fit.get("tile_rule", ""))
 
     @cached_property
-    def _fp8_model_64(self) -> CostModel:
-        fit = self.kv_fp8
-        return self._model_of(fit["coef"], fit.get("fit_error"), "")
-
-    @cached_property
     def _fp8_graph_stable_model(self) -> CostModel:
         fit = self.kv_fp8_graph_stable
         return self._model_of(fit["coef"], fit.get("fit_error"), fit.get("tile_rule", ""))
@@ -166,15 +166,31 @@ class Profile:
         """The model to plan with: for an fp8 ``kv_dtype``, the fp8 fit where the profile has
         one (the features count 16-bit bytes either way; that fit's parameters absorb the
         factor), else the 16-bit one; for a graph-stable fp8 wrapper (``graph_stable``), its
-        4-warp fit where the profile has one."""
+        4-warp fit where the profile has one. A graph-stable wrapper's model always counts
+        64-token tiles, as the planner on the device does: a fit with a tile rule (the
+        per-shape fp8 fit, when no graph-stable one is there) is then used without it."""
         if kv_dtype and graph_stable and self.kv_fp8_graph_stable is not None:
-            return self._fp8_graph_stable_model
-        if kv_dtype and self.kv_fp8 is not None:
-            if graph_stable and self._fp8_model.tile_rule:
-                # the planner on the device counts 64-token tiles: plan as it does
-                return self._fp8_model_64
-            return self._fp8_model
-        return self._model
+            model = self._fp8_graph_stable_model
+        elif kv_dtype and self.kv_fp8 is not None:
+            model = self._fp8_model
+        else:
+            model = self._model
+        if graph_stable and model.tile_rule:
+            return self._counting_64(model)
+        return model
+
+    @cached_property
+    def _models_counting_64(self) -> dict:
+        return {}
+
+    def _counting_64(self, model: CostModel) -> CostModel:
+        """``model`` (one of this profile's cached fits) counting 64-token tiles, cached."""
+        cache = self._models_counting_64
+        if id(model) not in cache:
+            other = copy.copy(model)
+            other.tile_rule = ""
+            cache[id(model)] = other
+        return cache[id(model)]
 
     def with_kv_fp8(self, fp8: "Profile", graph_stable: bool = False) -> "Profile":
         """This profile with ``fp8`` (a fit over fp8 K/V of the same device) as its kv_fp8, or
@@ -252,8 +268,8 @@ class Profile:
             raise bad(f"clusters: expected true or false, got {clusters!r}")
 
         def tile_rule(value, where):
-            if value not in TILE_RULES:
-                raise bad(f"{where}: expected one of {list(TILE_RULES)}, got {value!r}")
+            if value not in PROFILE_TILE_RULES:
+                raise bad(f"{where}: expected one of {list(PROFILE_TILE_RULES)}, got {value!r}")
             return value
         def parameters(coef, where):
             if isinstance(coef, dict) and not clusters and "cluster_merges" not in coef:

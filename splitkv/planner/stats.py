@@ -165,14 +165,18 @@ def ragged_candidate_stats(out, lens: np.ndarray, min_len: int, max_len: int, to
     np.maximum.reduce(work[rows:4 * rows], axis=1, out=out[S_MAXIMA].reshape(3 * rows))
     np.multiply(out[S_MAX_CHUNK_TOKENS], _TILE_TOKENS, out[S_MAX_CHUNK_TOKENS])
     if odd_chunks:
-        # q = floor(u / k) in m - 1's block, r = u - k q in k - 1's: r + (q mod 2)(k - 2 r)
-        q, r = work[:rows], work[rows:2 * rows]
+        # q = floor(u / k), r = u - k q (exact: integers in floats); k - r chunks hold q
+        # tiles, r hold q + 1, so r + (q mod 2)(k - 2 r) are odd. Plain ufuncs only: a
+        # float np.mod or np.divmod costs several times a division here.
+        q, r, odd = work[:rows], work[rows:2 * rows], work[2 * rows:3 * rows]   # m is done
         np.divide(units, k, q)
         np.floor(q, q)
         np.multiply(q, k, r)
         np.subtract(units, r, r)
-        np.mod(q, TWO, q)
-        odd = work[2 * rows:3 * rows]                    # m is no longer needed
+        np.multiply(q, 0.5, odd)                         # q mod 2 = q - 2 floor(q / 2)
+        np.floor(odd, odd)
+        odd *= -2.0
+        q += odd
         np.multiply(r, -2.0, odd)
         odd += k
         odd *= q

@@ -400,6 +400,8 @@ class BatchDecodeWrapper:
             model = self.profile.cost_model(self.kv_dtype, graph_stable=self.use_cuda_graph)
             if not clusters:                     # predict the ticket merge that will run
                 model = model.with_clusters(False)
+            if query_rows is not None:           # the builds' tiles of multi-token plans
+                model = model.for_multi_token()
             chosen = choose_plan(problem, model, num_splits, strategy,
                                  launch_order=self.launch_order, max_chunks=self.max_chunks)
         sm_scale_log2 = float(np.float32(V.check_sm_scale(sm_scale, self.head_dim) * LOG2E))

@@ -97,6 +97,9 @@ def main():
     ap.add_argument("--kv-dtype", default=None, help="fp8 K/V: fp8_e4m3 or fp8_e5m2")
     ap.add_argument("--shapes", default="all", choices=["standard", "classes", "all"],
                     help="the 44 standard held-out shapes, issue 18's 24 class shapes, or both")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated shape names: time these of the set only (e.g. the "
+                         "shapes whose choice a new profile moves)")
     args = ap.parse_args()
     kv_dtype = fp8_format("--kv-dtype", args.kv_dtype)
     info = device_info()
@@ -105,8 +108,18 @@ def main():
     rows, abs_pct = [], []
     shapes = ((heldout_shapes() if args.shapes != "classes" else [])
               + (heldout_class_shapes() if args.shapes != "standard" else []))[: args.limit]
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = sorted(set(wanted) - {name for name, _ in shapes})
+        if unknown:
+            ap.error(f"--only: no shapes {unknown} in --shapes {args.shapes}")
+    # each shape keeps its index in the set: its page table's seed, as in a whole run
+    seeds = {name: i for i, (name, _) in enumerate(shapes)}
+    if args.only:
+        shapes = [(name, prob) for name, prob in shapes if name in wanted]
     for i, (name, prob) in enumerate(shapes):
-        pt, _ = scattered_page_table(prob.kv_lens, prob.page_size, np.random.default_rng(i), 0)
+        pt, _ = scattered_page_table(prob.kv_lens, prob.page_size,
+                                     np.random.default_rng(seeds[name]), 0)
         data = make_layers(pt, prob.num_qo_heads, prob.num_kv_heads, prob.head_dim, prob.dtype,
                            kv_dtype=kv_dtype)
         chosen = choose_plan(prob, model)

@@ -165,7 +165,17 @@ def test_plan_with_query_rows_and_fp8(capsys):
     assert "heads=128/8" in out and "4 query rows a request" in out
     assert "128.0 MiB of K and V" in out and "float8_e4m3fn" in out
     model = load_profile(device_name="NVIDIA H200", num_sms=132).cost_model("float8_e4m3fn")
-    want = choose_plan(DecodeProblem([8192] * 8, 128, 8, 128, 16), model)
+    # the multi-token builds' tiles (for_multi_token), as the wrapper plans them; 200 x 300
+    # tokens is a batch where they move the prediction (odd tile counts, not a lone grid)
+    multi = model.for_multi_token()
+    want = choose_plan(DecodeProblem([8192] * 8, 128, 8, 128, 16), multi)
+    assert f"predicted: {want.predicted_us:.2f} us" in out
+    assert cli.main(["plan", "--batch", "200", "--kv-len", "300", "--q-len", "4",
+                     "--kv-dtype", "fp8_e4m3"]) == 0
+    out = capsys.readouterr().out
+    problem = DecodeProblem([300] * 200, 128, 8, 128, 16)
+    want, single_token = choose_plan(problem, multi), choose_plan(problem, model)
+    assert want.predicted_us != single_token.predicted_us
     assert f"predicted: {want.predicted_us:.2f} us" in out
     assert cli.main(["plan", "--kv-len", "20000", "--q-len", "4", "--window-left", "100"]) == 0
     assert "window_left=103" in capsys.readouterr().out      # every row's window covered

@@ -284,6 +284,18 @@ def test_graph_stable_models_always_count_64_token_tiles():
         Profile.from_dict({**alone.to_dict(), "tile_rule": "fp8_multi_token"})
 
 
+def test_graph_stable_models_price_no_merge_grid():
+    """A graph-stable grid launches the merge kernel over its capacity whatever the strategy,
+    so its model holds merge_grid 0 (the rest of the fit as it is); per-shape models keep it."""
+    h200 = default_profile()
+    per_shape, graph = h200.cost_model(), h200.cost_model(graph_stable=True)
+    assert per_shape.coef_dict()["merge_grid"] > 0 and graph.coef_dict()["merge_grid"] == 0
+    assert {k: v for k, v in graph.coef_dict().items() if k != "merge_grid"} == \
+        {k: v for k, v in per_shape.coef_dict().items() if k != "merge_grid"}
+    assert h200.cost_model(graph_stable=True) is graph                  # cached
+    assert h200.cost_model().coef_dict()["merge_grid"] > 0              # left as it was
+
+
 def test_the_shipped_fp8_fits_count_the_tiles_they_were_timed_with():
     h200 = default_profile()
     assert h200.cost_model("float8_e4m3fn").tile_rule == "fp8"

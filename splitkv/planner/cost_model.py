@@ -83,7 +83,11 @@ The feature columns, in order (``FEATURE_NAMES``):
                   batch, split or not, so 256 requests of 32 heads launch 2,048 CTAs however
                   few split. Measured on the H200 (merge_cost probe, session 15): 4-10 us of
                   merge kernel at 128-256 requests; launches and merge_chain are per call.
-                  Profiles fitted before it hold 0.
+                  Profiles fitted before it hold 0. Where the grid differs: a graph-stable
+                  wrapper launches it over its capacity for every strategy, so its model
+                  holds 0 (``Profile.cost_model``); the compact_merge experiment covers the
+                  split requests only (this overcounts); 8-warp builds' merge CTAs hold 256
+                  threads (half the CTAs; only lone grids, small batches, run them).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import yaml
 
-from .cost_model import FEATURE_NAMES, CostModel
+from .cost_model import F_MERGE_GRID, FEATURE_NAMES, CostModel
 
 PROFILE_ENV = "SPLITKV_PROFILE"
 REFERENCE_DEVICE = "NVIDIA H200"       # what plans made without a device are made for
@@ -166,29 +166,33 @@ class Profile:
         """The model to plan with: for an fp8 ``kv_dtype``, the fp8 fit where the profile has
         one (the features count 16-bit bytes either way; that fit's parameters absorb the
         factor), else the 16-bit one; for a graph-stable fp8 wrapper (``graph_stable``), its
-        4-warp fit where the profile has one. A graph-stable wrapper's model always counts
-        64-token tiles, as the planner on the device does: a fit with a tile rule (the
-        per-shape fp8 fit, when no graph-stable one is there) is then used without it."""
+        4-warp fit where the profile has one. A graph-stable wrapper's model plans as its one
+        captured grid runs (``_as_graph_stable``): 64-token tiles, as the planner on the
+        device counts them, and no merge_grid, since that grid launches the merge kernel over
+        its capacity whatever the strategy (no strategy pays it more than another)."""
         if kv_dtype and graph_stable and self.kv_fp8_graph_stable is not None:
             model = self._fp8_graph_stable_model
         elif kv_dtype and self.kv_fp8 is not None:
             model = self._fp8_model
         else:
             model = self._model
-        if graph_stable and model.tile_rule:
-            return self._counting_64(model)
+        if graph_stable and (model.tile_rule or model.coef_[F_MERGE_GRID]):
+            return self._as_graph_stable(model)
         return model
 
     @cached_property
-    def _models_counting_64(self) -> dict:
+    def _graph_stable_models(self) -> dict:
         return {}
 
-    def _counting_64(self, model: CostModel) -> CostModel:
-        """``model`` (one of this profile's cached fits) counting 64-token tiles, cached."""
-        cache = self._models_counting_64
+    def _as_graph_stable(self, model: CostModel) -> CostModel:
+        """``model`` (one of this profile's cached fits) with tile_rule '' and merge_grid 0,
+        cached."""
+        cache = self._graph_stable_models
         if id(model) not in cache:
             other = copy.copy(model)
             other.tile_rule = ""
+            other.coef_ = model.coef_.copy()
+            other.coef_[F_MERGE_GRID] = 0.0
             cache[id(model)] = other
         return cache[id(model)]
 

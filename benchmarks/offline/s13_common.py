@@ -129,3 +129,17 @@ def score_eval(shapes, featfn, coef):
 
 def label(c):
     return f"{c.label}@{c.chunk}"
+
+
+def report_variant(name, featfn, shapes):
+    """Fit ``featfn``'s columns on the sweep (``fit_report``) and score them on ``shapes``
+    (``score_eval``); print one line and the shapes over 5%. Returns (fit report, score)."""
+    rep = fit_report(featfn)
+    rows, sc = score_eval(shapes, featfn, rep["coef"])
+    print(f"{name} fit RMS {rep['rms']:.2%} held-out {rep['held_mape']:.2%} regret "
+          f"{rep['held_regret']:.2%} | eval {int(round(sc['within5'] * len(rows)))}/{len(rows)} "
+          f"within 5%, geomean {sc['geomean']:.4f}, worst {sc['worst']:.3f}")
+    for r in rows:
+        if r["ratio"] > 1.05:
+            print(f"    over 5%: {r['shape']} {label(r['pick'])} {r['ratio']:.3f}")
+    return rep, sc

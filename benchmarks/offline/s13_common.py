@@ -31,10 +31,16 @@ EVAL_JSON = RESULTS / "h200-planner.json"
 EVAL_PROFILE = RESULTS / "calibration" / "nvidia-h200-s15.yaml"
 
 
-def load_eval() -> list:
-    data = json.load(open(EVAL_JSON))
+def load_eval_json(path, planned_with) -> tuple[list, str | None]:
+    """(shapes, kv dtype) of any eval_planner.py JSON (16-bit or fp8), every measured candidate
+    rebuilt and checked against the JSON's label and chunk count. The 'planner' candidate is
+    rebuilt with ``planned_with``, the profile the device run planned with (so its time can
+    score another profile that picks the same plan); None leaves it out (a run whose profile
+    is gone)."""
+    data = json.load(open(path))
+    kv_dtype = data.get("kv_dtype")
+    model = None if planned_with is None else load_profile(path=planned_with).cost_model(kv_dtype)
     problems = dict(heldout_shapes() + heldout_class_shapes())
-    shipped = load_profile(path=EVAL_PROFILE).cost_model(None)
     out = []
     for row in data["shapes"]:
         prob = problems[row["shape"]]
@@ -42,25 +48,31 @@ def load_eval() -> list:
         cands = []
         for c in row["candidates"]:
             if c["chunk_tokens"] == "planner":
-                p = choose_plan(prob, shipped)
+                if model is None:
+                    continue
+                p = choose_plan(prob, model)
             elif c["chunk_tokens"] == "single":
-                p = plan_chunk_tokens(prob, 1 << 30, "single")
+                p = plan_chunk_tokens(prob, 1 << 30, "single").with_execution(clusters=True)
             else:
-                p = plan_chunk_tokens(prob, c["chunk_tokens"], c["plan"].split("/")[0], align=64)
-            if c["chunk_tokens"] != "planner":
-                p = p.with_execution(clusters=True)
+                p = plan_chunk_tokens(prob, c["chunk_tokens"], c["plan"].split("/")[0],
+                                      align=64).with_execution(clusters=True)
             lab = f"{p.strategy}/{p.num_splits}"
             assert lab == c["plan"] and p.num_chunks == c["num_chunks"], (row["shape"], c, lab)
             cands.append(Cand(c["plan"], c["chunk_tokens"], p, float(c["us"]),
                               float(c["predicted_us"])))
         out.append(Shape(row["shape"], prob, cands))
-    return out
+    return out, kv_dtype
 
 
-def sweep():
-    """(all, train, heldout) lists of (shape, plan, us), plans as they ran (clusters), with
-    fit_profile's split (20% of shapes, seed 0)."""
-    ms = read_measurements(SWEEP_CSV, quick=False, seed=0)
+def load_eval() -> list:
+    """The shapes of EVAL_JSON (the 16-bit eval on record)."""
+    return load_eval_json(EVAL_JSON, EVAL_PROFILE)[0]
+
+
+def sweep(csv=None):
+    """(all, train, heldout) lists of (shape, plan, us) of a sweep CSV (default SWEEP_CSV),
+    plans as they ran (clusters), with fit_profile's split (20% of shapes, seed 0)."""
+    ms = read_measurements(csv or SWEEP_CSV, quick=False, seed=0)
     ms = [replace(m, plan=m.plan.with_execution(clusters=True)) for m in ms]
     train, held = split_heldout(ms, 0.2, 0)
     t = lambda L: [(m.shape, m.plan, m.measured_us) for m in L]
@@ -80,11 +92,11 @@ def fit_xy(x, y, huber_delta=0.1):
                         huber_delta)
 
 
-def fit_report(featfn, exclude=None):
+def fit_report(featfn, exclude=None, csv=None):
     """Fit on the sweep with a feature function: RMS / mean relative error on all points (fit
     on all), held-out mean / worst error and held-out decisions (fit on train). ``exclude``:
     predicate on (shape, plan) to drop rows from fitting (not used by default)."""
-    allm, train, held = sweep()
+    allm, train, held = sweep(csv)
     if exclude:
         allm = [r for r in allm if not exclude(r)]
         train = [r for r in train if not exclude(r)]
@@ -131,10 +143,10 @@ def label(c):
     return f"{c.label}@{c.chunk}"
 
 
-def report_variant(name, featfn, shapes):
+def report_variant(name, featfn, shapes, csv=None):
     """Fit ``featfn``'s columns on the sweep (``fit_report``) and score them on ``shapes``
     (``score_eval``); print one line and the shapes over 5%. Returns (fit report, score)."""
-    rep = fit_report(featfn)
+    rep = fit_report(featfn, csv=csv)
     rows, sc = score_eval(shapes, featfn, rep["coef"])
     print(f"{name} fit RMS {rep['rms']:.2%} held-out {rep['held_mape']:.2%} regret "
           f"{rep['held_regret']:.2%} | eval {int(round(sc['within5'] * len(rows)))}/{len(rows)} "

@@ -7,35 +7,17 @@ session-13 evaluation.
 
     cd /work/main && python3 benchmarks/offline/s13_s12check.py [variant ...]
 """
-import json
 import sys
 
 import numpy as np
 
-from s13_common import (RESULTS, Cand, Shape, fit_report, heldout_class_shapes, heldout_shapes,
-                        load_eval, plan_chunk_tokens)
+from s13_common import RESULTS, fit_report, load_eval, load_eval_json
 from s13_variants import features
 
 
 def load_json(path):
-    data = json.load(open(path))
-    problems = dict(heldout_shapes() + heldout_class_shapes())
-    out = []
-    for row in data["shapes"]:
-        prob = problems[row["shape"]]
-        cands = []
-        for c in row["candidates"]:
-            if c["chunk_tokens"] == "planner":
-                continue
-            if c["chunk_tokens"] == "single":
-                p = plan_chunk_tokens(prob, 1 << 30, "single")
-            else:
-                p = plan_chunk_tokens(prob, c["chunk_tokens"], c["plan"].split("/")[0], align=64)
-            p = p.with_execution(clusters=True)
-            assert f"{p.strategy}/{p.num_splits}" == c["plan"] and p.num_chunks == c["num_chunks"]
-            cands.append(Cand(c["plan"], c["chunk_tokens"], p, float(c["us"]), float(c["predicted_us"])))
-        out.append(Shape(row["shape"], prob, cands))
-    return out
+    """The grid and 'single' candidates of an older eval JSON (its planner's profile is gone)."""
+    return load_eval_json(path, None)[0]
 
 
 def score(shapes, f, coef):

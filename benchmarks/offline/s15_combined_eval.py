@@ -10,7 +10,6 @@ import json
 import numpy as np
 
 import s13_common as C
-from s15_eval import load
 from common import same_plan
 from splitkv.planner import choose_plan
 from splitkv.planner.profiles import load_profile
@@ -23,7 +22,7 @@ RUNS = [("16-bit", "h200-planner.json", "calibration/nvidia-h200-s15.yaml",
 
 
 def combined(whole, old_profile, moved):
-    shapes, kv = load(C.RESULTS / whole, C.RESULTS / old_profile)
+    shapes, kv = C.load_eval_json(C.RESULTS / whole, C.RESULTS / old_profile)
     new = load_profile(path=NEW).cost_model(kv)
     rerun = {r["shape"]: r for r in json.load(open(C.RESULTS / moved))["shapes"]}
     recorded = {r["shape"]: r for r in json.load(open(C.RESULTS / whole))["shapes"]}

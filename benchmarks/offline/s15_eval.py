@@ -8,38 +8,13 @@ with), so its measured time can score another profile that picks the same plan.
         --eval-profile results/calibration/nvidia-h200-fp8-s15.yaml PROFILE.yaml [...]
 """
 import argparse
-import json
 
 import numpy as np
 
-from common import Cand, Shape, same_plan
-from s13_common import heldout_class_shapes, heldout_shapes, plan_chunk_tokens
+from common import same_plan
+from s13_common import load_eval_json as load     # (shapes, kv dtype) of an eval JSON
 from splitkv.planner import choose_plan
 from splitkv.planner.profiles import load_profile
-
-
-def load(json_path, eval_profile):
-    data = json.load(open(json_path))
-    kv_dtype = data.get("kv_dtype")
-    planned_with = load_profile(path=eval_profile).cost_model(kv_dtype)
-    problems = dict(heldout_shapes() + heldout_class_shapes())
-    shapes = []
-    for row in data["shapes"]:
-        prob = problems[row["shape"]]
-        cands = []
-        for c in row["candidates"]:
-            if c["chunk_tokens"] == "planner":
-                p = choose_plan(prob, planned_with)
-            elif c["chunk_tokens"] == "single":
-                p = plan_chunk_tokens(prob, 1 << 30, "single").with_execution(clusters=True)
-            else:
-                p = plan_chunk_tokens(prob, c["chunk_tokens"], c["plan"].split("/")[0],
-                                      align=64).with_execution(clusters=True)
-            assert f"{p.strategy}/{p.num_splits}" == c["plan"], (row["shape"], c)
-            cands.append(Cand(c["plan"], c["chunk_tokens"], p, float(c["us"]),
-                              float(c["predicted_us"])))
-        shapes.append(Shape(row["shape"], prob, cands))
-    return shapes, kv_dtype
 
 
 def evaluate(path, shapes, kv_dtype, verbose=True):

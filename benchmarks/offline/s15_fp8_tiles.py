@@ -15,13 +15,9 @@ It fits the library's columns as they are now: NOTES.md's table (59 -> 62 of 68)
 merge_grid (057a373); with it the two variants score 60 and 63.
 """
 import sys
-from dataclasses import replace
 
 import s13_common as C
-from s15_eval import load
-from splitkv.calibration.fit import split_heldout
-from splitkv.calibration.sweep import read_measurements
-from splitkv.core.geometry import ctas_per_kv_head
+from splitkv.core.geometry import ctas_per_kv_head, fp8_tile_tokens
 from splitkv.planner.cost_model import FEATURE_NAMES
 from splitkv.runtime.features import LONE_CTA_WARPS, LONG_CHUNK_TOKENS, row_step
 from splitkv.runtime.kernel_source import row_tiles_for
@@ -39,9 +35,7 @@ def build_tile_tokens(plan, fp8):
     rt = row_tiles_for(group)
     lone = ctas <= NUM_SMS
     if fp8:
-        if lone:
-            return 16 * LONE_CTA_WARPS
-        return 128 if (p.head_dim == 128 and rt == 1) else 64
+        return fp8_tile_tokens(p.head_dim, -(-group // ctas_per_kv_head(group)), lone)
     sizes = plan.chunk_end - plan.chunk_start
     issue_bound = rt >= 2 or p.page_size < row_step(p.head_dim, rt, 2)
     if lone and p.head_dim <= 128 and issue_bound and sizes.mean() >= LONG_CHUNK_TOKENS:
@@ -73,23 +67,14 @@ def featfn(variant, fp8):
     return f
 
 
-def sweep(csv):
-    ms = read_measurements(csv, quick=False, seed=0)
-    ms = [replace(m, plan=m.plan.with_execution(clusters=True)) for m in ms]
-    train, held = split_heldout(ms, 0.2, 0)
-    t = lambda L: [(m.shape, m.plan, m.measured_us) for m in L]
-    return t(ms), t(train), t(held)
-
-
 def main():
     fp8 = "--kv" not in sys.argv
     csv = C.RESULTS / "calibration" / ("nvidia-h200.fp8.csv" if fp8 else "nvidia-h200.csv")
     js = C.RESULTS / ("h200-planner-fp8.json" if fp8 else "h200-planner.json")
     prof = C.RESULTS / "calibration" / "nvidia-h200-fp8-s15.yaml"
-    C.sweep = lambda: sweep(csv)
-    shapes, _ = load(js, prof)
+    shapes, _ = C.load_eval_json(js, prof)
     for variant in ("lib", "long"):
-        rep, _ = C.report_variant(f"{variant:5s}", featfn(variant, fp8), shapes)
+        rep, _ = C.report_variant(f"{variant:5s}", featfn(variant, fp8), shapes, csv=csv)
         print("      coef", {n: round(float(c), 3) for n, c in zip(FEATURE_NAMES, rep["coef"])
                              if c > 0})
 

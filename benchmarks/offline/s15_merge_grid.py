@@ -10,7 +10,6 @@ on the eval's measured candidates (the model's argmin among them).
     PYTHONPATH=$PWD python3 benchmarks/offline/s15_merge_grid.py
 """
 import s13_common as C
-from s15_eval import load
 from splitkv.planner.cost_model import FEATURE_NAMES
 
 MERGE_GRID = FEATURE_NAMES.index("merge_grid")
@@ -22,7 +21,7 @@ def without_merge_grid(plan):
 
 
 def main():
-    shapes, _ = load(C.EVAL_JSON, C.RESULTS / "calibration" / "nvidia-h200-s15.yaml")
+    shapes = C.load_eval()
     for name, f in (("without", without_merge_grid), ("merge_grid", C.lib_features)):
         rep, _ = C.report_variant(f"{name:10s}", f, shapes)
         if name == "merge_grid":

@@ -12,9 +12,8 @@ import numpy as np
 
 import s13_common as C
 import s15_fp8_tiles as T
-from s15_eval import load
 from splitkv.core.geometry import ctas_per_kv_head
-from splitkv.planner.cost_model import FEATURE_NAMES, feature_constants
+from splitkv.planner.cost_model import FEATURE_NAMES
 
 NUM_SMS = 132
 I = {n: FEATURE_NAMES.index(n) for n in ("crit_us", "crit_tiles", "crit_tile_rows", "lone_cta_us")}
@@ -57,15 +56,14 @@ def main():
              C.RESULTS / "h200-planner-fp8.json",
              C.RESULTS / "calibration" / "nvidia-h200-fp8-s15.yaml", True)]
     for name, csv, js, prof, fp8 in runs:
-        C.sweep = lambda csv=csv: T.sweep(csv)
-        shapes, kv = load(js, prof)
+        shapes, kv = C.load_eval_json(js, prof)
         base = (lambda plan: C.plan_features(plan.problem, plan.chunk_end - plan.chunk_start,
                                              plan.chunks_per_request, plan.strategy,
                                              num_sms=NUM_SMS, ctas_per_sm=2,
                                              bandwidth_gbps=C.BW, merge=plan.merge,
                                              tile_rule="fp8" if fp8 else ""))
         for variant, f in (("ceil", base), ("exact", featfn(base, fp8))):
-            C.report_variant(f"{name} {variant:5s}", f, shapes)
+            C.report_variant(f"{name} {variant:5s}", f, shapes, csv=csv)
 
 
 if __name__ == "__main__":

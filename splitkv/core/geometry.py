@@ -15,6 +15,11 @@ def ctas_per_kv_head(group_size: int, max_rows: int = MAX_HEADS_PER_CTA) -> int:
     return -(-group_size // max_rows)
 
 
+def rows_per_cta(group_size: int) -> int:
+    """Query heads one CTA computes: the group, shared evenly by ``ctas_per_kv_head`` CTAs."""
+    return -(-group_size // ctas_per_kv_head(group_size))
+
+
 LONG_TILE_TOKENS = 2 * TILE_TOKENS   # a tile of 8 warps x 16 tokens, or of 4 warps x 32
 
 

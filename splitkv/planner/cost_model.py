@@ -99,7 +99,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from ..core.execution import MERGE_CLUSTER, clustered
-from ..core.geometry import LONG_TILE_TOKENS, ctas_per_kv_head, fp8_tile_tokens
+from ..core.geometry import LONG_TILE_TOKENS, ctas_per_kv_head, fp8_tile_tokens, rows_per_cta
 from ..core.plan import Plan
 from ..core.validation import STRATEGIES
 from .stats import (ONE, S_COUNTS, S_LARGEST, S_MAX_CHUNK_TILES, S_MAX_CHUNK_TOKENS,
@@ -152,10 +152,9 @@ def count_build_tiles(rows, tile_rule: str, num_qo_heads: int, num_kv_heads: int
     count rounds up to even. Splitting a 100-token request then saves no tile. In place."""
     if not tile_rule:
         return
-    group = num_qo_heads // num_kv_heads
-    rows_per_cta = -(-group // ctas_per_kv_head(group))
+    heads = rows_per_cta(num_qo_heads // num_kv_heads)
     multi_token = tile_rule == "fp8_multi_token"
-    if fp8_tile_tokens(head_dim, rows_per_cta, False, multi_token) == LONG_TILE_TOKENS:
+    if fp8_tile_tokens(head_dim, heads, False, multi_token) == LONG_TILE_TOKENS:
         long = ONE                              # every grid
     else:                                       # only grids that give no SM two CTAs
         long = rows[S_NUM_CHUNKS] * float(items_per_chunk) <= num_sms
@@ -221,9 +220,8 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
     machine. Each feature is a statistic times its unit (bytes -> microseconds, tiles ->
     tile-equivalents); they are the same on every decode step, so they are computed once."""
     group = num_qo_heads // num_kv_heads
-    ctas = ctas_per_kv_head(group)
-    rows = -(-group // ctas)                       # query heads per CTA
-    items_per_chunk = num_kv_heads * ctas
+    rows = rows_per_cta(group)
+    items_per_chunk = num_kv_heads * ctas_per_kv_head(group)
     slots = num_sms * resident_ctas(head_dim, ctas_per_sm, rows)
     bw = bandwidth_gbps * 1e3                      # bytes per microsecond
     slot_bw = bw / slots
@@ -518,6 +516,18 @@ class CostModel:
         other.tile_rule = "fp8_multi_token"
         return other
 
+    def for_graph_stable(self) -> "CostModel":
+        """This model as a graph-stable grid runs: 64-token tiles (the planner on the device
+        counts them) and merge_grid 0 (that grid launches the merge kernel over its capacity
+        whatever the strategy); itself where that changes nothing."""
+        if not self.tile_rule and not self.coef_[F_MERGE_GRID]:
+            return self
+        other = copy.copy(self)
+        other.tile_rule = ""
+        other.coef_ = self.coef_.copy()
+        other.coef_[F_MERGE_GRID] = 0.0
+        return other
+
     def with_clusters(self, clusters: bool) -> "CostModel":
         """This model, or a copy of it that predicts for a GPU with (or without) clusters: for
         a caller that turns clusters off, or a device that has none."""
@@ -531,11 +541,6 @@ class CostModel:
     def slots(self) -> int:
         """CTA slots of the GPU at head_dim 128 (``resident_ctas`` for the others)."""
         return self.num_sms * self.ctas_per_sm
-
-    def _hardware(self) -> dict:
-        return dict(num_sms=self.num_sms, ctas_per_sm=self.ctas_per_sm,
-                    bandwidth_gbps=self.bandwidth_gbps, clusters=self.clusters,
-                    tile_rule=self.tile_rule)
 
     def features(self, plan: Plan) -> np.ndarray:
         """Feature vector of a built plan, as its execution runs it (``plan.merge``)."""

@@ -23,7 +23,6 @@ A broken or mismatched file named by 1 or 2 is an error (the user asked for it);
 
 from __future__ import annotations
 
-import copy
 import datetime
 import math
 import os
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from .cost_model import F_MERGE_GRID, FEATURE_NAMES, CostModel
+from .cost_model import FEATURE_NAMES, CostModel
 
 PROFILE_ENV = "SPLITKV_PROFILE"
 REFERENCE_DEVICE = "NVIDIA H200"       # what plans made without a device are made for
@@ -167,34 +166,24 @@ class Profile:
         one (the features count 16-bit bytes either way; that fit's parameters absorb the
         factor), else the 16-bit one; for a graph-stable fp8 wrapper (``graph_stable``), its
         4-warp fit where the profile has one. A graph-stable wrapper's model plans as its one
-        captured grid runs (``_as_graph_stable``): 64-token tiles, as the planner on the
-        device counts them, and no merge_grid, since that grid launches the merge kernel over
-        its capacity whatever the strategy (no strategy pays it more than another)."""
+        captured grid runs (``CostModel.for_graph_stable``: 64-token tiles, no merge_grid),
+        cached like the fits."""
         if kv_dtype and graph_stable and self.kv_fp8_graph_stable is not None:
             model = self._fp8_graph_stable_model
         elif kv_dtype and self.kv_fp8 is not None:
             model = self._fp8_model
         else:
             model = self._model
-        if graph_stable and (model.tile_rule or model.coef_[F_MERGE_GRID]):
-            return self._as_graph_stable(model)
-        return model
+        if not graph_stable:
+            return model
+        cache = self._graph_stable_models              # by the fit's identity: fits are cached
+        if id(model) not in cache:
+            cache[id(model)] = model.for_graph_stable()
+        return cache[id(model)]
 
     @cached_property
     def _graph_stable_models(self) -> dict:
         return {}
-
-    def _as_graph_stable(self, model: CostModel) -> CostModel:
-        """``model`` (one of this profile's cached fits) with tile_rule '' and merge_grid 0,
-        cached."""
-        cache = self._graph_stable_models
-        if id(model) not in cache:
-            other = copy.copy(model)
-            other.tile_rule = ""
-            other.coef_ = model.coef_.copy()
-            other.coef_[F_MERGE_GRID] = 0.0
-            cache[id(model)] = other
-        return cache[id(model)]
 
     def with_kv_fp8(self, fp8: "Profile", graph_stable: bool = False) -> "Profile":
         """This profile with ``fp8`` (a fit over fp8 K/V of the same device) as its kv_fp8, or

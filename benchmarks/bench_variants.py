@@ -1,5 +1,7 @@
-"""Issue 16's bench rows: what the attention variants cost beside the plain decode, each planned
-by the wrapper, timed like the bench (a graph over layers of >= 1 GiB of KV), in one run.
+"""What the attention variants cost beside the plain decode (the variants' bench rows).
+
+Each planned by the wrapper, timed like the bench (a graph over layers of >= 1 GiB of KV), in
+one run:
 
 - soft cap (``plan(logits_soft_cap=30)``), sinks (``run(sinks=)``), both: on memory-bound
   standard cases, as a ratio to the plain call (target <= 1.03);

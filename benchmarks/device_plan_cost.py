@@ -1,4 +1,4 @@
-"""What planning costs per decode step, on the host and on the device (issue 14, 2a and 2b).
+"""What planning costs per decode step, on the host and on the device.
 
 For each case: the host ``plan()`` of a graph-stable wrapper (median wall time, the GPU idle);
 the planning kernel alone (a graph of 20 ``plan_on_device()`` launches, GPU time per launch);
@@ -6,6 +6,7 @@ and one decode step as an engine runs it, a graph of L layers (>= 1 GiB of KV, a
 host-planned (``plan()`` before the replay, the graph holds the L runs) against device-planned
 (the graph holds ``plan_on_device()`` and the L runs): the difference is what the planning
 kernel adds to a step's GPU time. Both graphs run the same plan (the test suite checks it).
+The design and the numbers of record: docs/design/graph-stable.md.
 
     PYTHONPATH=$PWD python3 benchmarks/device_plan_cost.py [--cases b1_n8k,...] [--json out.json]
 """

@@ -23,7 +23,8 @@ The patched kernels compute wrong answers on purpose; only their times mean anyt
     python3 benchmarks/dissect_latency.py --plan-set merge --probes base,no_merge,merge_empty
 
 ``--plan-set merge`` times the same cuts as split_merge and fused at large batches, short and
-long chunks (NOTES.md, session 14: the cost model's weakest call is between the two there).
+long chunks (docs/design/cost-model.md: the cost model's weakest call is between the two
+there).
 """
 
 import argparse
@@ -74,7 +75,7 @@ PLANS = {
     "b1_n128k": [("fused", 4096)],
     "b32_n8k": [("single", 1 << 30)],
     "ragged_b32": [("fused", 2048)],
-    "short_b256_n384": [("single", 1 << 30)],     # issue 18: 2,048 CTAs of 384 tokens
+    "short_b256_n384": [("single", 1 << 30)],     # 2,048 CTAs of 384 tokens (short-calls.md)
 }
 # --plan-set merge: one cut each way, long chunks (where fused won by 1-11 us in the sweep) and
 # short ones (where it lost by 5-23 us).

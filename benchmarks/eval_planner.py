@@ -1,10 +1,11 @@
 """Does the planner choose well on shapes the fit never saw?
 
 For each held-out shape (batch 1..256, lengths 16..128k, equal and ragged, GQA groups 1..8;
-and with ``--shapes classes`` or ``all``, issue 18's classes: head_dim 64 and 256, pages of 1
-and 64 tokens, groups 16 and 32, hundreds of short requests, batch-1 requests of a few
-thousand tokens), time the planner's plan and a grid of alternatives (no split; chunk sizes 64..16k tokens, each
-'split_merge' and 'fused'); the oracle is the fastest measured. Reports plan/oracle, the share
+and with ``--shapes classes`` or ``all``, the classes the standard set leaves out: head_dim 64
+and 256, pages of 1 and 64 tokens, groups 16 and 32, hundreds of short requests, batch-1
+requests of a few thousand tokens), time the planner's plan and a grid of alternatives (no
+split; chunk sizes 64..16k tokens, each 'split_merge' and 'fused'); the oracle is the fastest
+measured. Reports plan/oracle, the share
 within 5%, the geometric mean, and the model's median absolute percentage error over every
 measured plan, and writes benchmarks/results/h200-planner.json's format.
 
@@ -57,7 +58,7 @@ def heldout_shapes(seed: int = 12345):
 
 
 def heldout_class_shapes(seed: int = 54321):
-    """24 shapes of issue 18's classes (3 or 4 of each, in turn), drawn with their own seed;
+    """24 shapes of the classes (3 or 4 of each, in turn), drawn with their own seed;
     the group class alternates groups of 16 and 32."""
     rng = np.random.default_rng(seed)
 
@@ -96,7 +97,7 @@ def main():
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--kv-dtype", default=None, help="fp8 K/V: fp8_e4m3 or fp8_e5m2")
     ap.add_argument("--shapes", default="all", choices=["standard", "classes", "all"],
-                    help="the 44 standard held-out shapes, issue 18's 24 class shapes, or both")
+                    help="the 44 standard held-out shapes, the 24 class shapes, or both")
     ap.add_argument("--only", default=None,
                     help="comma-separated shape names: time these of the set only (e.g. the "
                          "shapes whose choice a new profile moves)")

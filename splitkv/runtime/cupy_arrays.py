@@ -28,6 +28,15 @@ def empty(shape, dtype):
     return cupy.empty(shape, dtype=dtype)
 
 
+def zero_padded_rows(arr, rows: int):
+    """A CuPy copy of ``arr`` with ``rows`` rows along axis 0: its own, then zeros."""
+    import cupy
+
+    out = cupy.zeros((rows, *arr.shape[1:]), dtype=arr.dtype)
+    out[:arr.shape[0]] = arr
+    return out
+
+
 def check_cupy_array(name: str, arr) -> None:
     """Raise TypeError unless ``arr`` is a CuPy array."""
     import cupy

@@ -65,27 +65,44 @@ def make_batch(rng):
 
 
 # NVRTC's register and spill report of each kernel variant the compile tests built
-# (test_kernels_compile.py), printed after the run instead of inside the progress line.
+# (test_kernels_compile.py), printed after a verbose run (pytest -v) only: a plain run is quiet.
 REGISTER_REPORT: list[str] = []
 
 
-def pytest_terminal_summary(terminalreporter):
-    if REGISTER_REPORT:
+def pytest_terminal_summary(terminalreporter, config):
+    if REGISTER_REPORT and config.option.verbose > 0:
         terminalreporter.section(f"NVRTC register report ({len(REGISTER_REPORT)} builds)")
         for line in REGISTER_REPORT:
             terminalreporter.write_line(line)
 
 
-def pytest_collection_modifyitems(config, items):
-    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
-    if not gpu_items:
+def _skip_unless(items, marker: str, check) -> None:
+    """Skip ``items`` marked ``marker``, with the reason, unless ``check()`` says (True, _)."""
+    marked = [item for item in items if item.get_closest_marker(marker)]
+    if not marked:
         return
     try:
-        from splitkv.runtime import gpu_available
-        ok, reason = gpu_available()
-    except Exception as exc:   # no runtime, no CuPy, no driver: all mean "no GPU here"
+        ok, reason = check()
+    except Exception as exc:   # no runtime, no CuPy, no driver: all mean "not usable here"
         ok, reason = False, f"splitkv.runtime unusable: {type(exc).__name__}: {exc}"
     if not ok:
-        skip = pytest.mark.skip(reason=f"no usable GPU: {reason}")
-        for item in gpu_items:
+        skip = pytest.mark.skip(reason=reason)
+        for item in marked:
             item.add_marker(skip)
+
+
+def _gpu_check():
+    from splitkv.runtime import gpu_available
+    ok, reason = gpu_available()
+    return ok, f"no usable GPU: {reason}"
+
+
+def _nvrtc_check():
+    from splitkv.runtime import nvrtc_available
+    ok, reason = nvrtc_available()
+    return ok, f"no NVRTC: {reason}"
+
+
+def pytest_collection_modifyitems(config, items):
+    _skip_unless(items, "gpu", _gpu_check)
+    _skip_unless(items, "nvrtc", _nvrtc_check)

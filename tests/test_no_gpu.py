@@ -60,7 +60,8 @@ def test_without_cupy_plan_and_run_raise_a_clear_error():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
-    why = "CuPy is not installed (pip install 'splitkv[cuda12]' or 'splitkv[cuda13]')"
+    why = ("CuPy is not installed (from a splitkv clone, python3 -m pip install -e '.[cuda13]' "
+           "(CUDA 13 driver) or -e '.[cuda12]' (CUDA 12 driver))")
     assert done.stdout.splitlines() == [f"BatchDecodeWrapper.plan() needs a usable CUDA GPU: {why}",
                                         f"BatchDecodeWrapper.run() needs a usable CUDA GPU: {why}"]
 
@@ -76,3 +77,35 @@ def test_require_gpu_checks_until_a_gpu_is_found(monkeypatch):
     splitkv.runtime.require_gpu("x")
     splitkv.runtime.require_gpu("x")                 # found once: not asked again
     assert len(calls) == 3
+
+
+def test_a_gpu_without_the_nvrtc_library_is_not_usable(monkeypatch):
+    """The kernels compile at run time: CuPy and a device without NVRTC would fail at the first
+    plan(), so the check says so, with the install that brings NVRTC."""
+    pytest.importorskip("cupy", reason="CuPy is not installed")
+    import cupy
+
+    monkeypatch.setattr(cupy.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(splitkv.runtime, "device_info", lambda: {"name": "Some GPU"})
+    monkeypatch.setattr(splitkv.runtime, "nvrtc_available", lambda: (False, "no libnvrtc"))
+    assert gpu_available() == (False, "no libnvrtc")
+    monkeypatch.setattr(splitkv.runtime, "nvrtc_available", lambda: (True, "NVRTC 13.0"))
+    assert gpu_available() == (True, "Some GPU")
+
+
+def test_nvrtc_check_names_the_install_when_the_library_is_missing(monkeypatch):
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="CuPy is not installed")
+
+    def missing():
+        raise RuntimeError('Failure finding "libnvrtc.so.13"\nmore detail')
+
+    splitkv.runtime.nvrtc_available.cache_clear()
+    monkeypatch.setattr(nvrtc, "getVersion", missing)
+    try:
+        ok, why = splitkv.runtime.nvrtc_available()
+    finally:
+        splitkv.runtime.nvrtc_available.cache_clear()
+    assert not ok
+    assert why == ('the NVRTC library cannot be loaded (Failure finding "libnvrtc.so.13"); '
+                   + splitkv.runtime.INSTALL_HINT)
+    assert "pip install -e '.[cuda13]'" in why

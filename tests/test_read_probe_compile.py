@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
-                    reason="CuPy with NVRTC not installed (pip install -e '.[nvrtc]')")
+                    reason="CuPy is not installed (python3 -m pip install -e '.[cuda13]' or '.[cuda12]')")
 
 from splitkv.bench.bandwidth import PROBE_SHAPES  # noqa: E402
 from splitkv.runtime.bandwidth_probe import read_kernel_source  # noqa: E402

@@ -18,6 +18,11 @@ class GPUUnavailableError(RuntimeError):
 
 _gpu_found = False     # once a GPU is found usable, it stays found: the check costs nothing after
 
+# What to install, said the same way by every error that suggests an install. splitkv is
+# installed from a clone; each extra brings one CuPy and the NVRTC library of its CUDA major.
+INSTALL_HINT = ("from a splitkv clone, python3 -m pip install -e '.[cuda13]' (CUDA 13 driver) "
+                "or -e '.[cuda12]' (CUDA 12 driver)")
+
 
 def require_gpu(what: str) -> None:
     """Raise ``GPUUnavailableError`` naming ``what`` unless ``gpu_available()``."""
@@ -31,19 +36,40 @@ def require_gpu(what: str) -> None:
 
 
 def gpu_available() -> tuple[bool, str]:
-    """(True, device name) when CuPy is installed and sees a CUDA device, else (False, why)."""
+    """(True, device name) when CuPy is installed, sees a CUDA device and loads the NVRTC
+    library, else (False, why)."""
     try:
         import cupy
     except ImportError:
-        return False, "CuPy is not installed (pip install 'splitkv[cuda12]' or 'splitkv[cuda13]')"
+        return False, f"CuPy is not installed ({INSTALL_HINT})"
     except Exception as exc:  # installed but broken (e.g. a CUDA library it needs is missing)
         return False, f"CuPy cannot be imported: {type(exc).__name__}: {exc}"
     try:
         if not cupy.cuda.is_available():
             return False, "CuPy found no usable CUDA device (no GPU or no driver)"
-        return True, device_info()["name"]
+        name = device_info()["name"]
     except Exception as exc:  # driver present but unusable
         return False, f"CUDA is not usable: {exc}"
+    ok, why = nvrtc_available()    # the kernels are compiled at run time: no NVRTC, no kernels
+    return (True, name) if ok else (False, why)
+
+
+@lru_cache(maxsize=None)
+def nvrtc_available() -> tuple[bool, str]:
+    """(True, "NVRTC major.minor") when CuPy's NVRTC bindings load the NVRTC library, else
+    (False, why). Needs no GPU: the compile-only tests skip on it."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+    except ImportError:
+        return False, f"CuPy is not installed ({INSTALL_HINT})"
+    except Exception as exc:  # installed but broken
+        return False, f"CuPy cannot be imported: {type(exc).__name__}: {exc}"
+    try:
+        major, minor = nvrtc.getVersion()
+    except Exception as exc:  # the bindings are there, the library is not
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return False, f"the NVRTC library cannot be loaded ({first_line}); {INSTALL_HINT}"
+    return True, f"NVRTC {major}.{minor}"
 
 
 @lru_cache(maxsize=None)
@@ -67,4 +93,5 @@ def device_info(device_id: int | None = None) -> dict:
     return _device_info(cupy.cuda.runtime.getDevice() if device_id is None else device_id)
 
 
-__all__ = ["GPUUnavailableError", "device_info", "gpu_available", "require_gpu"]
+__all__ = ["INSTALL_HINT", "GPUUnavailableError", "device_info", "gpu_available", "nvrtc_available",
+           "require_gpu"]

@@ -1,5 +1,7 @@
 """Context-parallel decode on N GPUs: each rank holds a contiguous range of every request's KV.
 
+Needs CUDA GPUs (one per rank), CuPy and NCCL (splitkv/distributed/README.md says which).
+
     PYTHONPATH=$PWD python3 -m splitkv.distributed.launch --nproc 2 examples/context_parallel.py
 
 Every rank builds the same random batch (same seed), keeps only its shard of the pages, runs
@@ -24,7 +26,7 @@ def rel_l2(a, b) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[:2]))
     ap.add_argument("--lens", type=A.lengths, default="30000,4097,3,0,700",
                     help="tokens of each request, comma-separated (default %(default)s)")
     ap.add_argument("--heads", type=A.heads, default="32/8",

@@ -1,5 +1,8 @@
 """Greedy decode of a Llama model whose attention runs over a paged KV cache through splitkv.
 
+Needs PyTorch and transformers; the splitkv backend needs a CUDA GPU (the reference one runs on
+the CPU).
+
     PYTHONPATH=$PWD python3 examples/llama_paged_decode.py                  # GPU, splitkv, eager
     PYTHONPATH=$PWD python3 examples/llama_paged_decode.py --graphs         # one CUDA graph per bucket
     PYTHONPATH=$PWD python3 examples/llama_paged_decode.py --graphs --plan-on-device  # no host planning
@@ -45,9 +48,9 @@ import numpy as np
 try:
     import torch
     import transformers  # noqa: F401  (the model below is a transformers Llama)
-except ImportError as exc:
-    sys.exit(f"llama_paged_decode.py needs PyTorch and transformers (on the CPU too: the model "
-             f"is a transformers Llama): pip install torch transformers ({exc})")
+except ImportError as exc:   # said by main() after the arguments are checked (--help works)
+    torch = None
+    MISSING_IMPORT = exc
 
 # One tolerance, in logits, per model dtype, for two checks: every decode step's logits must be
 # within it of the model's own (max over the vocabulary), and a step whose argmax differs from
@@ -596,7 +599,7 @@ def int_list(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[:2]))
     ap.add_argument("--backend", choices=["splitkv", "reference"], default="splitkv")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
@@ -621,8 +624,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--prompt-lens", type=int_list, default=[5, 23, 40, 12, 31, 17])
     ap.add_argument("--max-new-tokens", type=int_list, default=[80, 33, 65, 20, 72, 48],
-                    help="per request, the prefill's token included; the longest sets the "
-                         "number of decode steps (default 79)")
+                    help="tokens each request generates, one per prompt, counted as "
+                         "transformers' generate counts them: the prefill's token included, so "
+                         "a request decodes max_new_tokens - 1 steps (the defaults: 79 steps "
+                         "for the longest)")
     ap.add_argument("--warmup-passes", type=int, default=1,
                     help="whole passes run before the timed one (compiles, captures)")
     ap.add_argument("--logit-tol", type=float, default=None,
@@ -648,13 +653,53 @@ def make_attention(args, num_pages: int, max_rows: int):
                             args.plan_on_device)
 
 
-def check_args(args) -> None:
-    if args.graphs and torch.device(args.device).type != "cuda":
-        raise SystemExit("--graphs needs a CUDA device")
+POSITIVE_OPTIONS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab",
+                    "page_size")
+
+
+def check_args(parser: argparse.ArgumentParser, args) -> None:
+    """Refuse what cannot make a meaningful run, naming the option (exit status 2)."""
+    for name in POSITIVE_OPTIONS:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected a positive integer, got "
+                         f"{getattr(args, name)}")
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads: expected a multiple of --kv-heads={args.kv_heads}, got {args.heads}")
+    if not args.prompt_lens or min(args.prompt_lens) < 1:
+        parser.error(f"--prompt-lens: expected positive lengths, got {args.prompt_lens}")
+    if len(args.max_new_tokens) != len(args.prompt_lens):
+        parser.error(f"--max-new-tokens: expected one count per prompt ({len(args.prompt_lens)}), "
+                     f"got {len(args.max_new_tokens)}")
+    if min(args.max_new_tokens) < 1 or max(args.max_new_tokens) < 2:
+        parser.error("--max-new-tokens: expected counts >= 1 and at least one >= 2 (a decode "
+                     f"step to check), got {args.max_new_tokens}")
+    if args.buckets is not None and (not args.buckets or min(args.buckets) < 1):
+        parser.error(f"--buckets: expected positive batch sizes, got {args.buckets}")
+    if args.warmup_passes < 0:
+        parser.error(f"--warmup-passes: expected 0 or more, got {args.warmup_passes}")
+    if args.logit_tol is not None and not args.logit_tol > 0:
+        parser.error(f"--logit-tol: expected a positive tolerance, got {args.logit_tol}")
     if args.plan_on_device and not (args.graphs and args.backend == "splitkv"):
-        raise SystemExit("--plan-on-device needs --graphs and the splitkv backend")
+        parser.error("--plan-on-device: needs --graphs and the splitkv backend")
     if args.backend == "splitkv" and args.dtype == "float32":
-        raise SystemExit("the splitkv backend takes bfloat16 or float16")
+        parser.error("--dtype: the splitkv backend takes bfloat16 or float16, got float32")
+
+
+def check_environment(args) -> None:
+    """What the run needs from the machine, said in one line before any work."""
+    if torch is None:
+        sys.exit(f"llama_paged_decode.py needs PyTorch and transformers (the model is a "
+                 f"transformers Llama, on the CPU too): pip install torch transformers "
+                 f"({MISSING_IMPORT})")
+    on_cuda = torch.device(args.device).type == "cuda"
+    if args.graphs and not on_cuda:
+        sys.exit("--graphs needs a CUDA device (--device cuda)")
+    if args.backend == "splitkv" and not on_cuda:
+        sys.exit(f"--backend splitkv needs a CUDA device, got --device {args.device} (on the CPU: "
+                 "--backend reference --device cpu --dtype float32)")
+    if on_cuda and not torch.cuda.is_available():
+        sys.exit(f"--device {args.device}: PyTorch sees no CUDA device (on the CPU: --backend "
+                 "reference --device cpu --dtype float32)")
 
 
 def timed_pass(decoder: PagedDecoder, requests: list[Request], warmup_passes: int):
@@ -713,8 +758,10 @@ def print_summary(res: dict) -> None:
 
 def main(argv=None) -> dict:
     """Run the example; returns the summary dict (also printed)."""
-    args = build_parser().parse_args(argv)
-    check_args(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    check_environment(args)
     buckets = args.buckets or (default_buckets(len(args.prompt_lens)) if args.graphs else None)
     tol = args.logit_tol if args.logit_tol is not None else LOGIT_TOLERANCE[args.dtype]
     model = build_model(args)

@@ -1,8 +1,8 @@
 """splitkv: decode attention over a paged KV cache, split adaptively across the GPU.
 
-Host-side pieces (problem description, plans, the float64 reference, the CPU plan executor and
-``merge_states``) import without a GPU or CuPy. The GPU wrapper is imported lazily from
-``splitkv.runtime``.
+Host-side pieces (problem description, plans, the planner, the float64 reference, the CPU plan
+executor and ``merge_states``) import without a GPU or CuPy. The planner and the GPU wrapper are
+imported lazily, on first use of their names.
 """
 
 from ._version import __version__
@@ -14,16 +14,19 @@ from .core.reference import reference_decode
 
 __all__ = [
     "BatchDecodeWrapper", "DecodeProblem", "GPUUnavailableError", "PageTable", "Plan",
-    "execute_plan_cpu", "merge_states", "merge_states_n", "plan_chunk_tokens",
-    "plan_fixed_splits", "plan_from_chunk_counts", "reference_decode", "__version__",
+    "ProfileError", "choose_plan", "execute_plan_cpu", "load_profile", "merge_states",
+    "merge_states_n", "plan_chunk_tokens", "plan_fixed_splits", "plan_from_chunk_counts",
+    "rank_candidates", "reference_decode", "__version__",
 ]
+
+# Names imported on first use: the planner (it reads profiles with PyYAML) and the GPU runtime.
+_LAZY = {"BatchDecodeWrapper": "runtime.wrapper", "GPUUnavailableError": "runtime",
+         "ProfileError": "planner", "choose_plan": "planner", "load_profile": "planner",
+         "rank_candidates": "planner"}
 
 
 def __getattr__(name):
-    if name == "BatchDecodeWrapper":
-        from .runtime.wrapper import BatchDecodeWrapper
-        return BatchDecodeWrapper
-    if name == "GPUUnavailableError":
-        from .runtime import GPUUnavailableError
-        return GPUUnavailableError
+    if name in _LAZY:
+        from importlib import import_module
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'splitkv' has no attribute {name!r}")

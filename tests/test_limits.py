@@ -1,6 +1,6 @@
 """The size limits of the host API (``validation.MAX_*``), the profile argument, and errors that
 name the argument actually wrong: each refused up front with a ValueError or TypeError naming
-the argument, before any large array is made (issue 17)."""
+the argument, before any large array is made."""
 
 import os
 import tracemalloc
@@ -267,7 +267,9 @@ def both_paths(x, **changes):
     (lambda x: dict(v_cache=x["v_cache"][..., :32]), "v_cache: expected shape"),
     (lambda x: dict(v_cache=x["v_cache"][:, :, :1]), "v_cache: expected shape"),
     (lambda x: dict(v_cache=x["v_cache"][:, :8]), "v_cache: expected shape"),
-    (lambda x: dict(k_cache=x["k_cache"][:2], v_cache=x["v_cache"][:2]), "kv_indices: page index 3"),
+    # both caches too short: the caches are named, not kv_indices, which the caller may not pass
+    (lambda x: dict(k_cache=x["k_cache"][:2], v_cache=x["v_cache"][:2]),
+     r"k_cache, v_cache: the page table references page 3 but the caches have 2 pages"),
 ])
 def test_the_wrong_argument_is_named(inputs, change, blamed):
     for call in both_paths(inputs, **change(inputs)):

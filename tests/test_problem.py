@@ -45,6 +45,16 @@ def test_block_table_padding_beyond_the_length_is_never_read():
     assert_same_table(a, b)
 
 
+def test_plans_take_a_block_table_padded_with_minus_one():
+    """vLLM pads a row past its length with -1 (or stale ids): what plan(block_table=...) reads
+    through from_layout is the table of the entries inside the lengths only."""
+    padded = np.array([[2, 0, -1, -1], [1, -1, -1, -1], [-1, -1, -1, -1]], dtype=np.int32)
+    lens = np.array([20, 3, 0])
+    table = PageTable.from_layout(None, 16, block_table=padded, seq_lens=lens)
+    assert table.kv_indices.tolist() == [2, 0, 1]
+    assert table.kv_lens.tolist() == [20, 3, 0]
+
+
 def test_token_slots_follow_the_pages():
     pt = PageTable.from_block_table([[3, 1]], [5], 4)
     np.testing.assert_array_equal(pt.token_slots(0), [12, 13, 14, 15, 4])

@@ -121,6 +121,27 @@ def test_broken_explicit_profile_is_a_clear_error(tmp_path, case):
         load_profile(path)
 
 
+@pytest.mark.parametrize("case", ["missing", *sorted(BROKEN)])
+def test_a_wrappers_profile_path_is_read_when_the_wrapper_is_made(tmp_path, case):
+    """Not at the first plan(): a typo in a path fails where it was written (no GPU needed)."""
+    from splitkv import BatchDecodeWrapper
+
+    path = tmp_path / "broken.yaml"
+    if case != "missing":
+        path.write_text(BROKEN[case])
+    with pytest.raises(ProfileError, match="broken.yaml"):
+        BatchDecodeWrapper(32, 8, 128, 16, profile=path)
+    with pytest.raises(ProfileError, match="broken.yaml"):
+        BatchDecodeWrapper(32, 8, 128, 16, profile=str(path))
+
+
+def test_a_wrapper_takes_a_good_profile_path_without_a_gpu():
+    from splitkv import BatchDecodeWrapper
+
+    shipped = Path(profiles.__file__).with_name("profiles") / "nvidia-h200.yaml"
+    assert BatchDecodeWrapper(32, 8, 128, 16, profile=shipped) is not None
+
+
 def test_bad_fields_name_the_field(tmp_path):
     good = make_profile().to_dict()
     for key, value, message in [("num_sms", 0, "num_sms"), ("bandwidth_gbps", -1, "bandwidth"),
@@ -235,7 +256,7 @@ def test_graph_stable_fp8_wrappers_plan_with_their_own_fit(tmp_path):
 
 def test_the_shipped_h200_profile_has_both_fp8_fits():
     """Per-shape fp8 plans of few CTAs run 8 warps, which removes the lone-CTA penalty the
-    4-warp (graph-stable) fit measured (benchmarks/NOTES.md, issue 15)."""
+    4-warp (graph-stable) fit measured (docs/design/fp8.md)."""
     from importlib import resources
 
     h200 = read_profile(resources.files("splitkv.planner").joinpath("profiles", "nvidia-h200.yaml"))

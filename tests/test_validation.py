@@ -1,5 +1,7 @@
 """Every bad input is refused with the right error type and a message naming the argument."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -90,9 +92,12 @@ def test_device_block_tables_are_refused(fake):
     ([[0, 1]], [[5]], ValueError, "seq_lens"),
     ([0, 1], [5], ValueError, "block_table"),               # rank
     ([[0.0, 1.0]], [5], TypeError, "block_table"),
-    # bad entries are named block_table's (they were blamed on kv_indices)
-    ([[0, 7]], [20], ValueError, "block_table: page index 7"),     # page 7 of a pool of 4
-    ([[-1, 0]], [20], ValueError, "block_table: page indices"),    # padding inside the length
+    # a bad entry among those read is named by its row and column in block_table
+    ([[0, 7]], [20], ValueError, re.escape("block_table[0, 1] (request 0 reads 2 pages for its 20 "
+                                           "tokens): expected a page index in 0..3 (num_pages=4), "
+                                           "got 7")),
+    ([[-1, 0]], [20], ValueError, r"block_table\[0, 0\] .*got -1"),   # padding inside the length
+    ([[0, 1], [2, -1]], [20, 20], ValueError, r"block_table\[1, 1\] \(request 1 reads 2 pages"),
 ])
 def test_bad_block_tables(table, lens, error, name):
     with pytest.raises(error, match=name):
@@ -187,7 +192,8 @@ def call_both(inputs, **changes):
     (lambda x: dict(k_cache=x["k_cache"].astype(np.complex128)), TypeError, "k_cache"),
     (lambda x: dict(v_cache=x["v_cache"][:2]), ValueError, "v_cache"),        # misses page 2
     (lambda x: dict(v_cache=x["v_cache"].astype(np.float32)), TypeError, "v_cache"),
-    (lambda x: dict(k_cache=x["k_cache"][:2], v_cache=x["v_cache"][:2]), ValueError, "kv_indices"),
+    (lambda x: dict(k_cache=x["k_cache"][:2], v_cache=x["v_cache"][:2]), ValueError,
+     "k_cache, v_cache: the page table references page 2"),
     (lambda x: dict(page_table="pages"), TypeError, "page_table"),
 ])
 def test_bad_host_inputs(inputs, change, error, name):
@@ -380,7 +386,7 @@ def test_max_q_len_is_a_checked_graph_stable_capacity():
 
 def test_host_integer_arrays_refuse_strings_and_bools_among_integers():
     """NumPy reads [0, True, 2] as integers and 'abc' as a 0-d array: both are mistakes, named
-    as such (issue 17's review)."""
+    as such."""
     from splitkv.core import validation as V
 
     with pytest.raises(TypeError, match="qo_indptr: expected integers, got a bool among them"):

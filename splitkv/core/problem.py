@@ -65,7 +65,8 @@ class PageTable:
     def from_block_table(cls, block_table, seq_lens, page_size: int,
                          num_pages: int | None = None) -> "PageTable":
         """vLLM layout: ``block_table[b, i]`` is the i-th page of request b; only the first
-        ``ceil(seq_lens[b] / page_size)`` entries of a row are read (the rest may hold padding)."""
+        ``ceil(seq_lens[b] / page_size)`` entries of a row are read, so the rest may hold any
+        padding (-1 included). A bad entry among those read is named by row and column."""
         page_size = V.check_page_size(page_size)
         table = V.host_int_array("block_table", block_table, 2)
         lens = V.host_int_array("seq_lens", seq_lens, 1)
@@ -78,7 +79,11 @@ class PageTable:
         rows = np.repeat(np.arange(lens.size), pages)
         cols = np.arange(indptr[-1]) - np.repeat(indptr[:-1], pages)
         indices = table[rows, cols].astype(np.int64)
-        V.check_page_indices(indices, num_pages, "block_table")     # the entries read
+        # only the entries read are checked, and a bad one is named by its row and column
+        V.check_page_indices(indices, num_pages, "block_table",
+                             position=lambda i: f"[{rows[i]}, {cols[i]}] (request {rows[i]} "
+                                                f"reads {pages[rows[i]]} pages for its "
+                                                f"{lens[rows[i]]} tokens)")
         last = np.where(pages > 0, lens - (pages - 1) * page_size, 0)
         return cls.from_flashinfer(indptr, indices, last, page_size)
 

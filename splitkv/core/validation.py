@@ -126,7 +126,8 @@ def host_int_array(name: str, value, ndim: int) -> np.ndarray:
         raise ValueError(f"{name}: expected a {ndim}-d array, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name}: expected an integer array, got dtype {arr.dtype}")
-    if arr.size and arr.dtype == np.uint64 and arr.max() > np.iinfo(np.int64).max:
+    # compared as uint64: NumPy 1.x compares uint64 with an int through float64, which rounds
+    if arr.size and arr.dtype == np.uint64 and arr.max() > np.uint64(np.iinfo(np.int64).max):
         raise ValueError(f"{name}: value {arr.max()} does not fit in int64")
     return arr.astype(np.int64, copy=False)
 
@@ -196,18 +197,25 @@ def check_page_table(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_last_page
     return lens
 
 
-def check_page_indices(kv_indices: np.ndarray, num_pages=None, name: str = "kv_indices") -> None:
+def check_page_indices(kv_indices: np.ndarray, num_pages=None, name: str = "kv_indices",
+                       position=None) -> None:
     """Page indices are >= 0 and, where the pool size is known, address a page of a pool (KV
-    cache) of ``num_pages`` pages; ``name``: the argument they came from (``block_table`` for
-    vLLM's layout)."""
-    if kv_indices.size and kv_indices.min() < 0:
-        raise ValueError(f"{name}: page indices must be >= 0, got {kv_indices.min()}")
-    if num_pages is None:
+    cache) of ``num_pages`` pages. The first bad entry is named as the caller wrote it:
+    ``name`` is the argument it came from (``block_table`` for vLLM's layout) and
+    ``position(i)`` says where entry i of ``kv_indices`` sits there (default ``[i]``)."""
+    if not kv_indices.size:
         return
-    num_pages = check_int("num_pages", num_pages, 0)
-    if kv_indices.size and kv_indices.max() >= num_pages:
-        raise ValueError(f"{name}: page index {kv_indices.max()} is out of range for a pool "
-                         f"of {num_pages} pages")
+    bad = kv_indices < 0
+    if num_pages is not None:
+        num_pages = check_int("num_pages", num_pages, 0)
+        bad |= kv_indices >= num_pages
+    if not bad.any():
+        return
+    i = int(np.argmax(bad))
+    where = position(i) if position is not None else f"[{i}]"
+    expected = ("a page index >= 0" if num_pages is None
+                else f"a page index in 0..{num_pages - 1} (num_pages={num_pages})")
+    raise ValueError(f"{name}{where}: expected {expected}, got {kv_indices[i]}")
 
 
 def check_seq_lens(seq_lens: np.ndarray, capacity: int, page_size: int) -> None:
@@ -500,7 +508,9 @@ def check_attention_arrays(q, k_cache, v_cache, batch_size: int, page_size: int,
         short, pages = ("k_cache", k_pages) if k_pages < v_pages else ("v_cache", v_pages)
         raise ValueError(f"{short}: the page table references page {kv_indices.max()} but "
                          f"{short} has {pages} pages (the other cache {max(k_pages, v_pages)})")
-    check_page_indices(kv_indices, k_pages)
+    if kv_indices.size and kv_indices.max() >= k_pages:    # both caches short (equal counts)
+        raise ValueError(f"k_cache, v_cache: the page table references page {kv_indices.max()} "
+                         f"but the caches have {k_pages} pages (axis 0)")
     return num_qo_heads, num_kv_heads, head_dim
 
 

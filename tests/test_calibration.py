@@ -49,7 +49,7 @@ def test_full_sweep_covers_the_space():
     assert {1, 256} <= batches
     lens = np.concatenate([p.kv_lens for p in problems])
     assert lens.min() <= 16 and lens.max() >= 128 * 1024
-    assert {p.group_size for p in problems} >= {1, 2, 4, 8, 16, 32}   # issue 18's groups too
+    assert {p.group_size for p in problems} >= {1, 2, 4, 8, 16, 32}   # groups 16 and 32 too
     assert any(p.head_dim == 256 and p.group_size == 2 for p in problems)
     assert {p.head_dim for p in problems} == {64, 128, 256}
     assert any(len(set(p.kv_lens.tolist())) > 1 for p in problems)        # ragged ones

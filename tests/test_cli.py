@@ -355,7 +355,7 @@ def test_a_pipe_closed_after_a_line_ends_the_command_quietly(tmp_path):
 
 
 def test_bench_cases_take_groups_and_names():
-    """`--cases` takes case names and the groups 'standard' and 'classes' (issue 18's shapes),
+    """`--cases` takes case names and the groups 'standard' and 'classes' (the classes outside the standard set),
     in the order given, each case once; a wrong name lists what exists."""
     from splitkv.bench.cases import CLASS_CASES, STANDARD_CASES, select
 

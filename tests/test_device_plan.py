@@ -137,7 +137,7 @@ def test_a_model_counting_other_tiles_is_refused_before_any_plan():
 
 def test_a_single_candidate_predicts_the_same_bits():
     """Tiny contexts leave one candidate (no split): its prediction summed in feature order on
-    both sides (NumPy would sum a lone column pairwise). Found by review: lens [0, 2, 2]."""
+    both sides (NumPy would sum a lone column pairwise), e.g. lens [0, 2, 2]."""
     rng = np.random.default_rng(2)
     for lens in ([0, 2, 2], [1], [3, 0], [17, 5, 9]):
         for layout in ("flashinfer", "block_table"):

@@ -1,4 +1,4 @@
-"""Fuzzing the host API with hypothesis (issue 17): page tables, problems and plans.
+"""Fuzzing the host API with hypothesis: page tables, problems and plans.
 
 Every call either gives a valid result or raises TypeError/ValueError whose message starts with
 the name of an argument of that call; never another exception type. A valid plan is checked on

@@ -38,8 +38,8 @@ NOT_ARRAYS = (None, 0, 3, True, 1.5, 2j, "x", b"x", (1.0,), {"x": 1.0})
 BAD_DTYPES = (np.int64, np.int32, np.uint8, np.bool_, np.complex128, np.str_, object)
 
 # (spoilt, named in the error): a q whose head_dim differs from the cache's is reported as a
-# k_cache shape error by check_attention_arrays (issue 17's "wrong argument blamed" class,
-# outside this change). The only such pair the fuzzing finds.
+# k_cache shape error by check_attention_arrays (an argument blamed for another's fault, left
+# as it is). The only such pair the fuzzing finds.
 KNOWN_BLAME = {("q", "k_cache")}
 
 
@@ -335,7 +335,7 @@ def test_fuzz_execute_plan_cpu(data):
                    lambda got: check_decode_result(valid, got))
 
 
-# --- found by the fuzzing, outside this change (issue 17, "Other exception types") ----------
+# --- found by the fuzzing: exception types other than TypeError/ValueError (strict xfail) ---
 
 @pytest.mark.xfail(strict=True, raises=OverflowError,
                    reason="check_sm_scale: float() of an int past the float range")

@@ -1,4 +1,4 @@
-"""Fuzzing the host paths' new arguments (issue 17's rule for issues 15 and 16): fp8 KV
+"""Fuzzing the host paths' arguments, under the host API's rule (``test_fuzz_host``): fp8 KV
 (``kv_dtype``, ``k_scale``, ``v_scale``) and the attention variants (``window_left``,
 ``logits_soft_cap``, ``sinks``, ``qo_indptr``) of ``reference_decode`` and ``execute_plan_cpu``,
 and ``DecodeProblem(window_left=)`` with the plan builders.

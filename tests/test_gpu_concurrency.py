@@ -1,4 +1,4 @@
-"""Issue 17 on the GPU: streams, threads, memory. Two wrappers on two streams at once are each
+"""Streams, threads and memory on the GPU. Two wrappers on two streams at once are each
 correct; one wrapper's run() called from two threads at once, with different inputs and a
 fused (ticket) plan, is correct (its runs share the workspace, so runs on two streams are
 ordered one after the other: ``records.StreamChain``); runs on two other streams are both

@@ -1,6 +1,6 @@
 """The builds a plan runs by default where the shape decides them (``features.default_occupancy``
-and ``features.default_tile_per_warp``, session 13): which build runs, and its answers against
-the float64 reference. 16-bit head_dim 64 of one row tile runs 4 CTAs an SM (3 stages, 128
+and ``features.default_tile_per_warp``): which build runs, and its answers against the
+float64 reference. 16-bit head_dim 64 of one row tile runs 4 CTAs an SM (3 stages, 128
 registers), whose arithmetic is the 4-stage build's, so its bits are too; fp8 head_dim 128 on
 grids past one CTA an SM runs 128-token tiles at 4 warps (32 tokens a warp), lone grids 8
 warps of 16 tokens each."""

@@ -1,11 +1,10 @@
-"""The GPU gives the same bits as the code did before the restructure (issue 13): every case of
-``output_digests.CASES`` against ``data/h200_output_digests.json``, which the code at 182e493
-wrote on an H200, re-recorded at aa62bb3: skipping the softmax of rows that hold no query head
-changed how the compiler fuses the softmax arithmetic, and 6 cases' last bits with it (every
-reference test passed on that code). Re-recorded in session 13 for one plan label only: the
-refitted profile plans ragged_g5_d64_p1_fp16 as split_merge/8 where it fused, with the same
-bits (the 4-an-SM head_dim 64 build changed none). A mismatch names the case (shape, plan and
-wrapper options)."""
+"""The GPU gives the recorded bits: every case of ``output_digests.CASES`` against
+``data/h200_output_digests.json``, which the code at 182e493 wrote on an H200, re-recorded at
+aa62bb3: skipping the softmax of rows that hold no query head changed how the compiler fuses
+the softmax arithmetic, and 6 cases' last bits with it (every reference test passed on that
+code). Re-recorded at 13d04e6 for one plan label only: the refitted profile plans
+ragged_g5_d64_p1_fp16 as split_merge/8 where it fused, with the same bits (the 4-an-SM head_dim
+64 build changed none). A mismatch names the case (shape, plan and wrapper options)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fuzzing ``BatchDecodeWrapper.run`` on the GPU with hypothesis (issue 17): each example takes a
+"""Fuzzing ``BatchDecodeWrapper.run`` on the GPU with hypothesis: each example takes a
 valid call and changes one or two of its arguments (shapes, dtypes, strides and views, host
 arrays, other kinds of objects, pages past the pool, the variants' arrays). The only outcomes
 allowed: the reference's answer for the arrays as given (a view the kernels can read is read

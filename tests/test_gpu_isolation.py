@@ -1,7 +1,7 @@
-"""Issue 17's isolation on the GPU, the host paths' rule (docs/RELIABILITY.md): a NaN or Inf in
-one request's q or K makes that (request, query head) NaN, output and LSE, on every strategy
-(the fused, cluster and graph-stable merges too); NaN or Inf in V reaches only the output
-components it is summed into; every other request and head keeps its bits."""
+"""Isolation of non-finite inputs on the GPU, the host paths' rule (docs/RELIABILITY.md): a NaN
+or Inf in one request's q or K makes that (request, query head) NaN, output and LSE, on every
+strategy (the fused, cluster and graph-stable merges too); NaN or Inf in V reaches only the
+output components it is summed into; every other request and head keeps its bits."""
 
 from __future__ import annotations
 

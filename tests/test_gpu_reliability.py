@@ -1,4 +1,4 @@
-"""Issue 17 on the GPU: outputs are bitwise deterministic over 1,000 runs for every strategy
+"""Determinism on the GPU: outputs are bitwise deterministic over 1,000 runs for every strategy
 (the cluster merge, fp8 K/V and graph-stable wrappers too), and one CUDA graph of many layers
 replayed 10,000 times keeps giving the eager runs' bits (the fused merge's tickets wrap back to
 zero on every replay)."""

@@ -1,4 +1,4 @@
-"""The unified max on the GPU (``plan(unified_max=phi)``, issue 18): against the float64
+"""The unified max on the GPU (``plan(unified_max=phi)``): against the float64
 reference on every strategy (the cluster merge too), bfloat16 and float16 q, fp8 K/V, and the
 number of CTAs that fell back to the running max equal to the host's prediction
 (``core.unified_max.fallback_items``) on realistic inputs (none) and on inputs built to break

@@ -1,6 +1,6 @@
 """``DecodeExperiments(warps=8)`` (128-token tiles, 256 threads a CTA) on the GPU: the same
 answers as the reference on every strategy, bf16 and fp8 K/V, graph-stable too. An experiment
-for fp8, whose lone CTAs are latency-bound (benchmarks/NOTES.md, issue 15)."""
+for fp8, whose lone CTAs are latency-bound (docs/design/kernel.md, warps)."""
 
 from __future__ import annotations
 

@@ -111,7 +111,7 @@ def test_float16_inputs_with_nan(make_batch):
 # --- merge_states / merge_states_n ----------------------------------------------------------
 
 def test_nan_lse_merges_to_nan_not_empty():
-    """The issue's example: it used to give (zeros, -inf)."""
+    """A NaN LSE merged with a finite state gives NaN, not the empty state (zeros, -inf)."""
     o = np.ones((1, 4))
     out, lse = merge_states(o, np.array([np.nan]), o, np.array([1.0]))
     assert np.all(np.isnan(out)) and np.isnan(lse[0])

@@ -79,7 +79,7 @@ def test_chunk_counts_are_clipped_to_what_a_request_can_hold():
 
 @pytest.mark.parametrize("counts", [[10, 4, 0], [1, -1, 1], [0, 0, 0]])
 def test_chunk_counts_below_one_are_refused(counts):
-    # once silently raised to 1; every request has at least one chunk, so a count of 0 is a bug
+    # not raised to 1 silently: every request has at least one chunk, so a count of 0 is a bug
     with pytest.raises(ValueError, match="chunks_per_request: request"):
         plan_from_chunk_counts(make_problem([3, 0, 50]), counts, "split_merge")
 

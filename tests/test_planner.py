@@ -293,7 +293,7 @@ GOLDEN_MODELS = (
                                       0.16407905293316438, 0.07975235492270334, 0.0, 0.0,
                                       0.0, 0.0, 0.0],
                                      num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0)),
-    # session 13's offline refit with stream_us (the candidate profile), rounded
+    # an offline refit with stream_us (a candidate profile), rounded
     ("h200 stream", CostModel.from_coef([0.0, 1.0408, 0.1276, 0.0, 0.3718, 0.0056, 2.8648,
                                          2.9549, 0.6021, 1.2716, 0.09, 0.0, 0.2682, 0.034,
                                          0.4596, 0.0, 0.0],

@@ -1,1 +1,1 @@
-"""`splitkv bench`: the standard decode cases of ANCHORS.md, timed the ANCHORS way."""
+"""`splitkv bench`: the standard decode cases (``cases``), timed by ``runtime.timing``'s method."""

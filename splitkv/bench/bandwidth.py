@@ -2,10 +2,10 @@
 
 The floor that "% of read bandwidth" is judged against must be the best rate a plain read
 reaches, or it flatters the kernel. One launch shape is not enough: a single-shape probe once
-read slower than the decode kernel itself sustained (benchmarks/NOTES.md). So the probe tries
-a few shapes, including ones that keep four loads in flight per thread, and keeps the
-fastest. (A shape's "CTAs per SM" is the grid's size over the SM count; an SM holds at most
-2,048 threads, so 8 x 512 runs as two waves of 4.)
+read slower than the decode kernel itself sustained (4,275 against 4,333 GB/s on the H200).
+So the probe tries a few shapes, including ones that keep four loads in flight per thread, and
+keeps the fastest. (A shape's "CTAs per SM" is the grid's size over the SM count; an SM holds at
+most 2,048 threads, so 8 x 512 runs as two waves of 4.)
 """
 
 from __future__ import annotations

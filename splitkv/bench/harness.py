@@ -80,7 +80,7 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
     ``graph_stable``: also time each case through a graph-stable wrapper (``use_cuda_graph``,
     capacity: the case's batch and pages, the default max_chunks), the same way.
     ``kv_dtype`` (an fp8 format): fp8 K/V (random codes, scale 1), the floor on fp8 bytes, the
-    fp8 peers of issue 15 (``cases.FP8_BEST_PEER_US``) and no SDPA peer (it has no fp8 KV).
+    recorded fp8 peers (``cases.FP8_BEST_PEER_US``) and no SDPA peer (it has no fp8 KV).
     ``flashinfer``: also time FlashInfer's paged paths (``flashinfer_peer``) on the same page
     table and K/V in the same run; the best of them is the case's live peer.
 
@@ -196,7 +196,7 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
     log(f"streaming read after the cases: {max(probe_end.values()):,.0f} GB/s "
         f"(best of {probe_end}); floor {read_gbps:,.0f} GB/s")
 
-    # the issue's bar: a ragged batch of 256 requests, planned with the profile used above
+    # the plan-cost batch: a ragged batch of 256 requests, planned with the profile used above
     plan_us_b256 = _plan_cpu_us(DecodeProblem(ragged_b256_lengths(), 32, 8, 128, 16, dtype),
                                 w.profile) if cases else None
     # and the whole plan() of it, by an ordinary and a graph-stable wrapper (a decode loop's

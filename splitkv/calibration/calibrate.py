@@ -21,7 +21,7 @@ from .sweep import Measurement, SweepPoint, measure, sweep_points, write_measure
 
 QUICK_TIMING = {"trials": 3, "min_trial_ms": 10.0}
 
-# A few batches whose plans the summary shows (ANCHORS.md's standard cases).
+# A few batches whose plans the summary shows (standard cases of ``bench.cases``).
 EXAMPLES = [("b1_n1k", [1024], 32, 8), ("b1_n32k", [32768], 32, 8),
             ("b8_n8k", [8192] * 8, 32, 8), ("b128_n2k", [2048] * 128, 32, 8),
             ("g8_b1_n32k", [32768], 64, 8)]

@@ -87,14 +87,14 @@ def sweep_shapes(quick: bool = False, seed: int = 0) -> list[SweepShape]:
         shapes.append(_shape(f"h{hq}/{hk}_d{d}_ragged_b16", ragged_lengths(16, 4096, rng),
                              hq, hk, d))
     if not quick:
-        # issue 18's classes the cost model describes (rows a CTA, head_dim): GQA groups 16 and
-        # 32, and head_dim 256 with group 2 (Gemma-like); a few shapes each, appended so that
+        # the classes of shape the cost model describes (rows a CTA, head_dim): GQA groups 16
+        # and 32, and head_dim 256 with group 2 (Gemma-like); a few shapes each, appended so that
         # the shapes above keep their ragged lengths
         for hq, hk, d in [(128, 8, 128), (64, 2, 128), (16, 8, 256)]:
             for b, n in [(1, 8192), (8, 8192), (32, 2048)]:
                 shapes.append(_shape(f"h{hq}/{hk}_d{d}_b{b}_n{n}", [n] * b, hq, hk, d))
-        # and the kinds of shape the planner evaluation of session 12 found the fit furthest
-        # from, with sizes of their own (the evaluation's held-out shapes stay unseen):
+        # and the kinds of shape the planner evaluation (docs/design/cost-model.md) found the fit
+        # furthest from, with sizes of their own (the evaluation's held-out shapes stay unseen):
         # hundreds of short requests, a large batch of which a few requests are long
         # (split_merge splits only those), many waves at head_dim 64 and 256, a batch-1
         # request of a few thousand tokens

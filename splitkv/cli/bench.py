@@ -51,7 +51,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--flashinfer", action="store_true",
                         help="also time FlashInfer's paged decode paths (XQA, tensor core, CUDA "
                              "core) on the same pages and K/V in this run; needs flashinfer "
-                             "importable (../shared/peers/ prepares it for an offline machine)")
+                             "importable (on a machine without network, install its wheel beforehand)")
     parser.add_argument("--json", type=A.output_file, default=None,
                         help="write results to this JSON file")
     parser.add_argument("--markdown", type=A.output_file, default=None,

@@ -15,7 +15,7 @@ When a fused plan may merge in clusters (``fused_cluster_size``): every request 
 exactly S chunks, S in ``CLUSTER_SIZES``, no chunk longer than ``CLUSTER_MAX_CHUNK_TOKENS``,
 and for S > 2 a grid of at most ``CLUSTER_MAX_WIDE_CTAS`` CTAs. Clusters save the ticket's round
 trips to L2 but cost streaming time when CTAs run long or when a grid holds many wide clusters
-(the measurements are in benchmarks/NOTES.md).
+(the measurements are in docs/design/kernel.md, the cluster merge).
 
 Launch orders (``LAUNCH_ORDERS``): the GPU deals CTAs onto its SMs in grid order, so a long
 piece of work dealt last runs alone after the rest finished; running the long work first

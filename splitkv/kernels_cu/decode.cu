@@ -765,7 +765,7 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   // Q's fragments to shared memory after the pipeline and the record's page ids, a 16-byte
   // word a lane a k-step, each warp its own (every lane reads back only what it wrote: no
   // barrier). At head_dim 256 the fragments are 64 registers, and the kernel spills without
-  // this (benchmarks/NOTES.md, session 11).
+  // this (docs/design/kernel.md, q in shared memory).
   const u32 q_smem = smem_u32(smem) + PIPELINE_BYTES + RECORD_PAGES * 4 +
                      (u32)((warp * KSTEPS * 32 + lane) * 16);
 #pragma unroll

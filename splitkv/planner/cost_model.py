@@ -20,12 +20,12 @@ of the busiest SM, so a fitted coefficient near 1 means "at the roofline".
 
 The critical path is counted per SM, not per slot: the CTAs resident on one SM share its load
 pipes and tensor cores, so two CTAs of n tokens on one SM take about as long as one CTA of 2n
-tokens alone on it (measured: benchmarks/NOTES.md, "Cost-model features: the measurements
-behind them"). Counting per slot credited a split that doubles the CTAs on half-idle SMs with
-halving the critical path. Unequal chunks add a tail: CTAs are dealt in grid order (the
-plan's launch order, by default the longest chunks first: ``execution.launch_order``), and
-list scheduling's makespan is up to mean load + largest item; ``tail_us`` carries what the
-largest chunk exceeds the mean by.
+tokens alone on it (measured: docs/design/cost-model.md, "The measurements behind the
+columns"). Counting per slot would credit a split that doubles the CTAs on half-idle SMs with halving the critical
+path. Unequal chunks add a tail: CTAs are dealt in grid order (the plan's launch order, by
+default the longest chunks first: ``execution.launch_order``), and list scheduling's makespan
+is up to mean load + largest item; ``tail_us`` carries what the largest chunk exceeds the mean
+by.
 
 The feature columns, in order (``FEATURE_NAMES``):
   const           1 per call.
@@ -55,10 +55,10 @@ The feature columns, in order (``FEATURE_NAMES``):
                   the largest chunk has at least ``LONE_CTA_MIN_TOKENS`` tokens. A CTA alone on
                   its SM keeps half the loads in flight that two do, so it streams below the
                   SM's share of the bandwidth: such a grid runs a few percent slower than the
-                  same work as two CTAs per SM, which crit_us alone predicts equal (NOTES.md,
-                  as above). A short chunk's time is mostly its start-up, which a second CTA
-                  does not shorten. Cluster plans count too (all were measured as ticket
-                  plans).
+                  same work as two CTAs per SM, which crit_us alone predicts equal
+                  (docs/design/cost-model.md). A short chunk's time is mostly its start-up,
+                  which a second CTA does not shorten. Cluster plans count too (all were
+                  measured as ticket plans).
   stream_us       the grid's streaming time: while it is full (min(items, slots) CTAs at
                   once) the grid reads at the device's bandwidth, and the largest CTA only
                   its share; what that CTA has left past its share it then streams alone, at
@@ -67,9 +67,9 @@ The feature columns, in order (``FEATURE_NAMES``):
                   device's bandwidth over LONE_CTA_GBPS, L the largest CTA's tokens, W all
                   CTAs' tokens; times one token's bytes / the bandwidth. The per-SM critical
                   path (crit_us) charges the largest CTA at a whole SM's rate, where in a full
-                  grid of ragged chunks it streams at its share (benchmarks/offline,
-                  session 13: a grid of 516 CTAs with one of 3,682 tokens ran 74.7 us where
-                  crit_us predicted 61.8). Profiles fitted before it hold 0. W counts every
+                  grid of ragged chunks it streams at its share (docs/design/cost-model.md:
+                  a grid of 516 CTAs with one of 3,682 tokens ran 74.7 us where crit_us
+                  predicted 61.8). Profiles fitted without it hold 0. W counts every
                   CTA's tokens, so a group past 64 query heads (several CTAs a kv head, the
                   second reading from L2) counts each; fp8 fits use the same rho over 16-bit
                   bytes (a lone fp8 CTA's rate was not measured apart).
@@ -77,17 +77,18 @@ The feature columns, in order (``FEATURE_NAMES``):
                   a CTA of head_dim 256 fills a pipeline of tiles twice as wide, and alone on
                   its SM (one CTA an SM) nothing hides that start-up. Without it the H200 fit
                   predicted head_dim 256 plans 6-25% fast, the more so the more waves
-                  (benchmarks/NOTES.md, session 14). Profiles fitted before it hold 0.
+                  (docs/design/cost-model.md). Profiles fitted without it hold 0.
   merge_grid      'split_merge' plans that merge: the merge kernel's CTAs per SM. Its grid is
                   a thread per (request, query head, 4 dims), 128 a CTA, over the whole
                   batch, split or not, so 256 requests of 32 heads launch 2,048 CTAs however
-                  few split. Measured on the H200 (merge_cost probe, session 15): 4-10 us of
-                  merge kernel at 128-256 requests; launches and merge_chain are per call.
-                  Profiles fitted before it hold 0. Where the grid differs: a graph-stable
-                  wrapper launches it over its capacity for every strategy, so its model
-                  holds 0 (``Profile.cost_model``); the compact_merge experiment covers the
-                  split requests only (this overcounts); 8-warp builds' merge CTAs hold 256
-                  threads (half the CTAs; only lone grids, small batches, run them).
+                  few split. Measured on the H200: 4-10 us of merge kernel at 128-256
+                  requests (benchmarks/results/h200-merge-cost.json); launches and
+                  merge_chain are per call. Profiles fitted without it hold 0. Where the
+                  grid differs: a graph-stable wrapper launches it over its capacity for
+                  every strategy, so its model holds 0 (``Profile.cost_model``); the
+                  compact_merge experiment covers the split requests only (this
+                  overcounts); 8-warp builds' merge CTAs hold 256 threads (half the CTAs;
+                  only lone grids, small batches, run them).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ MERGE_DIMS_PER_CTA = 4 * 128
 # Chunks from which a lone CTA's streaming rate, not its start-up, sets its time (lone_cta_us).
 LONE_CTA_MIN_TOKENS = 1024
 # What one CTA alone streams, GB/s (stream_us): chosen on the H200 sweep alone, where the
-# held-out error was lowest (benchmarks/offline/s13_r1_scan.py; 50-70 fit alike).
+# held-out error was lowest (docs/design/cost-model.md; 50-70 fit alike).
 LONE_CTA_GBPS = 70.0
 
 SINGLE, SPLIT_MERGE, FUSED = (STRATEGIES.index(s) for s in ("single", "split_merge", "fused"))
@@ -133,7 +134,7 @@ SINGLE, SPLIT_MERGE, FUSED = (STRATEGIES.index(s) for s in ("single", "split_mer
 # (``geometry.fp8_tile_tokens``); 'fp8_multi_token' the same for multi-token plans, whose
 # builds keep 16 tokens a warp (``CostModel.for_multi_token``; a profile never holds it). The
 # fp8 H200 fit counting them: fit RMS 8.4 -> 8.0%, held-out 7.1 -> 6.7%, eval 59 -> 62 of 68
-# shapes within 5% (benchmarks/NOTES.md, session 15).
+# shapes within 5% (docs/design/cost-model.md).
 TILE_RULES = ("", "fp8", "fp8_multi_token")
 
 
@@ -193,7 +194,7 @@ def critical_path(total, largest, num_items, slots):
 # registers, 64 KiB of shared memory), 2 with four (182), 2 at 128 (216 registers, 96 KiB) and 1 at
 # 256 (160 KiB); fp8's hold 4, 2 and 1. tests/test_kernels_compile.py pins the 16-bit ones
 # against what NVRTC reports. (One count for every head_dim overstated head_dim 256's slots
-# twice and understated 64's: session 12's offline study, benchmarks/offline/.)
+# twice and understated 64's: docs/design/cost-model.md.)
 # The plan is chosen before its build, so a build that holds fewer than the default's is
 # counted as the default: the unified max at head_dim 64 (158 registers: 3 an SM), forced
 # experiments. GPUs of less shared memory an SM than the H200's (A100, sm_86/89) hold fewer at

@@ -77,7 +77,7 @@ def wave_filling_chunk_tokens(total_tokens: int, batch_size: int, items_per_chun
     FlashInfer's rule (the smallest chunk whose sum of ceil(len / chunk) x kv heads fits the
     grid) in closed form, counting half a chunk of waste per request.
 
-    Worked example, ANCHORS.md's ragged_b32 (103,044 tokens in 32 requests, 8 kv heads, 264
+    Worked example, the standard case ragged_b32 (103,044 tokens in 32 requests, 8 kv heads, 264
     slots): 2 waves hold 66 chunks; 66 - 32 / 2 = 50 chunks of 103044 / 50 = 2061 -> 2112
     tokens; 3 waves: 1280 tokens; 4 waves: 896. Powers of two would jump from 1024 (about
     123 chunks, 3.7 waves) to 2048 (about 65 chunks, just under 2 waves).

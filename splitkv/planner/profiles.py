@@ -43,7 +43,8 @@ SCHEMA = 1
 PRIOR_SOURCE = "prior, not yet calibrated"
 
 # Streaming-read bandwidth guesses (GB/s) for the prior, by a substring of the device name.
-# H200: measured (shared/GPU.md). The others: ~90% of the spec sheet, to be calibrated.
+# H200: measured (a streaming read of 4 GiB, 16-byte loads, 528-2112 CTAs: 4,457-4,497 GB/s).
+# The others: ~90% of the spec sheet, to be calibrated.
 BANDWIDTH_GUESS_GBPS = {"h200": 4460.0, "h100": 3000.0, "a100": 1800.0, "l40": 780.0}
 DEFAULT_BANDWIDTH_GBPS = 2000.0
 DEFAULT_NUM_SMS = 132
@@ -52,9 +53,8 @@ DEFAULT_NUM_SMS = 132
 # what a profile's kv_fp8 and kv_fp8_graph_stable mappings may hold
 FP8_FIELDS = {"coef", "fit_error", "heldout_error", "measured_bandwidth_gbps", "date", "sweep",
               "tile_rule"}
-# Cost-model features a profile written before them may lack (lone_cta_us, session 5; stream_us,
-# session 13; wide_waves, session 14; merge_grid, session 15): read as 0, the model that
-# profile was fitted as.
+# Cost-model features a profile written before them may lack (lone_cta_us, stream_us,
+# wide_waves, merge_grid, added in that order): read as 0, the model that profile was fitted as.
 FEATURES_ADDED_LATER = ("lone_cta_us", "stream_us", "wide_waves", "merge_grid")
 FP8_FITS = ("kv_fp8", "kv_fp8_graph_stable")
 # the tile rules a profile's fits may hold (cost_model.TILE_RULES less the multi-token one,
@@ -85,18 +85,18 @@ def guess_bandwidth_gbps(device_name: str) -> float:
 
 
 def roofline_prior(num_sms: int, bandwidth_gbps: float) -> dict:
-    """Parameters before any calibration, from the physics measured on an H200 (GPU.md).
+    """Parameters before any calibration, from the physics measured on an H200 (2026-11-29).
 
-    launches: an empty kernel inside a CUDA graph. kv_us, crit_us (0.81 per slot, doubled now
-    that the critical path is counted per SM: the same predictions for those grids) and const
-    + waves: the least-squares fit of this model to the plain read kernel over 4, 32 and 128
-    MiB with 528 or 132 CTAs (GPU.md; the fit: benchmarks/NOTES.md, "Cost-model features: the
-    measurements behind them"). The rest are guesses of the right size: a tile's non-memory
-    work (0.02 us, +0.005 us per query head), partials at full bandwidth, the fused tail at
-    one CTA's bandwidth plus ~1 us for the ticket atomic and fences, a tenth of the largest
-    chunk's excess over the mean as a scheduling tail, and a lone CTA streaming 3% slower
-    than its SM's share (about what was measured: NOTES.md). stream_us 0: crit_us carries the
-    critical path until a calibration fits both; wide_waves 0: waves counts every start-up
+    launches: an empty kernel inside a CUDA graph. kv_us, crit_us (0.81 per slot, doubled as
+    the critical path is counted per SM: the same predictions for those grids) and const +
+    waves: the least-squares fit of this model to the plain read kernel over 4, 32 and 128 MiB
+    with 528 or 132 CTAs (2.73 ... 57.1 us; the fit: docs/design/cost-model.md, the roofline
+    prior). The rest are guesses of the right size: a tile's non-memory work (0.02 us, +0.005
+    us per query head), partials at full bandwidth, the fused tail at one CTA's bandwidth plus
+    ~1 us for the ticket atomic and fences, a tenth of the largest chunk's excess over the mean
+    as a scheduling tail, and a lone CTA streaming 3% slower than its SM's share (about what
+    was measured: docs/design/cost-model.md). stream_us 0: crit_us carries the critical path
+    until a calibration fits both; wide_waves 0: waves counts every start-up
     alike until then; merge_grid 0: launches carries the merge kernel until then.
     The parameters do not depend on the SM count or bandwidth: the features scale with them.
     """

@@ -28,17 +28,17 @@ class DecodeExperiments:
         issue-bound (fp8; 16-bit with two row tiles or small pages, on long chunks), else 4
         (a graph-stable wrapper: always 4 unless forced).
     pdl_trigger: where a PDL partial kernel lets the next kernel launch (``PDL_TRIGGERS``):
-        'late' (the default; neither wins everywhere, benchmarks/NOTES.md) or 'early'. Only
+        'late' (the default; neither wins everywhere, docs/design/kernel.md) or 'early'. Only
         with programmatic dependent launch (the wrapper's ``pdl``).
     pdl_spread: force whether a PDL launch pads its shared memory so that one CTA lands per SM
         (True / False); None: ``features.spreads_one_per_sm`` decides.
     q_in_smem: keep q's MMA fragments in shared memory, read back every tile, instead of in
         registers (the Q_SMEM build): at head_dim 256 they are 64 registers and the kernel
-        spills without it (``benchmarks/ab_q_smem.py``); None: the default
+        spills without it (docs/design/kernel.md); None: the default
         (``features.default_q_in_smem``: at head_dim 256); False: registers.
     pow2_pages: the page walk shifts and masks instead of dividing (the POW2_PAGES build): for
         pages smaller than a thread's row step (page size 1, and 2 at head_dim 64), where each
-        16-byte copy's page is a division (``benchmarks/ab_pow2_pages.py``); the wrapper's
+        16-byte copy's page is a division (docs/design/kernel.md); the wrapper's
         page_size must be a power of two. None: the default (``features.default_pow2_pages``:
         2**k pages smaller than the row step); False: divide.
     tile_per_warp: tokens each warp's tile holds a pipeline stage, 16 (the default) or 32: 32
@@ -46,25 +46,25 @@ class DecodeExperiments:
         page lookups ahead, the softmax's cross-lane max and rescale check) are paid half as
         often per byte, where rows are 128 bytes (16-bit head_dim 64, fp8 head_dim 128);
         the stages halve with it, and a per-shape plan keeps 4 warps unless ``warps`` says
-        otherwise (``benchmarks/ab_tile_tokens.py``). None: 32 for fp8 head_dim 128
+        otherwise (docs/design/kernel.md). None: 32 for fp8 head_dim 128
         per-shape plans of 4 warps and one row tile where neither stages nor warps are forced
         (``features.default_tile_per_warp``; not multi-token plans, not graph-stable
         wrappers), else 16.
     dim_split: 2 splits the head dim of O = P V between pairs of warps, each computing the same
         scores and accumulating half of O (WARPS_D): CTAs of 8 warps keep 64-token tiles, so
-        head_dim 256, one 4-warp CTA an SM today, gets 8 warps an SM in 128 KiB, and O's
-        registers halve (``benchmarks/ab_dim_split.py``). 16-bit K/V and the running max only;
-        a plan then runs 8 warps unless ``warps`` says otherwise. None / 1: every warp all dims.
+        head_dim 256, one 4-warp CTA an SM by default, gets 8 warps an SM in 128 KiB, and O's
+        registers halve (docs/design/rejected.md). 16-bit K/V and the running max only; a plan
+        then runs 8 warps unless ``warps`` says otherwise. None / 1: every warp all dims.
     compact_merge: a split_merge plan's merge kernel runs a thread per (split request, head,
         4 dims) instead of per (request, head, 4 dims) of the whole batch, whose unsplit rows
         return at once but are still CTAs to schedule: 3-7 us where a few requests of a large
-        batch split (benchmarks/NOTES.md, session 12; ``benchmarks/ab_compact_merge.py``).
+        batch split (docs/design/rejected.md).
         Per-shape plans; graph-stable wrappers keep their capacity's merge grid. None / False:
         the whole batch.
     rows_per_cta: the most query heads (rows) one CTA computes, 16, 32 or 64 (the default, 64):
         a GQA group past it runs in more CTAs a kv head, each reading the kv head's K/V (the
         second from L2), with fewer row tiles each and so more warps splitting the tokens
-        (``benchmarks/ab_rows_per_cta.py``, for groups 16-32). Per-shape wrappers only.
+        (docs/design/rejected.md, for groups 16-32). Per-shape wrappers only.
     """
 
     stages: int | None = None

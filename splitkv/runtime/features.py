@@ -39,7 +39,7 @@ def spreads_one_per_sm(num_ctas: int, cluster_size: int) -> bool:
     before it still holds the SMs, and a grid that a plain launch spreads one CTA per SM can then
     land two to an SM. Not for clusters of 4 or 8: each must find that many free SMs of one GPC
     at once, and spread they wait for the previous grid to leave (clusters of 2 gain from
-    spreading like plain grids). The measurements are in benchmarks/NOTES.md (session 6)."""
+    spreading like plain grids). The measurements are in docs/design/kernel.md (PDL)."""
     return num_ctas <= device_info()["num_sms"] and cluster_size <= 2
 
 
@@ -61,7 +61,7 @@ def plan_warps(kv_dtype: str | None, num_ctas: int, forced: int | None = None, *
                mean_chunk_tokens: float = 0.0, multi_token: bool = False) -> int:
     """Warps per CTA of a per-shape plan's partial kernel: ``forced`` when an experiment says
     so; else 8 (128-token tiles) where a CTA is alone on its SM (the grid gives no SM two) and
-    its 4 warps are issue-bound, 4 otherwise. Measured on the H200 (benchmarks/NOTES.md):
+    its 4 warps are issue-bound, 4 otherwise. Measured on the H200 (docs/design/kernel.md):
     - fp8 K/V, every lone grid: alone on its SM with 4 warps a CTA streams about half its
       share, and 8 give it the warps two CTAs would have (b1_n32k 29.6 -> 24.3 us, b8_n8k
       51.3 -> 40.4). Where CTAs run two to an SM, 8 warps lose (b128_n2k 151 -> 166).
@@ -81,14 +81,14 @@ def plan_warps(kv_dtype: str | None, num_ctas: int, forced: int | None = None, *
         return LONE_CTA_WARPS
     if head_dim > 128:            # 2 stages of 128-token 16-bit tiles: past a block's shared memory
         return 4
-    if multi_token:               # not measured with 16-bit K/V (device_run.sh ab_multi_warps)
+    if multi_token:               # 8 warps not measured on 16-bit multi-token plans
         return 4
     issue_bound = row_tiles >= 2 or page_size < row_step(head_dim, row_tiles, 2)
     return LONE_CTA_WARPS if issue_bound and mean_chunk_tokens >= LONG_CHUNK_TOKENS else 4
 
 
 # Builds whose choice follows from the wrapper's shape alone (``BatchDecodeWrapper``), where an
-# experiment does not say otherwise. Measured on the H200 (benchmarks/NOTES.md, session 12):
+# experiment does not say otherwise. Measured on the H200 (docs/design/kernel.md):
 # - q's MMA fragments in shared memory at head_dim 256, where 64 registers of them make the
 #   kernel spill: d256_b8_n8k 141.7 -> 137.1 us, d256_b1_n32k 85.0 -> 79.9, d256_b32_n4k
 #   258.8 -> 253.9, fp8 d256_b8_n8k 74.2 -> 71.8; at head_dim 128 it measured even (+0.4-0.7%).
@@ -110,8 +110,8 @@ def default_pow2_pages(page_size: int, head_dim: int, row_tiles: int, kv_bytes: 
 
 
 # Occupancy and tile length where the shape alone decides them (the stages, register cap and
-# tokens a warp's tile an experiment did not force). Measured on the H200 (benchmarks/NOTES.md,
-# session 13, ``benchmarks/ab_occupancy.py`` and ``ab_tile_tokens.py``):
+# tokens a warp's tile an experiment did not force). Measured on the H200 with
+# ``benchmarks/ab.py`` (docs/design/kernel.md, occupancy and tiles):
 # - 16-bit head_dim 64, one row tile, 4 warps: 3 stages (48 KiB) and a 128-register cap hold 4
 #   CTAs an SM where the compiler's 133 registers and 4 stages held 3: d64_b64_n4k 137.7 ->
 #   124.0 us, d64_b64_n2600 89.6 -> 80.5, d64_b8_n7790 37.0 -> 35.7, d64_b256_n1k 130.2 -> 127.8.

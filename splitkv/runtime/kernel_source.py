@@ -201,7 +201,7 @@ def _nvrtc_compile(source: str, arch: str, name: str, extra_options=(), read=Non
 
 
 def compile_ptx(source: str, name: str = "kernel.cu", arch: str = "compute_90") -> str:
-    """PTX of ``source``: what the tests and ``dump_sass.py`` read."""
+    """PTX of ``source``: what the tests read."""
     def read(nvrtc, prog):
         ptx = nvrtc.getPTX(prog)
         return (ptx.decode() if isinstance(ptx, bytes) else ptx).rstrip("\x00")

@@ -1,6 +1,6 @@
 """The one timing routine, shared by the benchmark and the calibration sweep.
 
-Method (../shared/ANCHORS.md): L layers of distinct KV buffers, together at least 1 GiB so
+Method: L layers of distinct KV buffers, together at least 1 GiB so
 each layer's KV comes from HBM and not L2; one CUDA graph runs one decode call per layer; the
 graph is replayed many times; time per call = elapsed / (replays x L), the median of 7 trials
 of at least 30 ms each, timed with CUDA events.
@@ -22,13 +22,14 @@ from ..core.problem import PageTable
 TRIALS = 7
 MIN_TRIAL_MS = 30.0
 # Replays before the trials: after an idle gap (a kernel compiling, the previous case's set-up)
-# the GPU's clocks are down and take a moment to rise (benchmarks/NOTES.md).
+# the GPU's clocks are down and take a moment to rise: one H200 run timed its first case at
+# 9.8 us against 6.75 us warm (docs/design/short-calls.md).
 WARMUP_MS = 50.0
 
 
 def median_us_per_call(run_timed: Callable[[int], float], calls_per_repeat: int = 1, *,
                        trials: int = TRIALS, min_trial_ms: float = MIN_TRIAL_MS) -> float:
-    """The ANCHORS statistic for anything timed with device events.
+    """The benchmark's statistic (the method above) for anything timed with device events.
 
     ``run_timed(n)`` repeats the timed work n times between two device events and returns the
     elapsed milliseconds; each repeat makes ``calls_per_repeat`` calls (the layers of a graph).
@@ -119,7 +120,8 @@ class LayeredKV:
         """{array name: (non-finite elements, the first one's flat index)} over q and every K/V
         layer (fp8 codes: the format's NaN and Inf codes); empty where all are finite. The
         data is random and finite when made, so anything here was written by a kernel since
-        (the bench checks before its error check: session 12 saw a NaN there)."""
+        (the bench checks this before its error check, so that an error that comes from data a
+        kernel overwrote is reported as such)."""
         import cupy
 
         def bad_16bit(a):                   # bfloat16 as uint16 bits, or float16

@@ -73,7 +73,8 @@ class BatchDecodeWrapper:
     float32, natural log. Inputs float16 or bfloat16 (bfloat16 may be given as uint16 bits).
 
     profile: the cost-model profile plans are chosen with (a Profile, or a path: str or
-        os.PathLike); None: the one shipped for this device.
+        os.PathLike, read here: a missing or invalid file raises ``ProfileError`` at once);
+        None: the calibrated or shipped one for this device.
     use_clusters: None or True: a fused plan that suits clusters (execution.fused_cluster_size)
         merges inside thread-block clusters where the GPU has them (sm_90+), True raising where
         it has none; False: always the atomic ticket. A cluster variant compiles (about a
@@ -159,8 +160,13 @@ class BatchDecodeWrapper:
         if experiments.pow2_pages and self.page_size & (self.page_size - 1):
             raise ValueError(f"experiments: pow2_pages needs a page_size that is a power of two, "
                              f"got page_size={self.page_size}")
+        from ..planner.profiles import Profile, read_profile
+
+        if profile is not None and V.check_path_or("profile", profile, Profile,
+                                                    "a Profile, a path (str or os.PathLike) or None"):
+            read_profile(profile)   # a missing or unreadable file fails here, not at plan()
         self._profile = profile
-        self._resolved_profile = None         # the Profile, once read
+        self._resolved_profile = None         # the Profile, once read and checked for the device
         self._plan: Plan | None = None
         self._launch: DecodeLaunch | None = None
         self._bound_variant: DecodeVariant | None = None   # the variant _bind() launched
@@ -248,7 +254,7 @@ class BatchDecodeWrapper:
         Never for fp8 K/V: a lone fp8 CTA streams far below an SM's share, so two to an SM on
         half the SMs lose little, while a spread grid runs plans of more CTAs than SMs in two
         rounds (H200: b8_n32k 187 us spread, 133 not, 133 per-shape; b1_n8k 12.7 vs 13.5;
-        benchmarks/ab_spread_fp8.py)."""
+        docs/design/fp8.md)."""
         from . import device_info
 
         if self.experiments.pdl_spread is not None:
@@ -300,8 +306,8 @@ class BatchDecodeWrapper:
             return self._resolved_profile
         from ..planner.profiles import Profile, load_profile
 
-        if self._profile is None or V.check_path_or("profile", self._profile, Profile,
-                                                    "a Profile, a path (str or os.PathLike) or None"):
+        if not isinstance(self._profile, Profile):
+            # None, or a path the constructor read: loaded here to be checked against the device
             from . import device_info
 
             info = device_info()

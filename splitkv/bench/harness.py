@@ -114,6 +114,7 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
         if not ok:
             raise RuntimeError(f"flashinfer: {version}")
         log(f"live peer: FlashInfer {version}")
+        flashinfer_version = version
     rows = []
     compile_s = None
     plan_us_ragged = wrapper_plan_us_ragged = None
@@ -212,6 +213,7 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
                 BatchDecodeWrapper(32, 8, 128, 16, dtype, **options), table), 1)
     return {"device": info["name"], "date": _dt.date.today().isoformat(),
             "command": command,
+            "flashinfer_version": flashinfer_version if flashinfer else None,
             "dtype": dtype, "kv_dtype": kv_dtype, "read_gbps": round(read_gbps, 1),
             "read_probe_gbps": {"before": probe_start, "after": probe_end},
             "first_call_compile_s": None if compile_s is None else round(compile_s, 3),

@@ -125,3 +125,17 @@ def test_bad_fp8_inputs_are_named(rng):
     plan = plan_fixed_splits(b.problem, 2, "split_merge")
     with pytest.raises(TypeError, match="needs kv_dtype"):
         execute_plan_cpu(plan, b.q, k, v, b.page_table)
+
+
+@pytest.mark.parametrize("fmt, scale, error, named", [
+    (None, 1.0, ValueError, "fmt: expected an fp8 format"),
+    ("float8_e4m3fn", 0, ValueError, "scale: expected a positive finite number, got 0"),
+    ("float8_e4m3fn", -2.0, ValueError, "scale: expected a positive finite number"),
+    ("float8_e4m3fn", float("inf"), ValueError, "scale: expected a positive finite number"),
+    ("float8_e4m3fn", True, ValueError, "scale: expected a positive finite number"),
+    (7, 1.0, TypeError, "fmt: expected None, a format name or a dtype, got int"),
+])
+def test_quantize_names_a_bad_format_or_scale(fmt, scale, error, named):
+    """Not a KeyError, not inf blamed on values, not a sign flipped by a negative scale."""
+    with pytest.raises(error, match=named):
+        fp8.quantize(np.ones(3), fmt, scale)

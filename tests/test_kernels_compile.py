@@ -414,3 +414,27 @@ def test_the_dissect_probes_patch_the_current_kernel(head_dim):
     from splitkv.bench.cases import select
     for plans in dissect.PLAN_SETS.values():      # every plan set names bench cases
         assert [c.name for c in select(",".join(plans))] == list(plans)
+
+
+@pytest.mark.nvrtc
+def test_a_plain_run_is_quiet_and_a_verbose_one_reports_registers(tmp_path):
+    """The register report of the compiled variants prints after ``pytest -v`` only."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    pick = ["-k", "test_variant_compiles and decode_float16_d64_r16_s4 and sm_90", "-p",
+            "no:cacheprovider", str(tests / "test_kernels_compile.py")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests.parent),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    outputs = {}
+    for flag in ("-q", "-v"):
+        done = subprocess.run([sys.executable, "-m", "pytest", flag, *pick], capture_output=True,
+                              text=True, env=env, cwd=tmp_path, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "1 passed" in done.stdout, done.stdout
+        outputs[flag] = done.stdout
+    assert "register report" not in outputs["-q"]
+    assert "NVRTC register report (1 builds)" in outputs["-v"]

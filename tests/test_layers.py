@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import splitkv
 
 PACKAGE = Path(splitkv.__file__).parent
@@ -94,3 +96,17 @@ def test_the_import_reader_sees_what_it_looks_for():
     assert {"splitkv.runtime", "splitkv.runtime.arrays", "cupy.cuda", "cupy_backends.cuda.libs",
             "cupy"} <= names
     assert is_within("splitkv.runtime", ["splitkv.runtime"]) and not is_within("cupyish", CUPY)
+
+
+def test_every_public_name_imports_from_splitkv_without_a_gpu():
+    """What the README and docs/api.md use, as ``from splitkv import ...``: the planner's names
+    too (imported on first use, so ``import splitkv`` stays light)."""
+    import splitkv
+    from splitkv import choose_plan, load_profile, rank_candidates  # noqa: F401
+    from splitkv.planner import choose_plan as planner_choose_plan
+
+    assert choose_plan is planner_choose_plan
+    for name in splitkv.__all__:
+        assert getattr(splitkv, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'choose_plans'"):
+        splitkv.choose_plans

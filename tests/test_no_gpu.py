@@ -109,3 +109,15 @@ def test_nvrtc_check_names_the_install_when_the_library_is_missing(monkeypatch):
     assert why == ('the NVRTC library cannot be loaded (Failure finding "libnvrtc.so.13"); '
                    + splitkv.runtime.INSTALL_HINT)
     assert "pip install -e '.[cuda13]'" in why
+
+
+@pytest.mark.skipif(HERE_OK, reason="a GPU is usable here")
+def test_what_a_wrapper_reads_from_the_device_says_there_is_none(monkeypatch):
+    """The profile (looked up for the device) and a graph-stable capacity's default chunks (sized
+    from its SMs) raise the same clear error as plan(), not an ImportError."""
+    monkeypatch.setattr(splitkv.runtime, "_gpu_found", False)
+    wrapper = splitkv.BatchDecodeWrapper(32, 8, 128, 16, use_cuda_graph=True, max_batch_size=4,
+                                         max_num_pages=8)
+    for what in ("profile", "max_chunks"):
+        with pytest.raises(GPUUnavailableError, match=f"^BatchDecodeWrapper.{what} needs a usable"):
+            getattr(wrapper, what)

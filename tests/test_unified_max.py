@@ -153,3 +153,9 @@ def test_the_band_checks_its_dtypes():
     with pytest.raises((TypeError, ValueError), match="^kv_dtype"):
         UM.band("bfloat16", "int8")
     assert UM.band_log2("bfloat16", "fp8_e4m3") == (3, 15) and UM.band_log2("fp16") == (3, 15)
+
+
+@pytest.mark.parametrize("quantile", [-0.1, 0.5, 2, float("nan"), "0.1", True])
+def test_a_bad_quantile_is_named(quantile):
+    with pytest.raises(ValueError, match="quantile: expected a number in \\[0, 0.5\\)"):
+        UM.choose_unified_max(np.linspace(-3, 3, 50), "bfloat16", quantile=quantile)

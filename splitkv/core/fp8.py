@@ -36,6 +36,9 @@ def fp8_format(name: str, kv_dtype) -> str | None:
             kv_dtype = np.dtype(kv_dtype)
         except TypeError:
             pass
+    if isinstance(kv_dtype, (int, float, complex, list, tuple, dict)):   # not a format at all
+        raise TypeError(f"{name}: expected None, a format name or a dtype, got "
+                        f"{type(kv_dtype).__name__}")
     key = getattr(kv_dtype, "name", None) or str(kv_dtype)
     key = key.replace("torch.", "")
     fmt = _ALIASES.get(key)
@@ -125,8 +128,13 @@ def check_scale(name: str, scale, num_kv_heads: int) -> np.ndarray:
 def quantize(values, fmt: str, scale=1.0) -> np.ndarray:
     """uint8 codes of ``values / scale`` rounded to the nearest ``fmt`` number (ties to the
     even code), for tests and examples. NaN stays NaN; a value past the format's largest finite
-    number raises (nothing is clamped)."""
+    number raises (nothing is clamped). ``scale``: a positive finite number."""
+    if fmt is None:
+        raise ValueError(f"fmt: expected an fp8 format ({', '.join(FP8_FORMATS)}), got None")
     fmt = fp8_format("fmt", fmt)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale: expected a positive finite number, got {scale!r}")
     x = np.asarray(values, dtype=np.float64) / np.float64(scale)
     table = decode_table(fmt)
     finite = np.flatnonzero(np.isfinite(table) & (np.arange(256) < 128))   # codes of values >= 0

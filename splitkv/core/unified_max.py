@@ -86,6 +86,9 @@ def choose_unified_max(row_maxima, dtype: str, kv_dtype: str | None = None,
     of some chunks, natural log, e.g. from ``row_maxima``): the span of their ``quantile``-th
     to (1 - ``quantile``)-th quantiles centred in the band, so that the margin to either edge
     is the same."""
+    if isinstance(quantile, bool) or not isinstance(quantile, (int, float, np.floating)) \
+            or not 0 <= quantile < 0.5:
+        raise ValueError(f"quantile: expected a number in [0, 0.5), got {quantile!r}")
     m = np.asarray(row_maxima, np.float64).ravel()
     m = m[np.isfinite(m)]
     if not m.size:

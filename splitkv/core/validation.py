@@ -495,6 +495,11 @@ def check_attention_arrays(q, k_cache, v_cache, batch_size: int, page_size: int,
     if shapes["v_cache"][1] != shapes["k_cache"][1] and kv_dtype is None:
         raise TypeError(f"v_cache: expected dtype {shapes['k_cache'][1]} (the dtype of k_cache), "
                         f"got {shapes['v_cache'][1]}")
+    for name, shape, axis, heads in (("q", q_shape, 1, num_qo_heads), ("k_cache", k_shape, 2,
+                                                                     num_kv_heads)):
+        if heads == 0:    # read from the array: name the array, not a size the caller never gave
+            raise ValueError(f"{name}: expected at least one head (axis {axis}), got shape "
+                             f"{tuple(shape)}")
     if num_qo_heads >= 1 and num_kv_heads >= 1 and num_qo_heads % num_kv_heads:
         # the counts came from the arrays: name them
         raise ValueError(f"q: its {num_qo_heads} query heads (axis 1) are not a multiple of the "

@@ -7,9 +7,10 @@ from functools import lru_cache
 
 
 class GPUUnavailableError(RuntimeError):
-    """No usable CUDA GPU here (no CuPy, no driver, no device): raised by the GPU entry points
-    (``BatchDecodeWrapper.plan()`` and ``run()``) before any other work. ``reason`` is
-    ``gpu_available()``'s."""
+    """No usable CUDA GPU here (no CuPy, no driver, no device, no NVRTC): raised by the GPU
+    entry points (``BatchDecodeWrapper.plan()``, ``plan_on_device()``, ``run()``, and the
+    ``profile`` and ``max_chunks`` that depend on the device) before any other work.
+    ``reason`` is ``gpu_available()``'s."""
 
     def __init__(self, what: str, reason: str):
         super().__init__(f"{what} needs a usable CUDA GPU: {reason}")

@@ -65,7 +65,7 @@ LOG2E = 1.4426950408889634
 
 
 class BatchDecodeWrapper:
-    """Decode attention over a paged KV cache (NHD layout) with an adaptive split-KV plan.
+    """Decode attention over a paged KV cache (NHD or HND layout) with an adaptive split-KV plan.
 
     Shapes: q [batch, num_qo_heads, head_dim]; k_cache, v_cache [num_pages, page_size,
     num_kv_heads, head_dim] (a view with other page/token strides works if rows stay 16-byte
@@ -239,6 +239,7 @@ class BatchDecodeWrapper:
         if chunks is None:
             from . import device_info
 
+            require_gpu("BatchDecodeWrapper.max_chunks")   # sized from the device's SMs
             # a spread grid: one wave of one CTA per SM, twice; else two waves of two
             waves = 2 * device_info()["num_sms"] * (1 if self._graph_spreads() else 2)
             chunks = max(batch, waves // (self.num_kv_heads * self.ctas_per_kv_head))
@@ -310,6 +311,7 @@ class BatchDecodeWrapper:
             # None, or a path the constructor read: loaded here to be checked against the device
             from . import device_info
 
+            require_gpu("BatchDecodeWrapper.profile")
             info = device_info()
             self._profile = load_profile(path=self._profile, device_name=info["name"],
                                          num_sms=info["num_sms"])

@@ -15,7 +15,7 @@ import re
 import numpy as np
 import pytest
 
-pytest.importorskip("hypothesis", reason="the fuzz tests need hypothesis (pip install -e .[test])")
+pytest.importorskip("hypothesis", reason="the fuzz tests need hypothesis (python3 -m pip install -e '.[test]')")
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, one phase after another; logs and results under $OUT.
 #   bash benchmarks/device_run.sh tests                # every GPU test
-#     TESTS='tests/test_gpu_[a-f]*.py' ... tests     # a subset (files or globs), to split the run
+#     TESTS='tests/kernels/test_gpu_*.py' ... tests  # a subset (files or globs), to split the run
 #   bash benchmarks/device_run.sh memcheck sanitize    # compute-sanitizer: memcheck; racecheck, synccheck
 #   bash benchmarks/device_run.sh calibrate eval bench # fit the cost model, evaluate it, benchmark
 #   bash benchmarks/device_run.sh calibrate_fp8 eval_fp8 bench_fp8   # the same with fp8 K/V
@@ -42,9 +42,9 @@ for phase in "$@"; do
     memcheck)
       # out-of-bounds and uninitialised accesses, over a subset that reaches every kernel path
       timeout 540 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-        tests/test_gpu_decode.py tests/test_gpu_device_plan.py tests/test_gpu_fp8.py tests/test_gpu_window.py \
-        tests/test_gpu_variants.py tests/test_gpu_layouts.py tests/test_gpu_isolation.py tests/test_gpu_warps8.py \
-        tests/test_gpu_multi_token.py \
+        tests/kernels/test_gpu_decode.py tests/runtime/test_gpu_device_plan.py tests/kernels/test_gpu_fp8.py tests/kernels/test_gpu_window.py \
+        tests/kernels/test_gpu_variants.py tests/runtime/test_gpu_layouts.py tests/runtime/test_gpu_isolation.py tests/kernels/test_gpu_warps8.py \
+        tests/kernels/test_gpu_multi_token.py \
         -k "zero_length or bad_inputs or every_split or mqa or cluster or first_pages or launch_order or pdl or invalid_device or eager_plan or writes_the_host or nan_code or windowed or nan_in_q or beyond or with_a_window or cap_of_zero or hnd or (a_bad_q and fused) or eight_warps or ragged_query or own_window or replays_changing or query_rows_in_one_graph" 2>&1 \
         | tee "$RES/memcheck.log" | tail -4 ;;
     sanitize)
@@ -52,7 +52,7 @@ for phase in "$@"; do
       # 16-bit and fp8, clusters, 8 warps, multi-token, windows, graph-stable
       for tool in racecheck synccheck; do
         timeout $([ $tool = racecheck ] && echo 420 || echo 160) compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-          tests/test_gpu_decode.py tests/test_gpu_fp8.py tests/test_gpu_multi_token.py tests/test_gpu_warps8.py \
+          tests/kernels/test_gpu_decode.py tests/kernels/test_gpu_fp8.py tests/kernels/test_gpu_multi_token.py tests/kernels/test_gpu_warps8.py \
           -k "every_split or mqa or cluster or windowed or ragged and 32 or own_window and None or graph_stable or eight_warps" 2>&1 \
           | tee "$RES/$tool.log" | tail -4
       done ;;
@@ -107,7 +107,7 @@ for phase in "$@"; do
     dist)
       export NCCL_NVLS_ENABLE=0    # NVLink multicast stays off on shared machines
       python3 -c "import cupy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'nccl', nccl.get_version(), 'gpus', cupy.cuda.runtime.getDeviceCount())"
-      timeout 330 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_distributed.py 2>&1 \
+      timeout 330 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/integrations/test_distributed.py 2>&1 \
         | tee "$RES/dist_tests.log" | tail -6
       timeout 250 python3 -m splitkv.distributed.launch --nproc "$(python3 -c 'import cupy; print(cupy.cuda.runtime.getDeviceCount())')" \
         --timeout 240 benchmarks/bench_distributed.py --json "$RES/h200-distributed.json" 2>&1 \

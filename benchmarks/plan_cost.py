@@ -2,7 +2,7 @@
 
 The bar: planning a ragged batch of 256 requests takes well under 100 us of CPU time (the
 planner runs on every decode step). Cases: the standard ragged_b32, the 256 ragged
-requests of tests/test_planner.py (uniform 1..32767, seed 0), and 256 log-normal lengths
+requests of tests/planner/test_planner.py (uniform 1..32767, seed 0), and 256 log-normal lengths
 (16..32k: many short requests, a few long ones). 32 query / 8 kv heads, head_dim 128, page
 size 16, the shipped H200 profile.
 

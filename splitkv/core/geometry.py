@@ -28,7 +28,7 @@ def fp8_tile_tokens(head_dim: int, rows_per_cta: int, lone: bool,
     """Tokens of one K/V tile in the default fp8 build of a per-shape plan: 128 in a lone grid
     (no SM runs two CTAs: 8 warps of 16 tokens) and, for single-token decode, at head_dim 128
     with one row tile (4 warps of 32), else 64. The rule of ``runtime.features.plan_warps`` and
-    ``default_tile_per_warp`` (tests/test_validation.py checks they agree), for the cost model
+    ``default_tile_per_warp`` (tests/core/test_validation.py checks they agree), for the cost model
     to count the tiles a plan runs."""
     if lone or (head_dim == 128 and rows_per_cta <= 16 and not multi_token):
         return LONG_TILE_TOKENS

@@ -192,7 +192,7 @@ def critical_path(total, largest, num_items, slots):
 # The default 16-bit builds on sm_90 hold 4 at head_dim 64 with one row tile (3 stages under a
 # 128-register cap: ``runtime.features.default_occupancy``), 3 with two row tiles (154
 # registers, 64 KiB of shared memory), 2 with four (182), 2 at 128 (216 registers, 96 KiB) and 1 at
-# 256 (160 KiB); fp8's hold 4, 2 and 1. tests/test_kernels_compile.py pins the 16-bit ones
+# 256 (160 KiB); fp8's hold 4, 2 and 1. tests/kernels/test_kernels_compile.py pins the 16-bit ones
 # against what NVRTC reports. (One count for every head_dim overstated head_dim 256's slots
 # twice and understated 64's: docs/design/cost-model.md.)
 # The plan is chosen before its build, so a build that holds fewer than the default's is

@@ -116,7 +116,7 @@ def default_pow2_pages(page_size: int, head_dim: int, row_tiles: int, kv_bytes: 
 #   CTAs an SM where the compiler's 133 registers and 4 stages held 3: d64_b64_n4k 137.7 ->
 #   124.0 us, d64_b64_n2600 89.6 -> 80.5, d64_b8_n7790 37.0 -> 35.7, d64_b256_n1k 130.2 -> 127.8.
 #   Not with two row tiles or more, or the unified max: under the cap they spill (NVRTC's
-#   report; tests/test_kernels_compile.py pins the builds the rule gives).
+#   report; tests/kernels/test_kernels_compile.py pins the builds the rule gives).
 # - fp8 K/V at head_dim 128 (128-byte rows), one row tile, grids of more CTAs than SMs (4 warps):
 #   128-token tiles (32 tokens a warp, 3 stages): b128_n2k 151.2 -> 142.3 us, b32_n2k 38.8 ->
 #   37.3, b32_n8k 132.8 -> 129.1, ragged_b32 66.0 -> 63.5. Lone grids keep 8 warps of 16 tokens

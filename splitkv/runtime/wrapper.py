@@ -600,7 +600,7 @@ class BatchDecodeWrapper:
                        qo_indptr=None, window_left: int | None = None) -> None:
         """Plan on the GPU (graph-stable wrappers): enqueue the planning kernel on ``stream``.
         When it runs, it reads the batch from these device int32 arrays, chooses the plan with
-        the same cost model as ``plan()`` (the same plan, bit for bit: tests/test_device_plan.py)
+        the same cost model as ``plan()`` (the same plan, bit for bit: tests/planner/test_device_plan.py)
         and writes the records the next ``run()`` calls read. No host work and no host wait, so
         it can be captured: one graph of ``plan_on_device()`` then ``run()`` per layer serves
         every decode step while the engine updates the arrays in place.

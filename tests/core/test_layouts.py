@@ -9,7 +9,7 @@ import pytest
 
 from splitkv import execute_plan_cpu, plan_fixed_splits, reference_decode
 
-from conftest import build_batch
+from helpers.batches import build_batch
 
 
 def layouts_of(k, v):

@@ -280,7 +280,7 @@ def test_planning_256_ragged_requests_is_cheap():
 # prior, a calibrated H200 fit as of writing, and one with stream_us; wide_waves and merge_grid
 # 0 in all, so they pin that the columns move no plan of a profile fitted before them), so
 # editing a shipped profile does not move them.
-# The decisions are a table by case (tests/data/golden_plans.json), so a change names its cases.
+# The decisions are a table by case (tests/helpers/data/golden_plans.json), so a change names its cases.
 
 GOLDEN_MODELS = (
     ("prior", CostModel.from_coef([0.5, 0.52, 0.24, 1.62, 0.02, 0.005, 0.6, 1.0, 1.0, 1.0, 0.05,
@@ -299,7 +299,7 @@ GOLDEN_MODELS = (
                                          0.4596, 0.0, 0.0],
                                         num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0)),
 )
-GOLDEN_PLANS = Path(__file__).parent / "data" / "golden_plans.json"
+GOLDEN_PLANS = Path(__file__).resolve().parents[1] / "helpers" / "data" / "golden_plans.json"
 LENGTH_SHAPES = ("equal", "ragged", "log-ragged", "tiny", "some empty")
 
 
@@ -371,7 +371,7 @@ def test_plans_match_the_golden_decisions():
     compared to 1e-9 relative (a matrix-vector product may round differently on another
     BLAS). To re-record the table after a deliberate change of decisions (then read its diff):
 
-        PYTHONPATH=$PWD python3 tests/test_planner.py --regenerate [path]
+        PYTHONPATH=$PWD python3 tests/planner/test_planner.py --regenerate [path]
     """
     want = json.loads(GOLDEN_PLANS.read_text())
     requests = golden_requests()
@@ -396,7 +396,7 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:2] != ["--regenerate"]:
-        sys.exit("usage: PYTHONPATH=$PWD python3 tests/test_planner.py --regenerate [path]")
+        sys.exit("usage: PYTHONPATH=$PWD python3 tests/planner/test_planner.py --regenerate [path]")
     write_golden_plans(*sys.argv[2:3])
 
 

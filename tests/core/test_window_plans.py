@@ -11,7 +11,7 @@ from splitkv import DecodeProblem, execute_plan_cpu, plan_fixed_splits, referenc
 from splitkv.planner import choose_plan
 from splitkv.planner.profiles import load_profile
 
-from conftest import build_batch
+from helpers.batches import build_batch
 
 MODEL = load_profile(device_name="NVIDIA H200", num_sms=132).cost_model().with_clusters(False)
 

@@ -19,7 +19,7 @@ from splitkv.runtime.device_planner import DevicePlanParams, device_batch, plan_
 from splitkv.runtime.records import idle_records
 from splitkv.testing import scattered_page_table
 
-from device_plan_reference import (HostRun, comparable_records, compiler, expected, host_library,
+from helpers.device_plan_reference import (HostRun, comparable_records, compiler, expected, host_library,
                                    layout_arrays, records_equal)
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no host C++ compiler (g++)")

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from llama_example import load_example  # noqa: E402
+from helpers.llama_example import load_example  # noqa: E402
 
 example = load_example()
 

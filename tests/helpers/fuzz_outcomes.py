@@ -1,7 +1,7 @@
 """Count the outcomes of test_fuzz_host.py's inputs by class, without stopping at the first
 failure: the figures of docs/RELIABILITY.md ("Limits and argument checks").
 
-    PYTHONPATH=$PWD python3 tests/fuzz_outcomes.py [examples per function, default 400]
+    PYTHONPATH=$PWD python3 tests/helpers/fuzz_outcomes.py [examples per function, default 400]
 
 Runs against whichever splitkv is first on the path, so an older tree can be measured with the
 same inputs (e.g. ``git archive <commit> splitkv | tar -x -C /tmp/old`` and
@@ -29,7 +29,7 @@ for name, value in dict(MAX_KV_LEN=2**31 - 1, MAX_PAGE_SIZE=2**31 - 1, MAX_HEADS
     if not hasattr(V, name):                          # a tree from before the limits
         setattr(V, name, value)
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
 import test_fuzz_host as T  # noqa: E402
 from splitkv import (DecodeProblem, PageTable, plan_chunk_tokens, plan_fixed_splits,  # noqa: E402
                      plan_from_chunk_counts)

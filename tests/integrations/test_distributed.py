@@ -30,7 +30,7 @@ from splitkv.distributed.states import merge_gathered, pack_state, store_output
 from splitkv.core.reference import to_float64
 from splitkv.runtime.testing import float_to_bits
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOL = dict(rtol=1e-12, atol=1e-12)
 LENS = [0, 1, 3, 15, 16, 17, 100, 257, 1000]
 

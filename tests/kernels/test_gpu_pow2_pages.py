@@ -2,7 +2,7 @@
 masks instead of dividing) gives the dividing build's bits, plan for plan, for the page sizes
 that walk by division (1, and 2 at head_dim 64) and for one that steps within a page (16),
 bf16 and fp8 K/V, every strategy (a page size that is not a power of two is refused by name:
-tests/test_validation.py)."""
+tests/core/test_validation.py)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Digests of the GPU's outputs for a fixed set of plans, so that a refactor can show it changed
-no bit: ``tests/data/h200_output_digests.json`` holds the digests the code gave before, and
+no bit: ``tests/helpers/data/h200_output_digests.json`` holds the digests the code gave before, and
 ``test_gpu_digests.py`` compares. Inputs come from NumPy's seeded generator (the same bits on
 every machine); each case names its shape, its plan and the wrapper's options, so a mismatch
 says which plan changed.
 
-    python3 tests/output_digests.py --write digests.json      # on a GPU machine
+    python3 tests/helpers/output_digests.py --write digests.json      # on a GPU machine
 """
 
 from __future__ import annotations
@@ -114,5 +114,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     sys.exit(main())

@@ -404,7 +404,7 @@ def test_the_dissect_probes_patch_the_current_kernel(head_dim):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "dissect_latency.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "dissect_latency.py"
     spec = importlib.util.spec_from_file_location("dissect_latency", path)
     dissect = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(dissect)
@@ -424,10 +424,10 @@ def test_a_plain_run_is_quiet_and_a_verbose_one_reports_registers(tmp_path):
     import sys
     from pathlib import Path
 
-    tests = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parents[2]
     pick = ["-k", "test_variant_compiles and decode_float16_d64_r16_s4 and sm_90", "-p",
-            "no:cacheprovider", str(tests / "test_kernels_compile.py")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests.parent),
+            "no:cacheprovider", str(Path(__file__).resolve())]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root),
                                                        os.environ.get("PYTHONPATH", "")]))
     outputs = {}
     for flag in ("-q", "-v"):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LLAMA = ROOT / "examples" / "llama_paged_decode.py"
 CONTEXT_PARALLEL = ROOT / "examples" / "context_parallel.py"
 

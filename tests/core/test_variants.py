@@ -11,7 +11,7 @@ import pytest
 from splitkv import execute_plan_cpu, plan_fixed_splits, reference_decode
 from splitkv.core import fp8
 
-from conftest import build_batch
+from helpers.batches import build_batch
 
 HQ, HK, D = 8, 2, 64
 

@@ -7,7 +7,7 @@ import pytest
 
 from splitkv import (DecodeProblem, PageTable, Plan, execute_plan_cpu, plan_chunk_tokens,
                      plan_fixed_splits, plan_from_chunk_counts, reference_decode)
-from conftest import host_decode_inputs
+from helpers.batches import host_decode_inputs
 
 
 class FakeDeviceArray:

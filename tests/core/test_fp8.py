@@ -9,7 +9,7 @@ import pytest
 from splitkv import execute_plan_cpu, plan_fixed_splits, reference_decode
 from splitkv.core import fp8
 
-from conftest import build_batch
+from helpers.batches import build_batch
 
 FORMATS = fp8.FP8_FORMATS
 

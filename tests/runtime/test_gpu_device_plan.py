@@ -10,7 +10,7 @@ import pytest
 
 from splitkv import PageTable
 
-from device_plan_reference import comparable_records, expected, layout_arrays, records_equal
+from helpers.device_plan_reference import comparable_records, expected, layout_arrays, records_equal
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
 pytestmark = pytest.mark.gpu

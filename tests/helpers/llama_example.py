@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "llama_paged_decode.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llama_paged_decode.py"
 
 
 def load_example():

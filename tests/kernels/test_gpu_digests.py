@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from output_digests import DIGESTS, compute_digests
+from helpers.output_digests import DIGESTS, compute_digests
 
 pytest.importorskip("cupy", reason="CuPy is not installed")
 pytestmark = pytest.mark.gpu

@@ -15,7 +15,7 @@ from splitkv import (DecodeProblem, PageTable, execute_plan_cpu, plan_chunk_toke
 from splitkv.core import validation as V
 from splitkv.planner import choose_plan
 from splitkv.planner.profiles import ProfileError, load_profile
-from conftest import host_decode_inputs
+from helpers.batches import host_decode_inputs
 
 BIG = V.MAX_KV_LEN                  # the longest request there may be: 2**31 - 1 tokens
 

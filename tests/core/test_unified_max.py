@@ -1,7 +1,7 @@
 """The unified max's host side (``core.unified_max``): phi's checks, the band each MMA type
 allows, the choice of phi from row maxima, and the prediction of which (chunk, kv head) items
 fall back, on realistic and adversarial inputs. The GPU kernels' behaviour against these is
-tests/test_gpu_unified_max.py."""
+tests/kernels/test_gpu_unified_max.py."""
 
 from __future__ import annotations
 

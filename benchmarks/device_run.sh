@@ -43,7 +43,7 @@ for phase in "$@"; do
       # out-of-bounds and uninitialised accesses, over a subset that reaches every kernel path
       timeout 540 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
         tests/kernels/test_gpu_decode.py tests/runtime/test_gpu_device_plan.py tests/kernels/test_gpu_fp8.py tests/kernels/test_gpu_window.py \
-        tests/kernels/test_gpu_variants.py tests/runtime/test_gpu_layouts.py tests/runtime/test_gpu_isolation.py tests/kernels/test_gpu_warps8.py \
+        tests/kernels/test_gpu_variants.py tests/runtime/test_gpu_layouts.py tests/runtime/test_gpu_isolation.py tests/kernels/test_gpu_experiments.py \
         tests/kernels/test_gpu_multi_token.py \
         -k "zero_length or bad_inputs or every_split or mqa or cluster or first_pages or launch_order or pdl or invalid_device or eager_plan or writes_the_host or nan_code or windowed or nan_in_q or beyond or with_a_window or cap_of_zero or hnd or (a_bad_q and fused) or eight_warps or ragged_query or own_window or replays_changing or query_rows_in_one_graph" 2>&1 \
         | tee "$RES/memcheck.log" | tail -4 ;;
@@ -52,7 +52,7 @@ for phase in "$@"; do
       # 16-bit and fp8, clusters, 8 warps, multi-token, windows, graph-stable
       for tool in racecheck synccheck; do
         timeout $([ $tool = racecheck ] && echo 420 || echo 160) compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-          tests/kernels/test_gpu_decode.py tests/kernels/test_gpu_fp8.py tests/kernels/test_gpu_multi_token.py tests/kernels/test_gpu_warps8.py \
+          tests/kernels/test_gpu_decode.py tests/kernels/test_gpu_fp8.py tests/kernels/test_gpu_multi_token.py tests/kernels/test_gpu_experiments.py \
           -k "every_split or mqa or cluster or windowed or ragged and 32 or own_window and None or graph_stable or eight_warps" 2>&1 \
           | tee "$RES/$tool.log" | tail -4
       done ;;

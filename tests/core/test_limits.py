@@ -53,7 +53,7 @@ def assert_tiles(plan):
     (lambda: plan_from_chunk_counts(problem([5, 5]), [[1], [1, 2]], "fused"), "chunks_per_request"),
 ])
 def test_ragged_nesting_is_a_type_error_naming_the_argument(make, name):
-    # once NumPy's own ValueError ("setting an array element with a sequence"), naming nothing
+    # not NumPy's own ValueError ("setting an array element with a sequence"), which names nothing
     with pytest.raises(TypeError, match=f"{name}: expected a .-d integer array"):
         make()
 
@@ -62,7 +62,7 @@ def test_ragged_nesting_is_a_type_error_naming_the_argument(make, name):
 
 @pytest.mark.parametrize("lens", [[2**31], [5, 2**31 + 7], [2**62, 2**62], [2**63 - 1]])
 def test_requests_past_int32_are_refused(lens):
-    # 2**31 tokens once wrapped to chunk_end == -2**31; 2**62 overflowed the int64 total
+    # 2**31 tokens would wrap chunk_end to -2**31 in int32; 2**62 twice overflows an int64 total
     with pytest.raises(ValueError, match="kv_lens: request .* MAX_KV_LEN=2147483647"):
         problem(lens)
 
@@ -142,7 +142,7 @@ def test_the_most_heads_are_accepted():
 ])
 @pytest.mark.parametrize("page_size", [2**31, 2**64, 10**30])
 def test_huge_page_sizes_are_a_value_error(make, page_size):
-    # 2**64 once gave OverflowError from NumPy
+    # 2**64 is refused by name, not with NumPy's OverflowError
     with pytest.raises(ValueError, match="page_size: .*MAX_PAGE_SIZE"):
         make(page_size)
 
@@ -254,13 +254,13 @@ def both_paths(x, **changes):
 
 
 @pytest.mark.parametrize("change, blamed", [
-    # once 'v_cache: expected shape [3, ...]', though V was right and K short
+    # K short and V right: K is named, not V
     (lambda x: dict(k_cache=x["k_cache"][:3]), "k_cache: the page table references page 3 but "
                                                "k_cache has 3 pages"),
     (lambda x: dict(v_cache=x["v_cache"][:3]), "v_cache: the page table references page 3 but "
                                                "v_cache has 3 pages"),
     (lambda x: dict(k_cache=x["k_cache"][:1], v_cache=x["v_cache"][:3]), "k_cache: .* 1 pages"),
-    # once 'k_cache: expected shape [*, 16, 2, 32]', though K and V agree and q is the odd one
+    # K and V agree and q is the odd one: q is named, not K
     (lambda x: dict(q=x["q"][..., :32]), r"q: expected shape \[2, \*, 64\]|q: expected shape "
                                          r"\[2, 8, 64\]"),
     (lambda x: dict(k_cache=x["k_cache"][..., :32]), "k_cache: expected shape"),

@@ -3,7 +3,8 @@ and ``features.default_tile_per_warp``): which build runs, and its answers again
 float64 reference. 16-bit head_dim 64 of one row tile runs 4 CTAs an SM (3 stages, 128
 registers), whose arithmetic is the 4-stage build's, so its bits are too; fp8 head_dim 128 on
 grids past one CTA an SM runs 128-token tiles at 4 warps (32 tokens a warp), lone grids 8
-warps of 16 tokens each."""
+warps of 16 tokens each; 16-bit lone grids of long chunks run 8 warps where 4 are issue-bound
+(``features.plan_warps``)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import numpy as np
 import pytest
 
 from splitkv import reference_decode
+from splitkv.core import fp8
 from splitkv.core.reference import to_float64
 from splitkv.runtime.experiments import DecodeExperiments
 from splitkv.runtime.testing import (assert_matches_reference, assert_paths_match_reference,
-                                     plan_and_run, plan_and_run_both, random_device_array,
-                                     random_kv_caches, scattered_page_table)
+                                     plan_and_run, plan_and_run_both, poisoned_output,
+                                     random_device_array, random_kv_caches, scattered_page_table)
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
@@ -117,3 +119,64 @@ def test_fp8_head_dim_128_runs_long_tiles_past_one_cta_an_sm(kv_dtype):
                              experiments=DecodeExperiments(tile_per_warp=16))
     plan_and_run(w16, pt, q, k, v, strategy="single")
     assert w16.kernel_variant.tile_tokens == 64
+
+
+def test_fp8_plans_choose_their_warps_and_stay_exact():
+    """By default an fp8 plan whose grid gives no SM two CTAs runs 8 warps, a larger grid 4, a
+    graph-stable wrapper always 4 (``features.plan_warps``); each matches the reference."""
+    from splitkv.runtime import device_info
+
+    rng = np.random.default_rng(7)
+    hq, hk, d, page = 32, 8, 128, 16
+    sms = device_info()["num_sms"]
+    # (lengths, splits, strategy, warps a per-shape plan gets): 1 x 4 x 8 = 32 CTAs; then
+    # more requests than SMs / kv heads, unsplit: more CTAs than SMs
+    for lens, n, strategy, warps in (([3000], 4, "split_merge", 8), ([3000], 2, "fused", 8),
+                                     ([9000], 8, "fused", 8),
+                                     ([700] * (sms // hk + 1), 1, "single", 4)):
+        pt, num_pages = scattered_page_table(lens, page, rng)
+        shape = (num_pages, page, hk, d)
+        k, v = (fp8.quantize(rng.standard_normal(shape) * 2, "float8_e4m3fn") for _ in range(2))
+        kd, vd = cupy.asarray(k), cupy.asarray(v)
+        q = random_device_array((len(lens), hq, d), "bfloat16", rng)
+        ref, _ = reference_decode(q.get(), k, v, pt, kv_dtype="float8_e4m3fn")
+        per_shape = BatchDecodeWrapper(hq, hk, d, page, "bfloat16", kv_dtype="float8_e4m3fn")
+        stable = BatchDecodeWrapper(hq, hk, d, page, "bfloat16", kv_dtype="float8_e4m3fn",
+                                    use_cuda_graph=True, max_batch_size=len(lens),
+                                    max_num_pages=pt.kv_indices.size)
+        forced = BatchDecodeWrapper(hq, hk, d, page, "bfloat16", kv_dtype="float8_e4m3fn",
+                                    experiments=DecodeExperiments(warps=4))
+        for w, want in ((per_shape, warps), (stable, 4), (forced, 4)):
+            plan = w.plan(pt, num_splits=n, strategy=strategy)
+            assert w.kernel_variant.num_warps == want, (plan, w.use_cuda_graph)
+            out = cupy.full(q.shape, 0xFFFF, cupy.uint16)
+            w.run(q, kd, vd, out=out)
+            o = to_float64(out.get())
+            err = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
+            assert err < 1e-2, (plan, w.use_cuda_graph, err)
+
+
+@pytest.mark.parametrize("hq,hk,page,lens,warps", [
+    (64, 2, 16, [4096] * 3, 8),          # group 32: two row tiles, long chunks, a lone grid
+    (32, 8, 1, [5000, 6000], 8),         # page 1 (smaller than a row step), long chunks
+    (32, 8, 16, [4096] * 3, 4),          # group 4, page 16: no gain measured, 4
+    (64, 2, 16, [700] * 3, 4)])          # group 32 but short chunks: 4
+def test_sixteen_bit_lone_ctas_choose_their_warps_and_stay_exact(hq, hk, page, lens, warps):
+    """16-bit K/V: a lone grid of long chunks runs 8 warps where 4 are issue-bound (two row
+    tiles, or pages smaller than a row step), else 4 (``features.plan_warps``); each plan
+    matches the reference, single and split."""
+    rng = np.random.default_rng(hq + page)
+    d = 128
+    pt, num_pages = scattered_page_table(lens, page, rng)
+    k, v = random_kv_caches((num_pages, page, hk, d), "bfloat16", rng)
+    q = random_device_array((len(lens), hq, d), "bfloat16", rng)
+    ref_o, ref_lse = reference_decode(q.get(), k, v, pt)
+    w = BatchDecodeWrapper(hq, hk, d, page, "bfloat16")
+    for strategy, n in (("single", 1), ("split_merge", 2)):
+        plan = w.plan(pt, num_splits=n, strategy=strategy)
+        assert w.kernel_variant.num_warps == warps, plan
+        out = poisoned_output(q)
+        lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
+        w.run(q, cupy.asarray(k), cupy.asarray(v), out=out, lse=lse)
+        assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse, 1e-2,
+                                 f"{plan}, {warps} warps")

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.execution import LAUNCH_ORDERS
+from ..core.validation import STRATEGIES
 from ..core.geometry import RECORD_PAGES, TILE_TOKENS, ctas_per_kv_head
 from ..planner.cost_model import (FEATURE_NAMES, LONE_CTA_MIN_TOKENS, CostModel, feature_constants,
                                   stream_ratio_of)
+from . import kernel_abi
 from .kernel_abi import CHUNK_RECORD
 from .kernel_source import NVRTC_OPTIONS, read_source
 from .records import idle_records, record_pages_needed
@@ -103,8 +105,37 @@ def plan_params(model: CostModel, *, num_qo_heads: int, num_kv_heads: int, head_
     return p
 
 
+def layout_fields() -> list:
+    """The device planner's mirrored structs, as ``kernel_abi.fields()`` lists them."""
+    state = [("DevicePlanState", name, 4 * i, 4, kernel_abi.ABI_KINDS[ctypes.c_int32])
+             for i, name in enumerate(STATE_FIELDS)]
+    return (kernel_abi.struct_fields("DevicePlanParams", DevicePlanParams) + state
+            + kernel_abi.record_fields("Record", header=""))
+
+
+def layout_checks() -> str:
+    """static_asserts for device_plan.cu: ``DevicePlanParams`` and ``DevicePlanState`` are laid
+    out as mirrored here, ``Record`` as ``ChunkRecord``, and the feature columns, launch orders
+    and merges are numbered as the host numbers them: a planner whose structs or constants
+    differ does not compile."""
+    constants = {"NUM_FEATURES": _FEATURES,
+                 **{f"F_{name.upper()}": i for i, name in enumerate(FEATURE_NAMES)},
+                 "LONGEST_CHUNKS": LAUNCH_ORDERS.index("longest_chunks"),
+                 "LONGEST_REQUESTS": LAUNCH_ORDERS.index("longest_requests"),
+                 **{code: STRATEGIES.index(name) for code, name in (
+                     ("SINGLE", "single"), ("SPLIT_MERGE", "split_merge"), ("FUSED", "fused"))},
+                 **{code: MERGES.index(name) for code, name in (
+                     ("MERGE_NONE", "none"), ("MERGE_KERNEL", "merge_kernel"),
+                     ("MERGE_TICKET", "ticket"))}}
+    sizes = {"DevicePlanParams": ctypes.sizeof(DevicePlanParams),
+             "DevicePlanState": 4 * len(STATE_FIELDS), "Record": CHUNK_RECORD.itemsize}
+    return kernel_abi.static_asserts(sizes, constants, layout_fields(),
+                                     "differs from runtime/device_planner.py")
+
+
 def source() -> str:
-    return f"#define RECORD_PAGES {RECORD_PAGES}\n" + read_source("device_plan.cu")
+    return (f"#define RECORD_PAGES {RECORD_PAGES}\n" + read_source("device_plan.cu")
+            + layout_checks())
 
 
 @dataclass(frozen=True)

@@ -75,46 +75,61 @@ RECORD_TICKET_MERGE, RECORD_HAS_PAGES = RECORD_FLAGS.values()
 IDLE_REQUEST = -1
 
 # How a field's C++ type is told apart in the checks: ABI_KIND<T>::value.
-_KINDS = {_POINTER: 1, ctypes.c_int64: 2, ctypes.c_int32: 3, ctypes.c_float: 4}
+ABI_KINDS = {_POINTER: 1, ctypes.c_int64: 2, ctypes.c_int32: 3, ctypes.c_float: 4, ctypes.c_double: 5}
 _KIND_TRAIT = """\
 template <typename T> struct ABI_KIND { static constexpr int value = 0; };
 template <typename T> struct ABI_KIND<T*> { static constexpr int value = 1; };
 template <> struct ABI_KIND<long long> { static constexpr int value = 2; };
 template <> struct ABI_KIND<int> { static constexpr int value = 3; };
 template <> struct ABI_KIND<float> { static constexpr int value = 4; };
+template <> struct ABI_KIND<double> { static constexpr int value = 5; };
 template <typename T, decltype(sizeof(0)) N> struct ABI_KIND<T[N]> {
   static constexpr int value = ABI_KIND<T>::value;
 };
 """
 
 
-def fields() -> list[tuple[str, str, int, int, int]]:
-    """Every field of both mirrors: (struct, C++ member designator, byte offset, byte size,
-    ABI kind), in memory order."""
-    out = [("DecodeParams", name, getattr(DecodeParams, name).offset,
-            getattr(DecodeParams, name).size, _KINDS[ctype])
-           for name, ctype in DecodeParams._fields_]
+def struct_fields(struct: str, mirror) -> list[tuple[str, str, int, int, int]]:
+    """The fields of a ctypes mirror of the C++ struct ``struct``: (struct, member, byte offset,
+    byte size, ABI kind), in memory order; an array field has its element's kind."""
+    out = []
+    for name, ctype in mirror._fields_:
+        element = ctype._type_ if issubclass(ctype, ctypes.Array) else ctype
+        out.append((struct, name, getattr(mirror, name).offset, getattr(mirror, name).size,
+                    ABI_KINDS[element]))
+    return out
+
+
+def record_fields(struct: str, header: str = "header.") -> list[tuple[str, str, int, int, int]]:
+    """ChunkRecord's fields as ``struct`` holds them (its header fields under ``header``)."""
+    out = []
     for name in CHUNK_RECORD.names:
         dtype, offset = CHUNK_RECORD.fields[name][:2]
-        member = f"header.{name}" if name in CHUNK_HEADER_FIELDS else name
-        out.append(("ChunkRecord", member, offset, dtype.itemsize, _KINDS[ctypes.c_int32]))
+        member = f"{header}{name}" if name in CHUNK_HEADER_FIELDS else name
+        out.append((struct, member, offset, dtype.itemsize, ABI_KINDS[ctypes.c_int32]))
     return out
+
+
+def fields() -> list[tuple[str, str, int, int, int]]:
+    """Every field of both decode mirrors: (struct, C++ member designator, byte offset, byte
+    size, ABI kind), in memory order."""
+    return struct_fields("DecodeParams", DecodeParams) + record_fields("ChunkRecord")
 
 
 SIZES = {"DecodeParams": ctypes.sizeof(DecodeParams), "ChunkRecord": CHUNK_RECORD.itemsize}
 
 
-def layout_checks() -> str:
-    """C++ static_asserts, for a source that includes decode_params.cuh: both structs have the
-    mirrors' sizes, and every field the mirrors' name, size and kind. (NVRTC has no offsetof;
-    ``offset_probe`` lets a test read the offsets from PTX.)"""
-    where = "differs from runtime/kernel_abi.py"
-    lines = ["// Layout checks from runtime/kernel_abi.py", _KIND_TRAIT]
+def static_asserts(sizes: dict, constants: dict, field_list, where: str) -> str:
+    """C++ static_asserts: each struct of ``sizes`` has that size, each constant of
+    ``constants`` that value, and every field of ``field_list`` (``fields()``'s tuples) exists
+    with that size and kind. (NVRTC has no offsetof; ``offset_probe`` lets a test read the
+    offsets from PTX.)"""
+    lines = [f"// Layout checks: {where}", _KIND_TRAIT]
     lines += [f'static_assert(sizeof({struct}) == {size}, "sizeof({struct}) {where}");'
-              for struct, size in SIZES.items()]
+              for struct, size in sizes.items()]
     lines += [f'static_assert({name} == {value}, "{name} {where}");'
-              for name, value in RECORD_FLAGS.items()]
-    for struct, member, _, nbytes, kind in fields():
+              for name, value in constants.items()]
+    for struct, member, _, nbytes, kind in field_list:
         access = f"((({struct}*)0)->{member})"
         lines.append(f"static_assert(sizeof{access} == {nbytes} && "
                      f"ABI_KIND<decltype{access}>::value == {kind}, "
@@ -122,10 +137,17 @@ def layout_checks() -> str:
     return "\n".join(lines) + "\n"
 
 
-def offset_probe() -> str:
-    """A kernel that stores each field's offset (in ``fields()`` order) to out[i]: the compiler
-    folds them to constants, so its PTX holds the kernel structs' real layout."""
+def layout_checks() -> str:
+    """The static_asserts for a source that includes decode_params.cuh: both structs have the
+    mirrors' sizes, the record flags their values, and every field the mirrors' name, size and
+    kind."""
+    return static_asserts(SIZES, RECORD_FLAGS, fields(), "differs from runtime/kernel_abi.py")
+
+
+def offset_probe(field_list=None) -> str:
+    """A kernel that stores each field's offset (in ``field_list`` order, default ``fields()``)
+    to out[i]: the compiler folds them to constants, so its PTX holds the structs' real layout."""
     stores = "".join(f"  out[{i}] = (unsigned long long)&((({struct}*)0)->{member});\n"
-                     for i, (struct, member, *_) in enumerate(fields()))
+                     for i, (struct, member, *_) in enumerate(field_list or fields()))
     return ('extern "C" __global__ void abi_offsets(volatile unsigned long long* out) {\n'
             + stores + "}\n")

@@ -117,19 +117,68 @@ def _params_source(defines: dict) -> str:
     return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + read_source("decode_params.cuh")
 
 
-@pytest.mark.nvrtc
-def test_every_field_of_the_kernel_structs_sits_where_the_mirror_writes_it():
-    """kernel_abi.offset_probe stores each field's offset; NVVM folds them to constants, so the
-    PTX says where decode_params.cuh puts every field."""
-    ptx = _ptx(_params_source(DecodeVariant("bfloat16", 128, 1).defines) + kernel_abi.offset_probe(),
-               "abi_offsets.cu")
+def _probed_offsets(ptx: str, count: int) -> list[int]:
+    """The offsets an ``offset_probe`` kernel stored, from its PTX (NVVM folds them to
+    constants)."""
     values = dict(re.findall(r"mov\.u64\s+(%rd\d+), (\d+);", ptx))
     stored = {}
     for slot, reg in re.findall(r"st\.volatile\.global\.u64\s+\[%rd\d+(?:\+(\d+))?\], (%rd\d+);", ptx):
         stored[int(slot or 0) // 8] = int(values[reg])
+    return [stored[i] for i in range(count)]
+
+
+def _device_plan_header() -> str:
+    from splitkv.core.geometry import RECORD_PAGES
+
+    return (f"#define RECORD_PAGES {RECORD_PAGES}\n#define DEVICE_PLAN_HD __device__\n"
+            + read_source("device_plan.cuh") + "using namespace device_plan;\n")
+
+
+@pytest.mark.nvrtc
+def test_every_field_of_the_kernel_structs_sits_where_the_mirror_writes_it():
+    """kernel_abi.offset_probe stores each field's offset; the PTX says where
+    decode_params.cuh puts every field."""
+    ptx = _ptx(_params_source(DecodeVariant("bfloat16", 128, 1).defines) + kernel_abi.offset_probe(),
+               "abi_offsets.cu")
     fields = kernel_abi.fields()
-    assert [stored[i] for i in range(len(fields))] == [f[2] for f in fields]
+    assert _probed_offsets(ptx, len(fields)) == [f[2] for f in fields]
     assert {"DecodeParams", "ChunkRecord"} == {f[0] for f in fields}
+
+
+@pytest.mark.nvrtc
+def test_the_device_planners_structs_sit_where_its_mirror_writes_them():
+    """DevicePlanParams, DevicePlanState and the planner's Record, field by field, from the PTX
+    of device_plan.cuh; the planning kernel's source carries the same structs' checks and the
+    feature, launch-order, strategy and merge numbering, and compiles."""
+    from splitkv.runtime import device_planner
+
+    fields = device_planner.layout_fields()
+    ptx = _ptx(_device_plan_header() + kernel_abi.offset_probe(fields), "plan_offsets.cu")
+    assert _probed_offsets(ptx, len(fields)) == [f[2] for f in fields]
+    assert {"DevicePlanParams", "DevicePlanState", "Record"} == {f[0] for f in fields}
+    checks = device_planner.layout_checks()
+    assert "F_MERGE_GRID == 16" in checks and "MERGE_TICKET == 2" in checks
+    _ptx(device_planner.source(), "device_plan.cu")
+
+
+@pytest.mark.nvrtc
+def test_a_device_planner_mirror_that_differs_does_not_compile(monkeypatch):
+    import ctypes
+
+    from splitkv.runtime import device_planner
+
+    class Shifted(ctypes.Structure):                  # one field of the wrong kind
+        _fields_ = [(n, ctypes.c_float if n == "num_sms" else t)
+                    for n, t in device_planner.DevicePlanParams._fields_]
+
+    monkeypatch.setattr(device_planner, "DevicePlanParams", Shifted)
+    with pytest.raises(Exception, match="DevicePlanParams.num_sms differs"):
+        _ptx(device_planner.source(), "device_plan.cu")
+    monkeypatch.undo()
+    monkeypatch.setattr(device_planner, "FEATURE_NAMES",
+                        (*device_planner.FEATURE_NAMES[:-2], "merge_grid", "wide_waves"))
+    with pytest.raises(Exception, match="F_MERGE_GRID differs"):
+        _ptx(device_planner.source(), "device_plan.cu")
 
 
 @pytest.mark.nvrtc

@@ -13,7 +13,8 @@ from .core.problem import DecodeProblem, PageTable
 from .core.reference import reference_decode
 
 __all__ = [
-    "BatchDecodeWrapper", "DecodeProblem", "GPUUnavailableError", "PageTable", "Plan",
+    "BatchDecodeWrapper", "DecodeProblem", "GPUUnavailableError", "GraphStableDecodeWrapper",
+    "PageTable", "Plan",
     "ProfileError", "choose_plan", "execute_plan_cpu", "load_profile", "merge_states",
     "merge_states_n", "plan_chunk_tokens", "plan_fixed_splits", "plan_from_chunk_counts",
     "rank_candidates", "reference_decode", "__version__",
@@ -21,6 +22,7 @@ __all__ = [
 
 # Names imported on first use: the planner (it reads profiles with PyYAML) and the GPU runtime.
 _LAZY = {"BatchDecodeWrapper": "runtime.wrapper", "GPUUnavailableError": "runtime",
+         "GraphStableDecodeWrapper": "runtime.graph_stable",
          "ProfileError": "planner", "choose_plan": "planner", "load_profile": "planner",
          "rank_candidates": "planner"}
 

@@ -308,6 +308,30 @@ def check_device_output(name: str, arr, shape: tuple[int, ...], dtype: str) -> N
         raise ValueError(f"{name}: expected a contiguous array")
 
 
+def check_float32_vector(name: str, arr, sizes, expected: str, device: int | None) -> None:
+    """A device array view (.dtype, .shape, .is_contiguous, .device): contiguous 1-d float32 of
+    one of ``sizes`` values, on ``device``; else a ValueError saying ``expected``."""
+    if arr.dtype != "float32" or len(arr.shape) != 1 or arr.shape[0] not in sizes \
+            or not arr.is_contiguous:
+        raise ValueError(f"{name}: expected {expected}, got {arr.dtype} of shape "
+                         f"{list(arr.shape)}")
+    if arr.device is not None and device is not None and arr.device != device:
+        raise ValueError(f"{name}: is on device {arr.device}, the plan on {device}")
+
+
+def check_fp8_scale(name: str, scale, kv_dtype) -> float | None:
+    """A run's fp8 scale (not None): as a float32 when a number, None when an array."""
+    if kv_dtype is None:
+        raise ValueError(f"{name}: scales are for fp8 caches; this wrapper's kv_dtype is None")
+    if isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, bool):
+        with np.errstate(over="ignore"):
+            value = float(np.float32(scale))      # as the kernel holds it
+        if not (np.isfinite(value) and value > 0):
+            raise ValueError(f"{name}: expected a finite value > 0 (as a float32), got {scale!r}")
+        return value
+    return None
+
+
 def check_plan_for_table(plan, page_table, *, num_qo_heads: int | None = None,
                          num_kv_heads: int | None = None, head_dim: int | None = None,
                          dtype: str | None = None, window_left: int | None = None) -> None:

@@ -25,7 +25,9 @@ import ctypes
 import sys
 import threading
 
+from .features import spreads_one_per_sm
 from .kernel_abi import DecodeParams
+from .params import LaunchGrid, RunArguments, write_run_arguments
 
 # cuda.h: CUlaunchAttributeID
 _CLUSTER_DIMENSION = 4                        # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
@@ -151,20 +153,12 @@ class DecodeLaunch:
     def pdl(self) -> bool:
         return self.partial.pdl
 
-    def __call__(self, q: int, k_cache: int, v_cache: int, page_stride: int, token_stride: int,
-                 head_stride: int, out: int, lse: int, stream_ptr: int, plain: bool = False,
-                 scales: tuple = (0, 1.0, 0, 0, 1.0, 0), variant: tuple = (0.0, 0)) -> None:
-        """Launch on ``stream_ptr`` with these tensors (device pointers; strides in elements;
-        ``lse`` 0 when not wanted); ``plain``: the partial kernel without PDL; ``scales``: fp8
-        K and V scales, (pointer, value, stride) each; ``variant``: (logits_soft_cap_log2,
-        sinks pointer) (``DecodeParams``)."""
-        p = self.params
+    def __call__(self, args: RunArguments, stream_ptr: int, plain: bool = False) -> None:
+        """Launch on ``stream_ptr`` with a run's ``args`` (``params.RunArguments``: the
+        tensors' device pointers and strides, the fp8 scales, the soft cap and sinks);
+        ``plain``: the partial kernel without PDL."""
         with self._lock:
-            p.q, p.k_cache, p.v_cache, p.out, p.lse = q, k_cache, v_cache, out, lse
-            p.page_stride, p.token_stride, p.head_stride = page_stride, token_stride, head_stride
-            (p.k_scale, p.k_scale_value, p.k_scale_stride,
-             p.v_scale, p.v_scale_value, p.v_scale_stride) = scales
-            p.logits_soft_cap_log2, p.sinks = variant
+            write_run_arguments(self.params, args)
             previous = current_context()
             if previous != self._context:    # the driver launches in the current context
                 _check(_driver().cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
@@ -175,3 +169,28 @@ class DecodeLaunch:
             finally:
                 if previous != self._context:
                     _driver().cuCtxSetCurrent(previous or None)
+
+
+def bind_decode_launch(kernels, params: DecodeParams, grid: LaunchGrid, *, num_kv_heads: int,
+                       head_dim: int, pdl: bool, spread: bool | None) -> DecodeLaunch:
+    """The launches of ``grid`` with ``kernels`` (a compiled variant) and its ``params``: the
+    partial kernel (one CTA per SM under PDL when ``spread``, None: where the grid's rule says
+    so; also without PDL for a device-planned grid) and, with ``grid.merge``, the merge kernel
+    (one thread per (request, qo head, 4 dims); compact_merge: per split request's)."""
+    ctas = grid.num_chunks * num_kv_heads * grid.per_kv_head
+    shared = kernels.variant.shared_bytes
+    if spread is None:
+        spread = spreads_one_per_sm(ctas, grid.cluster_size)
+    if pdl and spread:
+        shared = kernels.one_per_sm_shared_bytes
+    threads = kernels.variant.threads
+    partial = KernelLaunch(kernels.partial, ctas, threads, shared, pdl=pdl)
+    plain = None
+    if pdl and grid.device_planned:
+        plain = KernelLaunch(kernels.partial, ctas, threads, kernels.variant.shared_bytes)
+    merge = None
+    if grid.merge:
+        requests = params.num_split_requests or grid.batch_size
+        slots = requests * grid.heads * (head_dim // 4)
+        merge = KernelLaunch(kernels.merge, -(-slots // threads), threads, 0, pdl=pdl)
+    return DecodeLaunch(params, partial, merge, current_context(), plain)

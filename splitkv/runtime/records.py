@@ -4,14 +4,13 @@ uploaded together from one pinned buffer with one async copy."""
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 from ..core.geometry import RECORD_PAGES, TILE_TOKENS
 from ..core.plan import Plan
 from ..core.problem import PageTable
 from .kernel_abi import CHUNK_RECORD, IDLE_REQUEST, RECORD_HAS_PAGES, RECORD_TICKET_MERGE
+from .streams import StreamChain  # noqa: F401  (imported from here too)
 
 
 def first_pages(page_table: PageTable, chunk_request, chunk_start,
@@ -79,48 +78,6 @@ def idle_records(count: int) -> np.ndarray:
     records = np.zeros(count, dtype=CHUNK_RECORD)
     records["request"] = IDLE_REQUEST
     return records
-
-
-class StreamChain:
-    """Orders the uses of one wrapper's buffers across streams: its runs share the workspace
-    (partials, ticket counters) and its plans rewrite the records. After each run an event is
-    recorded on the run's stream; a later run, or a plan's upload, on another stream first
-    waits for it. So two runs on two streams never overlap on the GPU and a plan never rewrites
-    what a run elsewhere still reads. (An event per run, on the stream in use: a stream given
-    earlier may be gone by the next call.) Held across a run's launch (``use``), under a lock:
-    run() may be called from several threads. Streams are told apart by handle, so threads
-    sharing a wrapper each pass their own stream, not the per-thread default stream (one handle
-    for a different stream in each thread)."""
-
-    def __init__(self):
-        import threading
-
-        self._event = None              # recorded after the last run, on its stream
-        self._last = None               # that stream's handle
-        self._lock = threading.Lock()
-
-    def _wait(self, stream) -> None:
-        if self._event is not None and self._last != stream.ptr:
-            stream.wait_event(self._event)
-
-    def follow(self, stream) -> None:
-        """A plan's upload about to be queued on ``stream``: after the last run."""
-        with self._lock:
-            self._wait(stream)
-
-    @contextlib.contextmanager
-    def use(self, stream):
-        """A run: ``with chain.use(s): launch()`` queues it after the last run (on another
-        stream) and, if the launch raised nothing, records the event after it."""
-        import cupy
-
-        with self._lock:
-            self._wait(stream)
-            yield
-            if self._event is None:
-                self._event = cupy.cuda.Event(disable_timing=True)
-            self._event.record(stream)
-            self._last = stream.ptr
 
 
 def query_rows_array(rows, kv_lens: np.ndarray, window_left: int) -> np.ndarray:

@@ -116,8 +116,11 @@ def test_each_knob_runs_its_build_and_matches_the_reference(row):
 
     wrappers = [wrapper(knob.experiments)]
     if knob.graph_stable:
-        wrappers.append(wrapper(knob.experiments, use_cuda_graph=True,
-                                max_batch_size=len(LENS), max_num_pages=pt.kv_indices.size))
+        # a capacity for the largest plan of the list (16 chunks a request): the default grid
+        # of a small batch holds fewer
+        wrappers.append(wrapper(knob.experiments, use_cuda_graph=True, max_batch_size=len(LENS),
+                                max_num_pages=pt.kv_indices.size,
+                                max_chunks=len(LENS) * max(n for _, n in PLANS)))
     baseline = wrapper(knob.baseline) if knob.baseline is not None else None
     for w in wrappers:
         for strategy, n in PLANS:

@@ -12,10 +12,9 @@ from typing import NamedTuple
 import numpy as np
 
 from ..core import validation as V
+from ..core.unified_max import LOG2E
 from ..core.variants import check_variant
 from .kernel_abi import DecodeParams
-
-LOG2E = 1.4426950408889634
 
 
 def sm_scale_log2(sm_scale, head_dim: int) -> float:

@@ -10,7 +10,6 @@ from ..core.geometry import RECORD_PAGES, TILE_TOKENS
 from ..core.plan import Plan
 from ..core.problem import PageTable
 from .kernel_abi import CHUNK_RECORD, IDLE_REQUEST, RECORD_HAS_PAGES, RECORD_TICKET_MERGE
-from .streams import StreamChain  # noqa: F401  (imported from here too)
 
 
 def first_pages(page_table: PageTable, chunk_request, chunk_start,

@@ -48,10 +48,10 @@ from .experiments import DecodeExperiments
 from .features import check_option, sm90_option
 from .kernel_source import DecodeVariant, row_tiles_for
 from .launch import DecodeLaunch, bind_decode_launch
-from .params import (LOG2E, LaunchGrid, RunArguments, Scale, decode_params,  # noqa: F401
-                     sm_scale_log2, soft_cap_log2, unified_max_log2)
-from .records import (PlanUpload, chunk_records, first_pages,  # noqa: F401
-                      pages_fit_record, query_rows_array, record_pages_needed)
+from .params import (LaunchGrid, RunArguments, Scale, decode_params, sm_scale_log2,
+                     soft_cap_log2, unified_max_log2)
+from .records import (PlanUpload, chunk_records, pages_fit_record, query_rows_array,
+                      record_pages_needed)
 from .streams import PlanStreams
 from .workspace import Workspace
 

@@ -208,7 +208,7 @@ def test_chunk_records_carry_each_chunks_first_pages():
     from splitkv.core.geometry import RECORD_PAGES
     from splitkv.core.plan import plan_from_chunk_counts
     from splitkv.core.problem import DecodeProblem, PageTable
-    from splitkv.runtime.wrapper import first_pages, pages_fit_record
+    from splitkv.runtime.records import first_pages, pages_fit_record
 
     lens = [100, 0, 2000]
     rng = np.random.default_rng(0)
@@ -238,7 +238,7 @@ def test_chunk_records_in_launch_order_name_their_plan_chunk():
     from splitkv.core.plan import plan_chunk_tokens
     from splitkv.core.problem import DecodeProblem, PageTable
     from splitkv.runtime.kernel_abi import CHUNK_RECORD, RECORD_HAS_PAGES, RECORD_TICKET_MERGE
-    from splitkv.runtime.wrapper import chunk_records, first_pages
+    from splitkv.runtime.records import chunk_records, first_pages
 
     lens = [300, 0, 2000, 64]
     rng = np.random.default_rng(1)

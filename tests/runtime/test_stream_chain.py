@@ -8,7 +8,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy", reason="StreamChain records CuPy events")
 
-from splitkv.runtime.records import StreamChain  # noqa: E402
+from splitkv.runtime.streams import StreamChain  # noqa: E402
 
 
 class Event:

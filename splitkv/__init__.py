@@ -17,14 +17,14 @@ __all__ = [
     "PageTable", "Plan",
     "ProfileError", "choose_plan", "execute_plan_cpu", "load_profile", "merge_states",
     "merge_states_n", "plan_chunk_tokens", "plan_fixed_splits", "plan_from_chunk_counts",
-    "rank_candidates", "reference_decode", "__version__",
+    "rank_candidates", "reference_decode", "workspace_size", "__version__",
 ]
 
 # Names imported on first use: the planner (it reads profiles with PyYAML) and the GPU runtime.
 _LAZY = {"BatchDecodeWrapper": "runtime.wrapper", "GPUUnavailableError": "runtime",
          "GraphStableDecodeWrapper": "runtime.graph_stable",
          "ProfileError": "planner", "choose_plan": "planner", "load_profile": "planner",
-         "rank_candidates": "planner"}
+         "rank_candidates": "planner", "workspace_size": "runtime.workspace"}
 
 
 def __getattr__(name):

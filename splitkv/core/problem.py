@@ -138,6 +138,22 @@ class PageTable:
 
 
 @dataclass(frozen=True, eq=False)
+class PageLengths:
+    """A page table whose page ids the host does not hold (an engine's table on the device):
+    ``kv_indptr`` [batch + 1], each request's first entry of that table, and ``kv_lens``
+    [batch], checked. Enough to plan and to write the chunk records; nothing reads page ids."""
+
+    kv_indptr: np.ndarray
+    kv_lens: np.ndarray
+    page_size: int
+    kv_indices = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.kv_lens.size)
+
+
+@dataclass(frozen=True, eq=False)
 class DecodeProblem:
     """What the planner needs to know about one decode call: lengths and shapes, no pages.
 
@@ -185,7 +201,7 @@ class DecodeProblem:
                         head_dim: int, dtype="bfloat16", window_left: int = -1) -> "DecodeProblem":
         """The problem of a page table. Its lengths are shared, not copied or checked again:
         the table already holds them checked and read-only (plan() runs on every step)."""
-        V.check_instance("page_table", page_table, PageTable)
+        V.check_instance("page_table", page_table, (PageTable, PageLengths), "a PageTable")
         problem = cls.__new__(cls)
         for name, value in (("kv_lens", page_table.kv_lens), ("num_qo_heads", num_qo_heads),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),

@@ -229,25 +229,16 @@ class DevicePlanner:
                  merge_indptr_ptr: int, stream, query_rows_ptr: int = 0, max_q_len: int = 1):
         import cupy
 
-        from .launch import KernelLaunch
-
-        self.batch = batch
-        # made on the plan's stream (a zero fill elsewhere could land after the first plan)
+        # made on the plan's stream (a zero fill elsewhere could land after the first plan);
+        # the scratch for the largest batch, so that rebinding a smaller one never moves it
         with stream:
-            self._scratch = cupy.empty(scratch_ints(params.max_chunks, batch.batch_size),
+            self._scratch = cupy.empty(scratch_ints(params.max_chunks, params.max_batch),
                                        np.int32)
             self._state = cupy.zeros(len(STATE_FIELDS), np.int32)
             self._predicted = cupy.zeros(1, np.float64)
         p = params
-        p.seq_lens, p.kv_indptr, p.kv_last_page_len, p.kv_indices = batch.pointers
-        p.block_table_stride, p.page_table_entries = batch.block_table_stride, batch.page_table_entries
-        p.batch_size = batch.batch_size
-        shared = 4 * scratch_ints(params.max_chunks, batch.batch_size)
-        p.scratch_in_shared = int(shared <= MAX_SHARED_SCRATCH_BYTES)
         p.records, p.merge_indptr = records_ptr, merge_indptr_ptr
-        # multi-token decode: the query rows the decode kernels read, from qo_indptr (or one
-        # row a request)
-        p.qo_indptr, p.query_rows, p.max_q_len = batch.qo_indptr, query_rows_ptr, max_q_len
+        p.query_rows, p.max_q_len = query_rows_ptr, max_q_len
         p.scratch, p.state = self._scratch.data.ptr, self._state.data.ptr
         p.predicted_us = self._predicted.data.ptr
         self.params = p
@@ -257,10 +248,27 @@ class DevicePlanner:
         records = cupy.ndarray(idle.shape, np.int32, cupy.cuda.MemoryPointer(memory, 0))
         records.set(idle, stream=stream)
         stream.synchronize()
-        self._launch = KernelLaunch(plan_kernel(), 1, PLAN_THREADS,
-                                    shared if p.scratch_in_shared else 0)
         self._args = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
         self._inputs, self._input_ptrs, self._sm_scale = None, None, None
+        self.bind(batch)
+
+    def bind(self, batch: BatchArrays) -> None:
+        """Read ``batch``'s arrays from the next launch on (a capture holds the arrays of its
+        launch): an engine's graph per batch size binds that size's views."""
+        from .launch import KernelLaunch
+
+        p = self.params
+        p.seq_lens, p.kv_indptr, p.kv_last_page_len, p.kv_indices = batch.pointers
+        p.block_table_stride, p.page_table_entries = batch.block_table_stride, batch.page_table_entries
+        p.batch_size = batch.batch_size
+        # multi-token decode: the query rows the decode kernels read, from qo_indptr (or one
+        # row a request)
+        p.qo_indptr = batch.qo_indptr
+        shared = 4 * scratch_ints(p.max_chunks, batch.batch_size)
+        p.scratch_in_shared = int(shared <= MAX_SHARED_SCRATCH_BYTES)
+        self._launch = KernelLaunch(plan_kernel(), 1, PLAN_THREADS,
+                                    shared if p.scratch_in_shared else 0)
+        self.batch = batch
 
     def remember(self, inputs: tuple, sm_scale) -> None:
         """The objects ``plan_on_device`` was first given (and their addresses), so that a

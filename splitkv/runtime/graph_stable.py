@@ -17,6 +17,7 @@ from . import require_gpu
 from .arrays import as_cupy_stream
 from .builds import graph_kernels
 from .params import LaunchGrid, sm_scale_log2, soft_cap_log2
+from .run_inputs import run_stream
 from .records import GraphPlanUpload, chunk_records, pages_fit_record, record_pages_needed
 from .wrapper import BatchDecodeWrapper
 
@@ -141,6 +142,10 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
         """A graph-stable wrapper's checks of a page table against its capacity, before any
         planning or upload."""
         max_batch, max_pages = self._capacity[0], self._capacity[1]
+        if page_table.kv_indices is None:
+            raise ValueError("block_table: a graph-stable wrapper's plan() copies a host page "
+                             "table into its fixed buffers; with the table on the device, plan "
+                             "with plan_on_device() (or pass a host table)")
         if stream.is_capturing():
             raise RuntimeError("plan: a graph-stable wrapper's plan() must not be captured (its "
                                "upload would replay one plan forever); call it before each "
@@ -168,7 +173,8 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
                              rows=self.group_size * self._max_q_len, max_q_len=self._max_q_len)
 
     def _upload_plan(self, chosen: Plan, page_table: PageTable, s, *, sm_scale_log2: float,
-                     max_page: int, soft_cap_log2: float, rows_array, **_) -> None:
+                     max_page: int, soft_cap_log2: float, rows_array, query_rows=None,
+                     **_) -> None:
         """plan() of a graph-stable wrapper: the records written straight into a pinned buffer
         whose rest of the capacity holds idle records, uploaded into the fixed buffers; the
         launches are built once, for the capacity."""
@@ -214,6 +220,7 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
             rows_array = full
         self._graph_upload.upload(page_table.kv_indices, merge_indptr, s, query_rows=rows_array)
         self._pages_in_record = in_record
+        self._query_rows = query_rows
 
     def plan_on_device(self, *, seq_lens=None, block_table=None, kv_indptr=None,
                        kv_indices=None, kv_last_page_len=None, sm_scale: float | None = None,
@@ -230,9 +237,12 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
         (contiguous), or FlashInfer's ``kv_indptr`` [batch + 1], ``kv_indices`` and
         ``kv_last_page_len`` [batch]; batch <= max_batch_size (pad with empty requests); the
         table may have any number of entries (``max_num_pages`` sizes only ``plan()``'s upload).
-        The first call binds the arrays (their addresses go into
-        the launches: later calls must pass the same arrays) and must not be captured; page ids
-        are not range-checked. A request whose values are invalid (a negative length, more pages
+        The first call allocates and must not be captured. Each call's arrays go into the
+        launches it enqueues (a captured graph holds those of its capture, which must stay
+        alive while it replays): a decode loop updates them in place, and an engine with a
+        graph per batch size passes that size's views of its buffers (``seq_lens[:n]``,
+        ``block_table[:n]``), each graph then replaying its own; ``run()``'s q and out may have
+        any rows from the bound batch's up to the capacity. Page ids are not range-checked. A request whose values are invalid (a negative length, more pages
         than its row, a bad kv_indptr or kv_last_page_len) is planned as empty and the error is
         kept on the device: ``device_plan_state()`` reads it. ``logits_soft_cap``: as in
         ``plan()``. ``qo_indptr`` (a wrapper made with ``max_q_len``): multi-token decode's
@@ -251,10 +261,10 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
         if qo_indptr is not None and self._max_q_len == 1:
             raise ValueError("qo_indptr: this graph-stable wrapper's captured launch holds one "
                              "query row a request; make it with max_q_len= for more")
-        s = as_cupy_stream(stream)
+        inputs = (seq_lens, block_table, kv_indptr, kv_indices, kv_last_page_len, qo_indptr)
+        s = run_stream(stream, *inputs)           # torch tensors: torch's current stream
         soft_cap = soft_cap_log2(logits_soft_cap)
         kernels = self._graph_kernels(soft_cap)   # the cap's build, or the refusal to switch
-        inputs = (seq_lens, block_table, kv_indptr, kv_indices, kv_last_page_len, qo_indptr)
         planner = self._device_planner
         # the very arrays of the first call (a decode loop's path) were checked then
         if planner is None or not planner.same_inputs(inputs, sm_scale):
@@ -296,12 +306,16 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
                                    "allocates; make it before capturing")
             planner = self._bind_device_planner(batch, arrays, scale_log2, s, kernels)
             planner.remember(inputs, sm_scale)
-        elif batch != planner.batch:
-            raise ValueError("plan_on_device: the arrays differ from the first call's (a captured "
-                             "launch holds their addresses); update those arrays in place")
         elif scale_log2 != self._launch.params.sm_scale_log2:
             raise ValueError("sm_scale: a graph-stable wrapper keeps the sm_scale of its first "
                              "plan (a captured launch holds it)")
+        elif batch != planner.batch:             # other arrays (another batch size): rebind
+            planner.bind(batch)
+            planner.arrays = arrays
+            planner.remember(inputs, sm_scale)
+            self._launch.params.kv_indices = batch.pointers[3]
+        else:                                    # the same arrays, given anew
+            planner.remember(inputs, sm_scale)
 
     def _bind_device_planner(self, batch, arrays, sm_scale_log2: float, s, kernels):
         """The first plan_on_device(): the fixed buffers, the planning kernel bound to the
@@ -363,9 +377,16 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
     def _planned(self) -> bool:
         return self._plan is not None or self._device_planner is not None
 
-    def _run_rows(self) -> int:
-        """Capacity rows, for every query row of a request."""
-        return self._capacity[0] * self._max_q_len
+    def _run_rows(self) -> tuple[int, int]:
+        """(fewest, most) rows of run()'s q: any batch from the plan's up to the capacity (an
+        engine's graph per batch size; a replay must not meet a plan of more rows than its
+        capture's q); a multi-token device plan's rows are the device's: the capacity's."""
+        most = self._capacity[0] * self._max_q_len
+        if self._device_planner is not None:
+            fewest = most if self._max_q_len > 1 else self._device_planner.batch.batch_size
+        else:
+            fewest = self._plan_rows()
+        return fewest, most
 
     def _note_pool(self, k_cache) -> None:
         """Later plans must stay within the smallest K/V pool a run was given."""

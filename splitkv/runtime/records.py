@@ -8,7 +8,7 @@ import numpy as np
 
 from ..core.geometry import RECORD_PAGES, TILE_TOKENS
 from ..core.plan import Plan
-from ..core.problem import PageTable
+from ..core.problem import PageLengths, PageTable
 from .kernel_abi import CHUNK_RECORD, IDLE_REQUEST, RECORD_HAS_PAGES, RECORD_TICKET_MERGE
 
 
@@ -97,14 +97,16 @@ class PlanUpload:
         self._capacity = 0          # int32 elements
         self._host = self._device = self.ready = None
 
-    def upload(self, records: np.ndarray, page_table: PageTable, plan: Plan, stream,
+    def upload(self, records: np.ndarray, page_table: PageTable | PageLengths, plan: Plan, stream,
                extra: dict | None = None) -> dict:
         """Copy on ``stream``; returns the device pointers {"records", "kv_indices",
         "merge_indptr"} and one per ``extra`` part (name -> int32 host array), and with a
         "split_requests" part its length as "num_split_requests"."""
         import cupy
 
-        parts = {"records": records.view(np.int32), "kv_indices": page_table.kv_indices,
+        # a table kept on the device (``page_tables``) is read in place: no part of its own
+        indices = {} if page_table.kv_indices is None else {"kv_indices": page_table.kv_indices}
+        parts = {"records": records.view(np.int32), **indices,
                  "merge_indptr": plan.merge_indptr,
                  **{name: np.ascontiguousarray(a, np.int32).ravel()
                     for name, a in (extra or {}).items()}}

@@ -41,15 +41,14 @@ from ..core.layouts import check_kv_layout
 from ..core.plan import Plan
 from ..core.problem import DecodeProblem, PageTable
 from . import require_gpu
-from .arrays import (as_cupy_stream, as_device_array, cupy_storage_dtype, nhd_view,
-                     split_kv_arrays)
 from .builds import per_shape_kernels, shape_variant
 from .experiments import DecodeExperiments
 from .features import check_option, sm90_option
 from .kernel_source import DecodeVariant, row_tiles_for
 from .launch import DecodeLaunch, bind_decode_launch
-from .params import (LaunchGrid, RunArguments, Scale, decode_params, sm_scale_log2,
-                     soft_cap_log2, unified_max_log2)
+from .params import LaunchGrid, decode_params, sm_scale_log2, soft_cap_log2, unified_max_log2
+from .page_tables import device_page_table
+from .run_inputs import DecodeShape, run_inputs, run_stream
 from .records import (PlanUpload, chunk_records, pages_fit_record, query_rows_array,
                       record_pages_needed)
 from .streams import PlanStreams
@@ -90,6 +89,9 @@ class BatchDecodeWrapper:
     kv_layout: 'NHD' (pages of [page_size, num_kv_heads, head_dim], the default) or 'HND'
         (FlashInfer's name: pages of [num_kv_heads, page_size, head_dim]), read in place; either
         may be a strided view (padded heads or tokens, a slice of a combined K/V array).
+    workspace_buffer: a contiguous device array (any dtype, 256-byte aligned) that holds the
+        split plans' partial states and counters, as FlashInfer's float workspace; size it with
+        ``splitkv.workspace_size``. None: the wrapper allocates its own, grown as plans need.
     """
 
     def __new__(cls, *args, use_cuda_graph=False, **kwargs):
@@ -105,7 +107,7 @@ class BatchDecodeWrapper:
                  experiments: DecodeExperiments | None = None, *, use_cuda_graph: bool = False,
                  max_batch_size: int | None = None, max_num_pages: int | None = None,
                  max_chunks: int | None = None, kv_dtype=None, kv_layout: str = "NHD",
-                 max_q_len: int | None = None):
+                 max_q_len: int | None = None, workspace_buffer=None):
         self.num_qo_heads, self.num_kv_heads = V.check_heads(num_qo_heads, num_kv_heads)
         self.head_dim = V.check_head_dim(head_dim)
         self.page_size = V.check_int("page_size", page_size, 1)
@@ -120,6 +122,9 @@ class BatchDecodeWrapper:
         self.experiments = experiments
         self.kv_dtype = fp8.fp8_format("kv_dtype", kv_dtype)
         self.kv_layout = check_kv_layout(kv_layout)
+        self._shape = DecodeShape(self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                                  self.page_size, self.dtype, self.kv_dtype, self.kv_layout)
+        self._device_id = None                # the device of the plan, once planned
         self.variant = shape_variant(self.dtype, self.head_dim, self.group_size, self.page_size,
                                      self.kv_dtype, experiments)
         if experiments.rows_per_cta and use_cuda_graph:
@@ -140,7 +145,8 @@ class BatchDecodeWrapper:
         self._bound_variant: DecodeVariant | None = None   # the variant _bind() launched
         self._query_rows = None               # the current plan's multi-token rows, if any
         self._upload = PlanUpload()
-        self._workspace = Workspace(self.head_dim)
+        self._workspace = Workspace(self.head_dim, workspace_buffer)
+        self._device_table = None             # a plan's page table kept on the device
         self._logits_soft_cap_log2 = 0.0      # plan()'s logits_soft_cap, as the kernels hold it
         self._unified_fallbacks = None        # the unified max's fallback counter (uint32 [1])
         # every use of the buffers (plan uploads, runs), ordered across streams
@@ -232,11 +238,14 @@ class BatchDecodeWrapper:
 
         The batch's pages: a ``PageTable``, or FlashInfer's ``kv_indptr`` [batch + 1],
         ``kv_indices`` [pages], ``kv_last_page_len`` [batch], or vLLM's ``block_table``
-        [batch, max pages] and ``seq_lens`` [batch] (host integer arrays).
+        [batch, max pages] and ``seq_lens`` [batch] (host integer arrays; the table itself,
+        ``block_table`` or ``kv_indices``, may be a device int32 array, read in place:
+        ``page_tables``).
         num_splits / strategy force the planner's hand; ``plan`` bypasses it, and runs with the
         execution (merge mode, launch order) this wrapper's options give it on this device
         (``Plan.with_execution``). ``stream``: where the upload goes (CuPy or torch stream, or
-        a handle; default CuPy's current stream): the stream you run (or replay) on.
+        a handle; default torch's current stream when an array given is a torch tensor, else
+        CuPy's current stream): the stream you run (or replay) on.
         ``window_left`` (sliding window, FlashInfer's name): each request's query sees its last
         window_left + 1 tokens, and the plan covers only those (its cost follows the window);
         -1 or None: no window (with ``plan``, None takes the plan's). ``logits_soft_cap``
@@ -259,14 +268,19 @@ class BatchDecodeWrapper:
         Returns the plan as it runs.
         """
         require_gpu("BatchDecodeWrapper.plan()")
+        import cupy
+
         self._check_plans_on_host()
-        page_table = PageTable.from_layout(
-            page_table, self.page_size, kv_indptr=kv_indptr, kv_indices=kv_indices,
-            kv_last_page_len=kv_last_page_len, block_table=block_table, seq_lens=seq_lens)
+        layout = dict(kv_indptr=kv_indptr, kv_indices=kv_indices,
+                      kv_last_page_len=kv_last_page_len, block_table=block_table,
+                      seq_lens=seq_lens)
+        on_device = page_table is None and device_page_table(
+            self.page_size, cupy.cuda.runtime.getDevice(), **layout)
+        page_table = on_device or PageTable.from_layout(page_table, self.page_size, **layout)
         if page_table.page_size != self.page_size:
             raise ValueError(f"page_table: page_size {page_table.page_size} differs from the "
                              f"wrapper's page_size {self.page_size}")
-        s = as_cupy_stream(stream)
+        s = run_stream(stream, *layout.values(), qo_indptr)   # torch's with torch tensors
         soft_cap = soft_cap_log2(logits_soft_cap)
         phi = UM.check_unified_max(unified_max)
         if phi is not None and self.use_cuda_graph:
@@ -285,7 +299,9 @@ class BatchDecodeWrapper:
         if query_rows is not None:   # the plan covers every row's window; each row masks its own
             plan_window = VA.covering_window_left(
                 V.check_int("window_left", window, -1, V.MAX_KV_LEN, "MAX_KV_LEN"), rows)
-        max_page = int(page_table.kv_indices.max()) if page_table.kv_indices.size else -1
+        # a device table's page ids are the caller's (unread here, as plan_on_device's)
+        max_page = (int(page_table.kv_indices.max())
+                    if not on_device and page_table.kv_indices.size else -1)
         self._check_fits(page_table, max_page, s)
         clusters = self._clusters()
         if plan is not None:
@@ -344,11 +360,15 @@ class BatchDecodeWrapper:
     def _planned(self) -> bool:
         return self._plan is not None
 
-    def _run_rows(self) -> int:
-        """Rows of run()'s q, out and lse: the plan's requests, or its query rows."""
+    def _plan_rows(self) -> int:
+        """Rows the current plan writes: its requests, or its query rows (multi-token)."""
         if self._query_rows is not None:    # multi-token decode: q has each query row
             return self._query_rows.num_rows
         return self._plan.problem.batch_size
+
+    def _run_rows(self) -> tuple[int, int]:
+        """(fewest, most) rows of run()'s q, out and lse: a per-shape plan's own."""
+        return self._plan_rows(), self._plan_rows()
 
     def _note_pool(self, k_cache) -> None:
         """A per-shape plan checks its page ids against each run's pool: nothing to keep."""
@@ -376,13 +396,17 @@ class BatchDecodeWrapper:
             multi_token=query_rows is not None, unified_max=phi is not None)
         stages = kernels.variant.stages
         tile = kernels.variant.tile_tokens
-        in_record = pages_fit_record(chosen, self.page_size, stages, tile)
+        in_record = (page_table.kv_indices is not None
+                     and pages_fit_record(chosen, self.page_size, stages, tile))
         records = chunk_records(chosen, page_table, grid_order(chosen),
                                 record_pages_needed(self.page_size, stages, tile) if in_record else 0)
         extra = {} if rows_array is None else {"query_rows": rows_array}
         if self.experiments.compact_merge and chosen.merge == MERGE_KERNEL:
             extra["split_requests"] = np.flatnonzero(np.diff(chosen.merge_indptr) > 1)
         meta = self._upload.upload(records, page_table, chosen, s, extra)
+        if page_table.kv_indices is None:             # the caller's table, read in place
+            meta["kv_indices"] = page_table.table.ptr
+            self._device_table = page_table.table     # kept alive while the plan runs
         self._workspace.ensure(chosen, per_kv_head, s)
         if phi is not None:
             self._zero_unified_fallbacks(s)
@@ -472,37 +496,6 @@ class BatchDecodeWrapper:
     def clear_device_plan_error(self, stream=None) -> None:
         raise RuntimeError("clear_device_plan_error: call plan_on_device() first")
 
-    _soft_cap_log2 = staticmethod(soft_cap_log2)
-
-    def _sinks_pointer(self, sinks) -> int:
-        """The device pointer of ``run()``'s sinks (0: none), checked."""
-        if sinks is None:
-            return 0
-        return self._float32_device_array(
-            "sinks", sinks, (self.num_qo_heads,),
-            f"a contiguous float32 device array of {self.num_qo_heads} logits (one per query "
-            "head)").ptr
-
-    def _float32_device_array(self, name: str, value, sizes, expected: str):
-        """``value`` as a contiguous 1-d float32 device array of one of ``sizes`` values, on
-        the plan's device; else a ValueError naming ``name`` and saying ``expected``."""
-        arr = as_device_array(name, value)
-        V.check_float32_vector(name, arr, sizes, expected, self._device_id)
-        return arr
-
-    def _scale(self, name: str, scale) -> Scale:
-        """An fp8 scale as DecodeParams holds it (``params.Scale``)."""
-        if scale is None:
-            return Scale()
-        value = V.check_fp8_scale(name, scale, self.kv_dtype)
-        if value is not None:
-            return Scale(0, value, 0)
-        arr = self._float32_device_array(
-            name, scale, (1, self.num_kv_heads),
-            f"a number, or a contiguous float32 device array of 1 value (per tensor) or "
-            f"{self.num_kv_heads} (one per kv head)")
-        return Scale(arr.ptr, 1.0, int(arr.shape[0] > 1))
-
     # ------------------------------------------------------------------- run
     def run(self, q, k_cache, v_cache=None, *, out=None, lse=None, return_lse: bool = False,
             stream=None, k_scale=None, v_scale=None, sinks=None):
@@ -524,45 +517,17 @@ class BatchDecodeWrapper:
         splits, and the LSE returned includes it (``core.variants``). The logits soft cap is
         ``plan()``'s; a captured graph holds the cap and the sinks array of its capture."""
         require_gpu("BatchDecodeWrapper.run()")
-        import cupy
-
         if not self._planned():
             raise RuntimeError("run: call plan() (or, graph-stable, plan_on_device()) first")
-        batch = self._run_rows()
-        qa = as_device_array("q", q)
-        ka, va = split_kv_arrays(k_cache, v_cache)
-        if self.kv_layout == "HND":          # [pages, heads, page, dim]: read as an NHD view
-            ka, va = nhd_view("k_cache", ka), nhd_view("v_cache", va)
-        V.check_device_decode_arrays(qa, ka, va, batch_size=batch, num_qo_heads=self.num_qo_heads,
-                                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                                     page_size=self.page_size, dtype=self.dtype,
-                                     max_page=self._max_page, device=self._device_id,
-                                     kv_dtype=self.kv_dtype)
-        k_scale, v_scale = self._scale("k_scale", k_scale), self._scale("v_scale", v_scale)
-        soft_cap, sinks = self._logits_soft_cap_log2, self._sinks_pointer(sinks)
         want_lse = return_lse or lse is not None
-        s = as_cupy_stream(stream)
-        if out is None:
-            with s:
-                out = cupy.empty((batch, self.num_qo_heads, self.head_dim),
-                                 dtype=cupy_storage_dtype(self.dtype))
-        oa = as_device_array("out", out)
-        V.check_device_output("out", oa, (batch, self.num_qo_heads, self.head_dim), self.dtype)
-        lse_ptr = 0
-        if want_lse:
-            if lse is None:
-                with s:
-                    lse = cupy.empty((batch, self.num_qo_heads), dtype=np.float32)
-            la = as_device_array("lse", lse)
-            V.check_device_output("lse", la, (batch, self.num_qo_heads), "float32")
-            lse_ptr = la.ptr
-        self._streams.wait_for_plan(s, self._ready_event())
-        self._note_pool(ka)
-        if batch:
-            args = RunArguments(qa.ptr, ka.ptr, va.ptr, ka.strides[0], ka.strides[1],
-                                ka.strides[2], oa.ptr, lse_ptr, k_scale=k_scale,
-                                v_scale=v_scale, logits_soft_cap_log2=soft_cap, sinks=sinks)
-            with self._streams.run_order(s):
-                self._launch(args, s.ptr, plain=self._run_after_device_plan)
+        io = run_inputs(self._shape, q, k_cache, v_cache, out=out, lse=lse, want_lse=want_lse,
+                        stream=stream, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+                        rows=self._run_rows(), max_page=self._max_page, device=self._device_id,
+                        soft_cap_log2=self._logits_soft_cap_log2)
+        self._streams.wait_for_plan(io.stream, self._ready_event())
+        self._note_pool(io.k_cache)
+        if io.rows:
+            with self._streams.run_order(io.stream):
+                self._launch(io.args, io.stream.ptr, plain=self._run_after_device_plan)
             self._run_after_device_plan = False
-        return (out, lse) if want_lse else out
+        return (io.out, io.lse) if want_lse else io.out

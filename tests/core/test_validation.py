@@ -283,9 +283,8 @@ def test_graph_stable_capacity_is_checked():
 def test_the_soft_cap_reaches_the_kernels_in_base_2_as_a_float32():
     """plan(logits_soft_cap=) as DecodeParams holds it: cap x log2(e) as a float32 (the scores
     are base 2), 0 for none; a cap float32 cannot hold is named, not wrapped to inf or 0."""
-    from splitkv.runtime.wrapper import BatchDecodeWrapper
+    from splitkv.runtime.params import soft_cap_log2 as to_kernel
 
-    to_kernel = BatchDecodeWrapper._soft_cap_log2
     assert to_kernel(None) == 0.0 and to_kernel(0) == 0.0
     assert to_kernel(30.0) == float(np.float32(30.0 * 1.4426950408889634))
     for bad, kind in ((-1.0, ValueError), (float("nan"), ValueError), ("30", TypeError),

@@ -219,8 +219,11 @@ def test_plan_on_device_misuse_is_refused():
     w = BatchDecodeWrapper(HQ, HK, D, PAGE, DTYPE, use_cuda_graph=True, max_batch_size=4,
                            max_num_pages=64)
     w.plan_on_device(seq_lens=lens, block_table=table)
-    with pytest.raises(ValueError, match="differ from the first call"):
-        w.plan_on_device(seq_lens=cupy.zeros(4, cupy.int32), block_table=table)
+    with pytest.raises(ValueError, match="sm_scale: a graph-stable wrapper keeps"):
+        w.plan_on_device(seq_lens=cupy.zeros(4, cupy.int32), block_table=table, sm_scale=0.5)
+    with pytest.raises(ValueError, match="seq_lens: 5 requests"):
+        w.plan_on_device(seq_lens=cupy.zeros(5, cupy.int32), block_table=cupy.zeros((5, 8),
+                                                                                   cupy.int32))
     with pytest.raises(RuntimeError, match="plans on the device"):
         w.plan(PageTable.from_block_table(np.zeros((4, 8), np.int32), [1, 1, 1, 1], PAGE))
     stream = cupy.cuda.Stream(non_blocking=True)

@@ -243,6 +243,18 @@ def check_shape(name: str, shape: tuple[int, ...], expected: tuple) -> None:
         raise ValueError(f"{name}: expected shape {want}, got {list(shape)}")
 
 
+def check_query_row_count(name: str, shape: tuple[int, ...], fewest: int, most: int) -> int:
+    """Rows of run()'s q (its first axis): exactly ``fewest`` when ``most`` equals it (a plan's
+    own rows), else from ``fewest`` (the plan's) to ``most`` (a graph-stable capacity)."""
+    rows = shape[0] if len(shape) == 3 else None
+    if rows is not None and fewest <= rows <= most:
+        return rows
+    want = str(fewest) if fewest == most else f"{fewest} to {most}"
+    raise ValueError(f"{name}: expected shape [rows, num_qo_heads, head_dim] with {want} rows "
+                     f"(the plan's; a graph-stable wrapper takes up to its capacity), got "
+                     f"{list(shape)}")
+
+
 def check_storage_dtype(name: str, dtype: str, expected: str) -> None:
     """q/k/v/out hold ``expected`` (float16 or bfloat16); uint16 is accepted as its raw 16-bit
     patterns (the way to pass bfloat16 from a CuPy build without a bfloat16 dtype)."""

@@ -120,6 +120,33 @@ def query_rows(qo_indptr, kv_lens: np.ndarray) -> QueryRows:
     return QueryRows(indptr[:-1].astype(np.int64), counts.astype(np.int64), int(indptr[-1]))
 
 
+def plan_query_rows(qo_indptr, kv_lens: np.ndarray, *, max_q_len: int, graph_stable: bool,
+                    given_plan: bool) -> QueryRows | None:
+    """A wrapper's ``plan(qo_indptr=)`` checked: the QueryRows the multi-token build reads, or
+    None where the plain build runs (one query row a request, and not a graph-stable wrapper
+    made for more). ``max_q_len``: a graph-stable wrapper's rows a request (its captured launch
+    holds them), else 1; ``given_plan``: plan() was given a plan (the planner sizes a
+    multi-token plan's rows itself)."""
+    if qo_indptr is None and max_q_len == 1:
+        return None
+    rows = query_rows(qo_indptr, kv_lens)
+    if graph_stable and rows.max_q_len > max_q_len:
+        b = int(np.argmax(rows.count))
+        raise ValueError(f"qo_indptr: request {b} has {rows.count[b]} query rows; this "
+                         f"graph-stable wrapper's captured launch holds max_q_len={max_q_len} "
+                         "(BatchDecodeWrapper(..., max_q_len=))")
+    if max(max_q_len, rows.max_q_len) == 1:
+        return None
+    if given_plan and max_q_len > 1:
+        raise ValueError("plan: a wrapper made with max_q_len > 1 plans its own rows (its "
+                         "plans count max_q_len x num_qo_heads query heads); pass "
+                         "num_splits / strategy instead")
+    if given_plan:
+        raise ValueError("qo_indptr: pass num_splits / strategy rather than a plan; the "
+                         "planner sizes a multi-token plan's rows itself")
+    return rows
+
+
 def covering_window_left(window_left: int, max_q_len: int) -> int:
     """The window a plan must cover so that each of up to ``max_q_len`` query rows finds its
     own window in the plan's chunks: the last row's window_left + 1 tokens and the rows before

@@ -1,4 +1,6 @@
-"""Plan-then-run decode attention on the GPU.
+"""Plan-then-run decode attention on the GPU: a facade that plans (``planner``), builds
+(``builds``), uploads (``records``), fills the kernels' argument (``params``) and launches
+(``launch``), in the order ``streams`` keeps.
 
     wrapper = BatchDecodeWrapper(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
                                  dtype="bfloat16")
@@ -6,26 +8,9 @@
     for layer in layers:                                                # launches only
         out = wrapper.run(q[layer], k_cache[layer], v_cache[layer])
 
-``plan()`` chooses the decomposition (the adaptive planner, or what the caller forces), uploads
-it, sizes the workspace and builds the launches. ``run()`` checks shapes and launches one or two
-kernels on the caller's stream: no host synchronisation and, when ``out`` (and ``lse``) are
-given, no allocation, so it can be captured in a CUDA graph and replayed; one plan serves every
-layer. A captured graph holds the plan's grid and buffers: capture again after the next
-``plan()`` -- unless the wrapper is graph-stable (``use_cuda_graph=True``): then ``run()``
-launches a fixed grid sized for a capacity, reading the current plan from buffers whose
-addresses never change, and ``plan()`` rewrites those buffers, so one graph captured once
-replays every later plan. Runs of one wrapper on several streams (or threads) are ordered one
-after another (they share its workspace: ``records.StreamChain``).
-
-``plan(qo_indptr=)`` is multi-token decode (1-16 query rows a request, causal among the new
-tokens; ``max_q_len=`` sizes a graph-stable wrapper for it); ``window_left``,
-``logits_soft_cap`` and ``run(sinks=)`` are the attention variants (``core.variants``).
-
-The plan says how it runs (``Plan.execution``: merge mode, cluster size, launch order); the
-wrapper executes that. Its parts: ``records`` (chunk records and the upload), ``workspace``,
-``features`` (what the GPU offers), ``launch`` (``cuLaunchKernelEx``), ``kernel_abi`` (the
-kernels' argument structs).
-"""
+``run()`` only launches (no host wait; no allocation when ``out`` is given), so it can be
+captured in a CUDA graph; a graph-stable wrapper (``graph_stable.py``) keeps one graph valid
+across plans. The plan says how it runs (``Plan.execution``); the wrapper executes that."""
 
 from __future__ import annotations
 
@@ -52,6 +37,7 @@ from .run_inputs import DecodeShape, run_inputs, run_stream
 from .records import (PlanUpload, chunk_records, pages_fit_record, query_rows_array,
                       record_pages_needed)
 from .streams import PlanStreams
+from .unified_counter import FallbackCounter
 from .workspace import Workspace
 
 
@@ -148,7 +134,7 @@ class BatchDecodeWrapper:
         self._workspace = Workspace(self.head_dim, workspace_buffer)
         self._device_table = None             # a plan's page table kept on the device
         self._logits_soft_cap_log2 = 0.0      # plan()'s logits_soft_cap, as the kernels hold it
-        self._unified_fallbacks = None        # the unified max's fallback counter (uint32 [1])
+        self._unified_fallbacks = FallbackCounter()   # the unified max's fallbacks
         # every use of the buffers (plan uploads, runs), ordered across streams
         self._streams = PlanStreams()
         self._pages_in_record = False
@@ -286,7 +272,10 @@ class BatchDecodeWrapper:
         if phi is not None and self.use_cuda_graph:
             raise ValueError("unified_max: graph-stable wrappers do not take it yet (their "
                              "captured launch holds one build); use a per-shape wrapper")
-        query_rows = self._check_query_rows(qo_indptr, page_table, plan)
+        query_rows = VA.plan_query_rows(qo_indptr, page_table.kv_lens,
+                                        max_q_len=self._max_q_len,
+                                        graph_stable=self.use_cuda_graph,
+                                        given_plan=plan is not None)
         # query rows a request the kernels are sized for: a graph-stable wrapper's captured
         # launch holds its capacity's, whatever the plan
         rows = self._kernel_rows(query_rows)
@@ -409,10 +398,10 @@ class BatchDecodeWrapper:
             self._device_table = page_table.table     # kept alive while the plan runs
         self._workspace.ensure(chosen, per_kv_head, s)
         if phi is not None:
-            self._zero_unified_fallbacks(s)
+            self._unified_fallbacks.zero(s)
         self._upload.ready.record(s)          # run() on another stream waits for the uploads
         unified = {} if phi is None else {"unified_max_log2": unified_max_log2(phi),
-                                          "unified_fallbacks": self._unified_fallbacks.data.ptr}
+                                          "unified_fallbacks": self._unified_fallbacks.ptr}
         self._launch = self._bind(kernels, meta, LaunchGrid(
             chosen.num_chunks, chosen.problem.batch_size, heads, per_kv_head,
             merge=chosen.merge == MERGE_KERNEL, pages_in_record=in_record,
@@ -437,52 +426,13 @@ class BatchDecodeWrapper:
         self._bound_variant = kernels.variant
         return launch
 
-    def _zero_unified_fallbacks(self, s) -> None:
-        """The unified max's fallback counter, zeroed on ``s`` before the plan's upload event
-        is recorded: a run on another stream waits for that event, so its counts follow the
-        zeroing."""
-        import cupy
-
-        with s:
-            if self._unified_fallbacks is None:
-                self._unified_fallbacks = cupy.zeros(1, np.uint32)
-            else:
-                self._unified_fallbacks.fill(0)
-
     def unified_max_fallbacks(self) -> int:
         """How many CTAs fell back from the unified max to the running max in the runs since
         the last ``plan(unified_max=)`` (a CTA is a chunk x kv head for groups up to 64 query
         heads); waits for those runs. 0 for a plan without it."""
         if self._launch is None or not self._launch.params.unified_fallbacks:
             return 0
-        import cupy
-
-        cupy.cuda.runtime.deviceSynchronize()
-        return int(self._unified_fallbacks.get()[0])
-
-    def _check_query_rows(self, qo_indptr, page_table: PageTable, plan):
-        """plan()'s ``qo_indptr`` checked (``core.variants.query_rows``): the QueryRows the
-        multi-token build reads, or None where the plain build runs (one query row a request,
-        and not a graph-stable wrapper made for more)."""
-        cap = self._max_q_len
-        if qo_indptr is None and cap == 1:
-            return None
-        rows = VA.query_rows(qo_indptr, page_table.kv_lens)
-        if self.use_cuda_graph and rows.max_q_len > cap:
-            b = int(np.argmax(rows.count))
-            raise ValueError(f"qo_indptr: request {b} has {rows.count[b]} query rows; this "
-                             f"graph-stable wrapper's captured launch holds max_q_len={cap} "
-                             "(BatchDecodeWrapper(..., max_q_len=))")
-        if max(cap, rows.max_q_len) == 1:
-            return None
-        if plan is not None and cap > 1:
-            raise ValueError("plan: a wrapper made with max_q_len > 1 plans its own rows (its "
-                             "plans count max_q_len x num_qo_heads query heads); pass "
-                             "num_splits / strategy instead")
-        if plan is not None:
-            raise ValueError("qo_indptr: pass num_splits / strategy rather than a plan; the "
-                             "planner sizes a multi-token plan's rows itself")
-        return rows
+        return self._unified_fallbacks.read()
 
     # planning on the device is a graph-stable wrapper's (GraphStableDecodeWrapper)
     def plan_on_device(self, **_) -> None:

@@ -288,15 +288,15 @@ def varlen_mask(cu_seq_lens_q, cu_seq_lens_k, num_q: int, num_k: int, window: in
     qi = torch.arange(num_q, device=device)
     ki = torch.arange(num_k, device=device)
     rq = torch.searchsorted(cu_q[1:].contiguous(), qi, right=True)
-    rk = torch.searchsorted(cu_k[1:].contiguous(), ki, right=True)
     r = rq.clamp(max=max(num_seq - 1, 0))
     q_len, k_len = cu_q[r + 1] - cu_q[r], cu_k[r + 1] - cu_k[r]
-    last = cu_k[r] + (k_len - q_len) + (qi - cu_q[r])           # the last key row i sees
-    ok = (rq[:, None] == rk[None, :]) & (rq < num_seq)[:, None] & (ki[None, :] <= last[:, None])
-    if window > 1:
-        ok &= ki[None, :] > (last - window)[:, None]
-    mask = torch.zeros((num_q, num_k), dtype=dtype, device=device)
-    return mask.masked_fill_(~ok, torch.finfo(dtype).min)[None, None]
+    # a request's keys are one run of rows: row i sees [first, last] of its own run
+    last = cu_k[r] + (k_len - q_len) + (qi - cu_q[r])
+    first = cu_k[r] if window <= 1 else torch.maximum(cu_k[r], last - window + 1)
+    last = torch.where(rq < num_seq, last, torch.full_like(last, -1))      # padding rows: none
+    ok = (ki[None, :] >= first[:, None]) & (ki[None, :] <= last[:, None])
+    mask = torch.full((num_q, num_k), torch.finfo(dtype).min, dtype=dtype, device=device)
+    return mask.masked_fill_(ok, 0)[None, None]
 
 
 def _mask_for(cache, variant: LayerVariant, query, layer: int, kwargs):

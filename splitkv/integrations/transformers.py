@@ -311,8 +311,11 @@ def _mask_for(cache, variant: LayerVariant, query, layer: int, kwargs):
     num_k = read.shape[0] if read.numel() else num_q     # no cache read: the new keys only
     key, state = None, _state(cache)
     if not torch.compiler.is_compiling():
+        # a graph being captured makes its own (one made outside would not be recomputed
+        # when the graph replays)
+        capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
         key = (cu_q.data_ptr(), cu_q._version, cu_k.data_ptr(), cu_k._version, num_q, num_k,
-               variant.window, query.dtype)
+               variant.window, query.dtype, capturing)
         if key == state.mask_key:
             return state.mask
     mask = varlen_mask(cu_q, cu_k, num_q, num_k, variant.window, query.dtype)

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from helpers.transformers_models import (MODELS, NEAR_TIE_GAP, build_model,  # noqa: E402
-                                         generate, judge, random_prompts)
+                                         compile_case, generate, judge, random_prompts)
 
 import splitkv.integrations.transformers as skv  # noqa: E402
 from splitkv.integrations import torch_ops  # noqa: E402
@@ -144,47 +144,6 @@ def test_generate_batch_decodes_the_models_own_tokens(kind):
     assert verdict.mismatches == 0 and verdict.near_ties == 0, verdict
     if kind == "llama":               # paged|sdpa is exact here (no soft cap, no sinks)
         assert generate(model, "paged|sdpa", prompts, 10, graphs=False, num_blocks=64) == ours
-
-
-class PagedAttention(torch.nn.Module):
-    """A decode attention layer over a paged cache that calls splitkv through the custom op."""
-
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, handle: int):
-        super().__init__()
-        self.shape = (heads, kv_heads, head_dim)
-        self.q = torch.nn.Linear(hidden, heads * head_dim, bias=False)
-        self.k = torch.nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.v = torch.nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.o = torch.nn.Linear(heads * head_dim, hidden, bias=False)
-        self.handle = handle
-
-    def forward(self, x, k_pool, v_pool, seq_lens, block_table):
-        heads, kv_heads, d = self.shape
-        rows, page_size = x.shape[0], k_pool.shape[1]
-        slots = skv._next_slots(seq_lens, block_table, page_size, trash=0)
-        k_pool.view(-1, kv_heads, d).index_copy_(0, slots, self.k(x).view(rows, kv_heads, d))
-        v_pool.view(-1, kv_heads, d).index_copy_(0, slots, self.v(x).view(rows, kv_heads, d))
-        out = torch.ops.splitkv.paged_decode(self.q(x).view(rows, heads, d), k_pool, v_pool,
-                                             [seq_lens, block_table], None, self.handle, True)
-        return self.o(out.reshape(rows, -1))
-
-
-def compile_case(device, dtype):
-    """(module, eager inputs, compiled inputs): 3 requests over a scattered 16-token page pool
-    (page 0 is the padding rows' trash)."""
-    torch.manual_seed(0)
-    heads, kv_heads, d, page = 8, 2, 64, 16
-    handle = torch_ops.new_session(num_qo_heads=heads, num_kv_heads=kv_heads, head_dim=d,
-                                   page_size=page, dtype=dtype, layout="block_table",
-                                   capacity=4, width=4, sm_scale=d ** -0.5)
-    module = PagedAttention(128, heads, kv_heads, d, handle).to(device=device, dtype=dtype)
-    pool = torch.randn(16, page, kv_heads, d, device=device, dtype=dtype)
-    table = torch.tensor([[3, 9, 1, -1], [5, -1, -1, -1], [12, 4, 7, 2]], dtype=torch.int32,
-                         device=device)
-    lens = torch.tensor([20, 3, 64], dtype=torch.int32, device=device)
-    x = torch.randn(3, 128, device=device, dtype=dtype)
-    make = lambda: (x, pool.clone(), pool.clone() * 0.5, lens, table)   # noqa: E731
-    return module, make
 
 
 def test_torch_compile_fullgraph_traces_the_op_without_a_break():

@@ -110,3 +110,58 @@ def test_every_public_name_imports_from_splitkv_without_a_gpu():
         assert getattr(splitkv, name) is not None, name
     with pytest.raises(AttributeError, match="no attribute 'choose_plans'"):
         splitkv.choose_plans
+
+
+ENGINES = ("torch", "transformers")
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The modules a file imports when it is imported (module-level statements only, not
+    those inside functions)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.add(node.module or "")
+    return names
+
+
+def test_only_the_integrations_import_an_engine_when_imported():
+    """torch and transformers are optional: outside ``splitkv/integrations/`` they are imported
+    inside functions only (a tool that uses them when asked), so ``import splitkv`` and every
+    layer import without them."""
+    found = {str(path.relative_to(PACKAGE.parent)): sorted(n for n in top_level_imports(path)
+                                                           if is_within(n, ENGINES))
+             for path in sorted(PACKAGE.rglob("*.py"))
+             if PACKAGE / "integrations" not in path.parents}
+    assert {path: names for path, names in found.items() if names} == {}
+
+
+def test_only_the_integrations_import_transformers():
+    assert imports_from(["transformers"], PACKAGE, exclude=PACKAGE / "integrations") == {}
+
+
+def test_nothing_imports_the_integrations():
+    """The integrations sit on top: no layer of splitkv imports them (only their users do)."""
+    assert imports_from(["splitkv.integrations"], PACKAGE,
+                        exclude=PACKAGE / "integrations") == {}
+
+
+def test_the_integrations_use_the_public_api():
+    """They reach the GPU through ``splitkv``'s public names (``BatchDecodeWrapper``,
+    ``reference_decode``), never the runtime's modules or CuPy, so the runtime can change
+    beneath them."""
+    found = imports_from(["splitkv.runtime", "splitkv.planner", *CUPY], PACKAGE / "integrations")
+    assert found == {}
+
+
+def test_import_splitkv_imports_no_engine():
+    import subprocess
+    import sys
+
+    code = ("import sys, splitkv, splitkv.core; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=PACKAGE.parent, check=True).stdout.strip()
+    assert out == "[]"

@@ -9,8 +9,8 @@ A session plans on the device (``plan_on_device`` of a graph-stable wrapper), so
 ``paged_decode(..., plan=True)`` for the first layer and ``plan=False`` for the others can be
 captured in a CUDA graph and replayed while the lengths and the page table change in place. The
 batch is copied into the session's own buffers first (their addresses are what a captured launch
-holds). A session has a capacity: any batch of up to ``capacity`` rows runs, padded with empty
-requests. On a CPU tensor the op runs ``splitkv.reference_decode`` (float64, exact): slow, for
+holds). A session has a capacity: any batch of up to ``capacity`` rows runs, planned over views
+of that many rows of its buffers. On a CPU tensor the op runs ``splitkv.reference_decode`` (float64, exact): slow, for
 tests and for small models on machines without a GPU.
 
 Importing this module imports torch and registers the op.
@@ -108,7 +108,7 @@ class DecodeSession:
     def plan(self, tables, rows: int) -> None:
         self.stage(tables, rows)
         if self.buffers[next(iter(self.buffers))].is_cuda:
-            self._plan_gpu()
+            self._plan_gpu(rows)
         else:
             self._plan_cpu()
         self.plans += 1
@@ -135,25 +135,24 @@ class DecodeSession:
                 max_num_pages=entries)
         return self.wrapper
 
-    def _plan_gpu(self) -> None:
+    def _plan_gpu(self, rows: int) -> None:
+        """Plan the first ``rows`` requests: views of the buffers, so that the runs' q and out
+        have just those rows (a captured graph holds the views of its batch size)."""
+        b = self.buffers
+        if self.layout == "block_table":
+            batch = {"seq_lens": b["seq_lens"][:rows], "block_table": b["block_table"][:rows]}
+        else:
+            batch = {"kv_indptr": b["kv_indptr"][:rows + 1], "kv_indices": b["kv_indices"],
+                     "kv_last_page_len": b["kv_last_page_len"][:rows]}
         self._gpu_wrapper().plan_on_device(
-            **self.buffers, sm_scale=self.sm_scale, stream=torch.cuda.current_stream(),
-            logits_soft_cap=self.logits_soft_cap, window_left=self.window_left)
+            **batch, sm_scale=self.sm_scale, logits_soft_cap=self.logits_soft_cap,
+            window_left=self.window_left)
 
     def _run_gpu(self, q, k_cache, v_cache, sinks):
-        rows, cap = q.shape[0], self.capacity
-        # a graph-stable wrapper runs its capacity's rows: pad q, keep the first rows of out
-        if rows == cap:
-            q_in = q.contiguous()
-        else:
-            q_in = q.new_zeros((cap, *q.shape[1:]))
-            q_in[:rows].copy_(q)
-        out = torch.empty_like(q_in)
         if sinks is not None:
             sinks = sinks.to(torch.float32).contiguous()
-        self._gpu_wrapper().run(q_in, k_cache, v_cache, out=out,
-                                stream=torch.cuda.current_stream(), sinks=sinks)
-        return out if rows == cap else out[:rows]
+        # torch's current stream, and a torch output of q's rows
+        return self._gpu_wrapper().run(q.contiguous(), k_cache, v_cache, sinks=sinks)
 
     def _plan_cpu(self) -> None:
         from splitkv import PageTable

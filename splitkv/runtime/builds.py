@@ -54,14 +54,28 @@ def per_shape_kernels(base: DecodeVariant, plan, ctas: int, row_tiles: int, *, k
     tile_per_warp = ex.tile_per_warp or default_tile_per_warp(
         kv_dtype, head_dim, warps, row_tiles, multi_token,
         forced=ex.stages is not None or forced_warps is not None)
-    variant = default_occupancy(replace(
-        base, cluster=plan.cluster_size, soft_cap=int(soft_cap),
-        num_warps=warps, stages=ex.stages or 0, row_tiles=row_tiles,
-        tile_per_warp=tile_per_warp, multi_token=int(multi_token),
-        unified_max=int(unified_max)), forced=ex.forces_occupancy)
-    return get_decode_kernels(fitting_build(
-        variant, q_default=ex.q_in_smem is None, warps_default=forced_warps is None,
-        stages=ex.stages or 0))
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), base, ex, plan.cluster_size, soft_cap, warps,
+           row_tiles, tile_per_warp, multi_token, unified_max)
+    kernels = _PER_SHAPE.get(key)
+    if kernels is None:     # a decode loop meets a handful of builds: decide each once
+        variant = default_occupancy(replace(
+            base, cluster=plan.cluster_size, soft_cap=int(soft_cap),
+            num_warps=warps, stages=ex.stages or 0, row_tiles=row_tiles,
+            tile_per_warp=tile_per_warp, multi_token=int(multi_token),
+            unified_max=int(unified_max)), forced=ex.forces_occupancy)
+        kernels = get_decode_kernels(fitting_build(
+            variant, q_default=ex.q_in_smem is None, warps_default=forced_warps is None,
+            stages=ex.stages or 0))
+        if len(_PER_SHAPE) >= 256:
+            _PER_SHAPE.clear()
+        _PER_SHAPE[key] = kernels
+    return kernels
+
+
+# (device, build inputs) -> the compiled kernels per_shape_kernels chose
+_PER_SHAPE: dict = {}
 
 
 def graph_kernels(base: DecodeVariant, experiments: DecodeExperiments, *, soft_cap: bool,

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import yaml
 
-from .cost_model import FEATURE_NAMES, CostModel
+from .cost_model import CostModel
+from .features import FEATURE_NAMES
 
 PROFILE_ENV = "SPLITKV_PROFILE"
 REFERENCE_DEVICE = "NVIDIA H200"       # what plans made without a device are made for
@@ -57,7 +58,7 @@ FP8_FIELDS = {"coef", "fit_error", "heldout_error", "measured_bandwidth_gbps", "
 # wide_waves, merge_grid, added in that order): read as 0, the model that profile was fitted as.
 FEATURES_ADDED_LATER = ("lone_cta_us", "stream_us", "wide_waves", "merge_grid")
 FP8_FITS = ("kv_fp8", "kv_fp8_graph_stable")
-# the tile rules a profile's fits may hold (cost_model.TILE_RULES less the multi-token one,
+# the tile rules a profile's fits may hold (features.TILE_RULES less the multi-token one,
 # which CostModel.for_multi_token derives)
 PROFILE_TILE_RULES = ("", "fp8")
 
@@ -124,7 +125,7 @@ class Profile:
     splitkv_version: str = ""
     source: str = ""                        # 'calibrated' or PRIOR_SOURCE
     sweep: dict = field(default_factory=dict)
-    # how `coef`'s model counts tiles (cost_model.TILE_RULES): '' (64-token tiles), or 'fp8'
+    # how `coef`'s model counts tiles (features.TILE_RULES): '' (64-token tiles), or 'fp8'
     # for a fit over fp8 K/V that counts its builds' 128-token tiles; written only when set
     tile_rule: str = ""
     # the fit over fp8 K/V: {"coef", "fit_error", "heldout_error", "measured_bandwidth_gbps"

@@ -20,8 +20,9 @@ import numpy as np
 from ..core.execution import LAUNCH_ORDERS
 from ..core.validation import STRATEGIES
 from ..core.geometry import RECORD_PAGES, TILE_TOKENS, ctas_per_kv_head
-from ..planner.cost_model import (FEATURE_NAMES, LONE_CTA_MIN_TOKENS, CostModel, feature_constants,
-                                  stream_ratio_of)
+from ..planner.cost_model import CostModel
+from ..planner.features import (FEATURE_NAMES, FEATURES, LONE_CTA_MIN_TOKENS, feature_constants,
+                                stream_ratio_of)
 from . import kernel_abi
 from .kernel_abi import CHUNK_RECORD
 from .kernel_source import NVRTC_OPTIONS, read_source

@@ -348,11 +348,11 @@ def default_build(head_dim: int, row_tiles: int, **fields) -> DecodeVariant:
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("head_dim,row_tiles", [(64, 1), (64, 2), (64, 4), (128, 1), (256, 1)])
 def test_the_cost_models_residency_is_what_the_default_builds_hold(head_dim, row_tiles):
-    """``cost_model.resident_ctas`` (the slots the planner deals CTAs onto) against the default
+    """``features.resident_ctas`` (the slots the planner deals CTAs onto) against the default
     16-bit build's registers (NVRTC, sm_90) and shared memory on an H200-class SM (64 K
     registers allocated 256 a warp, 228 KiB of shared memory of which 1 KiB per CTA is the
     runtime's): a build whose residency moves must move the model with it."""
-    from splitkv.planner.cost_model import resident_ctas
+    from splitkv.planner.features import resident_ctas
 
     variant = default_build(head_dim, row_tiles)
     _, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)

@@ -11,7 +11,7 @@ import pytest
 from splitkv import DecodeProblem, Plan
 from splitkv.core.geometry import ctas_per_kv_head
 from splitkv.planner import CostModel, choose_plan, rank_candidates
-from splitkv.planner.cost_model import feature_constants, resident_ctas
+from splitkv.planner.features import feature_constants, resident_ctas
 from splitkv.planner.planner import (CHUNK_TOKENS, NO_SPLIT, NUM_SPLITS, TILE_TOKENS, TINY_CONTEXT,
                                      Candidate, chunk_token_candidates, wave_filling_chunk_tokens,
                                      wave_filling_splits)

@@ -12,7 +12,7 @@ import yaml
 
 from splitkv import DecodeProblem
 from splitkv.planner import choose_plan, profiles
-from splitkv.planner.cost_model import FEATURE_NAMES
+from splitkv.planner.features import FEATURE_NAMES
 from splitkv.planner.profiles import (PROFILE_ENV, Profile, ProfileError, default_profile,
                                       device_slug, load_profile, prior_profile, read_profile)
 

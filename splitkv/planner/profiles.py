@@ -40,6 +40,8 @@ from .features import FEATURE_NAMES
 
 PROFILE_ENV = "SPLITKV_PROFILE"
 REFERENCE_DEVICE = "NVIDIA H200"       # what plans made without a device are made for
+# The profile format's version, written by ``Profile.to_dict``. A file without one is read as
+# the version before it (written by hand, or before the field); a newer one is refused.
 SCHEMA = 1
 PRIOR_SOURCE = "prior, not yet calibrated"
 
@@ -227,10 +229,12 @@ class Profile:
         if not isinstance(data, dict):
             raise bad(f"expected a YAML mapping, got {type(data).__name__}")
         data = dict(data)
-        schema = data.pop("schema", SCHEMA)
-        if schema != SCHEMA:
-            raise bad(f"schema {schema!r} is not the one this splitkv reads ({SCHEMA}); "
-                      "re-run `splitkv calibrate`")
+        schema = data.pop("schema", SCHEMA - 1)
+        if isinstance(schema, bool) or not isinstance(schema, int) or schema < 0:
+            raise bad(f"schema: expected an integer >= 0, got {schema!r}")
+        if schema > SCHEMA:
+            raise bad(f"schema {schema} is newer than this splitkv reads (up to {SCHEMA}): "
+                      "upgrade splitkv, or re-run `splitkv calibrate` with this one")
         known = {f for f in cls.__dataclass_fields__ if f != "origin"}
         unknown = set(data) - known
         if unknown:

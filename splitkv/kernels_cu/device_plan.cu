@@ -153,13 +153,7 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
       const int mid = (b + top + 1) / 2;
       if (sc.offsets[mid] <= c) b = mid; else top = mid - 1;
     }
-    const Cut cut = cut_request(row, sc.lens[b]);
-    const int i = c - sc.offsets[b];
-    const int begin = sc.kv_begin[b] + chunk_start(i, cut.units, cut.count, row.align);
-    sc.chunk_request[c] = b;
-    sc.chunk_begin[c] = begin;
-    sc.chunk_end[c] = sc.kv_begin[b] + (i + 1 < cut.count
-                          ? chunk_start(i + 1, cut.units, cut.count, row.align) : sc.lens[b]);
+    const int begin = write_chunk(sc, row, cut_request(row, sc.lens[b]), b, c - sc.offsets[b], c);
     aligned &= begin % p.page_size == 0;
   }
   if (!aligned) misaligned = 1;

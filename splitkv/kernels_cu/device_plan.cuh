@@ -516,5 +516,17 @@ DEVICE_PLAN_HD inline Scratch scratch_at(int* s, const DevicePlanParams& p) {
   return out;
 }
 
+// Chunk c of the plan, chunk i of request b (cut under the chosen row): its request and its
+// tokens [begin, end), a window's moved to it. Returns begin.
+DEVICE_PLAN_HD inline int write_chunk(const Scratch& sc, const Row& row, const Cut& cut, int b,
+                                      int i, int c) {
+  const int begin = sc.kv_begin[b] + chunk_start(i, cut.units, cut.count, row.align);
+  sc.chunk_request[c] = b;
+  sc.chunk_begin[c] = begin;
+  sc.chunk_end[c] = sc.kv_begin[b] + (i + 1 < cut.count
+                        ? chunk_start(i + 1, cut.units, cut.count, row.align) : sc.lens[b]);
+  return begin;
+}
+
 
 }  // namespace device_plan

@@ -21,11 +21,11 @@ of the busiest SM, so a fitted coefficient near 1 means "at the roofline".
 The critical path is counted per SM, not per slot: the CTAs resident on one SM share its load
 pipes and tensor cores, so two CTAs of n tokens on one SM take about as long as one CTA of 2n
 tokens alone on it (measured: docs/design/cost-model.md, "The measurements behind the
-columns"). Counting per slot would credit a split that doubles the CTAs on half-idle SMs with halving the critical
-path. Unequal chunks add a tail: CTAs are dealt in grid order (the plan's launch order, by
-default the longest chunks first: ``execution.launch_order``), and list scheduling's makespan
-is up to mean load + largest item; ``tail_us`` carries what the largest chunk exceeds the mean
-by.
+columns"). Counting per slot would credit a split that doubles the CTAs on half-idle SMs with
+halving the critical path. Unequal chunks add a tail: CTAs are dealt in grid order (the plan's
+launch order, by default the longest chunks first: ``execution.launch_order``), and list
+scheduling's makespan is up to mean load + largest item; ``tail_us`` carries what the largest
+chunk exceeds the mean by.
 
 The columns are declared once, in ``FEATURES`` (name, row, unit, which strategies pay it);
 everything else is derived from that table: ``FEATURE_NAMES``, the gather index and scale, the

@@ -83,14 +83,8 @@ inline void plan_on_host(const DevicePlanParams& p) {
   for (int b = 0; b < n; ++b) {
     const Cut cut = cut_request(row, sc.lens[b]);
     sc.offsets[b] = num_chunks;
-    for (int i = 0; i < cut.count; ++i, ++num_chunks) {
-      const int begin = sc.kv_begin[b] + chunk_start(i, cut.units, cut.count, row.align);
-      sc.chunk_request[num_chunks] = b;
-      sc.chunk_begin[num_chunks] = begin;
-      sc.chunk_end[num_chunks] = sc.kv_begin[b] + (i + 1 < cut.count
-          ? chunk_start(i + 1, cut.units, cut.count, row.align) : sc.lens[b]);
-      aligned &= begin % p.page_size == 0;
-    }
+    for (int i = 0; i < cut.count; ++i, ++num_chunks)
+      aligned &= write_chunk(sc, row, cut, b, i, num_chunks) % p.page_size == 0;
   }
   sc.offsets[n] = num_chunks;
   const int merge = merge_mode(best.strategy, num_chunks, n);

@@ -1,7 +1,8 @@
 // The planning kernel: one CTA runs device_plan.cuh's planner over the batch in device memory
 // and writes the plan's chunk records, merge_indptr and state for a graph-stable wrapper's
-// fixed grid (runtime/device_planner.py launches it; plan_on_host is the same steps on one
-// thread). Compiled with --fmad=false: the float64 formulas round as NumPy's.
+// fixed grid (runtime/device_planner.py launches it; the CPU tests run the same steps on one
+// thread: tests/helpers/device_plan_host.cpp). Compiled with --fmad=false: the float64
+// formulas round as NumPy's.
 #define DEVICE_PLAN_HD __device__
 #include "device_plan.cuh"
 

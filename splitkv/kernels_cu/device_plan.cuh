@@ -10,9 +10,10 @@
 // and check both choose the same plans and write the same records; the GPU tests check the
 // kernel writes the same bytes.
 //
-// Defined before this file (runtime/device_planner.py, header_defines): RECORD_PAGES, the
+// Defined before this file: by runtime/device_planner.py's header_defines, RECORD_PAGES and the
 // cost model's columns from planner/features.py's table (DEVICE_PLAN_NUM_FEATURES and
-// DEVICE_PLAN_FEATURES, see Scorer) and DEVICE_PLAN_HD (__device__, or nothing on the host).
+// DEVICE_PLAN_FEATURES, see Scorer); by the includer, DEVICE_PLAN_HD (__device__ in
+// device_plan.cu, nothing in the host tests).
 //
 // Integer statistics are sums and maxima of integers far below 2**53: exact in any order. The
 // float64 formulas must not be contracted into FMAs (NVRTC --fmad=false; the host compiler

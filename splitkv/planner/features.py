@@ -172,11 +172,12 @@ FEATURES = (
 # Profiles fitted before a column existed hold 0 for it (profiles.FEATURES_ADDED_LATER).
 
 FEATURE_NAMES = tuple(f.name for f in FEATURES)
-# The row of each feature, and the rows 'split_merge' candidates read instead: (feature, row).
+# The table by index, checked as it is read (a row, unit or strategy not known fails at import):
+# each feature's row; (feature, row) where 'split_merge' reads another; (feature, strategy code)
+# where one strategy alone pays it; each feature's unit (index in UNITS).
 FEATURE_SOURCE = np.array(indices(FEATURE_ROWS, *(f.row for f in FEATURES)))
 _SPLIT_MERGE_ROWS = tuple((i, FEATURE_ROWS.index(f.split_merge_row))
                           for i, f in enumerate(FEATURES) if f.split_merge_row)
-# (feature, strategy code) of the columns one strategy alone pays.
 _PAID_BY = tuple((i, STRATEGIES.index(f.paid_by)) for i, f in enumerate(FEATURES) if f.paid_by)
 _UNIT_OF = tuple(UNITS.index(f.unit) for f in FEATURES)
 F_CLUSTER_MERGES, F_MERGE_GRID = indices(FEATURE_NAMES, "cluster_merges", "merge_grid")

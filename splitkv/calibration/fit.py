@@ -105,7 +105,7 @@ def fit_profile(measurements, device: dict, *, heldout_fraction: float = 0.2, se
     """Fit on ``measurements`` (from ``sweep.measure``) for the device ``device``
     (``splitkv.runtime.device_info()``: name, num_sms, ...). ``kv_bytes_per_element``: 1 for
     measurements over fp8 K/V, whose best bandwidth counts one-byte codes. ``tile_rule``: how
-    the model counts tiles (``cost_model.TILE_RULES``; ``fit_tile_rule`` says which a sweep's
+    the model counts tiles (``features.TILE_RULES``; ``fit_tile_rule`` says which a sweep's
     builds need)."""
     if bandwidth_gbps is None:
         bandwidth_gbps = guess_bandwidth_gbps(device["name"])

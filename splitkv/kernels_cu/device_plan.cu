@@ -1,7 +1,8 @@
 // The planning kernel: one CTA runs device_plan.cuh's planner over the batch in device memory
 // and writes the plan's chunk records, merge_indptr and state for a graph-stable wrapper's
-// fixed grid (runtime/device_planner.py launches it; plan_on_host is the same steps on one
-// thread). Compiled with --fmad=false: the float64 formulas round as NumPy's.
+// fixed grid (runtime/device_planner.py launches it; the CPU tests run the same steps on one
+// thread: tests/helpers/device_plan_host.cpp). Compiled with --fmad=false: the float64
+// formulas round as NumPy's.
 #define DEVICE_PLAN_HD __device__
 #include "device_plan.cuh"
 
@@ -153,13 +154,7 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
       const int mid = (b + top + 1) / 2;
       if (sc.offsets[mid] <= c) b = mid; else top = mid - 1;
     }
-    const Cut cut = cut_request(row, sc.lens[b]);
-    const int i = c - sc.offsets[b];
-    const int begin = sc.kv_begin[b] + chunk_start(i, cut.units, cut.count, row.align);
-    sc.chunk_request[c] = b;
-    sc.chunk_begin[c] = begin;
-    sc.chunk_end[c] = sc.kv_begin[b] + (i + 1 < cut.count
-                          ? chunk_start(i + 1, cut.units, cut.count, row.align) : sc.lens[b]);
+    const int begin = write_chunk(sc, row, cut_request(row, sc.lens[b]), b, c - sc.offsets[b], c);
     aligned &= begin % p.page_size == 0;
   }
   if (!aligned) misaligned = 1;

@@ -2,34 +2,35 @@
 // its chunk records, so that one captured graph serves any lengths within a graph-stable
 // wrapper's capacity with no host work per step.
 //
-// It is the host planner (planner/planner.py, stats.py, cost_model.py) written again as one
-// function over a Team (the threads that share the work): the same candidates in the same
-// order, the same statistics, the same float64 operations in the same order, the same
-// tie-break (the first cheapest candidate) and the same records as records.chunk_records. The
-// host planner stays the reference: the CPU tests compile this file with the host compiler (a
-// Team of one thread) and check both choose the same plans and write the same records; the
-// GPU tests check the kernel writes the same bytes.
+// It is the host planner (planner/planner.py, stats.py, features.py) written again for one
+// CTA: the same candidates in the same order, the same statistics, the same float64 operations
+// in the same order, the same tie-break (the first cheapest candidate) and the same records as
+// records.chunk_records. The host planner stays the reference: the CPU tests compile this file
+// with the host compiler beside a serial driver of their own (tests/helpers/device_plan_host.cpp)
+// and check both choose the same plans and write the same records; the GPU tests check the
+// kernel writes the same bytes.
+//
+// Defined before this file: by runtime/device_planner.py's header_defines, RECORD_PAGES and the
+// cost model's columns from planner/features.py's table (DEVICE_PLAN_NUM_FEATURES and
+// DEVICE_PLAN_FEATURES, see Scorer); by the includer, DEVICE_PLAN_HD (__device__ in
+// device_plan.cu, nothing in the host tests).
 //
 // Integer statistics are sums and maxima of integers far below 2**53: exact in any order. The
 // float64 formulas must not be contracted into FMAs (NVRTC --fmad=false; the host compiler
 // -ffp-contract=off), so that both builds round as NumPy does.
 #pragma once
 
-#ifndef DEVICE_PLAN_HD
-#define DEVICE_PLAN_HD
-#endif
-
 namespace device_plan {
 
 typedef long long i64;
 
-// Must equal core/geometry.py, planner/planner.py, cost_model.py (the runtime passes the
+// Must equal core/geometry.py, planner/planner.py, features.py (the runtime passes the
 // shape's constants in DevicePlanParams; these are the planner's own).
 constexpr int TILE = 64;                 // TILE_TOKENS
 constexpr int TINY_CONTEXT = 2048;       // planner.TINY_CONTEXT
 constexpr int MAX_WAVES = 32;            // planner.MAX_WAVES
 constexpr int WAVE_FILL_MAX = 4;         // wave_filling_* max_waves
-constexpr int NUM_FEATURES = 17;         // cost_model.FEATURE_NAMES
+constexpr int NUM_FEATURES = DEVICE_PLAN_NUM_FEATURES;   // features.FEATURES
 constexpr int MAX_ROWS = 64;             // candidate rows (no split, chunk sizes, split counts)
 constexpr double NO_SPLIT_CHUNK = 1152921504606846976.0;   // 2**60
 constexpr int IDLE_REQUEST = -1;
@@ -39,10 +40,6 @@ constexpr int SINGLE = 0, SPLIT_MERGE = 1, FUSED = 2;
 constexpr int MERGE_NONE = 0, MERGE_KERNEL = 1, MERGE_TICKET = 2;
 // Launch orders (execution.LAUNCH_ORDERS order).
 constexpr int LONGEST_CHUNKS = 0, LONGEST_REQUESTS = 1;   // 2: plan order
-// Feature columns (cost_model.FEATURE_NAMES order).
-enum { F_CONST, F_LAUNCHES, F_KV_US, F_CRIT_US, F_CRIT_TILES, F_CRIT_TILE_ROWS, F_WAVES,
-       F_PARTIAL_US, F_FUSED_TAIL_US, F_FUSED_MERGES, F_MERGE_CHAIN, F_TAIL_US,
-       F_CLUSTER_MERGES, F_LONE_CTA_US, F_STREAM_US, F_WIDE_WAVES, F_MERGE_GRID };
 
 // Error codes in DevicePlanState::error (the first error a plan met; 0: none). A request with
 // an error is planned as empty, and nothing past its own page-table entries is read.
@@ -74,9 +71,9 @@ struct DevicePlanParams {
   int* state;                       // DevicePlanState, persistent across plans
   double* predicted_us;             // the chosen candidate's prediction
   double coef[NUM_FEATURES];        // the cost model's coefficients
-  double unit[NUM_FEATURES];        // cost_model.feature_constants' units
-  double lone_min_tokens;           // cost_model.LONE_CTA_MIN_TOKENS
-  double stream_ratio;              // cost_model.stream_ratio_of(the model's bandwidth)
+  double unit[NUM_FEATURES];        // features.feature_constants' units
+  double lone_min_tokens;           // features.LONE_CTA_MIN_TOKENS
+  double stream_ratio;              // features.stream_ratio_of(the model's bandwidth)
   int batch_size;
   int max_batch;
   int max_chunks;                   // the capacity: no plan of more chunks is chosen
@@ -242,8 +239,16 @@ DEVICE_PLAN_HD inline void add_request(RowSums& s, const Row& row, int len, bool
   if ((i64)k > s.max_k) s.max_k = (i64)k;
 }
 
+// The rows of features.FEATURE_ROWS that the columns read, for one candidate row: a column
+// reading a row not here does not compile (DEVICE_PLAN_FEATURES names its members).
+struct FeatureRows {
+  double one, one_plus_split, split, split_x_max_splits, total_tokens, split_chunks,
+      crit_tokens, crit_tiles, waves, tail_tokens, clustered, lone_tokens, stream_tokens,
+      split_x_requests;
+};
+
 // Statistics of a row (stats.STAT_NAMES) and its predictions, as planner._score computes them:
-// cost_model.row_features per row, then gather_features per (row, strategy) and a sequential
+// features.row_features per row, then gather_features per (row, strategy) and a sequential
 // sum over the features. Returns the prediction of `strategy`.
 struct Scorer {
   const DevicePlanParams* p;
@@ -261,7 +266,8 @@ struct Scorer {
     double max_chunk_tokens = (double)s.largest_tokens;   // max(largest) * 64
     double max_chunk_tiles = (double)s.max_m;
     const double max_splits = (double)s.max_k;
-    const double split_chunks = (num_chunks + (double)s.min2) - 2.0 * (double)batch;
+    FeatureRows r;
+    r.split_chunks = (num_chunks + (double)s.min2) - 2.0 * (double)batch;
     if (row.tiny) {        // every tiny chunk is one (partial) tile; an empty request has none
       total_tiles = num_chunks - (double)num_empty;
       max_chunk_tokens = dmin(row.divisor, max_len);
@@ -269,43 +275,45 @@ struct Scorer {
     }
     *num_chunks_out = num_chunks;
     // row_features
-    const double one_plus_split = dmin(max_splits, 2.0);
-    const double split = one_plus_split - 1.0;
-    const double split_x_max_splits = split * max_splits;
+    r.one = 1.0;
+    r.total_tokens = total;
+    r.one_plus_split = dmin(max_splits, 2.0);
+    r.split = r.one_plus_split - 1.0;
+    r.split_x_max_splits = r.split * max_splits;
+    r.split_x_requests = r.split * (double)batch;
     const double items = num_chunks * ipc;
     double crit_tokens = total * ipc, crit_tiles = total_tiles * ipc;
-    const double waves = ceil(items / (double)p->slots);
+    r.waves = ceil(items / (double)p->slots);
     const double sm_waves = ceil(items / (double)p->num_sms);
     // stream_tokens: max(rho L, W + rho max(0, L - W / min(items, slots))), W = crit_tokens here
     const double rho = p->stream_ratio;
     double stream = dmax(max_chunk_tokens - crit_tokens / dmin(items, (double)p->slots), 0.0);
-    stream = dmax(stream * rho + crit_tokens, rho * max_chunk_tokens);
+    r.stream_tokens = dmax(stream * rho + crit_tokens, rho * max_chunk_tokens);
     crit_tokens /= items;
     crit_tiles /= items;
-    const double tail_tokens = max_chunk_tokens - crit_tokens;
+    r.tail_tokens = max_chunk_tokens - crit_tokens;
     crit_tokens *= sm_waves;
     crit_tiles *= sm_waves;
-    crit_tokens = dmax(crit_tokens, max_chunk_tokens);
-    crit_tiles = dmax(crit_tiles, max_chunk_tiles);
+    r.crit_tokens = dmax(crit_tokens, max_chunk_tokens);
+    r.crit_tiles = dmax(crit_tiles, max_chunk_tiles);
     double lone = max_chunk_tokens >= p->lone_min_tokens ? 1.0 : 0.0;
     lone *= sm_waves == 1.0 ? 1.0 : 0.0;
-    lone *= crit_tokens;
-    // gather_features: each feature is one row times its unit, 0 where the strategy does not
-    // pay it; clusters are off on a graph-stable grid
-    double x[NUM_FEATURES] = {1.0, strategy == SPLIT_MERGE ? one_plus_split : 1.0, total,
-                              crit_tokens, crit_tiles, crit_tiles, waves, split_chunks,
-                              split_x_max_splits, split, split_x_max_splits, tail_tokens, 0.0,
-                              lone, stream, waves, split * (double)batch};
-    const double merges = strategy == SPLIT_MERGE ? 1.0 : 0.0;
-    const double fuses = strategy == FUSED ? 1.0 : 0.0;
+    r.lone_tokens = lone * r.crit_tokens;
+    r.clustered = 0.0;     // clusters are off on a graph-stable grid
+    // gather_features: each column is its row times its unit, 0 where the strategy does not
+    // pay it, summed in column order. DEVICE_PLAN_FEATURES(X) holds X(column, row,
+    // split_merge's row, the strategy that alone pays it or -1) for each column, in order.
     double pred = 0.0;
-    for (int f = 0; f < NUM_FEATURES; ++f) {
-      double scale = p->unit[f];
-      if (f == F_MERGE_CHAIN || f == F_MERGE_GRID) scale *= merges;
-      if (f == F_FUSED_TAIL_US || f == F_FUSED_MERGES || f == F_CLUSTER_MERGES) scale *= fuses;
-      const double term = (x[f] * scale) * p->coef[f];
-      pred = f == 0 ? term : pred + term;
+#define DEVICE_PLAN_TERM(f, row_, split_merge_row, paid_by)                                \
+    {                                                                                      \
+      double scale = p->unit[f];                                                           \
+      if (paid_by >= 0) scale *= strategy == paid_by ? 1.0 : 0.0;                          \
+      const double x = strategy == SPLIT_MERGE ? r.split_merge_row : r.row_;               \
+      const double term = (x * scale) * p->coef[f];                                        \
+      pred = f == 0 ? term : pred + term;                                                  \
     }
+    DEVICE_PLAN_FEATURES(DEVICE_PLAN_TERM)
+#undef DEVICE_PLAN_TERM
     return pred;
   }
 };
@@ -460,39 +468,6 @@ DEVICE_PLAN_HD inline int grid_rank(const int* keys, int n, int c) {
   return rank;
 }
 
-// The record of chunk c (plan index) of `request`, as records.chunk_records writes it.
-DEVICE_PLAN_HD inline void write_record(const DevicePlanParams& p, Record& rec, int c,
-                                        int request, int begin, int end, i64 table_begin,
-                                        i64 table_last, int chunk_begin, int chunk_end,
-                                        int flags, int record_pages, bool read_pages) {
-  rec.request = request;
-  rec.token_begin = begin;
-  rec.token_end = end;
-  rec.page_table_begin = (int)table_begin;
-  rec.chunk_begin = chunk_begin;
-  rec.chunk_end = chunk_end;
-  rec.plan_index = c;
-  rec.flags = flags;
-  const i64 first = table_begin + begin / p.page_size;
-  int pages[RECORD_PAGES];
-  // all loads before any store: the stores might alias kv_indices for all the compiler knows,
-  // and a load after a store would wait for it
-#pragma unroll
-  for (int j = 0; j < RECORD_PAGES; ++j) {
-    const i64 e = first + j < table_last ? first + j : table_last;
-    pages[j] = j < record_pages && read_pages ? p.kv_indices[e] : 0;
-  }
-#pragma unroll
-  for (int j = 0; j < RECORD_PAGES; ++j) rec.first_pages[j] = pages[j];
-}
-
-DEVICE_PLAN_HD inline void write_idle(Record& rec) {
-  rec.request = IDLE_REQUEST;
-  rec.token_begin = rec.token_end = rec.page_table_begin = 0;
-  rec.chunk_begin = rec.chunk_end = rec.plan_index = rec.flags = 0;
-  for (int j = 0; j < RECORD_PAGES; ++j) rec.first_pages[j] = 0;
-}
-
 // What the plan was, in the state (and its prediction), for the host to read back.
 DEVICE_PLAN_HD inline void record_plan(const DevicePlanParams& p, DevicePlanState& st,
                                        const Choice& best, const Row& row, int num_chunks,
@@ -542,85 +517,17 @@ DEVICE_PLAN_HD inline Scratch scratch_at(int* s, const DevicePlanParams& p) {
   return out;
 }
 
-#ifndef __CUDACC_RTC__
-// The whole planner with one thread: what the CPU tests run (the kernel in device_plan.cu is
-// the same steps spread over a CTA).
-inline void plan_on_host(const DevicePlanParams& p) {
-  DevicePlanState& st = *reinterpret_cast<DevicePlanState*>(p.state);
-  Scratch sc = scratch_at(p.scratch, p);
-  const int n = p.batch_size;
-  i64 total = 0, total_units = 0, total_pages = 0;
-  int max_len = 0, num_empty = 0;
-  for (int b = 0; b < n; ++b) {
-    const Request r = read_request(p, b);
-    if (r.error && !st.error) { st.error = r.error; st.error_request = b; }
-    const int len = read_len(p, r.len);
-    sc.lens[b] = len;
-    sc.kv_begin[b] = r.len - len;
-    total_pages += r.pages;
-    total += len;
-    total_units += ceil_div(len, TILE);
-    if (len > max_len) max_len = len;
-    num_empty += len == 0;
-  }
-  if (p.query_rows != nullptr) {
-    bool bad = false;
-    for (int b = 0; b < p.max_batch; ++b) {
-      const int error = write_query_rows(p, b, b < n ? sc.lens[b] + sc.kv_begin[b] : 0);
-      if (error && !st.error) { st.error = error; st.error_request = b; }
-      bad |= error != 0;
-    }
-    if (bad)
-      for (int b = 0; b < p.max_batch; ++b) clear_query_rows(p, b);
-  }
-  Candidates c;
-  enumerate_rows(c, n, max_len, total, p.items_per_chunk, p.slots);
-  RowSums sums[MAX_ROWS];
-  for (int r = 0; r < c.num_rows; ++r) {
-    sums[r] = {0, 0, 0, 0, 0};
-    for (int b = 0; b < n; ++b) add_request(sums[r], c.rows[r], sc.lens[b], num_empty > 0);
-  }
-  Scorer scorer = {&p, (double)total, (double)total_units, (double)max_len, n, num_empty};
-  double predicted[2 * MAX_ROWS];
-  for (int i = 0; i < num_pairs(c); ++i)
-    predicted[i] = pair_prediction(scorer, c, sums, i, p.max_chunks);
-  const Choice best = cheapest(predicted, num_pairs(c));
-  const Row& row = c.rows[best.row];
-  int num_chunks = 0;
-  bool aligned = true;
-  for (int b = 0; b < n; ++b) {
-    const Cut cut = cut_request(row, sc.lens[b]);
-    sc.offsets[b] = num_chunks;
-    for (int i = 0; i < cut.count; ++i, ++num_chunks) {
-      const int begin = sc.kv_begin[b] + chunk_start(i, cut.units, cut.count, row.align);
-      sc.chunk_request[num_chunks] = b;
-      sc.chunk_begin[num_chunks] = begin;
-      sc.chunk_end[num_chunks] = sc.kv_begin[b] + (i + 1 < cut.count
-          ? chunk_start(i + 1, cut.units, cut.count, row.align) : sc.lens[b]);
-      aligned &= begin % p.page_size == 0;
-    }
-  }
-  sc.offsets[n] = num_chunks;
-  const int merge = merge_mode(best.strategy, num_chunks, n);
-  for (int i = 0; i < num_chunks; ++i)
-    sc.keys[i] = p.launch_order == LONGEST_CHUNKS ? sc.chunk_end[i] - sc.chunk_begin[i]
-               : p.launch_order == LONGEST_REQUESTS
-               ? sc.lens[sc.chunk_request[i]] + sc.kv_begin[sc.chunk_request[i]] : 0;
-  for (int i = 0; i < num_chunks; ++i) sc.order[grid_rank(sc.keys, num_chunks, i)] = i;
-  const int record_pages = aligned ? p.record_pages : 0;
-  const int flags = (merge == MERGE_TICKET ? 1 : 0) | (record_pages ? 2 : 0);
-  for (int g = 0; g < num_chunks; ++g) {
-    const int i = sc.order[g], b = sc.chunk_request[i];
-    const Request r = read_request(p, b);
-    write_record(p, p.records[g], i, b, sc.chunk_begin[i], sc.chunk_end[i], r.table_begin,
-                 r.table_last, sc.offsets[b], sc.offsets[b + 1], flags, record_pages,
-                 total_pages > 0 && !r.error);
-  }
-  for (int g = num_chunks; g < st.filled; ++g) write_idle(p.records[g]);
-  for (int b = 0; b <= p.max_batch; ++b)
-    p.merge_indptr[b] = merge != MERGE_KERNEL ? 0 : sc.offsets[b < n ? b : n];
-  record_plan(p, st, best, row, num_chunks, merge);
+// Chunk c of the plan, chunk i of request b (cut under the chosen row): its request and its
+// tokens [begin, end), a window's moved to it. Returns begin.
+DEVICE_PLAN_HD inline int write_chunk(const Scratch& sc, const Row& row, const Cut& cut, int b,
+                                      int i, int c) {
+  const int begin = sc.kv_begin[b] + chunk_start(i, cut.units, cut.count, row.align);
+  sc.chunk_request[c] = b;
+  sc.chunk_begin[c] = begin;
+  sc.chunk_end[c] = sc.kv_begin[b] + (i + 1 < cut.count
+                        ? chunk_start(i + 1, cut.units, cut.count, row.align) : sc.lens[b]);
+  return begin;
 }
-#endif
+
 
 }  // namespace device_plan

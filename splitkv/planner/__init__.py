@@ -4,7 +4,8 @@ Pure Python + NumPy/SciPy/PyYAML: it never imports CuPy, so plans can be made an
 any machine.
 """
 
-from .cost_model import FEATURE_NAMES, CostModel, plan_features
+from .cost_model import CostModel
+from .features import FEATURE_NAMES, plan_features
 from .planner import Candidate, choose_plan, rank_candidates
 from .profiles import Profile, ProfileError, load_profile, read_profile
 

@@ -29,9 +29,10 @@ from ..core.plan import (Plan, _chunk_arrays, _single_chunk_arrays, _uniform_chu
 from ..core.problem import DecodeProblem
 from ..core.execution import DEFAULT_LAUNCH_ORDER, check_launch_order, may_cluster
 from ..core.geometry import TILE_TOKENS
-from .cost_model import (CostModel, count_build_tiles, feature_constants, feature_index,
-                         features_from_stats, gather_features, new_feature_rows, row_features,
-                         strategy_scale, stream_ratio_of)
+from .cost_model import CostModel
+from .features import (count_build_tiles, feature_constants, feature_index, features_from_stats,
+                       gather_features, new_feature_rows, row_features, strategy_scale,
+                       stream_ratio_of)
 from .stats import (S_NUM_CHUNKS, STAT_NAMES, equal_candidate_stats, ones,
                     ragged_candidate_stats)
 

@@ -35,10 +35,13 @@ from pathlib import Path
 
 import yaml
 
-from .cost_model import FEATURE_NAMES, CostModel
+from .cost_model import CostModel
+from .features import FEATURE_NAMES
 
 PROFILE_ENV = "SPLITKV_PROFILE"
 REFERENCE_DEVICE = "NVIDIA H200"       # what plans made without a device are made for
+# The profile format's version, written by ``Profile.to_dict``. A file without one is read as
+# the version before it (written by hand, or before the field); a newer one is refused.
 SCHEMA = 1
 PRIOR_SOURCE = "prior, not yet calibrated"
 
@@ -57,7 +60,7 @@ FP8_FIELDS = {"coef", "fit_error", "heldout_error", "measured_bandwidth_gbps", "
 # wide_waves, merge_grid, added in that order): read as 0, the model that profile was fitted as.
 FEATURES_ADDED_LATER = ("lone_cta_us", "stream_us", "wide_waves", "merge_grid")
 FP8_FITS = ("kv_fp8", "kv_fp8_graph_stable")
-# the tile rules a profile's fits may hold (cost_model.TILE_RULES less the multi-token one,
+# the tile rules a profile's fits may hold (features.TILE_RULES less the multi-token one,
 # which CostModel.for_multi_token derives)
 PROFILE_TILE_RULES = ("", "fp8")
 
@@ -124,7 +127,7 @@ class Profile:
     splitkv_version: str = ""
     source: str = ""                        # 'calibrated' or PRIOR_SOURCE
     sweep: dict = field(default_factory=dict)
-    # how `coef`'s model counts tiles (cost_model.TILE_RULES): '' (64-token tiles), or 'fp8'
+    # how `coef`'s model counts tiles (features.TILE_RULES): '' (64-token tiles), or 'fp8'
     # for a fit over fp8 K/V that counts its builds' 128-token tiles; written only when set
     tile_rule: str = ""
     # the fit over fp8 K/V: {"coef", "fit_error", "heldout_error", "measured_bandwidth_gbps"
@@ -226,10 +229,12 @@ class Profile:
         if not isinstance(data, dict):
             raise bad(f"expected a YAML mapping, got {type(data).__name__}")
         data = dict(data)
-        schema = data.pop("schema", SCHEMA)
-        if schema != SCHEMA:
-            raise bad(f"schema {schema!r} is not the one this splitkv reads ({SCHEMA}); "
-                      "re-run `splitkv calibrate`")
+        schema = data.pop("schema", SCHEMA - 1)
+        if isinstance(schema, bool) or not isinstance(schema, int) or schema < 0:
+            raise bad(f"schema: expected an integer >= 0, got {schema!r}")
+        if schema > SCHEMA:
+            raise bad(f"schema {schema} is newer than this splitkv reads (up to {SCHEMA}): "
+                      "upgrade splitkv, or re-run `splitkv calibrate` with this one")
         known = {f for f in cls.__dataclass_fields__ if f != "origin"}
         unknown = set(data) - known
         if unknown:

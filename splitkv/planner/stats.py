@@ -26,7 +26,7 @@ from ..core.geometry import TILE_TOKENS
 # The numbers of a decomposition the features need, rows of a ``stats`` array in this order.
 # ``max_splits`` is the most chunks any request has; ``split_chunks`` counts the chunks of
 # requests cut into more than one; ``odd_chunks`` the chunks of an odd number of tiles (what a
-# build of 128-token tiles runs one more half tile for: ``cost_model.count_build_tiles``),
+# build of 128-token tiles runs one more half tile for: ``features.count_build_tiles``),
 # computed only where asked for (else 0), since only fp8 fits count those tiles.
 STAT_NAMES = ("num_chunks", "total_tokens", "total_tiles", "max_chunk_tokens",
               "max_chunk_tiles", "max_splits", "split_chunks", "odd_chunks")
@@ -51,7 +51,7 @@ def indices(names, *wanted) -> tuple[int, ...]:
  S_MAX_SPLITS, S_SPLIT_CHUNKS, S_ODD_CHUNKS) = indices(STAT_NAMES, *STAT_NAMES)
 # Rows that one NumPy call reads or fills together: the maxima over the requests
 # (``ragged_candidate_stats`` takes them in one reduction); the counts and the largest chunk's
-# tokens and tiles, which ``cost_model.row_features`` turns into work items and critical paths.
+# tokens and tiles, which ``features.row_features`` turns into work items and critical paths.
 S_MAXIMA = rows_of(STAT_NAMES, "max_chunk_tokens", "max_chunk_tiles", "max_splits")
 S_COUNTS = rows_of(STAT_NAMES, "num_chunks", "total_tokens", "total_tiles")
 S_LARGEST = rows_of(STAT_NAMES, "max_chunk_tokens", "max_chunk_tiles")

@@ -20,8 +20,9 @@ import numpy as np
 from ..core.execution import LAUNCH_ORDERS
 from ..core.validation import STRATEGIES
 from ..core.geometry import RECORD_PAGES, TILE_TOKENS, ctas_per_kv_head
-from ..planner.cost_model import (FEATURE_NAMES, LONE_CTA_MIN_TOKENS, CostModel, feature_constants,
-                                  stream_ratio_of)
+from ..planner.cost_model import CostModel
+from ..planner.features import (FEATURE_NAMES, FEATURES, LONE_CTA_MIN_TOKENS, feature_constants,
+                                stream_ratio_of)
 from . import kernel_abi
 from .kernel_abi import CHUNK_RECORD
 from .kernel_source import NVRTC_OPTIONS, read_source
@@ -115,12 +116,11 @@ def layout_fields() -> list:
 
 def layout_checks() -> str:
     """static_asserts for device_plan.cu: ``DevicePlanParams`` and ``DevicePlanState`` are laid
-    out as mirrored here, ``Record`` as ``ChunkRecord``, and the feature columns, launch orders
-    and merges are numbered as the host numbers them: a planner whose structs or constants
-    differ does not compile."""
-    constants = {"NUM_FEATURES": _FEATURES,
-                 **{f"F_{name.upper()}": i for i, name in enumerate(FEATURE_NAMES)},
-                 "LONGEST_CHUNKS": LAUNCH_ORDERS.index("longest_chunks"),
+    out as mirrored here, ``Record`` as ``ChunkRecord``, and the launch orders, strategies and
+    merges are numbered as the host numbers them: a planner whose structs or constants differ
+    does not compile. (Its feature columns are written from the host's table:
+    ``feature_table_source``.)"""
+    constants = {"LONGEST_CHUNKS": LAUNCH_ORDERS.index("longest_chunks"),
                  "LONGEST_REQUESTS": LAUNCH_ORDERS.index("longest_requests"),
                  **{code: STRATEGIES.index(name) for code, name in (
                      ("SINGLE", "single"), ("SPLIT_MERGE", "split_merge"), ("FUSED", "fused"))},
@@ -133,9 +133,29 @@ def layout_checks() -> str:
                                      "differs from runtime/device_planner.py")
 
 
+def feature_table_source() -> str:
+    """The cost model's columns for device_plan.cuh, from ``planner.features.FEATURES``: their
+    count, and ``DEVICE_PLAN_FEATURES(X)``, X(column, row, the row 'split_merge' reads, the
+    code of the strategy that alone pays it or -1) for each column in order. The rows are
+    members of the header's FeatureRows, so a column whose row the device does not compute
+    does not compile."""
+    lines = [f"#define DEVICE_PLAN_NUM_FEATURES {len(FEATURES)}",
+             "#define DEVICE_PLAN_FEATURES(X) \\"]
+    for i, f in enumerate(FEATURES):
+        paid_by = -1 if f.paid_by is None else STRATEGIES.index(f.paid_by)
+        lines.append(f"  X({i}, {f.row}, {f.split_merge_row or f.row}, {paid_by}) "
+                     f"/* {f.name} */ \\")
+    return "\n".join(lines) + "\n\n"
+
+
+def header_defines() -> str:
+    """What device_plan.cuh needs defined before it, but DEVICE_PLAN_HD: the record's page
+    slots and the cost model's columns."""
+    return f"#define RECORD_PAGES {RECORD_PAGES}\n" + feature_table_source()
+
+
 def source() -> str:
-    return (f"#define RECORD_PAGES {RECORD_PAGES}\n" + read_source("device_plan.cu")
-            + layout_checks())
+    return header_defines() + read_source("device_plan.cu") + layout_checks()
 
 
 @dataclass(frozen=True)

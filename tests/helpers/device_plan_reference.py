@@ -1,7 +1,7 @@
 """What the planner on the device must write, two ways: the host planner's plan as a graph-stable
 wrapper uploads it (``expected``), and ``kernels_cu/device_plan.cuh`` built with the host C++
-compiler and run on one thread (``run_on_host``). The CPU tests compare the two; the GPU tests
-compare the kernel with both."""
+compiler and run on one thread by device_plan_host.cpp (``HostRun``). The CPU tests compare
+the two; the GPU tests compare the kernel with both."""
 
 from __future__ import annotations
 
@@ -18,20 +18,14 @@ import numpy as np
 
 from splitkv import DecodeProblem, PageTable
 from splitkv.core.execution import grid_order
-from splitkv.core.geometry import RECORD_PAGES
 from splitkv.planner import choose_plan
-from splitkv.runtime.device_planner import STATE_FIELDS, DevicePlanParams, scratch_ints
+from splitkv.runtime.device_planner import (STATE_FIELDS, DevicePlanParams, header_defines,
+                                            scratch_ints)
 from splitkv.runtime.kernel_abi import CHUNK_RECORD
 from splitkv.runtime.records import chunk_records, idle_records, pages_fit_record, record_pages_needed
 
-_SHIM = """
-#include <cmath>
-#include "device_plan.cuh"
-extern "C" void splitkv_plan_on_host(const device_plan::DevicePlanParams* p) {
-  device_plan::plan_on_host(*p);
-}
-extern "C" int splitkv_plan_params_size() { return (int)sizeof(device_plan::DevicePlanParams); }
-"""
+# The serial driver of the header, with the ctypes entry points.
+_DRIVER = Path(__file__).with_name("device_plan_host.cpp")
 
 
 def compiler() -> str | None:
@@ -42,21 +36,24 @@ _LIB = None
 
 
 def host_library():
-    """device_plan.cuh compiled for the host (cached per source), as a ctypes library."""
+    """device_plan.cuh and its serial driver (device_plan_host.cpp) compiled for the host
+    (cached per source), as a ctypes library."""
     global _LIB
     if _LIB is not None:
         return _LIB
-    header = resources.files("splitkv.kernels_cu").joinpath("device_plan.cuh").read_text()
-    digest = hashlib.sha256((header + _SHIM).encode()).hexdigest()[:16]
+    files = {"device_plan.cuh": resources.files("splitkv.kernels_cu").joinpath(
+                 "device_plan.cuh").read_text(),
+             "device_plan_defines.h": header_defines(), "driver.cpp": _DRIVER.read_text()}
+    digest = hashlib.sha256("".join(files.values()).encode()).hexdigest()[:16]
     out = Path(tempfile.gettempdir()) / f"splitkv-device-plan-{digest}.so"
     if not out.exists():
         with tempfile.TemporaryDirectory() as tmp:
-            Path(tmp, "device_plan.cuh").write_text(header)
-            Path(tmp, "shim.cpp").write_text(_SHIM)
+            for name, text in files.items():
+                Path(tmp, name).write_text(text)
             part = Path(tmp, "lib.so")
             subprocess.run([compiler(), "-std=c++17", "-O2", "-ffp-contract=off", "-fPIC",
-                            "-shared", f"-DRECORD_PAGES={RECORD_PAGES}", "-I", tmp,
-                            str(Path(tmp, "shim.cpp")), "-o", str(part)], check=True)
+                            "-shared", "-I", tmp, str(Path(tmp, "driver.cpp")), "-o",
+                            str(part)], check=True)
             shutil.move(str(part), out)
     lib = ctypes.CDLL(str(out))
     lib.splitkv_plan_on_host.argtypes = [ctypes.POINTER(DevicePlanParams)]

@@ -128,9 +128,9 @@ def _probed_offsets(ptx: str, count: int) -> list[int]:
 
 
 def _device_plan_header() -> str:
-    from splitkv.core.geometry import RECORD_PAGES
+    from splitkv.runtime.device_planner import header_defines
 
-    return (f"#define RECORD_PAGES {RECORD_PAGES}\n#define DEVICE_PLAN_HD __device__\n"
+    return (header_defines() + "#define DEVICE_PLAN_HD __device__\n"
             + read_source("device_plan.cuh") + "using namespace device_plan;\n")
 
 
@@ -149,7 +149,8 @@ def test_every_field_of_the_kernel_structs_sits_where_the_mirror_writes_it():
 def test_the_device_planners_structs_sit_where_its_mirror_writes_them():
     """DevicePlanParams, DevicePlanState and the planner's Record, field by field, from the PTX
     of device_plan.cuh; the planning kernel's source carries the same structs' checks and the
-    feature, launch-order, strategy and merge numbering, and compiles."""
+    launch-order, strategy and merge numbering, and its feature columns from the host's table,
+    and compiles."""
     from splitkv.runtime import device_planner
 
     fields = device_planner.layout_fields()
@@ -157,7 +158,9 @@ def test_the_device_planners_structs_sit_where_its_mirror_writes_them():
     assert _probed_offsets(ptx, len(fields)) == [f[2] for f in fields]
     assert {"DevicePlanParams", "DevicePlanState", "Record"} == {f[0] for f in fields}
     checks = device_planner.layout_checks()
-    assert "F_MERGE_GRID == 16" in checks and "MERGE_TICKET == 2" in checks
+    assert "MERGE_TICKET == 2" in checks
+    assert "X(16, split_x_requests, split_x_requests, 1) /* merge_grid */" in \
+        device_planner.source()
     _ptx(device_planner.source(), "device_plan.cu")
 
 
@@ -175,9 +178,12 @@ def test_a_device_planner_mirror_that_differs_does_not_compile(monkeypatch):
     with pytest.raises(Exception, match="DevicePlanParams.num_sms differs"):
         _ptx(device_planner.source(), "device_plan.cu")
     monkeypatch.undo()
-    monkeypatch.setattr(device_planner, "FEATURE_NAMES",
-                        (*device_planner.FEATURE_NAMES[:-2], "merge_grid", "wide_waves"))
-    with pytest.raises(Exception, match="F_MERGE_GRID differs"):
+    # a column reading a row the planner on the device does not compute
+    from splitkv.planner.features import Feature
+
+    monkeypatch.setattr(device_planner, "FEATURES",
+                        (*device_planner.FEATURES, Feature("sm_wave_starts", "sm_waves", "count")))
+    with pytest.raises(Exception, match='no member "sm_waves"'):
         _ptx(device_planner.source(), "device_plan.cu")
 
 
@@ -348,11 +354,11 @@ def default_build(head_dim: int, row_tiles: int, **fields) -> DecodeVariant:
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("head_dim,row_tiles", [(64, 1), (64, 2), (64, 4), (128, 1), (256, 1)])
 def test_the_cost_models_residency_is_what_the_default_builds_hold(head_dim, row_tiles):
-    """``cost_model.resident_ctas`` (the slots the planner deals CTAs onto) against the default
+    """``features.resident_ctas`` (the slots the planner deals CTAs onto) against the default
     16-bit build's registers (NVRTC, sm_90) and shared memory on an H200-class SM (64 K
     registers allocated 256 a warp, 228 KiB of shared memory of which 1 KiB per CTA is the
     runtime's): a build whose residency moves must move the model with it."""
-    from splitkv.planner.cost_model import resident_ctas
+    from splitkv.planner.features import resident_ctas
 
     variant = default_build(head_dim, row_tiles)
     _, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)

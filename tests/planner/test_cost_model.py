@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from splitkv import DecodeProblem, plan_chunk_tokens, plan_fixed_splits, plan_from_chunk_counts
-from splitkv.planner.cost_model import (FEATURE_NAMES, CostModel, critical_path, plan_features,
-                                        waves)
+from splitkv.planner.cost_model import CostModel
+from splitkv.planner.features import FEATURE_NAMES, critical_path, plan_features, waves
 from splitkv.planner.profiles import roofline_prior
 
 H200 = dict(num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0, clusters=True)
@@ -105,7 +105,7 @@ def test_stream_us_is_the_largest_cta_alone_or_the_full_grids_bytes():
     """stream_us: a lone CTA streams at LONE_CTA_GBPS; a full grid of equal chunks reads at the
     device's bandwidth (kv_us); a full grid with one long chunk reads its share of that chunk
     at the device's rate and the rest alone."""
-    from splitkv.planner.cost_model import LONE_CTA_GBPS
+    from splitkv.planner.features import LONE_CTA_GBPS
 
     lone = plan_features(problem([32768], 32, 8), [32768], [1], "single", **H200)
     assert feature(lone, "stream_us") == pytest.approx(32768 * 512 / (LONE_CTA_GBPS * 1e3))

@@ -98,7 +98,8 @@ def test_chooses_the_host_planners_plan_under_other_models():
     """Random cost models (non-negative coefficients, some zero), so that every candidate row
     wins somewhere, the tiny chunk sizes (16 and 32 tokens) and the wave-filling ones too, and
     every strategy."""
-    from splitkv.planner.cost_model import FEATURE_NAMES, CostModel
+    from splitkv.planner.cost_model import CostModel
+    from splitkv.planner.features import FEATURE_NAMES
 
     rng = np.random.default_rng(11)
     won, strategies = collections.Counter(), collections.Counter()

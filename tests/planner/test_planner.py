@@ -11,7 +11,7 @@ import pytest
 from splitkv import DecodeProblem, Plan
 from splitkv.core.geometry import ctas_per_kv_head
 from splitkv.planner import CostModel, choose_plan, rank_candidates
-from splitkv.planner.cost_model import feature_constants, resident_ctas
+from splitkv.planner.features import FEATURE_NAMES, feature_constants, resident_ctas
 from splitkv.planner.planner import (CHUNK_TOKENS, NO_SPLIT, NUM_SPLITS, TILE_TOKENS, TINY_CONTEXT,
                                      Candidate, chunk_token_candidates, wave_filling_chunk_tokens,
                                      wave_filling_splits)
@@ -277,27 +277,34 @@ def test_planning_256_ragged_requests_is_cheap():
 # --- Golden decisions -------------------------------------------------------------------------
 # choose_plan is tuned for speed (it runs on every decode step); these pin what it decides so a
 # speed-up can be shown to change no plan. Three models with literal coefficients (the roofline
-# prior, a calibrated H200 fit as of writing, and one with stream_us; wide_waves and merge_grid
-# 0 in all, so they pin that the columns move no plan of a profile fitted before them), so
-# editing a shipped profile does not move them.
+# prior, a calibrated H200 fit as of writing, and one with stream_us; wide_waves, merge_grid and
+# any later column 0 in all, so they pin that the columns move no plan of a profile fitted
+# before them), so editing a shipped profile does not move them.
 # The decisions are a table by case (tests/helpers/data/golden_plans.json), so a change names its cases.
 
+
+def golden_model(**coef) -> CostModel:
+    """A model on the reference H200 with these coefficients; every other column 0 (so a column
+    added later moves no golden plan)."""
+    return CostModel.from_coef({**dict.fromkeys(FEATURE_NAMES, 0.0), **coef}, num_sms=132,
+                               ctas_per_sm=2, bandwidth_gbps=4460.0)
+
+
 GOLDEN_MODELS = (
-    ("prior", CostModel.from_coef([0.5, 0.52, 0.24, 1.62, 0.02, 0.005, 0.6, 1.0, 1.0, 1.0, 0.05,
-                                   0.1, 0.3, 0.0, 0.0, 0.0, 0.0],
-                                  num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0)),
-    ("h200 fit", CostModel.from_coef([0.0, 1.8807719868661437, 0.32556644232783427,
-                                      0.4517194084609214, 0.3615549426805041,
-                                      0.0008415333516333831, 2.096808942828332,
-                                      3.7370855474488534, 0.8718192272865495, 1.4490919835391016,
-                                      0.16407905293316438, 0.07975235492270334, 0.0, 0.0,
-                                      0.0, 0.0, 0.0],
-                                     num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0)),
+    ("prior", golden_model(const=0.5, launches=0.52, kv_us=0.24, crit_us=1.62, crit_tiles=0.02,
+                           crit_tile_rows=0.005, waves=0.6, partial_us=1.0, fused_tail_us=1.0,
+                           fused_merges=1.0, merge_chain=0.05, tail_us=0.1, cluster_merges=0.3)),
+    ("h200 fit", golden_model(launches=1.8807719868661437, kv_us=0.32556644232783427,
+                              crit_us=0.4517194084609214, crit_tiles=0.3615549426805041,
+                              crit_tile_rows=0.0008415333516333831, waves=2.096808942828332,
+                              partial_us=3.7370855474488534, fused_tail_us=0.8718192272865495,
+                              fused_merges=1.4490919835391016, merge_chain=0.16407905293316438,
+                              tail_us=0.07975235492270334)),
     # an offline refit with stream_us (a candidate profile), rounded
-    ("h200 stream", CostModel.from_coef([0.0, 1.0408, 0.1276, 0.0, 0.3718, 0.0056, 2.8648,
-                                         2.9549, 0.6021, 1.2716, 0.09, 0.0, 0.2682, 0.034,
-                                         0.4596, 0.0, 0.0],
-                                        num_sms=132, ctas_per_sm=2, bandwidth_gbps=4460.0)),
+    ("h200 stream", golden_model(launches=1.0408, kv_us=0.1276, crit_tiles=0.3718,
+                                 crit_tile_rows=0.0056, waves=2.8648, partial_us=2.9549,
+                                 fused_tail_us=0.6021, fused_merges=1.2716, merge_chain=0.09,
+                                 cluster_merges=0.2682, lone_cta_us=0.034, stream_us=0.4596)),
 )
 GOLDEN_PLANS = Path(__file__).resolve().parents[1] / "helpers" / "data" / "golden_plans.json"
 LENGTH_SHAPES = ("equal", "ragged", "log-ragged", "tiny", "some empty")

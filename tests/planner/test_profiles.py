@@ -12,7 +12,7 @@ import yaml
 
 from splitkv import DecodeProblem
 from splitkv.planner import choose_plan, profiles
-from splitkv.planner.cost_model import FEATURE_NAMES
+from splitkv.planner.features import FEATURE_NAMES
 from splitkv.planner.profiles import (PROFILE_ENV, Profile, ProfileError, default_profile,
                                       device_slug, load_profile, prior_profile, read_profile)
 
@@ -153,6 +153,24 @@ def test_bad_fields_name_the_field(tmp_path):
             Profile.from_dict(data, origin="x.yaml")
     with pytest.raises(ProfileError, match="cannot read"):
         load_profile(tmp_path / "missing.yaml")
+
+
+def test_the_schema_is_written_and_a_newer_one_refused():
+    """Saved profiles carry the format's schema; a file without one reads as the schema
+    before it; a newer schema, or one that is not a version, is refused by name."""
+    from splitkv.planner.profiles import SCHEMA
+
+    good = make_profile().to_dict()
+    assert good["schema"] == SCHEMA
+    older = {k: v for k, v in good.items() if k != "schema"}
+    assert Profile.from_dict(older) == Profile.from_dict(good)
+    assert Profile.from_dict(dict(good, schema=SCHEMA - 1)) == Profile.from_dict(good)
+    with pytest.raises(ProfileError, match=f"schema {SCHEMA + 1} is newer than this splitkv "
+                                           f"reads \\(up to {SCHEMA}\\)"):
+        Profile.from_dict(dict(good, schema=SCHEMA + 1), origin="x.yaml")
+    for bad in ("1", -1, True, 1.0):
+        with pytest.raises(ProfileError, match="schema: expected an integer >= 0"):
+            Profile.from_dict(dict(good, schema=bad), origin="x.yaml")
 
 
 def test_unquoted_date_is_read_as_text(tmp_path):

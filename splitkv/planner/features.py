@@ -256,7 +256,7 @@ def critical_path(total, largest, num_items, slots):
 
 # CTAs an SM holds at each head_dim, relative to head_dim 128's (a profile's ``ctas_per_sm``).
 # The default 16-bit builds on sm_90 hold 4 at head_dim 64 with one row tile (3 stages under a
-# 128-register cap: ``runtime.features.default_occupancy``), 3 with two row tiles (154
+# 128-register cap: ``core.builds.default_occupancy``), 3 with two row tiles (154
 # registers, 64 KiB of shared memory), 2 with four (182), 2 at 128 (216 registers, 96 KiB) and 1 at
 # 256 (160 KiB); fp8's hold 4, 2 and 1. tests/kernels/test_kernels_compile.py pins the 16-bit ones
 # against what NVRTC reports. (One count for every head_dim overstated head_dim 256's slots

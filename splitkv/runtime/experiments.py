@@ -3,7 +3,7 @@ them alone; the cost-model profile was calibrated with the defaults."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cached_property
 
 from ..core import validation as V
@@ -16,7 +16,7 @@ PDL_TRIGGERS = ("early", "late")
 
 
 @dataclass(frozen=True)
-class DecodeExperiments:
+class DecodeExperiments(BuildForces):
     """Knobs ``BatchDecodeWrapper(..., experiments=...)`` passes to the kernel and its launch.
 
     stages: pipeline depth of the partial kernel in tiles (at least 2); None: the default for
@@ -69,17 +69,13 @@ class DecodeExperiments:
         (docs/design/rejected.md, for groups 16-32). Per-shape wrappers only.
     """
 
-    stages: int | None = None
-    max_registers: int | None = None
-    warps: int | None = None
+    # stages, max_registers, warps, q_in_smem, pow2_pages, tile_per_warp, dim_split: the
+    # build knobs, declared by BuildForces (which also says what forced_warps and
+    # forces_occupancy make of them)
     pdl_trigger: str = "late"
     pdl_spread: bool | None = None
-    q_in_smem: bool | None = None
-    pow2_pages: bool | None = None
     rows_per_cta: int | None = None
-    tile_per_warp: int | None = None
     compact_merge: bool | None = None
-    dim_split: int | None = None
 
     def __post_init__(self):
         if self.stages is not None:
@@ -111,16 +107,6 @@ class DecodeExperiments:
 
     @cached_property
     def build_forces(self) -> BuildForces:
-        """What these knobs force of a build (``core.builds``, which decides the rest)."""
-        return BuildForces(self.stages, self.max_registers, self.warps, self.q_in_smem,
-                           self.pow2_pages, self.tile_per_warp, self.dim_split)
-
-    @property
-    def forced_warps(self) -> int | None:
-        """``BuildForces.forced_warps``: the warps a CTA runs whatever the plan, or None."""
-        return self.build_forces.forced_warps
-
-    @property
-    def forces_occupancy(self) -> bool:
-        """``BuildForces.forces_occupancy``: stages or a register cap given."""
-        return self.build_forces.forces_occupancy
+        """The build knobs alone (``core.builds`` decides the rest): plans that differ in
+        the other knobs share their builds."""
+        return BuildForces(**{f.name: getattr(self, f.name) for f in fields(BuildForces)})

@@ -4,7 +4,7 @@ and how the rows are computed for many candidates at once.
 How the kernels run (what the features describe): one CTA per work item (chunk x kv head, and
 x ceil(group / 64) head tiles for very large GQA groups). A CTA streams its chunk's K and V in
 tiles of 64 tokens (128 for the builds of 8 warps or 32 tokens a warp:
-``runtime.features``), so a partly filled last tile costs a whole tile of compute but only its
+``core.builds``), so a partly filled last tile costs a whole tile of compute but only its
 real bytes of memory. About ``ctas_per_sm`` CTAs are resident per SM at head_dim 128 (more at
 64, fewer at 256: ``resident_ctas``), so the GPU has ``num_sms * resident_ctas`` *slots*; items
 are dealt onto the slots in waves. A CTA pays a fixed

@@ -41,10 +41,10 @@ def calibrate(points: list[SweepPoint], device: dict, *, quick: bool = False, se
     """Time ``points`` (from ``sweep_for``) and fit a profile for ``device``; over fp8 K/V
     codes if ``kv_dtype`` names an fp8 format (``Profile.with_kv_fp8`` adds that fit to a
     16-bit profile); with ``graph_stable``, every CTA at 4 warps, as a graph-stable wrapper
-    runs them (``features.plan_warps``).
+    runs them (``core.builds.plan_warps``).
 
     The 16-bit fit times per-shape builds, and so the 8 warps that lone grids of groups past
-    16 run (``features.plan_warps``) where a graph-stable wrapper keeps 4: its plans of such
+    16 run (``core.builds.plan_warps``) where a graph-stable wrapper keeps 4: its plans of such
     shapes are predicted as the 8-warp build (a difference fp8, whose two fits are apart,
     does not have).
 

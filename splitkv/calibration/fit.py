@@ -93,8 +93,8 @@ def _relative_errors(model, measurements) -> np.ndarray:
 
 def fit_tile_rule(kv_dtype: str | None, graph_stable: bool) -> str:
     """The tiles a fit counts: fp8's per-shape builds run 128-token tiles where
-    ``geometry.fp8_tile_tokens`` says ('fp8'); the 16-bit builds, and the graph-stable fp8
-    fit (the planner on the device counts 64-token tiles), count 64 ('')."""
+    ``core.builds`` decides them ('fp8'); the 16-bit builds, and the graph-stable fp8 fit
+    (its one grid runs 64-token tiles), count 64 ('')."""
     return "fp8" if kv_dtype and not graph_stable else ""
 
 

@@ -111,9 +111,10 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
 
   // 3. each row's sums over the requests: one warp per row
   for (int r = warp; r < cands.num_rows; r += PLAN_WARPS) {
-    RowSums s = {0, 0, 0, 0, 0};
+    RowSums s = {0, 0, 0, 0, 0, 0};
     for (int b = lane; b < n; b += 32) add_request(s, cands.rows[r], sc.lens[b], num_empty > 0);
     s.chunks = warp_sum(s.chunks);       // may pass 2**32 (a candidate too fine to choose)
+    s.odd = warp_sum(s.odd);             // at most the chunks
     // the rest fit 32 bits (lengths < 2**31): one instruction each
     s.min2 = __reduce_add_sync(0xffffffffu, (unsigned)s.min2);
     s.largest_tokens = __reduce_max_sync(0xffffffffu, (unsigned)s.largest_tokens);

@@ -96,6 +96,11 @@ struct DevicePlanParams {
   // (variants.covering_window_left), and rows_window_left the rows' own, for query_rows.
   int window_left;
   int rows_window_left;
+  // The tiles the model counts (features.build_tile_units): 64-token tiles in one tile of the
+  // plan's build, for grids that give some SM two CTAs (short chunks, then chunks of a mean
+  // of long_chunk_tokens or more) and for lone grids (the same two); all 1: 64-token tiles.
+  int tile_units[4];
+  double long_chunk_tokens;         // core.builds.LONG_CHUNK_TOKENS
 };
 
 // Persistent state, int32 each.
@@ -134,9 +139,10 @@ struct Row {
   int align;           // chunk boundaries' alignment when built
 };
 
-// The sums and maxima over the requests that a row's statistics need, as integers.
+// The sums and maxima over the requests that a row's statistics need, as integers; odd: the
+// chunks of an odd number of tiles (stats.S_ODD_CHUNKS).
 struct RowSums {
-  i64 chunks, min2, largest_tokens, max_m, max_k;
+  i64 chunks, min2, largest_tokens, max_m, max_k, odd;
 };
 
 struct Candidates {
@@ -237,6 +243,10 @@ DEVICE_PLAN_HD inline void add_request(RowSums& s, const Row& row, int len, bool
   if (largest_tokens > s.largest_tokens) s.largest_tokens = largest_tokens;
   if ((i64)m > s.max_m) s.max_m = (i64)m;
   if ((i64)k > s.max_k) s.max_k = (i64)k;
+  // of the k chunks, r = u - k q hold q + 1 tiles and the rest q (q = floor(u / k)): r are
+  // odd when q is even, k - r when q is odd (stats.ragged_candidate_stats)
+  const i64 u = (i64)units, kk = (i64)k, q = u / kk, r = u - kk * q;
+  s.odd += r + (q & 1) * (kk - 2 * r);
 }
 
 // The rows of features.FEATURE_ROWS that the columns read, for one candidate row: a column
@@ -265,6 +275,7 @@ struct Scorer {
     double total_tiles = total_units;
     double max_chunk_tokens = (double)s.largest_tokens;   // max(largest) * 64
     double max_chunk_tiles = (double)s.max_m;
+    double odd = (double)s.odd;
     const double max_splits = (double)s.max_k;
     FeatureRows r;
     r.split_chunks = (num_chunks + (double)s.min2) - 2.0 * (double)batch;
@@ -272,8 +283,18 @@ struct Scorer {
       total_tiles = num_chunks - (double)num_empty;
       max_chunk_tokens = dmin(row.divisor, max_len);
       max_chunk_tiles = max_len > 0 ? 1.0 : 0.0;
+      odd = total_tiles;
     }
     *num_chunks_out = num_chunks;
+    // features.count_build_tiles: where the row's build streams 128-token tiles, each chunk of
+    // an odd number of tiles runs one more half, and the largest chunk's count rounds up to even
+    const int lone_grid = num_chunks * ipc <= (double)p->num_sms ? 1 : 0;
+    const int long_chunks = total >= p->long_chunk_tokens * num_chunks ? 1 : 0;
+    const double extra = (double)(p->tile_units[2 * lone_grid + long_chunks] - 1);
+    if (extra != 0.0) {
+      total_tiles += odd * extra;
+      max_chunk_tiles += fmod(max_chunk_tiles, 2.0) * extra;
+    }
     // row_features
     r.one = 1.0;
     r.total_tokens = total;

@@ -4,7 +4,7 @@ and how the rows are computed for many candidates at once.
 How the kernels run (what the features describe): one CTA per work item (chunk x kv head, and
 x ceil(group / 64) head tiles for very large GQA groups). A CTA streams its chunk's K and V in
 tiles of 64 tokens (128 for the builds of 8 warps or 32 tokens a warp:
-``runtime.features``), so a partly filled last tile costs a whole tile of compute but only its
+``core.builds``), so a partly filled last tile costs a whole tile of compute but only its
 real bytes of memory. About ``ctas_per_sm`` CTAs are resident per SM at head_dim 128 (more at
 64, fewer at 256: ``resident_ctas``), so the GPU has ``num_sms * resident_ctas`` *slots*; items
 are dealt onto the slots in waves. A CTA pays a fixed
@@ -40,10 +40,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.execution import MERGE_CLUSTER, clustered
-from ..core.geometry import LONG_TILE_TOKENS, ctas_per_kv_head, fp8_tile_tokens, rows_per_cta
+from ..core.builds import LONG_CHUNK_TOKENS, DeviceProperties, PlanGrid, decode_build, row_tiles_for
+from ..core.geometry import TILE_TOKENS, ctas_per_kv_head, rows_per_cta
 from ..core.validation import STRATEGIES
 from .stats import (ONE, S_COUNTS, S_LARGEST, S_MAX_CHUNK_TILES, S_MAX_CHUNK_TOKENS,
-                    S_MAX_SPLITS, S_NUM_CHUNKS, S_ODD_CHUNKS, S_TOTAL_TILES,
+                    S_MAX_SPLITS, S_NUM_CHUNKS, S_ODD_CHUNKS, S_TOTAL_TILES, S_TOTAL_TOKENS,
                     STAT_NAMES, TWO, decomposition_stats, indices, rows_of)
 
 
@@ -109,7 +110,7 @@ FEATURES = (
     Feature("crit_us", "crit_tokens", "token_sm"),
     # 64-token tiles on the most loaded SM (partial tiles count whole), x head_dim / 128:
     # per-tile work that is not memory traffic. A model whose ``tile_rule`` is 'fp8' counts the
-    # tiles fp8's default builds run (``count_build_tiles``): a 128-token tile as two of 64, so
+    # tiles fp8's builds run (``count_build_tiles``): a 128-token tile as two of 64, so
     # a chunk of 100 tokens costs one such tile, as a chunk of 50 does.
     Feature("crit_tiles", "crit_tiles", "tile"),
     # the same x query heads per CTA: compute that grows with the GQA group.
@@ -196,12 +197,17 @@ SINGLE, SPLIT_MERGE, FUSED = (STRATEGIES.index(s) for s in ("single", "split_mer
 
 # How a model counts tiles (``CostModel.tile_rule``): '' 64-token tiles everywhere (the 16-bit
 # fits, whose 8-warp lone grids of 128-token tiles are rare in the sweep, the graph-stable
-# fits, and fits made before the rule); 'fp8' the tiles of fp8's default per-shape builds
-# (``geometry.fp8_tile_tokens``); 'fp8_multi_token' the same for multi-token plans, whose
-# builds keep 16 tokens a warp (``CostModel.for_multi_token``; a profile never holds it). The
-# fp8 H200 fit counting them: fit RMS 8.4 -> 8.0%, held-out 7.1 -> 6.7%, eval 59 -> 62 of 68
-# shapes within 5% (docs/design/cost-model.md).
+# fits, and fits made before the rule); 'fp8' the tiles of the builds fp8 K/V's per-shape plans
+# run (``core.builds.decode_build``, which the runtime compiles); 'fp8_multi_token' the same for
+# multi-token plans (``CostModel.for_multi_token``; a profile never holds it). The fp8 H200 fit
+# counting them: fit RMS 8.4 -> 8.0%, held-out 7.1 -> 6.7%, eval 59 -> 62 of 68 shapes within
+# 5% (docs/design/cost-model.md).
 TILE_RULES = ("", "fp8", "fp8_multi_token")
+# The plans whose builds a rule counts the tiles of: (K/V dtype, multi-token). Both fp8
+# formats build alike; '' reads no build.
+_RULE_BUILDS = {"fp8": ("float8_e4m3fn", False), "fp8_multi_token": ("float8_e4m3fn", True)}
+# build_tile_units when every tile is 64 tokens
+PLAIN_TILES = (1, 1, 1, 1)
 
 
 def check_tile_rule(tile_rule) -> str:
@@ -210,21 +216,49 @@ def check_tile_rule(tile_rule) -> str:
     return tile_rule
 
 
-def count_build_tiles(rows, tile_rule: str, num_qo_heads: int, num_kv_heads: int,
-                      head_dim: int, items_per_chunk: int, num_sms: int) -> None:
+@functools.lru_cache(maxsize=256)
+def build_tile_units(tile_rule: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                     page_size: int, num_sms: int) -> tuple[int, int, int, int]:
+    """64-token tiles in one tile of the build a plan of this shape runs, as ``tile_rule``
+    counts them (``PLAIN_TILES`` for ''): for grids that give some SM two CTAs, of short and
+    of long chunks (a mean of ``LONG_CHUNK_TOKENS`` or more), then for lone grids, short and
+    long. The builds are ``core.builds.decode_build``'s, the runtime's own decision, for the
+    model's device as a profile records it (its SMs: every default build is taken to fit)."""
+    if not check_tile_rule(tile_rule):
+        return PLAIN_TILES
+    kv_dtype, multi_token = _RULE_BUILDS[tile_rule]
+    group = num_qo_heads // num_kv_heads
+    row_tiles = row_tiles_for(rows_per_cta(group))
+    device = DeviceProperties(num_sms)
+    units = tuple(decode_build("bfloat16", head_dim, group, page_size, kv_dtype,
+                               PlanGrid(ctas, mean, row_tiles=row_tiles,
+                                        multi_token=multi_token), device).tile_tokens
+                  // TILE_TOKENS
+                  for ctas in (num_sms + 1, num_sms) for mean in (0.0, LONG_CHUNK_TOKENS))
+    if not set(units) <= {1, 2}:
+        raise ValueError(f"tile_rule {tile_rule!r}: tiles of {units} x 64 tokens; the cost "
+                         "model counts tiles of 64 or 128")
+    return units
+
+
+def count_build_tiles(rows, units, items_per_chunk: int, num_sms: int) -> None:
     """Turn the stats rows' 64-token tile counts (``rows[S_TOTAL_TILES]``,
-    ``rows[S_MAX_CHUNK_TILES]``, one column per decomposition) into the tiles ``tile_rule``'s
-    builds run, in 64-token units: where a column's build streams 128-token tiles, each chunk
-    of an odd number of tiles runs one more half (``S_ODD_CHUNKS``), and the largest chunk's
-    count rounds up to even. Splitting a 100-token request then saves no tile. In place."""
-    if not tile_rule:
+    ``rows[S_MAX_CHUNK_TILES]``, one column per decomposition) into the tiles the builds run
+    (``build_tile_units``), in 64-token units: where a column's build streams 128-token tiles,
+    each chunk of an odd number of tiles runs one more half (``S_ODD_CHUNKS``), and the
+    largest chunk's count rounds up to even. Splitting a 100-token request then saves no tile.
+    In place."""
+    if units == PLAIN_TILES:
         return
-    heads = rows_per_cta(num_qo_heads // num_kv_heads)
-    multi_token = tile_rule == "fp8_multi_token"
-    if fp8_tile_tokens(head_dim, heads, False, multi_token) == LONG_TILE_TOKENS:
+    if len(set(units)) == 1:
         long = ONE                              # every grid
-    else:                                       # only grids that give no SM two CTAs
-        long = rows[S_NUM_CHUNKS] * float(items_per_chunk) <= num_sms
+    else:
+        lone = rows[S_NUM_CHUNKS] * float(items_per_chunk) <= num_sms   # no SM runs two
+        if units == (1, 1, 2, 2):
+            long = lone                         # only grids that give no SM two CTAs
+        else:                                   # by grid and by the chunks' mean length
+            chunks = rows[S_TOTAL_TOKENS] >= float(LONG_CHUNK_TOKENS) * rows[S_NUM_CHUNKS]
+            long = np.take(np.array(units, dtype=np.float64) - 1.0, 2 * lone + chunks)
     rows[S_TOTAL_TILES] += rows[S_ODD_CHUNKS] * long
     rows[S_MAX_CHUNK_TILES] += np.mod(rows[S_MAX_CHUNK_TILES], 2.0) * long
 
@@ -256,7 +290,7 @@ def critical_path(total, largest, num_items, slots):
 
 # CTAs an SM holds at each head_dim, relative to head_dim 128's (a profile's ``ctas_per_sm``).
 # The default 16-bit builds on sm_90 hold 4 at head_dim 64 with one row tile (3 stages under a
-# 128-register cap: ``runtime.features.default_occupancy``), 3 with two row tiles (154
+# 128-register cap: ``core.builds.default_occupancy``), 3 with two row tiles (154
 # registers, 64 KiB of shared memory), 2 with four (182), 2 at 128 (216 registers, 96 KiB) and 1 at
 # 256 (160 KiB); fp8's hold 4, 2 and 1. tests/kernels/test_kernels_compile.py pins the 16-bit ones
 # against what NVRTC reports. (One count for every head_dim overstated head_dim 256's slots
@@ -433,7 +467,8 @@ def gather_features(rows, index, scale, clusters=False) -> np.ndarray:
 
 def features_from_stats(num_qo_heads, num_kv_heads, head_dim, strategy_code, stats, *,
                         num_sms, ctas_per_sm, bandwidth_gbps, batch_size=0,
-                        clusters=False, clustered_as=None, tile_rule="") -> np.ndarray:
+                        clusters=False, clustered_as=None, tile_rule="",
+                        page_size=16) -> np.ndarray:
     """Feature matrix ``[n, len(FEATURE_NAMES)]`` of n candidates from their ``stats``
     ``[len(STAT_NAMES), n]`` and strategy codes (index in ``STRATEGIES``; [n] or one for all).
     The planner computes the statistics of many candidates at once in closed form;
@@ -441,13 +476,15 @@ def features_from_stats(num_qo_heads, num_kv_heads, head_dim, strategy_code, sta
     requests (merge_grid's; and the clusters'). ``clusters``: the GPU merges suitable fused
     plans in clusters;
     ``clustered_as``: 1.0 or 0.0, whether the candidates merge in clusters, when that is known
-    (a built plan's execution) rather than derived; ``tile_rule``: ``CostModel.tile_rule``."""
+    (a built plan's execution) rather than derived; ``tile_rule``: ``CostModel.tile_rule``, of
+    the plans' ``page_size``."""
     ipc, slots, units = feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms,
                                           ctas_per_sm, bandwidth_gbps)
     n = np.shape(stats)[1]
     rows, stat_rows = new_feature_rows(n)
     stat_rows[:] = stats
-    count_build_tiles(rows, tile_rule, num_qo_heads, num_kv_heads, head_dim, ipc, num_sms)
+    count_build_tiles(rows, build_tile_units(tile_rule, num_qo_heads, num_kv_heads, head_dim,
+                                             page_size, num_sms), ipc, num_sms)
     index = feature_index(n, np.arange(n), strategy_code)
     cluster_batch_size = batch_size if clusters and clustered_as is None else 0
     row_features(rows, ipc, slots, num_sms, stream_ratio_of(bandwidth_gbps),
@@ -476,7 +513,7 @@ def plan_features(problem, chunk_tokens, chunks_per_request, strategy, *, num_sm
                             ctas_per_sm=ctas_per_sm, bandwidth_gbps=bandwidth_gbps,
                             batch_size=len(chunks_per_request), clusters=clusters,
                             clustered_as=None if merge is None else float(clusters),
-                            tile_rule=check_tile_rule(tile_rule))
+                            tile_rule=check_tile_rule(tile_rule), page_size=problem.page_size)
     return x[0]
 
 

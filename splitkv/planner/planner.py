@@ -30,9 +30,9 @@ from ..core.problem import DecodeProblem
 from ..core.execution import DEFAULT_LAUNCH_ORDER, check_launch_order, may_cluster
 from ..core.geometry import TILE_TOKENS
 from .cost_model import CostModel
-from .features import (count_build_tiles, feature_constants, feature_index, features_from_stats,
-                       gather_features, new_feature_rows, row_features, strategy_scale,
-                       stream_ratio_of)
+from .features import (PLAIN_TILES, build_tile_units, count_build_tiles, feature_constants,
+                       feature_index, features_from_stats, gather_features, new_feature_rows,
+                       row_features, strategy_scale, stream_ratio_of)
 from .stats import (S_NUM_CHUNKS, STAT_NAMES, equal_candidate_stats, ones,
                     ragged_candidate_stats)
 
@@ -306,7 +306,8 @@ def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=N
     values, splits, caps, chunk, num_tiny, pair_key = \
         _candidates(batch_size, max_len, total, ipc, slots, num_splits, strategy)
     rows, stats = new_feature_rows(len(chunk))
-    odd = bool(model.tile_rule)            # only a model that counts 128-token tiles needs them
+    tile_units = build_tile_units(model.tile_rule, *shape[:3], problem.page_size, model.num_sms)
+    odd = tile_units != PLAIN_TILES        # only a model that counts 128-token tiles needs them
     if lens_f is None:
         k = equal_candidate_stats(stats, max_len, batch_size, total, chunk, splits, caps,
                                   num_tiny, odd_chunks=odd)
@@ -315,7 +316,7 @@ def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=N
         divisors = np.array([*chunk, TILE_TOKENS], _FLOAT64)[:, None]
         k, units = ragged_candidate_stats(stats, lens_f, min_len, max_len, total, divisors,
                                           splits, caps, num_tiny, odd_chunks=odd)
-    count_build_tiles(rows, model.tile_rule, *shape[:3], ipc, model.num_sms)
+    count_build_tiles(rows, tile_units, ipc, model.num_sms)
     pair_rows, strategies, index, scale = _pair_features(*pair_key, *shape)
     too_many = None if max_chunks is None else stats[S_NUM_CHUNKS][pair_rows] > max_chunks
     # Each prediction is the sum of the features times their coefficients in feature order
@@ -400,7 +401,7 @@ def _empty_candidate(problem, model, strategy) -> Candidate:
                             V.STRATEGIES.index(strategy), np.zeros((len(STAT_NAMES), 1)),
                             num_sms=model.num_sms, ctas_per_sm=model.ctas_per_sm,
                             bandwidth_gbps=model.bandwidth_gbps, clusters=model.clusters,
-                            tile_rule=model.tile_rule)
+                            tile_rule=model.tile_rule, page_size=problem.page_size)
     return Candidate(NO_SPLIT, 1, strategy, float(x[0] @ model.coef_))
 
 

@@ -6,7 +6,7 @@ optionally (``kv_fp8``) a second fit of the same features, timed over fp8 K/V
 (``splitkv calibrate --kv-dtype``), which fp8 caches plan with, and (``kv_fp8_graph_stable``) a
 third, timed with every CTA at 4 warps (``--kv-dtype ... --graph-stable``): the build a
 graph-stable fp8 wrapper's one captured grid runs, where per-shape plans of few CTAs run 8 warps
-(``runtime.features.plan_warps``).
+(``core.builds.plan_warps``).
 ``splitkv calibrate`` writes one to the user cache; a few ship with the package.
 
 ``load_profile`` looks in this order and takes the first that answers:

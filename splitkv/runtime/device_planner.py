@@ -17,12 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.builds import LONG_CHUNK_TOKENS
 from ..core.execution import LAUNCH_ORDERS
 from ..core.validation import STRATEGIES
 from ..core.geometry import RECORD_PAGES, TILE_TOKENS, ctas_per_kv_head
 from ..planner.cost_model import CostModel
-from ..planner.features import (FEATURE_NAMES, FEATURES, LONE_CTA_MIN_TOKENS, feature_constants,
-                                stream_ratio_of)
+from ..planner.features import (FEATURE_NAMES, FEATURES, LONE_CTA_MIN_TOKENS,
+                                build_tile_units, feature_constants, stream_ratio_of)
 from . import kernel_abi
 from .kernel_abi import CHUNK_RECORD
 from .kernel_source import NVRTC_OPTIONS, read_source
@@ -59,6 +60,7 @@ class DevicePlanParams(ctypes.Structure):
         ("scratch_in_shared", ctypes.c_int32), ("qo_indptr", _POINTER),
         ("query_rows", _POINTER), ("max_q_len", ctypes.c_int32),
         ("window_left", ctypes.c_int32), ("rows_window_left", ctypes.c_int32),
+        ("tile_units", ctypes.c_int32 * 4), ("long_chunk_tokens", ctypes.c_double),
     ]
 
 
@@ -83,11 +85,9 @@ def plan_params(model: CostModel, *, num_qo_heads: int, num_kv_heads: int, head_
                 page_size: int, stages: int, max_batch: int, max_chunks: int,
                 launch_order: str, tile_tokens: int = TILE_TOKENS) -> DevicePlanParams:
     """The constants of a planning kernel's argument (no pointers, no batch): the model's
-    coefficients and the shape's units, for a GPU without clusters (a graph-stable grid).
-    The planner on the device counts 64-token tiles: a model counting others is refused."""
-    if model.tile_rule:
-        raise ValueError(f"model: the planner on the device counts 64-token tiles; a model "
-                         f"with tile_rule {model.tile_rule!r} plans only on the host")
+    coefficients, the shape's units and the tiles the model counts (``build_tile_units``: the
+    builds' per grid, as ``core.builds`` decides them), for a GPU without clusters (a
+    graph-stable grid)."""
     ipc, slots, units = feature_constants(num_qo_heads, num_kv_heads, head_dim, model.num_sms,
                                           model.ctas_per_sm, model.bandwidth_gbps)
     p = DevicePlanParams()
@@ -103,6 +103,9 @@ def plan_params(model: CostModel, *, num_qo_heads: int, num_kv_heads: int, head_
     p.record_pages = needed if needed <= RECORD_PAGES else 0
     p.launch_order = LAUNCH_ORDERS.index(launch_order)
     p.window_left = p.rows_window_left = -1
+    p.tile_units[:] = build_tile_units(model.tile_rule, num_qo_heads, num_kv_heads, head_dim,
+                                       page_size, model.num_sms)
+    p.long_chunk_tokens = float(LONG_CHUNK_TOKENS)
     return p
 
 

@@ -3,9 +3,11 @@ them alone; the cost-model profile was calibrated with the defaults."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from functools import cached_property
 
 from ..core import validation as V
+from ..core.builds import BuildForces
 from .features import check_option
 
 # Where a PDL partial kernel lets the next kernel launch: 'early', as soon as its CTAs read
@@ -14,17 +16,17 @@ PDL_TRIGGERS = ("early", "late")
 
 
 @dataclass(frozen=True)
-class DecodeExperiments:
+class DecodeExperiments(BuildForces):
     """Knobs ``BatchDecodeWrapper(..., experiments=...)`` passes to the kernel and its launch.
 
     stages: pipeline depth of the partial kernel in tiles (at least 2); None: the default for
-        the head dim (``kernel_source.DEFAULT_STAGES``, fewer for tiles of more tokens), or 3
-        where ``features.default_occupancy`` holds 4 CTAs an SM (16-bit head_dim 64, one row
+        the head dim (``core.builds.DEFAULT_STAGES``, fewer for tiles of more tokens), or 3
+        where ``core.builds.default_occupancy`` holds 4 CTAs an SM (16-bit head_dim 64, one row
         tile). Forcing it (or max_registers) gives that default up.
     max_registers: per-thread register cap of the partial kernel; None: the compiler's choice,
-        or 128 where ``features.default_occupancy`` holds 4 CTAs an SM; 0: the compiler's.
+        or 128 where ``core.builds.default_occupancy`` holds 4 CTAs an SM; 0: the compiler's.
     warps: warps per CTA of the partial kernel, 4 or 8 (128-token tiles); None: the default,
-        ``features.plan_warps``: 8 where the grid gives no SM two CTAs and 4 warps are
+        ``core.builds.plan_warps``: 8 where the grid gives no SM two CTAs and 4 warps are
         issue-bound (fp8; 16-bit with two row tiles or small pages, on long chunks), else 4
         (a graph-stable wrapper: always 4 unless forced).
     pdl_trigger: where a PDL partial kernel lets the next kernel launch (``PDL_TRIGGERS``):
@@ -35,11 +37,11 @@ class DecodeExperiments:
     q_in_smem: keep q's MMA fragments in shared memory, read back every tile, instead of in
         registers (the Q_SMEM build): at head_dim 256 they are 64 registers and the kernel
         spills without it (docs/design/kernel.md); None: the default
-        (``features.default_q_in_smem``: at head_dim 256); False: registers.
+        (``core.builds.default_q_in_smem``: at head_dim 256); False: registers.
     pow2_pages: the page walk shifts and masks instead of dividing (the POW2_PAGES build): for
         pages smaller than a thread's row step (page size 1, and 2 at head_dim 64), where each
         16-byte copy's page is a division (docs/design/kernel.md); the wrapper's
-        page_size must be a power of two. None: the default (``features.default_pow2_pages``:
+        page_size must be a power of two. None: the default (``core.builds.default_pow2_pages``:
         2**k pages smaller than the row step); False: divide.
     tile_per_warp: tokens each warp's tile holds a pipeline stage, 16 (the default) or 32: 32
         makes tiles of 128 tokens at 4 warps, so the costs paid once a tile (the barrier, the
@@ -48,7 +50,7 @@ class DecodeExperiments:
         the stages halve with it, and a per-shape plan keeps 4 warps unless ``warps`` says
         otherwise (docs/design/kernel.md). None: 32 for fp8 head_dim 128
         per-shape plans of 4 warps and one row tile where neither stages nor warps are forced
-        (``features.default_tile_per_warp``; not multi-token plans, not graph-stable
+        (``core.builds.default_tile_per_warp``; not multi-token plans, not graph-stable
         wrappers), else 16.
     dim_split: 2 splits the head dim of O = P V between pairs of warps, each computing the same
         scores and accumulating half of O (WARPS_D): CTAs of 8 warps keep 64-token tiles, so
@@ -67,17 +69,13 @@ class DecodeExperiments:
         (docs/design/rejected.md, for groups 16-32). Per-shape wrappers only.
     """
 
-    stages: int | None = None
-    max_registers: int | None = None
-    warps: int | None = None
+    # stages, max_registers, warps, q_in_smem, pow2_pages, tile_per_warp, dim_split: the
+    # build knobs, declared by BuildForces (which also says what forced_warps and
+    # forces_occupancy make of them)
     pdl_trigger: str = "late"
     pdl_spread: bool | None = None
-    q_in_smem: bool | None = None
-    pow2_pages: bool | None = None
     rows_per_cta: int | None = None
-    tile_per_warp: int | None = None
     compact_merge: bool | None = None
-    dim_split: int | None = None
 
     def __post_init__(self):
         if self.stages is not None:
@@ -107,15 +105,8 @@ class DecodeExperiments:
             raise ValueError(f"rows_per_cta: expected 16, 32 or 64 (or None: 64), got "
                              f"{self.rows_per_cta!r}")
 
-    @property
-    def forced_warps(self) -> int | None:
-        """The warps a CTA runs whatever the plan: ``warps``, else the 8 of ``dim_split=2`` or
-        the 4 that ``tile_per_warp=32`` was measured at; None: the plan's (``plan_warps``)."""
-        if self.warps:
-            return self.warps
-        return 8 if self.dim_split == 2 else 4 if self.tile_per_warp == 32 else None
-
-    @property
-    def forces_occupancy(self) -> bool:
-        """Stages or a register cap given, so ``features.default_occupancy`` stands aside."""
-        return self.stages is not None or self.max_registers is not None
+    @cached_property
+    def build_forces(self) -> BuildForces:
+        """The build knobs alone (``core.builds`` decides the rest): plans that differ in
+        the other knobs share their builds."""
+        return BuildForces(**{f.name: getattr(self, f.name) for f in fields(BuildForces)})

@@ -5,12 +5,12 @@ compiles through NVRTC on a CPU-only machine."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from importlib import resources
 
-from ..core.execution import CLUSTER_SIZES
-from ..core.geometry import MAX_HEADS_PER_CTA, RECORD_PAGES, WARPS_PER_CTA
+from ..core.builds import Build, row_tiles_for
+from ..core.geometry import RECORD_PAGES, WARPS_PER_CTA
 from .kernel_abi import layout_checks
 
 # KV_FP8 of each fp8 format (core/fp8.py's names)
@@ -19,10 +19,6 @@ KV_FP8_CODES = {"float8_e4m3fn": 1, "float8_e5m2": 2}
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 NVRTC_OPTIONS = ("--std=c++17", "-default-device")
-DEFAULT_STAGES = {64: 4, 128: 3, 256: 2}
-# fp8 K/V tiles are half the bytes: twice the tiles keeps the bytes in flight (and so the CTAs an
-# SM holds) as the 16-bit kernel's, within the RECORD_PAGES the first tiles may take at page 16.
-DEFAULT_FP8_STAGES = {64: 6, 128: 6, 256: 4}
 
 
 @lru_cache(maxsize=None)
@@ -42,80 +38,16 @@ def read_source(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class DecodeVariant:
-    """One compiled specialisation of decode.cu."""
+class DecodeVariant(Build):
+    """One compiled specialisation of decode.cu: a ``core.builds.Build`` (what the build rules
+    decide) with its defines, name and source."""
 
-    dtype: str          # "float16" | "bfloat16"
-    head_dim: int       # 64 | 128 | 256
-    row_tiles: int      # 1, 2 or 4 row tiles of 16 query heads per CTA (ROW_TILES)
-    stages: int = 0     # pipeline depth in tiles; 0 = the default for head_dim
-    max_registers: int = 0    # per-thread register cap (experiments); 0 = the compiler's choice
-    cluster: int = 0    # S > 1: the S chunks of each request run as one thread-block cluster
-                        # and merge through distributed shared memory (sm_90+); 0 = no cluster
-    kv_dtype: str = ""  # "" (K/V in dtype), or an fp8 format: K/V are fp8 codes (KV_FP8)
-    num_warps: int = WARPS_PER_CTA   # NUM_WARPS: 4, or 8 (128-token tiles, lone fp8 CTAs)
-    soft_cap: int = 0   # 1: the build that applies the logits soft cap (SOFT_CAP)
-    multi_token: int = 0   # 1: multi-token decode, rows of (query row, head) (MULTI_TOKEN)
-    unified_max: int = 0   # 1: scores offset by a fixed phi, with the fallback (UNIFIED_MAX)
-    q_in_smem: int = 0     # 1 (an experiment): q's MMA fragments in shared memory (Q_SMEM)
-    pow2_pages: int = 0    # 1: the page walk shifts for 2**k pages (POW2_PAGES)
-    tile_per_warp: int = 16   # tokens per tile per warp: 16, or 32 (an experiment; TILE_N)
-    dim_split: int = 1     # warps that split O's head dim, 1 or 2 (an experiment; WARPS_D)
-
-    def __post_init__(self):
-        if self.kv_dtype not in ("", *KV_FP8_CODES):
-            raise ValueError(f"kv_dtype: expected '' or one of {tuple(KV_FP8_CODES)}, "
-                             f"got {self.kv_dtype!r}")
-        if self.num_warps not in (4, 8):
-            raise ValueError(f"num_warps: expected 4 or 8, got {self.num_warps}")
-        if self.tile_per_warp not in (16, 32):
-            raise ValueError(f"tile_per_warp: expected 16 or 32, got {self.tile_per_warp}")
-        if self.dim_split not in (1, 2):
-            raise ValueError(f"dim_split: expected 1 or 2, got {self.dim_split}")
-        if self.dim_split > 1 and (self.kv_dtype or self.unified_max):
-            raise ValueError("dim_split: 16-bit K/V and the running max only (fp8's V path and "
-                             "the unified max's row check are per warp of all dims)")
-        if self.num_warps < self.row_tiles * self.dim_split:
-            raise ValueError(f"dim_split: {self.num_warps} warps cannot hold {self.row_tiles} "
-                             f"row tiles x {self.dim_split} dim halves")
-        if self.stages == 0:
-            # About 64-96 KiB of K+V in flight per CTA, so two or three CTAs fit on an SM.
-            defaults = DEFAULT_FP8_STAGES if self.kv_dtype else DEFAULT_STAGES
-            # tiles of more tokens (8 warps, or 32 a warp): fewer stages keep the bytes in flight
-            stages = max(2, defaults[self.head_dim] * 16 * WARPS_PER_CTA // self.tile_tokens)
-            object.__setattr__(self, "stages", stages)
-        if self.cluster not in (0, *CLUSTER_SIZES):
-            raise ValueError(f"cluster: expected 0 or one of {CLUSTER_SIZES}, got {self.cluster}")
-
-    @property
-    def rows(self) -> int:
-        return 16 * self.row_tiles
-
-    @property
-    def tile_tokens(self) -> int:
-        """Tokens per pipeline stage (TILE_N): 16 per warp (32 as an experiment), over the
-        warps that split the head dim (dim_split)."""
-        return self.tile_per_warp * self.num_warps // self.dim_split
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.num_warps
-
-    @property
-    def kv_bytes(self) -> int:
-        """Bytes of one K or V element."""
-        return 1 if self.kv_dtype else 2
-
-    @property
-    def shared_bytes(self) -> int:
-        # K and V tiles of every stage, then the record's page ids (decode.cu), then with
-        # q_in_smem each warp's q fragments (16 bytes a lane a 16-dim k-step)
-        pipeline = (self.stages * self.tile_tokens * self.head_dim * self.kv_bytes * 2
-                    + RECORD_PAGES * 4 + self.q_in_smem * self.num_warps * self.head_dim * 32)
-        combine = (self.num_warps // self.dim_split) * 16 * (self.head_dim + 2) * 4   # reused after
-        if self.cluster:
-            combine += self.rows * (self.head_dim + 1) * 4          # the CTA's partial state
-        return max(pipeline, combine)
+    @classmethod
+    def of(cls, build: Build) -> "DecodeVariant":
+        """``build`` as a variant to compile (itself where it is one)."""
+        if isinstance(build, cls):
+            return build
+        return cls(**{f.name: getattr(build, f.name) for f in fields(Build)})
 
     @property
     def defines(self) -> dict[str, int]:
@@ -163,13 +95,6 @@ class DecodeVariant:
                              cluster, kv_dtype or "", num_warps, q_in_smem=q_in_smem,
                              pow2_pages=pow2_pages, tile_per_warp=tile_per_warp,
                              dim_split=dim_split)
-
-
-def row_tiles_for(group_size: int) -> int:
-    """ROW_TILES of a CTA whose kv head has ``group_size`` query heads (with multi-token
-    decode, q_len x the group): row tiles of 16 up to MAX_HEADS_PER_CTA rows."""
-    rows = min(group_size, MAX_HEADS_PER_CTA)
-    return 1 if rows <= 16 else 2 if rows <= 32 else 4
 
 
 def all_variants() -> list[DecodeVariant]:

@@ -182,7 +182,7 @@ class BatchDecodeWrapper:
     def kernel_variant(self) -> DecodeVariant | None:
         """The build the current plan's partial kernel runs (its warps, stages, cluster size):
         a per-shape plan whose CTAs are one per SM or fewer runs 8 warps where 4 are
-        issue-bound (``features.plan_warps``); None before a plan."""
+        issue-bound (``core.builds.plan_warps``); None before a plan."""
         return self._bound_variant if self._launch is not None else None
 
     @property

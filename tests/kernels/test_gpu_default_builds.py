@@ -1,10 +1,10 @@
-"""The builds a plan runs by default where the shape decides them (``features.default_occupancy``
-and ``features.default_tile_per_warp``): which build runs, and its answers against the
-float64 reference. 16-bit head_dim 64 of one row tile runs 4 CTAs an SM (3 stages, 128
+"""The builds a plan runs by default where the shape decides them
+(``core.builds.default_occupancy`` and ``core.builds.default_tile_per_warp``): which build runs,
+and its answers against the float64 reference. 16-bit head_dim 64 of one row tile runs 4 CTAs an SM (3 stages, 128
 registers), whose arithmetic is the 4-stage build's, so its bits are too; fp8 head_dim 128 on
 grids past one CTA an SM runs 128-token tiles at 4 warps (32 tokens a warp), lone grids 8
 warps of 16 tokens each; 16-bit lone grids of long chunks run 8 warps where 4 are issue-bound
-(``features.plan_warps``)."""
+(``core.builds.plan_warps``)."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def test_fp8_head_dim_128_runs_long_tiles_past_one_cta_an_sm(kv_dtype):
 
 def test_fp8_plans_choose_their_warps_and_stay_exact():
     """By default an fp8 plan whose grid gives no SM two CTAs runs 8 warps, a larger grid 4, a
-    graph-stable wrapper always 4 (``features.plan_warps``); each matches the reference."""
+    graph-stable wrapper always 4 (``core.builds.plan_warps``); each matches the reference."""
     from splitkv.runtime import device_info
 
     rng = np.random.default_rng(7)
@@ -163,7 +163,7 @@ def test_fp8_plans_choose_their_warps_and_stay_exact():
     (64, 2, 16, [700] * 3, 4)])          # group 32 but short chunks: 4
 def test_sixteen_bit_lone_ctas_choose_their_warps_and_stay_exact(hq, hk, page, lens, warps):
     """16-bit K/V: a lone grid of long chunks runs 8 warps where 4 are issue-bound (two row
-    tiles, or pages smaller than a row step), else 4 (``features.plan_warps``); each plan
+    tiles, or pages smaller than a row step), else 4 (``core.builds.plan_warps``); each plan
     matches the reference, single and split."""
     rng = np.random.default_rng(hq + page)
     d = 128

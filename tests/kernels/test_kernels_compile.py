@@ -249,7 +249,7 @@ def test_decode_params_fill_by_name():
                          ids=lambda v: v.name)
 def test_eight_warp_experiment_compiles(variant):
     """8 warps (lone fp8 CTAs by default, and lone 16-bit CTAs with two row tiles or pages
-    smaller than a row step, ``features.plan_warps``; any build as an experiment):
+    smaller than a row step, ``core.builds.plan_warps``; any build as an experiment):
     128-token tiles, 256 threads; the 16-bit and fp8 paths, clusters and the soft cap build
     without spills, and the host sizes follow the variant (tiles, threads, shared memory)."""
     cubin, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
@@ -344,7 +344,7 @@ def test_option_builds_are_their_own(field, define, suffix, variant):
 
 def default_build(head_dim: int, row_tiles: int, **fields) -> DecodeVariant:
     """The 16-bit build a plan of ``head_dim`` and ``row_tiles`` runs by default (4 warps)."""
-    from splitkv.runtime.features import default_occupancy, default_q_in_smem
+    from splitkv.core.builds import default_occupancy, default_q_in_smem
 
     return default_occupancy(DecodeVariant("bfloat16", head_dim, row_tiles,
                                            q_in_smem=int(default_q_in_smem(head_dim)), **fields),
@@ -376,7 +376,7 @@ def test_the_cost_models_residency_is_what_the_default_builds_hold(head_dim, row
                                     {"cluster": 8}, {"pow2_pages": 1}, {"unified_max": 1}],
                          ids=lambda f: "_".join(f) or "plain")
 def test_the_four_an_sm_default_does_not_spill(fields):
-    """features.default_occupancy: head_dim 64's one-row-tile builds under the 128-register cap,
+    """core.builds.default_occupancy: head_dim 64's one-row-tile builds under the 128-register cap,
     with every feature a plan may add, spill nothing (the unified max, which would spill 16
     bytes, keeps the compiler's registers)."""
     variant = default_build(64, 1, **fields)
@@ -390,9 +390,9 @@ def test_the_four_an_sm_default_does_not_spill(fields):
                                     {"unified_max": 1}],
                          ids=lambda f: "_".join(f) or "plain")
 def test_the_fp8_long_tile_default_does_not_spill(fields):
-    """features.default_tile_per_warp: fp8 head_dim 128's 128-token tiles at 4 warps (one row
+    """core.builds.default_tile_per_warp: fp8 head_dim 128's 128-token tiles at 4 warps (one row
     tile) spill nothing with the features a per-shape plan may add."""
-    from splitkv.runtime.features import default_tile_per_warp
+    from splitkv.core.builds import default_tile_per_warp
 
     assert default_tile_per_warp("float8_e4m3fn", 128, 4, 1, False) == 32
     variant = DecodeVariant("bfloat16", 128, 1, kv_dtype="float8_e4m3fn", tile_per_warp=32,

@@ -156,6 +156,33 @@ def test_the_fp8_tile_rule_counts_128_token_tiles_where_the_builds_run_them():
         CostModel(tile_rule="128")
 
 
+def test_the_tiles_a_rule_counts_are_the_builds_the_runtime_compiles():
+    """build_tile_units asks core.builds (the runtime's decision) which tiles a plan's build
+    streams: fp8 runs 128 tokens in every grid at head_dim 128 with one row tile (4 warps x
+    32) and in lone grids elsewhere (8 warps x 16); multi-token fp8 only in lone grids; the
+    chunks' length does not matter to fp8. '' reads no build. Against the builds themselves,
+    for every head_dim, group and grid on either side of one CTA an SM."""
+    from splitkv.core.builds import DeviceProperties, PlanGrid, decode_build, row_tiles_for
+    from splitkv.core.geometry import rows_per_cta
+    from splitkv.planner.features import PLAIN_TILES, build_tile_units
+
+    assert build_tile_units("fp8", 32, 8, 128, 16, 132) == (2, 2, 2, 2)
+    assert build_tile_units("fp8", 32, 8, 64, 16, 132) == (1, 1, 2, 2)
+    assert build_tile_units("fp8", 64, 2, 128, 16, 132) == (1, 1, 2, 2)        # 2 row tiles
+    assert build_tile_units("fp8_multi_token", 32, 8, 128, 16, 132) == (1, 1, 2, 2)
+    assert build_tile_units("", 32, 8, 128, 1, 132) == PLAIN_TILES
+    for head_dim in (64, 128, 256):
+        for group in (1, 4, 8, 16, 17, 32, 64, 128):
+            for rule, multi_token in (("fp8", False), ("fp8_multi_token", True)):
+                units = build_tile_units(rule, 2 * group, 2, head_dim, 16, 132)
+                for ctas, lone in ((133, 0), (5000, 0), (132, 1), (1, 1)):
+                    grid = PlanGrid(ctas, 512.0, row_tiles=row_tiles_for(rows_per_cta(group)),
+                                    multi_token=multi_token)
+                    build = decode_build("bfloat16", head_dim, group, 16, "float8_e5m2", grid,
+                                         DeviceProperties(132))
+                    assert 64 * units[2 * lone] == build.tile_tokens, (head_dim, group, ctas)
+
+
 def test_merge_grid_counts_the_whole_batchs_merge_ctas_for_split_merge_only():
     """merge_grid: the merge kernel's CTAs (a thread per request, query head and 4 dims, 128 a
     CTA) per SM, for a split_merge plan that splits anything: 256 requests x 32 heads x 128

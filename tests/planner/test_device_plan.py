@@ -125,15 +125,69 @@ def test_chooses_the_host_planners_plan_under_other_models():
     assert set(strategies) == {"single", "split_merge", "fused"}, strategies
 
 
-def test_a_model_counting_other_tiles_is_refused_before_any_plan():
-    """The planner on the device counts 64-token tiles; a model with a tile rule (the
-    per-shape fp8 fit) would plan otherwise on the host, so it is refused by name."""
+def compare_many(rng, model, trials: int) -> collections.Counter:
+    """``compare`` on ``trials`` random batches of every kind and shape; the tile counts the
+    model's rows saw (its ``build_tile_units`` per shape)."""
+    from splitkv.planner.features import build_tile_units
+
+    seen = collections.Counter()
+    for trial in range(trials):
+        lens = random_lengths(rng, trial % 5)
+        max_batch = lens.size + int(rng.integers(0, 5))
+        shape, page = SHAPES[trial % len(SHAPES)], int(rng.choice([1, 16, 64]))
+        compare(rng, lens, shape=shape, page_size=page,
+                layout=("flashinfer", "block_table")[trial % 2], max_batch=max_batch,
+                max_chunks=int(rng.choice([max_batch, 2 * max_batch, 4096])),
+                launch_order=LAUNCH_ORDERS[trial % 3], model=model)
+        seen[build_tile_units(model.tile_rule, *shape, page, model.num_sms)] += 1
+    return seen
+
+
+@pytest.mark.parametrize("multi_token", [False, True], ids=["fp8", "fp8_multi_token"])
+def test_a_model_counting_its_builds_tiles_plans_as_on_the_host(multi_token):
+    """The per-shape fp8 fit (tile_rule 'fp8', and 'fp8_multi_token' for multi-token plans)
+    counts the 128-token tiles its builds run (core.builds): the planner on the device counts
+    the same (``build_tile_units`` in its argument, the odd chunks per row) and chooses the
+    host's plan, under the shipped fit and random ones. Both sides of one CTA an SM are met,
+    and shapes whose every grid runs 128-token tiles."""
+    from splitkv.planner.cost_model import CostModel
+    from splitkv.planner.features import FEATURE_NAMES
+
     fp8 = load_profile(device_name="NVIDIA H200", num_sms=132).cost_model("float8_e4m3fn")
-    assert fp8.tile_rule == "fp8"
-    with pytest.raises(ValueError, match="tile_rule 'fp8' plans only on the host"):
-        plan_params(fp8.with_clusters(False), num_qo_heads=32, num_kv_heads=8, head_dim=128,
-                    page_size=16, stages=3, max_batch=4, max_chunks=64,
-                    launch_order="longest_chunks")
+    fp8 = fp8.with_clusters(False)
+    rng = np.random.default_rng(21 + multi_token)
+    models = [fp8] + [CostModel.from_coef(rng.exponential(1.0, len(FEATURE_NAMES))
+                                          * (rng.random(len(FEATURE_NAMES)) < 0.7),
+                                          num_sms=132, tile_rule="fp8") for _ in range(3)]
+    seen = collections.Counter()
+    for model in models:
+        seen += compare_many(rng, model.for_multi_token() if multi_token else model, 40)
+    assert {(2, 2, 2, 2), (1, 1, 2, 2)} <= set(seen) if not multi_token else \
+        set(seen) == {(1, 1, 2, 2)}, seen
+
+
+def test_tiles_that_follow_the_chunks_length_count_alike(monkeypatch):
+    """A build that changes with the chunks' mean length (as 16-bit lone grids do) counts the
+    same on both sides: every table of 64- and 128-token tiles by grid and chunk length, under
+    the shipped model and one that prices the critical path and its tiles (the tiny chunk
+    sizes then win)."""
+    from splitkv.planner import planner
+    from splitkv.planner.cost_model import CostModel
+    from splitkv.planner.features import FEATURE_NAMES
+    from splitkv.runtime import device_planner
+
+    crit_and_tiles = CostModel.from_coef([{"crit_us": 1.0, "crit_tiles": 0.01}.get(name, 0.0)
+                                      for name in FEATURE_NAMES], num_sms=132)
+    rng = np.random.default_rng(23)
+    for units in ((1, 2, 1, 2), (1, 1, 1, 2), (2, 1, 2, 2), (2, 2, 1, 1), (2, 2, 2, 2)):
+        monkeypatch.setattr(planner, "build_tile_units", lambda *_, u=units: u)
+        monkeypatch.setattr(device_planner, "build_tile_units", lambda *_, u=units: u)
+        compare_many(rng, MODEL, 20)
+        for trial in range(20):
+            max_batch = int(rng.integers(1, 6))
+            compare(rng, rng.integers(1, 2049, max_batch), shape=SHAPES[trial % len(SHAPES)],
+                    page_size=16, layout="flashinfer", max_batch=max_batch, max_chunks=4096,
+                    launch_order=LAUNCH_ORDERS[0], model=crit_and_tiles)
 
 
 def test_a_single_candidate_predicts_the_same_bits():

@@ -16,7 +16,7 @@ cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
 pytestmark = pytest.mark.gpu
 
 DTYPE = "bfloat16"
-# the default builds' pipeline depth (head_dim 64: 3 stages under features.default_occupancy)
+# the default builds' pipeline depth (head_dim 64: 3 stages under core.builds.default_occupancy)
 STAGES = {64: 3, 128: 3, 256: 2}
 
 

@@ -1,0 +1,249 @@
+"""``core.builds`` decides the builds the runtime chose before the rules moved there: every case
+of ``helpers.build_cases`` (shapes, K/V dtypes, page sizes, per-shape plans, graph-stable grids,
+experiments) on an H200 and on GPUs of less shared memory a block (A100, L40S), against the
+decisions recorded then (``helpers/data/build_decisions.json``); and the runtime's entry points
+(``runtime.builds``) compile exactly what the core decides. No GPU: the device is plain data."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import fields, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from splitkv.core import builds
+from splitkv.core.builds import (H200, Build, BuildForces, DeviceProperties, PlanGrid,
+                                 decode_build, graph_build, row_tiles_for, shape_build)
+
+from helpers.build_cases import DEVICES, graph_cases, plan_cases
+
+RECORDED = json.loads((Path(__file__).resolve().parents[1] / "helpers" / "data"
+                       / "build_decisions.json").read_text())
+FORCE_FIELDS = tuple(f.name for f in fields(BuildForces))
+
+
+def device(name: str) -> DeviceProperties:
+    sms, optin, per_sm, cc = DEVICES[name]
+    return DeviceProperties(sms, optin, per_sm, cc, name)
+
+
+def forces_of(case: dict) -> BuildForces:
+    return BuildForces(**{k: v for k, v in case["experiments"].items() if k in FORCE_FIELDS})
+
+
+def plan_grid(case: dict) -> PlanGrid:
+    """The grid the wrapper hands the rules: its rows a kv head (q_len x the group) up to the
+    rows a CTA (the rows_per_cta experiment's cap)."""
+    rows = min(case["group_size"] * case["q_len"], case["experiments"].get("rows_per_cta", 64))
+    return PlanGrid(case["ctas"], float(np.mean(case["chunk_tokens"])), case["cluster_size"],
+                    row_tiles_for(rows), case["soft_cap"], case["q_len"] > 1,
+                    case["unified_max"])
+
+
+def decided(make, case: dict) -> str:
+    """The recorded form of a decision: the build's fields, or the error it raises."""
+    try:
+        build = make()
+    except ValueError:
+        return "ValueError"
+    assert (build.dtype, build.head_dim, build.kv_dtype) == (
+        case["dtype"], case["head_dim"], case["kv_dtype"])
+    return ",".join(str(getattr(build, name)) for name in RECORDED["fields"])
+
+
+def recorded(kind: str, name: str) -> list[str]:
+    return [RECORDED["decisions"][i] for i in RECORDED[kind][name]]
+
+
+def mismatches(cases, want, got) -> list:
+    return [(case, w, g) for case, w, g in zip(cases, want, got) if w != g][:5]
+
+
+@pytest.mark.parametrize("name", sorted(DEVICES))
+def test_per_shape_plans_get_the_builds_the_runtime_chose(name):
+    cases = plan_cases(name)
+    dev = device(name)
+    got = [decided(lambda: decode_build(c["dtype"], c["head_dim"], c["group_size"],
+                                        c["page_size"], c["kv_dtype"], plan_grid(c), dev,
+                                        forces_of(c)), c) for c in cases]
+    want = recorded("plan", name)
+    assert got == want, mismatches(cases, want, got)
+
+
+@pytest.mark.parametrize("name", sorted(DEVICES))
+def test_graph_stable_grids_get_the_builds_the_runtime_chose(name):
+    cases = graph_cases(name)
+    dev = device(name)
+
+    def make(c):
+        forces = forces_of(c)
+        base = shape_build(c["dtype"], c["head_dim"], c["group_size"], c["page_size"],
+                           c["kv_dtype"], forces)
+        return graph_build(base, soft_cap=c["soft_cap"], rows=c["group_size"] * c["max_q_len"],
+                           max_q_len=c["max_q_len"], device=dev, forces=forces)
+
+    got = [decided(lambda: make(c), c) for c in cases]
+    want = recorded("graph", name)
+    assert got == want, mismatches(cases, want, got)
+
+
+def test_the_recorded_cases_meet_every_decision():
+    """The grid is wide enough to mean something: 4 and 8 warps, 16 and 32 tokens a warp, both
+    page walks, q in and out of shared memory, the 4-an-SM occupancy, every cluster size, and
+    builds given up to fit a smaller block (A100, L40S) are all among the recorded decisions."""
+    columns = RECORDED["fields"]
+    values = {name: set() for name in columns}
+    for decision in RECORDED["decisions"]:
+        if decision != "ValueError":
+            for name, value in zip(columns, decision.split(",")):
+                values[name].add(int(value))
+    assert values["num_warps"] == {4, 8} and values["tile_per_warp"] == {16, 32}
+    assert values["pow2_pages"] == values["q_in_smem"] == {0, 1}
+    assert {0, 128} <= values["max_registers"] and values["cluster"] == {0, 2, 4, 8}
+    assert "ValueError" in RECORDED["decisions"]
+    # a lone 16-bit plan of long chunks at head_dim 128, group 32: 8 warps on the H200 (128 KiB),
+    # 4 on the L40S (99 KiB a block)
+    grid = PlanGrid(8, 8192.0, row_tiles=2)
+    assert decode_build("bfloat16", 128, 32, 16, "", grid, H200).num_warps == 8
+    assert decode_build("bfloat16", 128, 32, 16, "", grid, device("L40S")).num_warps == 4
+
+
+@pytest.mark.parametrize("name", ["H200", "L40S"])
+def test_the_runtime_compiles_what_the_core_decides(name, monkeypatch):
+    """runtime.builds' entry points, with the device as plain data and the compile left out,
+    give the core's builds as ``DecodeVariant``s."""
+    from splitkv.runtime import builds as runtime_builds
+    from splitkv.runtime.experiments import DecodeExperiments
+    from splitkv.runtime.kernel_source import DecodeVariant
+
+    dev = device(name)
+    monkeypatch.setattr(runtime_builds, "device_properties", lambda: dev)
+    monkeypatch.setattr(runtime_builds, "get_decode_kernels",
+                        lambda variant: SimpleNamespace(variant=variant))
+    for c in plan_cases(name)[:400]:
+        ex = DecodeExperiments(**c["experiments"])
+        try:
+            want = decode_build(c["dtype"], c["head_dim"], c["group_size"], c["page_size"],
+                                c["kv_dtype"], plan_grid(c), dev, forces_of(c))
+        except ValueError:
+            continue
+        base = runtime_builds.shape_variant(c["dtype"], c["head_dim"], c["group_size"],
+                                            c["page_size"], c["kv_dtype"] or None, ex)
+        grid = plan_grid(c)
+        plan = SimpleNamespace(chunk_start=np.zeros(len(c["chunk_tokens"]), np.int64),
+                               chunk_end=np.array(c["chunk_tokens"]),
+                               cluster_size=c["cluster_size"])
+        got = runtime_builds.per_shape_kernels(
+            base, plan, grid.ctas, grid.row_tiles, kv_dtype=c["kv_dtype"] or None,
+            page_size=c["page_size"], head_dim=c["head_dim"], experiments=ex,
+            soft_cap=grid.soft_cap, multi_token=grid.multi_token,
+            unified_max=grid.unified_max).variant
+        assert isinstance(got, DecodeVariant) and got == DecodeVariant.of(want), c
+
+
+def test_a_build_becomes_a_variant_field_for_field():
+    build = Build("float16", 128, 2, kv_dtype="float8_e5m2", num_warps=8, pow2_pages=1)
+    from splitkv.runtime.kernel_source import DecodeVariant
+
+    variant = DecodeVariant.of(build)
+    assert all(getattr(variant, f.name) == getattr(build, f.name) for f in fields(Build))
+    assert DecodeVariant.of(variant) is variant
+    assert variant.name == "decode_float16_d128_r32_s3_kv_e5m2_w8_pow2"
+
+
+def test_an_unknown_block_size_fits_every_build():
+    """A cost model's device records its SMs only: the build is the rules' before any fit."""
+    wide = Build("bfloat16", 256, 4, kv_dtype="float8_e4m3fn", num_warps=8, q_in_smem=1)
+    assert builds.fitting_build(wide, q_default=True, warps_default=True,
+                                shared_limit=0) is wide
+    assert builds.fitting_build(wide, q_default=True, warps_default=True,
+                                shared_limit=166912).q_in_smem == 0
+
+
+def test_fp8_plans_with_one_cta_an_sm_or_fewer_get_eight_warps():
+    warps = functools.partial(builds.plan_warps, num_sms=132)
+    assert warps("float8_e4m3fn", 132) == 8
+    assert warps("float8_e5m2", 1) == 8
+    assert warps("float8_e4m3fn", 133) == 4
+    assert warps(None, 8) == 4 and warps("", 8) == 4
+    assert warps("float8_e4m3fn", 8, forced=4) == 4
+    assert warps(None, 1000, forced=8) == 8
+
+
+def test_sixteen_bit_lone_ctas_get_eight_warps_where_four_are_issue_bound():
+    warps = functools.partial(builds.plan_warps, num_sms=132, mean_chunk_tokens=4096)
+    assert warps(None, 128, row_tiles=2) == 8                                # group 32
+    assert warps(None, 128, page_size=1) == 8                                # page 1, d128
+    assert warps(None, 128, page_size=2, head_dim=64) == 8
+    assert warps(None, 128, page_size=2) == 4                                # d128's step: 2
+    assert warps(None, 128) == 4                                             # group 4, page 16
+    assert warps(None, 133, row_tiles=2) == 4                                # two a SM
+    assert warps(None, 128, row_tiles=2, mean_chunk_tokens=2047) == 4
+    assert warps(None, 128, row_tiles=2, head_dim=256) == 4
+    assert warps(None, 128, row_tiles=2, forced=4) == 4
+    assert warps(None, 128, row_tiles=2, multi_token=True) == 4
+    assert warps("float8_e4m3fn", 128, multi_token=True) == 8
+    assert builds.row_step(128, 1, 2) == 2 and builds.row_step(64, 1, 2) == 4
+    assert builds.row_step(128, 2, 2) == 4 and builds.row_step(256, 1, 2) == 1
+
+
+def test_q_in_smem_and_pow2_pages_defaults_follow_the_shape():
+    assert builds.default_q_in_smem(256) and not builds.default_q_in_smem(128)
+    assert not builds.default_q_in_smem(64)
+    assert builds.default_pow2_pages(1, 128, 1, 2)              # row step 2
+    assert not builds.default_pow2_pages(2, 128, 1, 2)          # not smaller than the step
+    assert builds.default_pow2_pages(2, 64, 1, 2)               # row step 4
+    assert not builds.default_pow2_pages(3, 64, 1, 2)           # not a power of two
+    assert not builds.default_pow2_pages(16, 128, 4, 2)         # row step 8
+    assert builds.default_pow2_pages(2, 128, 1, 1)              # fp8 rows: step 4
+
+
+def test_occupancy_and_tile_defaults_follow_the_shape():
+    """default_occupancy: 4 CTAs an SM (3 stages, 128 registers) for 16-bit head_dim 64 of one
+    row tile at 4 warps, where nothing forced the stages or registers; default_tile_per_warp:
+    128-token tiles for fp8 head_dim 128 at 4 warps and one row tile (grids past one CTA an
+    SM), lone 8-warp grids and multi-token plans keep 16 a warp."""
+    d64 = Build("bfloat16", 64, 1)
+    four = builds.default_occupancy(d64, forced=False)
+    assert (four.stages, four.max_registers) == (3, 128) and d64.stages == 4
+    assert builds.default_occupancy(d64, forced=True) is d64
+    for other in (Build("bfloat16", 64, 2), Build("bfloat16", 128, 1),
+                  Build("bfloat16", 64, 1, kv_dtype="float8_e4m3fn"),
+                  Build("bfloat16", 64, 1, num_warps=8),
+                  Build("bfloat16", 64, 1, tile_per_warp=32),
+                  Build("bfloat16", 64, 1, unified_max=1)):
+        assert builds.default_occupancy(other, forced=False) is other, other
+    tile = builds.default_tile_per_warp
+    assert tile("float8_e4m3fn", 128, 4, 1, False) == 32
+    assert tile("float8_e4m3fn", 128, 8, 1, False) == 16
+    assert tile("float8_e4m3fn", 128, 4, 2, False) == 16
+    assert tile("float8_e4m3fn", 128, 4, 1, True) == 16
+    assert tile("float8_e4m3fn", 64, 4, 1, False) == 16
+    assert tile(None, 128, 4, 1, False) == 16
+
+
+def test_a_default_build_past_the_devices_shared_memory_gives_way():
+    """fitting_build: on a GPU with less shared memory a block than the H200, the defaults are
+    given up in turn (q in shared memory, then 8 warps) until the build fits; what an
+    experiment forced stays, and a build that fits is kept as it is."""
+    fit = builds.fitting_build
+    eight = Build("bfloat16", 128, 2, num_warps=8)                     # 131,168 B
+    assert fit(eight, q_default=True, warps_default=True, shared_limit=232448) is eight
+    four = fit(eight, q_default=True, warps_default=True, shared_limit=101376)   # sm_86/89
+    assert (four.num_warps, four.stages) == (4, 3) and four.shared_bytes <= 101376
+    assert fit(eight, q_default=True, warps_default=False, shared_limit=101376) is eight
+    # a forced stage count is kept when the warps give way
+    deep = Build("bfloat16", 128, 2, stages=4, num_warps=8)            # 262,240 B
+    kept = fit(deep, q_default=False, warps_default=True, shared_limit=232448, stages=4)
+    assert (kept.num_warps, kept.stages) == (4, 4)
+    # A100: fp8 head_dim 256 with 8 warps keeps them and gives up q in shared memory
+    fp8_d256 = Build("bfloat16", 256, 1, kv_dtype="float8_e4m3fn", num_warps=8, q_in_smem=1)
+    a100 = fit(fp8_d256, q_default=True, warps_default=True, shared_limit=166912)
+    assert (a100.num_warps, a100.q_in_smem) == (8, 0) and a100.shared_bytes <= 166912
+    forced = fit(fp8_d256, q_default=False, warps_default=False, shared_limit=166912)
+    assert forced is fp8_d256                         # too big, and refused by name at its build
+    assert replace(fp8_d256, q_in_smem=0).shared_bytes < fp8_d256.shared_bytes

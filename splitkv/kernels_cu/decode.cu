@@ -684,11 +684,13 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   if (head_cta * ROWS >= req_rows.y * params.q_group) return;
   const int causal_start = req_rows.z - req_rows.y + 1;   // row 0's end: the first it masks
   const int window = req_rows.w;
+  const int num_heads = params.num_kv_heads * params.q_group;   // a query row's heads
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = r ? r1 : r0;
     const i64 qr = row < rows_valid ? query_row(params, req, head0 + row) : -1;
-    q_row[r] = qr < 0 ? nullptr : params.q + qr * HEAD_DIM;
+    q_row[r] = qr < 0 ? nullptr
+                      : params.q + (qr / num_heads) * params.q_stride + (qr % num_heads) * HEAD_DIM;
     const int j = (head0 - kvh * group + row) / params.q_group;   // its query row
     row_end[r] = min(tok_end, causal_start + j);
     row_lo[r] = window < 0 ? 0 : causal_start - 1 + j - window;
@@ -697,7 +699,7 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   // and so do tiles before the last row's window start (the latest of the rows')
   const int mask_below = window < 0 ? 0 : req_rows.z - 1 - window;
 #else
-  const u16* q_rows = params.q + ((i64)req * params.num_qo_heads + head0) * HEAD_DIM;
+  const u16* q_rows = params.q + (i64)req * params.q_stride + head0 * HEAD_DIM;
   q_row[0] = r0 < rows_valid ? q_rows + r0 * HEAD_DIM : nullptr;
   q_row[1] = r1 < rows_valid ? q_rows + r1 * HEAD_DIM : nullptr;
   const int mask_from = tok_end;

@@ -113,4 +113,8 @@ struct DecodeParams {
   // dims); null: a thread per (request, head, 4 dims) of the whole batch.
   const int* split_requests;
   int num_split_requests;
+  // From one row of q (a request's, or with MULTI_TOKEN a query row's) to the next, in
+  // elements: num_qo_heads x HEAD_DIM when q is contiguous, more when it is a slice of a fused
+  // QKV projection (its heads stay HEAD_DIM apart).
+  i64 q_stride;
 };

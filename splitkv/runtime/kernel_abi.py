@@ -60,6 +60,7 @@ class DecodeParams(ctypes.Structure):
         ("unified_fallbacks", _POINTER),
         ("split_requests", _POINTER),
         ("num_split_requests", ctypes.c_int),
+        ("q_stride", ctypes.c_int64),
     ]
 
 

@@ -102,7 +102,7 @@ def decode_params(meta: dict, workspace, grid: LaunchGrid, *, num_kv_heads: int,
 class RunArguments:
     """What one ``run()`` gives the kernels: device pointers of q, the caches, out and lse (0:
     not wanted); the caches' strides in elements; the fp8 scales; the soft cap (base 2) and
-    the sinks' pointer (0: none)."""
+    the sinks' pointer (0: none); q's row stride in elements."""
 
     q: int
     k_cache: int
@@ -116,6 +116,7 @@ class RunArguments:
     v_scale: Scale = NO_SCALE
     logits_soft_cap_log2: float = 0.0
     sinks: int = 0
+    q_stride: int = 0
 
 
 def write_run_arguments(p: DecodeParams, a: RunArguments) -> None:
@@ -125,3 +126,4 @@ def write_run_arguments(p: DecodeParams, a: RunArguments) -> None:
     p.k_scale, p.k_scale_value, p.k_scale_stride = a.k_scale
     p.v_scale, p.v_scale_value, p.v_scale_stride = a.v_scale
     p.logits_soft_cap_log2, p.sinks = a.logits_soft_cap_log2, a.sinks
+    p.q_stride = a.q_stride

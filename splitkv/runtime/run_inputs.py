@@ -155,5 +155,6 @@ def run_inputs(shape: DecodeShape, q, k_cache, v_cache, *, out, lse, want_lse: b
         lse_ptr = la.ptr
     args = RunArguments(qa.ptr, ka.ptr, va.ptr, ka.strides[0], ka.strides[1], ka.strides[2],
                         oa.ptr, lse_ptr, k_scale=k_scale, v_scale=v_scale,
-                        logits_soft_cap_log2=soft_cap_log2, sinks=sinks)
+                        logits_soft_cap_log2=soft_cap_log2, sinks=sinks,
+                        q_stride=V.check_query_strides(qa, shape.num_qo_heads, shape.head_dim))
     return RunInputs(args, out, lse, s, n, ka)

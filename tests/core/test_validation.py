@@ -424,3 +424,25 @@ def test_host_paths_name_the_arrays_whose_head_counts_disagree(rng):
     with pytest.raises(ValueError, match=r"k_cache: expected at least one head \(axis 2\), got "
                                          r"shape \(4, 16, 0, 64\)"):
         reference_decode(inp["q"], k0, k0, inp["page_table"])
+
+
+def test_q_may_be_a_fused_qkv_slice_but_nothing_else():
+    """run()'s q is read in place: contiguous, or a slice of a fused QKV projection (heads
+    head_dim apart, rows further); other views are named, before any launch."""
+    from types import SimpleNamespace
+
+    from splitkv.core import validation as V
+
+    def q(strides, ptr=0, rows=4):
+        return SimpleNamespace(shape=(rows, 8, 64), strides=strides, ptr=ptr)
+
+    assert V.check_query_strides(q((512, 64, 1)), 8, 64) == 512
+    assert V.check_query_strides(q(((8 + 2 * 2) * 64, 64, 1)), 8, 64) == 768   # qkv[:, :512]
+    assert V.check_query_strides(q((0, 64, 1), rows=1), 8, 64) == 512   # one row: any stride
+    for strides in ((64, 256, 1), (512, 64, 2), (256, 64, 1), (-512, 64, 1)):
+        with pytest.raises(ValueError, match=r"q: expected \[rows, num_qo_heads, head_dim\]"):
+            V.check_query_strides(q(strides), 8, 64)
+    with pytest.raises(ValueError, match="q: expected a 4-byte aligned start"):
+        V.check_query_strides(q((769, 64, 1)), 8, 64)
+    with pytest.raises(ValueError, match="q: expected a 4-byte aligned start"):
+        V.check_query_strides(q((768, 64, 1), ptr=2), 8, 64)

@@ -179,3 +179,26 @@ def test_a_caller_owned_workspace_gives_the_same_bits():
                                workspace_buffer=torch.empty(4096, dtype=torch.uint8, device="cuda"))
     with pytest.raises(ValueError, match="workspace_buffer: this plan needs"):
         small.plan(table, num_splits=16, strategy="split_merge")
+
+
+@pytest.mark.parametrize("multi_token", [False, True])
+def test_q_read_in_place_from_a_fused_qkv_projection(multi_token):
+    """q as a slice of a fused QKV projection's output ([rows, (HQ + 2 HK) x D], q first) is
+    read in place, with the bits of its contiguous copy; multi-token rows too."""
+    from splitkv import BatchDecodeWrapper
+
+    table, q, k, v = batch(5, [5000, 300, 70])
+    qo_indptr = np.array([0, 3, 4, 6]) if multi_token else None
+    rows = 6 if multi_token else 3
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    qkv = torch.randn(rows, (HQ + 2 * HK) * D, device="cuda", generator=gen).to(torch.bfloat16)
+    view = qkv[:, :HQ * D].view(rows, HQ, D)
+    assert not view.is_contiguous() and view.stride() == ((HQ + 2 * HK) * D, D, 1)
+    w = BatchDecodeWrapper(HQ, HK, D, PAGE, "bfloat16")
+    w.plan(table, num_splits=4, qo_indptr=qo_indptr)
+    strided = w.run(view, k, v)
+    contiguous = w.run(view.contiguous(), k, v)
+    torch.cuda.synchronize()
+    assert np.array_equal(bits(strided), bits(contiguous))
+    with pytest.raises(ValueError, match="q: expected"):
+        w.run(view.transpose(0, 1).contiguous().transpose(0, 1), k, v)

@@ -262,6 +262,24 @@ def check_storage_dtype(name: str, dtype: str, expected: str) -> None:
         raise TypeError(f"{name}: expected dtype {expected} (or uint16 holding its bits), got {dtype}")
 
 
+def check_query_strides(q, num_qo_heads: int, head_dim: int) -> int:
+    """q [rows, num_qo_heads, head_dim] read in place: contiguous, or any view whose heads are
+    head_dim apart with unit stride in head_dim (a slice of a fused QKV projection), rows
+    forward and 4-byte aligned (the kernels load q two elements at a time). Returns its row
+    stride in elements."""
+    rows = q.shape[0]
+    row_stride = q.strides[0] if rows > 1 else num_qo_heads * head_dim
+    heads_ok = q.strides[1] == head_dim or num_qo_heads == 1
+    if q.strides[2] != 1 or not heads_ok or row_stride < num_qo_heads * head_dim:
+        raise ValueError(f"q: expected [rows, num_qo_heads, head_dim] with strides [>= "
+                         f"{num_qo_heads * head_dim}, {head_dim}, 1] in elements (contiguous, "
+                         f"or a slice of a fused QKV projection), got {list(q.strides)}")
+    if q.ptr % 4 or row_stride % 2:
+        raise ValueError(f"q: expected a 4-byte aligned start and an even row stride (the "
+                         f"kernels load two elements at a time), got strides {list(q.strides)}")
+    return row_stride
+
+
 def check_device_decode_arrays(q, k_cache, v_cache, *, batch_size: int, num_qo_heads: int,
                                num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
                                max_page: int, device: int | None,
@@ -274,8 +292,7 @@ def check_device_decode_arrays(q, k_cache, v_cache, *, batch_size: int, num_qo_h
     uint8 codes or that dtype (torch's float8)."""
     check_shape("q", q.shape, (batch_size, num_qo_heads, head_dim))
     check_storage_dtype("q", q.dtype, dtype)
-    if not q.is_contiguous:
-        raise ValueError("q: expected a contiguous array")
+    check_query_strides(q, num_qo_heads, head_dim)
     item = 1 if kv_dtype else 2
     for name, arr in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_shape(name, arr.shape, (None, page_size, num_kv_heads, head_dim))

@@ -10,6 +10,8 @@
 #   bash benchmarks/device_run.sh dissect plan_cost    # what a short call spends; planning's cost a step
 #   AB_ARGS='--cases b32_n8k --set default= --set w8=warps=8' bash benchmarks/device_run.sh ab
 #                                                      # an A/B (benchmarks/ab.py; AB_ARGS split on spaces)
+#   ENGINES_ARGS='--graphs on --repeats 1' bash benchmarks/device_run.sh engines
+#                                                      # transformers' generate_batch, splitkv vs sdpa
 #   bash benchmarks/device_run.sh dist                 # 2+ GPUs: context-parallel tests and benchmark
 #   bash benchmarks/device_run.sh baseline bench       # the bench of an older tree in .baseline/, then
 #     this tree's: before and after in one run (git archive REV | tar -x -C .baseline)
@@ -112,6 +114,12 @@ for phase in "$@"; do
       timeout 250 python3 -m splitkv.distributed.launch --nproc "$(python3 -c 'import cupy; print(cupy.cuda.runtime.getDeviceCount())')" \
         --timeout 240 benchmarks/bench_distributed.py --json "$RES/h200-distributed.json" 2>&1 \
         | grep -v Warning | tee "$RES/dist_bench.log" | tail -20 ;;
+    engines)
+      # transformers' continuous batching, paged|splitkv beside paged|sdpa ($ENGINES_ARGS: the
+      # script's options, split on spaces; default its whole grid, about 15 minutes)
+      read -r -a engines_args <<< "${ENGINES_ARGS:-}"
+      python3 benchmarks/transformers_throughput.py --out "$RES" "${engines_args[@]}" 2>&1 \
+        | grep -v Warning | tee "$RES/engines.log" | tail -14 ;;
     baseline)
       # the bench of the tree in .baseline/ with its own shipped profile, for a before and after
       # in one run beside `bench`

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core import validation as V
-from ..core.problem import PageLengths
+from ..core.problem import PageLengths, PageTable
 from .arrays import DeviceArray, as_device_array
 
 
@@ -99,3 +99,17 @@ def device_page_table(page_size: int, device, *, kv_indptr=None, kv_indices=None
                             "(The page table itself, block_table or kv_indices, may stay on "
                             "the device.)")
     return None
+
+
+def plan_page_table(page_table, page_size: int, **layout) -> PageTable | DevicePageTable:
+    """plan()'s batch: a ``PageTable`` (given, or built from host arrays), or a
+    ``DevicePageTable`` when the table is on the device; its page size must be ``page_size``."""
+    import cupy
+
+    table = page_table is None and device_page_table(
+        page_size, cupy.cuda.runtime.getDevice(), **layout)
+    table = table or PageTable.from_layout(page_table, page_size, **layout)
+    if table.page_size != page_size:
+        raise ValueError(f"page_table: page_size {table.page_size} differs from the wrapper's "
+                         f"page_size {page_size}")
+    return table

@@ -32,7 +32,7 @@ from .features import check_option, sm90_option
 from .kernel_source import DecodeVariant, row_tiles_for
 from .launch import DecodeLaunch, bind_decode_launch
 from .params import LaunchGrid, decode_params, sm_scale_log2, soft_cap_log2, unified_max_log2
-from .page_tables import device_page_table
+from .page_tables import plan_page_table
 from .run_inputs import DecodeShape, run_inputs, run_stream
 from .records import (PlanUpload, chunk_records, pages_fit_record, query_rows_array,
                       record_pages_needed)
@@ -220,52 +220,30 @@ class BatchDecodeWrapper:
              plan: Plan | None = None, sm_scale: float | None = None, stream=None,
              window_left: int | None = None, logits_soft_cap: float | None = None,
              qo_indptr=None, unified_max: float | None = None) -> Plan:
-        """Choose and upload the decomposition for this batch. Host work plus one upload.
+        """Choose and upload the decomposition for this batch (host work plus one upload);
+        returns the plan as it runs. docs/api.md has every argument and error.
 
-        The batch's pages: a ``PageTable``, or FlashInfer's ``kv_indptr`` [batch + 1],
-        ``kv_indices`` [pages], ``kv_last_page_len`` [batch], or vLLM's ``block_table``
-        [batch, max pages] and ``seq_lens`` [batch] (host integer arrays; the table itself,
-        ``block_table`` or ``kv_indices``, may be a device int32 array, read in place:
-        ``page_tables``).
-        num_splits / strategy force the planner's hand; ``plan`` bypasses it, and runs with the
-        execution (merge mode, launch order) this wrapper's options give it on this device
-        (``Plan.with_execution``). ``stream``: where the upload goes (CuPy or torch stream, or
-        a handle; default torch's current stream when an array given is a torch tensor, else
-        CuPy's current stream): the stream you run (or replay) on.
-        ``window_left`` (sliding window, FlashInfer's name): each request's query sees its last
-        window_left + 1 tokens, and the plan covers only those (its cost follows the window);
-        -1 or None: no window (with ``plan``, None takes the plan's). ``logits_soft_cap``
-        (Gemma-2, FlashInfer's name): each score s = sm_scale q.k becomes cap * tanh(s / cap)
-        before the softmax, in the runs after this plan; None or 0: no cap. The cap runs in a
-        build of the kernels of its own; a graph-stable wrapper keeps its first plan's cap on or
-        off (its value may change). ``qo_indptr`` (multi-token decode, FlashInfer's name: a
-        host integer array [batch + 1]): request b has qo_indptr[b+1] - qo_indptr[b] query rows,
-        1 to 16, the last positions of its KV, causal among themselves; ``run()``'s q, out and
-        lse then have qo_indptr[-1] rows. Each request's KV is read once for all its rows: the
-        kernel packs (query row, head) pairs into its MMA rows, so the plan's problem counts
-        max_q_len x num_qo_heads query heads (a graph-stable wrapper's: its max_q_len's). With
-        ``window_left`` each row sees its own window, and the plan covers every row's: window_left
-        + max_q_len - 1 tokens back (``core.variants.covering_window_left``).
-        ``unified_max`` (FlashDecoding++'s unified max value phi, natural-log units of the
-        scaled scores): the runs offset scores by phi instead of the running max, and a CTA
-        whose rows leave phi's band falls back to the running max (``core.unified_max``), so
-        results are exact either way; None (the default): the running max. Per-shape wrappers
-        only; ``unified_max_fallbacks()`` counts the fallbacks.
-        Returns the plan as it runs.
+        The batch's pages: a ``PageTable``; FlashInfer's ``kv_indptr`` [batch + 1],
+        ``kv_indices``, ``kv_last_page_len`` [batch]; or vLLM's ``block_table`` [batch, max
+        pages] and ``seq_lens`` [batch]. The lengths are host arrays; the table itself
+        (``block_table`` or ``kv_indices``) may be a device int32 array, read in place.
+        ``num_splits`` / ``strategy`` force the planner's hand; ``plan`` bypasses it.
+        ``stream``: the stream you run (or replay) on (default: torch's current stream when an
+        array given is a torch tensor, else CuPy's). The variants (``core.variants``):
+        ``window_left`` (each query sees its last window_left + 1 tokens; the plan covers only
+        those), ``logits_soft_cap`` (s -> cap * tanh(s / cap), a build of its own),
+        ``qo_indptr`` (multi-token decode: 1 to 16 query rows a request, causal among
+        themselves; run()'s q has qo_indptr[-1] rows), ``unified_max`` (FlashDecoding++'s phi:
+        scores offset by phi, a CTA leaving its band falls back to the running max; per-shape
+        wrappers only).
         """
         require_gpu("BatchDecodeWrapper.plan()")
-        import cupy
-
         self._check_plans_on_host()
         layout = dict(kv_indptr=kv_indptr, kv_indices=kv_indices,
                       kv_last_page_len=kv_last_page_len, block_table=block_table,
                       seq_lens=seq_lens)
-        on_device = page_table is None and device_page_table(
-            self.page_size, cupy.cuda.runtime.getDevice(), **layout)
-        page_table = on_device or PageTable.from_layout(page_table, self.page_size, **layout)
-        if page_table.page_size != self.page_size:
-            raise ValueError(f"page_table: page_size {page_table.page_size} differs from the "
-                             f"wrapper's page_size {self.page_size}")
+        page_table = plan_page_table(page_table, self.page_size, **layout)
+        on_device = page_table.kv_indices is None      # the caller's table, read in place
         s = run_stream(stream, *layout.values(), qo_indptr)   # torch's with torch tensors
         soft_cap = soft_cap_log2(logits_soft_cap)
         phi = UM.check_unified_max(unified_max)

@@ -261,21 +261,35 @@ def default_tile_per_warp(kv_dtype: str | None, head_dim: int, warps: int, row_t
 
 
 def fitting_build(build, *, q_default: bool, warps_default: bool, shared_limit: int,
-                  stages: int = 0):
+                  stages: int = 0, split_default: bool = False):
     """``build``, or the nearest build whose shared memory one block may have
     (``shared_limit`` bytes; 0: not known, ``build``): the defaults above given up in turn (q
-    in shared memory, then 8 warps), never what an experiment forced. On the H200 every default
-    fits; on GPUs with less shared memory a block (sm_86/89: 99 KiB, A100: 163 KiB) a 16-bit
-    8-warp build at head_dim 128 (128 KiB) or fp8 at head_dim 256 with 8 warps and q in shared
-    memory (192 KiB) does not. ``stages``: the stages asked for (0: the default, which follows
-    the warps). If nothing fits, ``build`` (its compile then says by how much it is over)."""
-    if not shared_limit:
+    in shared memory, then 8 warps, then stages down to 2 where ``stages`` is 0, the default;
+    then, with ``split_default``, the head dim split between the warp pairs of 4 warps, whose
+    32-token tiles halve a stage), never what an experiment forced. On the H200 and B200 every
+    default fits; on GPUs with less shared memory a block (``core.architectures``: 99 KiB on
+    sm_86/89/120, 163 KiB on the A100) a 16-bit 8-warp build at head_dim 128 (128 KiB) or fp8
+    at head_dim 256 with 8 warps and q in shared memory (192 KiB) does not, and at 99 KiB
+    neither does head_dim 256's 4-warp default (fp8: 4 stages of 64-token tiles, 128 KiB;
+    16-bit: 2 stages, 128 KiB, which only the 32-token tiles bring under). If nothing fits,
+    ``build`` (the runtime then refuses it, saying by how much it is over)."""
+    if not shared_limit or build.shared_bytes <= shared_limit:
         return build
     options = [build]
     if q_default and build.q_in_smem:
         options.append(replace(build, q_in_smem=0))
     if warps_default and build.num_warps != 4:
         options += [replace(b, num_warps=4, stages=stages) for b in list(options)]
+    # fewer stages before q's fragments: the bytes in flight matter more than q's registers
+    if not stages:
+        options += [replace(b, stages=n) for n in range(max(b.stages for b in options) - 1, 1, -1)
+                    for b in options if b.stages > n]
+    if (split_default and (warps_default or build.num_warps == 4) and not build.kv_dtype
+            and not build.unified_max and build.dim_split == 1 and build.row_tiles <= 2
+            and build.tile_per_warp == 16 and not stages):
+        splits = [replace(b, num_warps=4, dim_split=2, stages=0) for b in options
+                  if b.num_warps == build.num_warps and b.stages == build.stages]
+        options += [replace(b, stages=n) for n in range(splits[0].stages, 1, -1) for b in splits]
     return next((b for b in options if b.shared_bytes <= shared_limit), build)
 
 
@@ -346,7 +360,8 @@ def _settled(base, forces, device, cluster_size, soft_cap, warps, row_tiles, til
         forced=forces.forces_occupancy)
     return fitting_build(build, q_default=forces.q_in_smem is None,
                          warps_default=forces.forced_warps is None,
-                         shared_limit=device.shared_per_block_optin, stages=forces.stages or 0)
+                         shared_limit=device.shared_per_block_optin, stages=forces.stages or 0,
+                         split_default=forces.dim_split is None)
 
 
 def graph_build(base, *, soft_cap: bool, rows: int, max_q_len: int,
@@ -358,7 +373,8 @@ def graph_build(base, *, soft_cap: bool, rows: int, max_q_len: int,
         base, soft_cap=int(soft_cap), multi_token=int(max_q_len > 1),
         row_tiles=row_tiles_for(rows)), forced=forces.forces_occupancy),
         q_default=forces.q_in_smem is None, warps_default=False,
-        shared_limit=device.shared_per_block_optin)
+        shared_limit=device.shared_per_block_optin, stages=forces.stages or 0,
+        split_default=forces.dim_split is None)
 
 
 def decode_build(dtype: str, head_dim: int, group_size: int, page_size: int, kv_dtype,

@@ -247,3 +247,31 @@ def test_a_default_build_past_the_devices_shared_memory_gives_way():
     forced = fit(fp8_d256, q_default=False, warps_default=False, shared_limit=166912)
     assert forced is fp8_d256                         # too big, and refused by name at its build
     assert replace(fp8_d256, q_in_smem=0).shared_bytes < fp8_d256.shared_bytes
+
+
+def test_head_dim_256_gives_way_to_fewer_stages_and_the_split_on_99_kib():
+    """At 99 KiB a block (sm_86, sm_89, sm_120) head_dim 256's 4-warp defaults are over (128
+    KiB of tiles): fp8 gives up stages (3 of 64-token tiles, 96 KiB), 16-bit, whose 2 stages
+    are the fewest, splits the head dim between the warp pairs of 4 warps (32-token tiles);
+    neither where an experiment forced the stages or the split, nor for the unified max (its
+    row check is per warp of all dims), which stays over and is refused at compile."""
+    fit = functools.partial(builds.fitting_build, q_default=True, warps_default=True,
+                            shared_limit=101376, split_default=True)
+    fp8 = fit(Build("bfloat16", 256, 1, kv_dtype="float8_e4m3fn", num_warps=8, q_in_smem=1))
+    assert (fp8.num_warps, fp8.stages, fp8.q_in_smem, fp8.dim_split) == (4, 3, 0, 1)
+    plain = Build("bfloat16", 256, 2, q_in_smem=1)
+    split = fit(plain)
+    assert (split.num_warps, split.dim_split, split.tile_tokens, split.stages) == (4, 2, 32, 3)
+    assert split.shared_bytes <= 101376 < plain.shared_bytes
+    assert fit(plain, stages=2) is plain
+    assert builds.fitting_build(plain, q_default=True, warps_default=True,
+                                shared_limit=101376) is plain        # the split not allowed
+    umax = replace(plain, unified_max=1)
+    assert fit(umax) is umax
+    # through the decision, for a GPU's properties: sm_120 splits, the H200 keeps its default
+    from splitkv.core.architectures import device_properties
+    grid = PlanGrid(600, 512.0)
+    rtx = decode_build("bfloat16", 256, 2, 16, "", grid, device_properties("NVIDIA GeForce RTX 5090"))
+    assert (rtx.dim_split, rtx.num_warps) == (2, 4)
+    h200 = decode_build("bfloat16", 256, 2, 16, "", grid, H200)
+    assert (h200.dim_split, h200.num_warps, h200.stages, h200.q_in_smem) == (1, 4, 2, 1)

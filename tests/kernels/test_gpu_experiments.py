@@ -54,6 +54,12 @@ DIM_SPLIT_REGS = Knob(DecodeExperiments(dim_split=2, q_in_smem=False),
                       {"dim_split": 2, "num_warps": 8, "q_in_smem": 0},
                       label="dim_split_2_q_in_registers")
 WARPS_8 = Knob(DecodeExperiments(warps=8), {"num_warps": 8}, graph_stable=True, label="eight_warps")
+# the builds head_dim 256 gives way to at 99 KiB a block (sm_86/89/120, core.builds.fitting_build)
+FIT_99_KIB = Knob(DecodeExperiments(dim_split=2, warps=4, stages=3, q_in_smem=False),
+                  {"dim_split": 2, "num_warps": 4, "tile_tokens": 32, "stages": 3},
+                  label="fit_99_kib_split")
+FIT_99_KIB_FP8 = Knob(DecodeExperiments(warps=4, stages=3, q_in_smem=False),
+                      {"num_warps": 4, "stages": 3, "q_in_smem": 0}, label="fit_99_kib_fp8")
 
 
 def rows(n: int) -> Knob:
@@ -79,6 +85,11 @@ TABLE = [
         (DIM_SPLIT, "bfloat16", 256, 16, 8), (DIM_SPLIT_REGS, "bfloat16", 256, 16, 8),
         (DIM_SPLIT, "float16", 256, 64, 2), (DIM_SPLIT, "bfloat16", 128, 32, 8),
         (DIM_SPLIT, "bfloat16", 128, 128, 2))],
+    # head_dim 256 as it runs at 99 KiB a block: 32-token tiles of 4 warps in pairs (one and
+    # two row tiles), fp8 at 3 stages
+    *[(FIT_99_KIB, dtype, 256, hq, hk, page, None) for page in (16, 1)
+      for dtype, hq, hk in (("bfloat16", 16, 8), ("float16", 64, 2))],
+    (FIT_99_KIB_FP8, "bfloat16", 256, 16, 8, 16, "float8_e4m3fn"),
     # GQA groups past the rows a CTA computes: more CTAs a kv head
     (rows(16), "bfloat16", 128, 64, 2, 16, None), (rows(32), "bfloat16", 128, 64, 2, 16, None),
     (rows(16), "bfloat16", 128, 128, 8, 16, "float8_e4m3fn"),

@@ -14,28 +14,27 @@ across plans. The plan says how it runs (``Plan.execution``); the wrapper execut
 
 from __future__ import annotations
 
-import numpy as np
 
 from ..core import fp8
 from ..core import unified_max as UM
 from ..core import validation as V
 from ..core import variants as VA
-from ..core.execution import MERGE_KERNEL, check_launch_order, grid_order
-from ..core.geometry import MAX_HEADS_PER_CTA, ctas_per_kv_head
+from ..core.execution import MERGE_KERNEL, check_launch_order
+from ..core.geometry import ctas_per_kv_head
 from ..core.layouts import check_kv_layout
 from ..core.plan import Plan
 from ..core.problem import DecodeProblem, PageTable
 from . import require_gpu
-from .builds import per_shape_kernels, shape_variant
+from .builds import shape_variant
 from .experiments import DecodeExperiments
 from .features import check_option, sm90_option
-from .kernel_source import DecodeVariant, row_tiles_for
+from .kernel_source import DecodeVariant
 from .launch import DecodeLaunch, bind_decode_launch
-from .params import LaunchGrid, decode_params, sm_scale_log2, soft_cap_log2, unified_max_log2
 from .page_tables import plan_page_table
+from .params import LaunchGrid, decode_params, sm_scale_log2, soft_cap_log2, unified_max_log2
+from .per_shape import per_shape_plan
+from .records import PlanUpload, query_rows_array
 from .run_inputs import DecodeShape, run_inputs, run_stream
-from .records import (PlanUpload, chunk_records, pages_fit_record, query_rows_array,
-                      record_pages_needed)
 from .streams import PlanStreams
 from .unified_counter import FallbackCounter
 from .workspace import Workspace
@@ -347,30 +346,12 @@ class BatchDecodeWrapper:
         workspace, and the launches of its grid."""
         import cupy
 
-        group = heads // self.num_kv_heads     # with multi-token decode, q_len x the group
-        max_rows = self.experiments.rows_per_cta or MAX_HEADS_PER_CTA
-        per_kv_head = ctas_per_kv_head(group, max_rows)
-        ctas = chosen.num_work_items * per_kv_head
-        V.check_grid_ctas("page_table", ctas, f"{chosen.num_chunks} chunks x "
-                          f"{self.num_kv_heads} kv heads x {per_kv_head} CTAs a kv head")
-        V.check_grid_ctas("page_table", -(-chosen.problem.batch_size * heads * self.head_dim
-                                          // (4 * 128)),
-                          "the merge kernel's: a thread per 4 dims of each request's heads")
-        kernels = per_shape_kernels(
-            self.variant, chosen, ctas, row_tiles_for(min(group, max_rows)),
-            kv_dtype=self.kv_dtype, page_size=self.page_size, head_dim=self.head_dim,
-            experiments=self.experiments, soft_cap=soft_cap_log2 > 0,
-            multi_token=query_rows is not None, unified_max=phi is not None)
-        stages = kernels.variant.stages
-        tile = kernels.variant.tile_tokens
-        in_record = (page_table.kv_indices is not None
-                     and pages_fit_record(chosen, self.page_size, stages, tile))
-        records = chunk_records(chosen, page_table, grid_order(chosen),
-                                record_pages_needed(self.page_size, stages, tile) if in_record else 0)
-        extra = {} if rows_array is None else {"query_rows": rows_array}
-        if self.experiments.compact_merge and chosen.merge == MERGE_KERNEL:
-            extra["split_requests"] = np.flatnonzero(np.diff(chosen.merge_indptr) > 1)
-        meta = self._upload.upload(records, page_table, chosen, s, extra)
+        built = per_shape_plan(chosen, page_table, shape=self._shape, heads=heads,
+                               variant=self.variant, experiments=self.experiments,
+                               soft_cap=soft_cap_log2 > 0, rows_array=rows_array,
+                               unified_max=phi is not None)
+        kernels, per_kv_head, in_record = built.kernels, built.per_kv_head, built.pages_in_record
+        meta = self._upload.upload(built.records, page_table, chosen, s, built.extra)
         if page_table.kv_indices is None:             # the caller's table, read in place
             meta["kv_indices"] = page_table.table.ptr
             self._device_table = page_table.table     # kept alive while the plan runs

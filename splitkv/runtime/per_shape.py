@@ -1,0 +1,58 @@
+"""A per-shape plan's grid, build and chunk records: what ``plan()`` of a per-shape wrapper
+decides before uploading (the graph-stable wrapper's fixed grid is ``graph_stable``'s)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..core import validation as V
+from ..core.execution import MERGE_KERNEL, grid_order
+from ..core.geometry import MAX_HEADS_PER_CTA, ctas_per_kv_head
+from .builds import per_shape_kernels
+from .kernel_source import row_tiles_for
+from .records import chunk_records, pages_fit_record, record_pages_needed
+
+
+@dataclass
+class PerShapePlan:
+    """The compiled kernels a plan runs, its records (grid order), whether the first tiles'
+    page ids ride in them, the CTAs a kv head, and the extra parts of its upload."""
+
+    kernels: object
+    records: np.ndarray
+    pages_in_record: bool
+    per_kv_head: int
+    extra: dict
+
+
+def per_shape_plan(plan, page_table, *, shape, heads: int, variant, experiments, soft_cap: bool,
+                   rows_array, unified_max: bool) -> PerShapePlan:
+    """Check the plan's grids against CUDA's limits, choose its build (``builds``) and write
+    its chunk records. ``shape``: the wrapper's ``run_inputs.DecodeShape``; ``heads``: the
+    kernels' query heads (with multi-token decode, virtual heads); ``rows_array``: the
+    multi-token rows (None: one row a request)."""
+    group = heads // shape.num_kv_heads     # with multi-token decode, q_len x the group
+    max_rows = experiments.rows_per_cta or MAX_HEADS_PER_CTA
+    per_kv_head = ctas_per_kv_head(group, max_rows)
+    ctas = plan.num_work_items * per_kv_head
+    V.check_grid_ctas("page_table", ctas, f"{plan.num_chunks} chunks x {shape.num_kv_heads} "
+                      f"kv heads x {per_kv_head} CTAs a kv head")
+    V.check_grid_ctas("page_table", -(-plan.problem.batch_size * heads * shape.head_dim
+                                      // (4 * 128)),
+                      "the merge kernel's: a thread per 4 dims of each request's heads")
+    kernels = per_shape_kernels(
+        variant, plan, ctas, row_tiles_for(min(group, max_rows)), kv_dtype=shape.kv_dtype,
+        page_size=shape.page_size, head_dim=shape.head_dim, experiments=experiments,
+        soft_cap=soft_cap, multi_token=rows_array is not None, unified_max=unified_max)
+    stages, tile = kernels.variant.stages, kernels.variant.tile_tokens
+    # a table kept on the device has no page ids on the host to carry
+    in_record = (page_table.kv_indices is not None
+                 and pages_fit_record(plan, shape.page_size, stages, tile))
+    records = chunk_records(plan, page_table, grid_order(plan),
+                            record_pages_needed(shape.page_size, stages, tile) if in_record else 0)
+    extra = {} if rows_array is None else {"query_rows": rows_array}
+    if experiments.compact_merge and plan.merge == MERGE_KERNEL:
+        extra["split_requests"] = np.flatnonzero(np.diff(plan.merge_indptr) > 1)
+    return PerShapePlan(kernels, records, in_record, per_kv_head, extra)

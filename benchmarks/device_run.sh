@@ -8,6 +8,8 @@
 #   bash benchmarks/device_run.sh bench_classes        # the classes of shape outside the standard set
 #   bash benchmarks/device_run.sh bench_variants       # soft cap, sinks, windows, multi-token beside plain
 #   bash benchmarks/device_run.sh dissect plan_cost    # what a short call spends; planning's cost a step
+#   bash benchmarks/device_run.sh first_use            # first-use probes (shipped profile hidden) against
+#                                                      # the shipped profile and the roofline prior, ~5 min
 #   AB_ARGS='--cases b32_n8k --set default= --set w8=warps=8' bash benchmarks/device_run.sh ab
 #                                                      # an A/B (benchmarks/ab.py; AB_ARGS split on spaces)
 #   ENGINES_ARGS='--graphs on --repeats 1' bash benchmarks/device_run.sh engines
@@ -92,6 +94,11 @@ for phase in "$@"; do
         | tee "$RES/bench_variants.log"
       python3 benchmarks/bench_variants.py --kv-dtype float8_e4m3fn --json "$RES/h200-variants-fp8.json" \
         2>&1 | grep -v Warning | tee "$RES/bench_variants_fp8.log" ;;
+    first_use)
+      # the planner evaluation's 68 shapes planned by the first-use probes' model, the shipped
+      # profile and the roofline prior, each against the best plan measured in the same run
+      CUPY_CACHE_DIR=$(mktemp -d) python3 benchmarks/eval_first_use.py --json "$RES/h200-first-use.json" 2>&1 \
+        | grep -v Warning | tee "$RES/first_use.log" | tail -12 ;;
     dissect)
       # the same plans with parts of the kernel cut out: what each part of a short call costs
       python3 benchmarks/dissect_latency.py --probes base,no_merge,bare,empty,cluster \

@@ -15,8 +15,13 @@ graph-stable fp8 wrapper's one captured grid runs, where per-shape plans of few 
   3. the user cache: ``$XDG_CACHE_HOME/splitkv/profiles/<device>.yaml``, else
      ``~/.cache/splitkv/profiles/<device>.yaml``;
   4. the profiles shipped in ``splitkv/planner/profiles/``, matched by device name;
-  5. a roofline prior computed from the SM count and a bandwidth guess, with a one-time
-     warning that suggests ``splitkv calibrate``.
+  5. given a ``first_use`` source (the runtime passes one for its device), the first-use
+     model (``planner.first_use``): cached per GPU, driver and splitkv version under
+     ``<user cache>/first-use/``, else probed in a few seconds and cached;
+     ``$SPLITKV_FIRST_USE`` = off skips this step, = calibrate runs the quick calibration
+     instead (docs/design/first-use.md);
+  6. a roofline prior computed from the SM count and a bandwidth guess, with a one-time
+     warning that suggests ``splitkv calibrate``; also where the probes fail.
 A broken or mismatched file named by 1 or 2 is an error (the user asked for it); one found in
 3 or 4 is skipped with a warning. Nothing is read at import.
 """
@@ -379,13 +384,15 @@ def prior_profile(device_name: str, num_sms: int | None = None,
 
 
 def load_profile(path=None, device_name: str | None = None, num_sms: int | None = None,
-                 bandwidth_gbps: float | None = None) -> Profile:
+                 bandwidth_gbps: float | None = None, first_use=None) -> Profile:
     """The profile to plan with (see the module docstring for the lookup order).
 
     device_name, num_sms: the device to plan for (the runtime passes ``device_info()``'s);
         without them, the reference device ``NVIDIA H200``. Given, they are checked against
         the profile found.
     bandwidth_gbps: the bandwidth guess for the roofline prior, if it comes to that.
+    first_use: what can probe the device (``runtime.first_use.DeviceProbes``), for step 5;
+        None skips it (no device to measure). ``$SPLITKV_FIRST_USE`` is checked only then.
     """
     for explicit, what in ((path, "path"), (os.environ.get(PROFILE_ENV), f"${PROFILE_ENV}")):
         if explicit:
@@ -415,6 +422,12 @@ def load_profile(path=None, device_name: str | None = None, num_sms: int | None 
     except (ProfileError, yaml.YAMLError) as e:
         warnings.warn(f"shipped profile {slug}.yaml: {e}; using the roofline prior",
                       stacklevel=2)
+    if first_use is not None:
+        from .first_use import resolve
+
+        profile = resolve(name, num_sms, first_use)
+        if profile is not None:
+            return profile
 
     key = (slug, num_sms)
     if key not in _warned_prior:

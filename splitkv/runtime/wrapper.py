@@ -205,11 +205,13 @@ class BatchDecodeWrapper:
         if not isinstance(self._profile, Profile):
             # None, or a path the constructor read: loaded here to be checked against the device
             from . import device_info
+            from .first_use import DeviceProbes
 
             require_gpu("BatchDecodeWrapper.profile")
             info = device_info()
+            # a device with no profile is probed once (cached), unless $SPLITKV_FIRST_USE=off
             self._profile = load_profile(path=self._profile, device_name=info["name"],
-                                         num_sms=info["num_sms"])
+                                         num_sms=info["num_sms"], first_use=DeviceProbes())
         self._resolved_profile = self._profile
         return self._profile
 

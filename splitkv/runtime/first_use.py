@@ -1,0 +1,142 @@
+"""The first-use probes on the GPU: what ``planner.first_use`` derives a cost model from when a
+device has no profile (docs/design/first-use.md). Everything is timed with the one timing
+routine (``timing``): an empty kernel in a CUDA graph and launched alone, the streaming read
+at full occupancy and at one and two CTAs an SM (``bandwidth_probe``), and the decode plans of
+``planner.first_use.probe_cases`` run by a wrapper. About 2-3 s on a warm GPU, plus the
+kernels' first compiles where CuPy's cache does not hold them yet.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from ..planner.first_use import ProbeResults, probe_cases, probe_ctas_per_sm
+from ..planner.profiles import ProfileError, device_slug, read_profile, user_profile_dir
+from . import device_info
+
+EMPTY_KERNEL = "splitkv_first_use_empty"
+EMPTY_SOURCE = f'extern "C" __global__ void {EMPTY_KERNEL}() {{}}'
+# Kernels a graph of the empty-kernel probe holds: the graph's own launch spread thin, as the
+# timing routine's graphs of one decode call a layer do.
+EMPTY_LAYERS = 32
+# The streaming read's launch shapes (CTAs per SM, threads, 16-byte loads in flight a
+# thread): two at full occupancy, whose best is the device's bandwidth, then one and two
+# CTAs an SM (what a lone grid streams; recorded beside the model).
+READ_FULL = ((4, 512, 4), (8, 256, 4))
+READ_BY_SM = ((1, 512, 4), (2, 512, 4))
+# Fewer and shorter trials than the bench's: the probes price a model, not a table of record.
+PROBE_TIMING = {"trials": 3, "min_trial_ms": 5.0}
+# The probes' buffers: several times the L2, so that each layer's K/V comes from DRAM.
+L2_MULTIPLE = 4
+MIN_PROBE_BYTES = 64 << 20
+
+
+def driver_version() -> str:
+    """The CUDA driver's version (e.g. '12040'): a new driver may time differently."""
+    import cupy
+
+    return str(cupy.cuda.runtime.driverGetVersion())
+
+
+def probe_bytes(l2_bytes: int) -> int:
+    return max(MIN_PROBE_BYTES, L2_MULTIPLE * int(l2_bytes)) // 16 * 16
+
+
+def time_empty_kernel(trials: int, min_trial_ms: float) -> tuple[float, float]:
+    """(microseconds an empty kernel takes inside a CUDA graph, launched alone)."""
+    import cupy
+
+    from .timing import cupy_timer, median_us_per_call, time_graph_us
+
+    kernel = cupy.RawKernel(EMPTY_SOURCE, EMPTY_KERNEL)
+
+    def launch():
+        kernel((1,), (32,), ())
+
+    graph_us = time_graph_us(lambda layer, stream: launch(), EMPTY_LAYERS, trials=trials,
+                             min_trial_ms=min_trial_ms)
+    stream = cupy.cuda.get_current_stream()
+    launch()
+    eager_us = median_us_per_call(cupy_timer(launch, stream), trials=trials,
+                                  min_trial_ms=min_trial_ms)
+    return graph_us, eager_us
+
+
+def time_cases(cases, min_total_bytes: int, trials: int, min_trial_ms: float,
+               seed: int = 0) -> dict[str, float]:
+    """Microseconds of each ``ProbeCase``'s plan, run by a wrapper on random K/V over a page
+    table with its pages scattered; cases of one problem share their layers."""
+    from .testing import scattered_page_table
+    from .timing import make_layers, time_plan_us
+
+    rng = np.random.default_rng(seed)
+    out, problem, table, data = {}, None, None, None
+    for case in cases:
+        p = case.plan.problem
+        if p is not problem:
+            problem, data = p, None                # free the last shape's layers first
+            table = scattered_page_table(p.kv_lens, p.page_size, rng)[0]
+            data = make_layers(table, p.num_qo_heads, p.num_kv_heads, p.head_dim, p.dtype,
+                               min_total_bytes=min_total_bytes)
+        out[case.name] = float(time_plan_us(case.plan, table, data=data, trials=trials,
+                                            min_trial_ms=min_trial_ms))
+    return out
+
+
+def run_probes(trials: int = PROBE_TIMING["trials"],
+               min_trial_ms: float = PROBE_TIMING["min_trial_ms"]) -> ProbeResults:
+    """Time every first-use probe on the current device."""
+    from .bandwidth_probe import read_gbps_by_shape
+    from .features import device_properties
+
+    start = time.perf_counter()
+    info = device_info()
+    props = device_properties()
+    nbytes = probe_bytes(info["l2_bytes"])
+    graph_us, eager_us = time_empty_kernel(trials, min_trial_ms)
+    read = read_gbps_by_shape(nbytes, trials, READ_FULL + READ_BY_SM)
+    full_keys = tuple(f"{c}x{t}x{lo}" for c, t, lo in READ_FULL)
+    cases = probe_cases(props.num_sms, probe_ctas_per_sm(props))
+    decode = time_cases(cases, nbytes, trials, min_trial_ms)
+    return ProbeResults(device_name=info["name"], num_sms=props.num_sms, cc=props.cc,
+                        shared_per_block_optin=props.shared_per_block_optin,
+                        shared_per_sm=props.shared_per_sm, driver_version=driver_version(),
+                        empty_graph_us=graph_us, empty_eager_us=eager_us, read_gbps=read,
+                        full_read_keys=full_keys, decode_us=decode,
+                        seconds=time.perf_counter() - start, l2_bytes=info["l2_bytes"])
+
+
+def run_quick_calibration(device_id: int, name: str):
+    """``splitkv calibrate --quick`` on this device, in a child process (the calibration sits
+    above the runtime); its profile goes where ``load_profile`` finds calibrations. Returns it."""
+    cmd = [sys.executable, "-m", "splitkv", "calibrate", "--quick", "--device", str(device_id)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    path = user_profile_dir() / f"{device_slug(name)}.yaml"
+    if done.returncode != 0 or not path.is_file():
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise RuntimeError(f"`{' '.join(cmd[1:])}` exited {done.returncode}: "
+                           + " | ".join(tail))
+    try:
+        return read_profile(path)
+    except ProfileError as e:
+        raise RuntimeError(str(e)) from None
+
+
+class DeviceProbes:
+    """The current device as ``load_profile``'s ``first_use`` source
+    (``planner.first_use.resolve``)."""
+
+    def __init__(self):
+        self.info = device_info()
+        self.driver_version = driver_version()
+
+    def probe(self) -> ProbeResults:
+        return run_probes()
+
+    def calibrate(self):
+        return run_quick_calibration(self.info["device_id"], self.info["name"])

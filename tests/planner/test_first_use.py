@@ -30,7 +30,7 @@ BANDWIDTH = 1500.0
 @pytest.fixture(autouse=True)
 def clean(monkeypatch, tmp_path):
     monkeypatch.delenv(PROFILE_ENV, raising=False)
-    monkeypatch.delenv(FIRST_USE_ENV, raising=False)
+    monkeypatch.setenv(FIRST_USE_ENV, "probe")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(profiles, "_warned_prior", set())
     monkeypatch.setattr(first_use, "_state", first_use._State())
@@ -235,9 +235,10 @@ def test_cached_profile_round_trips_with_its_probes():
         assert read_first_use(path, "NVIDIA L40S", None) is None
 
 
-@pytest.mark.parametrize("value, mode", [(None, "probe"), ("", "probe"), ("off", "off"),
+@pytest.mark.parametrize("value, mode", [(None, "off"), ("", "off"), ("off", "off"),
                                          ("probe", "probe"), (" Calibrate ", "calibrate")])
 def test_the_option(monkeypatch, value, mode):
+    monkeypatch.delenv(FIRST_USE_ENV, raising=False)
     if value is not None:
         monkeypatch.setenv(FIRST_USE_ENV, value)
     assert first_use_mode() == mode

@@ -55,6 +55,7 @@ class Progress:
         self._first_done = None        # when the first item ended (see seconds_left)
         self._last_write = None
         self._drawn = 0                # characters of the line on the terminal now
+        self._text = ""                # and the line
         self._closed = False
 
     # -- the numbers ---------------------------------------------------------------------
@@ -84,17 +85,26 @@ class Progress:
                        else f", about {format_duration(left)} left")
 
     def line(self) -> str:
-        """The terminal's line: label, bar, status and the note, cut to the width."""
-        status = self.status()
-        bar_width = max(10, min(30, self.width - len(self.label) - len(status) - 6))
-        filled = bar_width * self.done // self.total if self.total else bar_width
-        bar = "#" * filled + "." * (bar_width - filled)
-        text = f"{self.label} [{bar}] {status}"
-        if self.note:
-            text += f"  {self.note}"
+        """The terminal's line: label, bar, a shorter status than a log's (a terminal of 80
+        columns holds it) and the note, cut to the width, the note first."""
+        pct = 100 * self.done // self.total if self.total else 100
+        status = (f"{self.done}/{self.total} {self.unit} {pct}%, "
+                  f"{format_duration(self.elapsed())} elapsed")
+        if self.done < self.total:
+            left = self.seconds_left()
+            status += (", estimating time left" if left is None
+                       else f", ~{format_duration(left)} left")
         # one column short of the width: a line that fills it wraps on some terminals
         limit = max(20, self.width - 1)
-        return text if len(text) <= limit else text[:limit - 3] + "..."
+        # the bar gives up columns (down to 10) to leave about 20 for the note
+        bar_width = max(10, min(30, limit - len(self.label) - len(status) - 24))
+        filled = bar_width * self.done // self.total if self.total else bar_width
+        text = f"{self.label} [{'#' * filled}{'.' * (bar_width - filled)}] {status}"
+        room = limit - len(text) - 2
+        if self.note and room >= min(len(self.note), 8):
+            note = self.note if len(self.note) <= room else self.note[:room - 3] + "..."
+            text += f"  {note}"
+        return text[:limit]
 
     # -- output --------------------------------------------------------------------------
     def advance(self, n: int = 1, note: str = "") -> None:
@@ -136,7 +146,8 @@ class Progress:
             return
         if self.tty:
             if self._drawn:
-                self._draw(self.clock())
+                if self.line() != self._text:       # items done since the last redraw
+                    self._draw(self.clock())
                 self._write("\n", None)
                 self._drawn = 0
         elif 0 < self.done < self.total:
@@ -153,7 +164,7 @@ class Progress:
         # spaces over what is left of a longer line drawn before
         pad = " " * max(0, self._drawn - len(text))
         self._write("\r" + text + pad, now)
-        self._drawn = len(text)
+        self._drawn, self._text = len(text), text
 
     def _clear(self) -> None:
         self._write("\r" + " " * self._drawn + "\r", None)

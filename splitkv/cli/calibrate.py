@@ -176,8 +176,10 @@ def run(args) -> int:
     print(f"best decode bandwidth measured: {fitted.measured_bandwidth_gbps:,.0f} GB/s"
           + (" (of one-byte codes)" if base else ""))
     print()
-    caches = f" for {args.kv_dtype} caches" + (" (graph-stable)" if args.graph_stable else "") \
-        if base else ""
+    caches = ""
+    if base is not None:
+        caches = f" for {args.kv_dtype} caches" + (" in graph-stable wrappers"
+                                                  if args.graph_stable else "")
     print(f"plans of the standard cases{caches}, previous: {previous_where}")
     changes = plan_changes(previous, profile, info["num_sms"], kv_dtype=args.kv_dtype,
                            graph_stable=args.graph_stable)
@@ -185,9 +187,6 @@ def run(args) -> int:
         print("  " + line)
     print()
     print(f"profile written to {out} (measurements in {csv_path})")
-    in_use = profile_in_use(out, info["name"], info["num_sms"])
-    for line in in_use.lines():
-        print(line, file=sys.stdout if in_use.ok else sys.stderr)
     if args.plot:
         from ..calibration.plots import write_plots
 
@@ -196,4 +195,9 @@ def run(args) -> int:
         stem = csv_path.name[:-len(".csv")]
         for line in write_plots(out.parent, stem, measurements, fitted, report):
             print(line)
+    # last, so that it is what one reads: whether the profile just written will be used
+    in_use = profile_in_use(out, info["name"], info["num_sms"])
+    sys.stdout.flush()                  # a warning on stderr comes after the lines above
+    for line in in_use.lines():
+        print(line, file=sys.stdout if in_use.ok else sys.stderr)
     return 0

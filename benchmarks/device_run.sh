@@ -61,12 +61,13 @@ for phase in "$@"; do
           | tee "$RES/$tool.log" | tail -4
       done ;;
     calibrate)
-      python3 -m splitkv.cli calibrate --plot --trials 3 --min-trial-ms 10 --out "$RES/nvidia-h200.yaml" 2>&1 | tee "$RES/calibrate.log" | tail -25
+      # --verbose: the log keeps a line per plan timed; the tail shows the fit and the plans' table
+      python3 -m splitkv.cli calibrate --plot --verbose --trials 3 --min-trial-ms 10 --out "$RES/nvidia-h200.yaml" 2>&1 | tee "$RES/calibrate.log" | tail -32
       [ -f "$RES/nvidia-h200.yaml" ] && PROFILE="$RES/nvidia-h200.yaml" ;;
     calibrate_fp8)
       # the fp8 (e4m3) fit, added as kv_fp8 to the profile the later phases plan with
-      python3 -m splitkv.cli calibrate --kv-dtype fp8_e4m3 --base "$PROFILE" --trials 3 --min-trial-ms 5 \
-        --out "$RES/nvidia-h200-fp8.yaml" 2>&1 | tee "$RES/calibrate_fp8.log" | tail -25
+      python3 -m splitkv.cli calibrate --kv-dtype fp8_e4m3 --base "$PROFILE" --verbose --trials 3 --min-trial-ms 5 \
+        --out "$RES/nvidia-h200-fp8.yaml" 2>&1 | tee "$RES/calibrate_fp8.log" | tail -32
       [ -f "$RES/nvidia-h200-fp8.yaml" ] && PROFILE="$RES/nvidia-h200-fp8.yaml" ;;
     eval)
       # the 44 standard held-out shapes and the 24 class shapes (--shapes all)

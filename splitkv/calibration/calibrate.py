@@ -7,24 +7,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from ..core.geometry import WARPS_PER_CTA
-from ..core.plan import Plan
-from ..planner import Profile, choose_plan
+from ..planner import Profile
 from ..planner.profiles import device_slug, prior_profile, user_profile_dir
-from ..core.problem import DecodeProblem
 from ..runtime import timing as runtime_timing
 from ..runtime.experiments import DecodeExperiments
 from .fit import FitReport, fit_profile, fit_tile_rule
 from .sweep import Measurement, SweepPoint, measure, sweep_points, write_measurements
 
 QUICK_TIMING = {"trials": 3, "min_trial_ms": 10.0}
-
-# A few batches whose plans the summary shows (standard cases of ``bench.cases``).
-EXAMPLES = [("b1_n1k", [1024], 32, 8), ("b1_n32k", [32768], 32, 8),
-            ("b8_n8k", [8192] * 8, 32, 8), ("b128_n2k", [2048] * 128, 32, 8),
-            ("g8_b1_n32k", [32768], 64, 8)]
 
 
 def sweep_for(device: dict, quick: bool = False, seed: int = 0) -> list[SweepPoint]:
@@ -95,14 +86,3 @@ def save(profile: Profile, measurements: list[Measurement], path=None,
         else ".csv"
     return path, write_measurements(path.with_suffix(suffix), measurements,
                                     profile.cost_model(kv_dtype, graph_stable))
-
-
-def example_plans(profile: Profile, kv_dtype: str | None = None,
-                  graph_stable: bool = False) -> list[tuple[str, Plan]]:
-    """(name, plan) for each of ``EXAMPLES``, as ``profile`` plans them for ``kv_dtype``
-    caches (head_dim 128, page size 16), in a graph-stable wrapper if ``graph_stable``."""
-    model = profile.cost_model(kv_dtype, graph_stable)
-    if graph_stable:                  # as a graph-stable wrapper plans: no clusters
-        model = model.with_clusters(False)
-    return [(name, choose_plan(DecodeProblem(np.array(lens), hq, hk, 128, 16), model))
-            for name, lens, hq, hk in EXAMPLES]

@@ -6,6 +6,11 @@ where ``load_profile`` finds it.
     splitkv calibrate --plot --out my-gpu.yaml --device 1
     splitkv calibrate --kv-dtype fp8_e4m3     # the fp8 fit, added to the profile in use
     splitkv calibrate --kv-dtype fp8_e4m3 --graph-stable   # the fit graph-stable fp8 wrappers use
+
+While it times, a progress line with the time left goes to stderr (redrawn on a terminal, a
+plain line every 30 s in a log, none with --quiet; --verbose prints each plan timed). At the
+end: the fit, a table of how the standard cases' plans change against the profile used
+before, where the profile was written, and whether splitkv will plan with it.
 """
 
 from __future__ import annotations
@@ -55,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", type=A.existing_file, default=None, metavar="PATH",
                         help="with --kv-dtype: the profile to add the fp8 fit to (default: the "
                              "one splitkv plans with on this GPU)")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--quiet", "-q", action="store_true",
+                        help="no progress line while timing (the results are still printed)")
+    output.add_argument("--verbose", "-v", action="store_true",
+                        help="print each plan as it is timed, with the prior's prediction")
 
 
 def _select_device(n: int) -> str | None:
@@ -72,10 +82,10 @@ def _select_device(n: int) -> str | None:
     return None
 
 
-def _progress(i, n, point, us):
+def _timed_line(i, n, point, us) -> str:
     pred = point.plan.predicted_us
-    print(f"[{i + 1:4d}/{n}] {point.shape:<30} {point.label:<34} {us:10.2f} us"
-          f"   (prior {pred:9.2f})", flush=True)
+    return (f"[{i + 1:4d}/{n}] {point.shape:<30} {point.label:<34} {us:10.2f} us"
+            f"   (prior {pred:9.2f})")
 
 
 def run(args) -> int:
@@ -98,7 +108,10 @@ def run(args) -> int:
         return A.refuse("calibrate", f"needs a CUDA GPU to measure on ({why}). Without one, "
                                      "splitkv plans with its shipped profiles or a roofline prior.")
 
-    from ..calibration.calibrate import calibrate, example_plans, profile_path, save, sweep_for
+    from ..calibration.calibrate import calibrate, profile_path, save, sweep_for
+    from ..calibration.in_use import describe_origin, previous_profile, profile_in_use
+    from ..calibration.progress import Progress
+    from ..calibration.summary import plan_changes, summary_table
     from ..calibration.sweep import MeasurementLog
 
     info = device_info()
@@ -111,6 +124,10 @@ def run(args) -> int:
                                 num_sms=info["num_sms"])
         except ProfileError as exc:
             return A.refuse("calibrate", str(exc))
+        previous, previous_where = base, describe_origin(base.origin, info["name"])
+    else:
+        # read before the new profile may overwrite it in the user cache
+        previous, previous_where = previous_profile(info["name"], info["num_sms"])
     points = sweep_for(info, args.quick, args.seed)
     shapes = len({p.shape for p in points})
     over = f" over {args.kv_dtype} K/V, for {base.origin}" if base else ""
@@ -123,15 +140,21 @@ def run(args) -> int:
     log = MeasurementLog(partial)
     print(f"measurements so far: {partial} (removed once the fit is written)", flush=True)
 
+    bar = Progress(len(points), sys.stderr, label="calibrating", unit="plans",
+                   enabled=not args.quiet)
+
     def progress(i, n, point, us):
         log.append(point, us)
-        _progress(i, n, point, us)
+        if args.verbose:
+            bar.write(_timed_line(i, n, point, us), sys.stdout)
+        bar.advance(note=f"{point.shape}: {point.label}")
 
     try:
-        profile, report, measurements = calibrate(
-            points, info, quick=args.quick, seed=args.seed, trials=args.trials,
-            min_trial_ms=args.min_trial_ms, progress=progress, kv_dtype=args.kv_dtype,
-            graph_stable=args.graph_stable)
+        with bar:
+            profile, report, measurements = calibrate(
+                points, info, quick=args.quick, seed=args.seed, trials=args.trials,
+                min_trial_ms=args.min_trial_ms, progress=progress, kv_dtype=args.kv_dtype,
+                graph_stable=args.graph_stable)
     finally:
         log.close()
     fitted = profile
@@ -152,11 +175,17 @@ def run(args) -> int:
     print("parameters: " + ", ".join(f"{k}={v:.3g}" for k, v in fitted.coef.items()))
     print(f"best decode bandwidth measured: {fitted.measured_bandwidth_gbps:,.0f} GB/s"
           + (" (of one-byte codes)" if base else ""))
-    print("plans it now chooses" + (f" for {args.kv_dtype} caches:" if base else ":"))
-    for name, plan in example_plans(profile, args.kv_dtype, args.graph_stable):
-        s = plan.summary()
-        print(f"  {name:<12} {s['strategy']:<12} {s['num_splits']:>4} splits, "
-              f"{s['num_work_items']:>5} work items, predicted {plan.predicted_us:8.2f} us")
+    print()
+    caches = ""
+    if base is not None:
+        caches = f" for {args.kv_dtype} caches" + (" in graph-stable wrappers"
+                                                  if args.graph_stable else "")
+    print(f"plans of the standard cases{caches}, previous: {previous_where}")
+    changes = plan_changes(previous, profile, info["num_sms"], kv_dtype=args.kv_dtype,
+                           graph_stable=args.graph_stable)
+    for line in summary_table(changes):
+        print("  " + line)
+    print()
     print(f"profile written to {out} (measurements in {csv_path})")
     if args.plot:
         from ..calibration.plots import write_plots
@@ -166,4 +195,9 @@ def run(args) -> int:
         stem = csv_path.name[:-len(".csv")]
         for line in write_plots(out.parent, stem, measurements, fitted, report):
             print(line)
+    # last, so that it is what one reads: whether the profile just written will be used
+    in_use = profile_in_use(out, info["name"], info["num_sms"])
+    sys.stdout.flush()                  # a warning on stderr comes after the lines above
+    for line in in_use.lines():
+        print(line, file=sys.stdout if in_use.ok else sys.stderr)
     return 0

@@ -137,7 +137,7 @@ def test_calibrate_with_a_simulated_gpu(monkeypatch, tmp_path, capsys, fake_gpu)
     out = tmp_path / "h200.yaml"
     assert run_calibrate(["--quick", "--plot", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "[   1/" in text and "held out" in text and "plans it now chooses" in text
+    assert "held out" in text and "plans of the standard cases, previous: " in text
     assert "b1_n32k" in text and f"profile written to {out}" in text
     try:
         import matplotlib  # noqa: F401
@@ -150,6 +150,77 @@ def test_calibrate_with_a_simulated_gpu(monkeypatch, tmp_path, capsys, fake_gpu)
     assert fake_gpu.calls[0] == QUICK_TIMING
     profile = read_profile(out)
     assert profile.source == "calibrated" and profile.sweep["name"] == "quick"
+
+
+@pytest.fixture
+def simulated_gpu(monkeypatch, tmp_path, fake_gpu):
+    """The simulated GPU behind the command, an empty user cache and no $SPLITKV_PROFILE."""
+    import splitkv.runtime
+    import splitkv.runtime.timing
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(profiles.PROFILE_ENV, raising=False)
+    monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: (True, DEVICE["name"]))
+    monkeypatch.setattr(splitkv.runtime, "device_info", lambda: dict(DEVICE))
+    monkeypatch.setattr(splitkv.runtime.timing, "time_plan_us", fake_gpu)
+    return tmp_path / "cache" / "splitkv" / "profiles" / "nvidia-h200.yaml"
+
+
+def test_calibrate_shows_progress_then_what_the_new_profile_changes(simulated_gpu, capsys):
+    """In a log (stderr is no terminal under pytest): plain progress lines with the time left,
+    on stderr; then, on stdout, the standard cases' plans against the profile used before (the
+    shipped one here) and that splitkv now plans with the profile written to the user cache."""
+    from splitkv.bench.cases import STANDARD_CASES
+
+    assert run_calibrate(["--quick"]) == 0
+    out, err = capsys.readouterr()
+    progress = err.splitlines()
+    assert progress[0].startswith("calibrating: 2/90 plans (2%), ") and "left" in progress[0]
+    assert progress[-1].startswith("calibrating: 90/90 plans (100%), ")
+    assert "\r" not in err and "[   1/" not in out
+    table = out[out.index("plans of the standard cases, previous: the profile shipped with "
+                          "splitkv (nvidia-h200.yaml)"):].splitlines()
+    assert table[1].split()[:3] == ["case", "previous", "plan"]
+    for case, line in zip(STANDARD_CASES, table[2:2 + len(STANDARD_CASES)]):
+        assert f" {case.name} " in line
+    assert "plans changed (*)" in table[2 + len(STANDARD_CASES)]
+    assert out.rstrip().endswith(f"splitkv plans with it on this GPU: {simulated_gpu} "
+                                 "(the user cache)")
+
+
+def test_calibrate_quiet_prints_no_progress_and_verbose_each_plan(simulated_gpu, capsys):
+    assert run_calibrate(["--quick", "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and "[   1/90]" not in out and "plans changed" in out
+    assert run_calibrate(["--quick", "--verbose"]) == 0
+    out, err = capsys.readouterr()
+    assert "[   1/90] " in out and "[  90/90] " in out and "(prior " in out
+    assert err.startswith("calibrating: 2/90 plans")
+    # the second run compares with the first, now in the user cache
+    assert f"plans of the standard cases, previous: {simulated_gpu} (the user cache)" in out
+
+
+def test_calibrate_warns_when_another_profile_wins(simulated_gpu, monkeypatch, tmp_path,
+                                                   capsys):
+    # --out outside the lookup: splitkv goes on with the shipped profile, and says so
+    out_path = tmp_path / "mine" / "h200.yaml"
+    assert run_calibrate(["--quick", "--quiet", "--out", str(out_path)]) == 0
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "warning: splitkv will not plan with this profile: it is not where splitkv looks",
+        "  splitkv plans with: the profile shipped with splitkv (nvidia-h200.yaml)",
+        f"  to plan with the new one: set {profiles.PROFILE_ENV}={out_path} or pass "
+        f"profile=\"{out_path}\" to the wrapper, or copy it to {simulated_gpu}"]
+    # $SPLITKV_PROFILE names that file: a calibration written to the cache does not count
+    monkeypatch.setenv(profiles.PROFILE_ENV, str(out_path))
+    assert run_calibrate(["--quick", "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert f"plans of the standard cases, previous: {out_path} (named by " in out
+    assert err.splitlines() == [
+        f"warning: splitkv will not plan with this profile: ${profiles.PROFILE_ENV}="
+        f"{out_path} comes first",
+        f"  splitkv plans with: {out_path} (named by ${profiles.PROFILE_ENV})",
+        f"  to plan with the new one: unset {profiles.PROFILE_ENV}"]
 
 
 def test_a_calibration_cut_off_keeps_what_it_measured(monkeypatch, tmp_path, fake_gpu):

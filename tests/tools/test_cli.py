@@ -249,6 +249,11 @@ BAD_ARGUMENTS = [
     (["calibrate", "--seed", "-1"], "argument --seed: expected an integer >= 0"),
     (["calibrate", "--out", "my-gpu.csv"], "argument --out: 'my-gpu.csv': the measurements are "
                                            "written beside the profile as my-gpu.csv"),
+    (["calibrate", "--quiet", "--verbose"], "argument --verbose/-v: not allowed with argument "
+                                            "--quiet/-q"),
+    (["calibrate", "-vq"], "argument --quiet/-q: not allowed with argument --verbose/-v"),
+    (["calibrate", "--quiet=yes"], "argument --quiet/-q: ignored explicit argument 'yes'"),
+    (["calibrate", "--out", "/"], "argument --out: expected a file path to write, got '/'"),
 ]
 
 

@@ -72,6 +72,18 @@ def _from_cai(name: str, obj) -> DeviceArray:
     return DeviceArray(ptr, shape, strides, dtype, None, obj)
 
 
+def itemsize(dtype: str) -> int | None:
+    """Bytes of an element of ``dtype`` (a ``DeviceArray``'s), or None for one NumPy and this
+    module do not know."""
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        try:
+            size = np.dtype(dtype).itemsize
+        except TypeError:
+            return None
+    return size
+
+
 def as_device_array(name: str, obj) -> DeviceArray:
     """Describe ``obj`` (a device array of any common framework) without copying it."""
     import cupy

@@ -248,8 +248,9 @@ class DevicePlanner:
     """The planning kernel of one graph-stable wrapper: its argument, scratch and state on the
     device; ``launch`` enqueues it (capturable: no allocation, no host wait)."""
 
-    def __init__(self, params: DevicePlanParams, batch: BatchArrays, records_ptr: int,
-                 merge_indptr_ptr: int, stream, query_rows_ptr: int = 0, max_q_len: int = 1):
+    def __init__(self, params: DevicePlanParams, batch: BatchArrays, arrays: list,
+                 records_ptr: int, merge_indptr_ptr: int, stream, query_rows_ptr: int = 0,
+                 max_q_len: int = 1):
         import cupy
 
         # made on the plan's stream (a zero fill elsewhere could land after the first plan);
@@ -273,11 +274,12 @@ class DevicePlanner:
         stream.synchronize()
         self._args = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
         self._inputs, self._input_ptrs, self._sm_scale = None, None, None
-        self.bind(batch)
+        self.bind(batch, arrays)
 
-    def bind(self, batch: BatchArrays) -> None:
+    def bind(self, batch: BatchArrays, arrays: list) -> None:
         """Read ``batch``'s arrays from the next launch on (a capture holds the arrays of its
-        launch): an engine's graph per batch size binds that size's views."""
+        launch): an engine's graph per batch size binds that size's views. ``arrays``: the
+        objects behind them, kept alive while the kernel reads them."""
         from .launch import KernelLaunch
 
         p = self.params
@@ -291,7 +293,7 @@ class DevicePlanner:
         p.scratch_in_shared = int(shared <= MAX_SHARED_SCRATCH_BYTES)
         self._launch = KernelLaunch(plan_kernel(), 1, PLAN_THREADS,
                                     shared if p.scratch_in_shared else 0)
-        self.batch = batch
+        self.batch, self.arrays = batch, arrays
 
     def remember(self, inputs: tuple, sm_scale) -> None:
         """The objects ``plan_on_device`` was first given (and their addresses), so that a

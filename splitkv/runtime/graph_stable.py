@@ -305,17 +305,13 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
                 raise RuntimeError("plan_on_device: the first call binds the arrays and "
                                    "allocates; make it before capturing")
             planner = self._bind_device_planner(batch, arrays, scale_log2, s, kernels)
-            planner.remember(inputs, sm_scale)
         elif scale_log2 != self._launch.params.sm_scale_log2:
             raise ValueError("sm_scale: a graph-stable wrapper keeps the sm_scale of its first "
                              "plan (a captured launch holds it)")
         elif batch != planner.batch:             # other arrays (another batch size): rebind
-            planner.bind(batch)
-            planner.arrays = arrays
-            planner.remember(inputs, sm_scale)
+            planner.bind(batch, arrays)
             self._launch.params.kv_indices = batch.pointers[3]
-        else:                                    # the same arrays, given anew
-            planner.remember(inputs, sm_scale)
+        planner.remember(inputs, sm_scale)
 
     def _bind_device_planner(self, batch, arrays, sm_scale_log2: float, s, kernels):
         """The first plan_on_device(): the fixed buffers, the planning kernel bound to the
@@ -337,11 +333,10 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
         upload = GraphPlanUpload(max_chunks, 0, max_batch, query_rows=multi)
         self._workspace.ensure_size(max_chunks * heads,
                                     max_batch * self.num_kv_heads * self.ctas_per_kv_head, s)
-        planner = DevicePlanner(params, batch, upload.pointers["records"],
+        planner = DevicePlanner(params, batch, arrays, upload.pointers["records"],
                                 upload.pointers["merge_indptr"], s,
                                 query_rows_ptr=upload.pointers["query_rows"] if multi else 0,
                                 max_q_len=self._max_q_len)
-        planner.arrays = arrays                  # kept alive while the kernel reads them
         meta = dict(upload.pointers, kv_indices=batch.pointers[3])
         self._launch = self._bind(kernels, meta, LaunchGrid(
             max_chunks, max_batch, heads, self.ctas_per_kv_head, merge=True,

@@ -89,8 +89,7 @@ def device_page_table(page_size: int, device, *, kv_indptr=None, kv_indices=None
             raise ValueError("kv_indices: at most 2**31 - 1 entries (the kernels' offsets are "
                              "int32)")
         # the host checks of a FlashInfer table, on its indptr and lengths (ids stay unread)
-        lens = V.check_page_table(indptr, np.zeros(int(indptr[-1]) if indptr.size else 0,
-                                                   np.int64), last, page_size)
+        lens = V.check_page_table(indptr, None, last, page_size)
         return DevicePageTable(indptr, lens, page_size, table)
     for name, value in (("seq_lens", seq_lens), ("kv_indptr", kv_indptr),
                         ("kv_last_page_len", kv_last_page_len)):

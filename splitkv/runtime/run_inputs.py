@@ -134,10 +134,10 @@ def run_inputs(shape: DecodeShape, q, k_cache, v_cache, *, out, lse, want_lse: b
     qa = as_device_array("q", q)
     n = V.check_query_row_count("q", qa.shape, *rows)
     ka, va = kv_views(shape, k_cache, v_cache)
-    V.check_device_decode_arrays(qa, ka, va, batch_size=n, num_qo_heads=shape.num_qo_heads,
-                                 num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                                 page_size=shape.page_size, dtype=shape.dtype,
-                                 max_page=max_page, device=device, kv_dtype=shape.kv_dtype)
+    q_stride = V.check_device_decode_arrays(
+        qa, ka, va, batch_size=n, num_qo_heads=shape.num_qo_heads,
+        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, page_size=shape.page_size,
+        dtype=shape.dtype, max_page=max_page, device=device, kv_dtype=shape.kv_dtype)
     k_scale = fp8_scale(shape, "k_scale", k_scale, device)
     v_scale = fp8_scale(shape, "v_scale", v_scale, device)
     sinks = sinks_pointer(shape, sinks, device)
@@ -156,5 +156,5 @@ def run_inputs(shape: DecodeShape, q, k_cache, v_cache, *, out, lse, want_lse: b
     args = RunArguments(qa.ptr, ka.ptr, va.ptr, ka.strides[0], ka.strides[1], ka.strides[2],
                         oa.ptr, lse_ptr, k_scale=k_scale, v_scale=v_scale,
                         logits_soft_cap_log2=soft_cap_log2, sinks=sinks,
-                        q_stride=V.check_query_strides(qa, shape.num_qo_heads, shape.head_dim))
+                        q_stride=q_stride)
     return RunInputs(args, out, lse, s, n, ka)

@@ -52,12 +52,12 @@ class Workspace:
         self._rows = self._counters = 0
         self._buffer = None
         if buffer is not None:
-            from .arrays import as_device_array
+            from .arrays import as_device_array, itemsize
 
             arr = as_device_array("workspace_buffer", buffer)
             if not arr.is_contiguous:
                 raise ValueError("workspace_buffer: expected a contiguous device array")
-            size = int(np.prod(arr.shape)) * _ITEMSIZE.get(arr.dtype, 0)
+            size = int(np.prod(arr.shape)) * (itemsize(arr.dtype) or 0)
             if size == 0:
                 raise ValueError(f"workspace_buffer: expected a non-empty device array of a "
                                  f"known dtype, got shape {list(arr.shape)} of {arr.dtype}")
@@ -129,6 +129,3 @@ class Workspace:
                 self.counters.fill(0)
         self._rows, self._counters = rows, counters
 
-
-_ITEMSIZE = {"uint8": 1, "int8": 1, "uint16": 2, "float16": 2, "bfloat16": 2, "int32": 4,
-             "uint32": 4, "float32": 4, "int64": 8, "float64": 8}

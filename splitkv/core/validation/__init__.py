@@ -156,7 +156,8 @@ def check_page_table(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_last_page
                      page_size: int) -> np.ndarray:
     """FlashInfer-style page table: request b owns kv_indices[kv_indptr[b]:kv_indptr[b+1]].
     Returns the request lengths (int64), each within MAX_KV_LEN. (The pool bound is
-    ``check_page_indices``', where the pool size is known.)"""
+    ``check_page_indices``', where the pool size is known.) ``kv_indices`` None: the ids stay
+    on the device, unread; the rest is checked the same."""
     if kv_indptr.size < 1:
         raise ValueError("kv_indptr: expected at least one element (batch_size + 1), got an empty array")
     batch = kv_indptr.size - 1
@@ -165,16 +166,18 @@ def check_page_table(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_last_page
         raise ValueError(f"kv_indptr: expected kv_indptr[0] == 0, got {kv_indptr[0]}")
     if np.any(np.diff(kv_indptr) < 0):
         raise ValueError("kv_indptr: expected a non-decreasing array")
-    if kv_indptr[-1] != kv_indices.size:
+    entries = int(kv_indptr[-1]) if kv_indices is None else kv_indices.size
+    if kv_indptr[-1] != entries:
         raise ValueError(f"kv_indices: kv_indptr[-1]={kv_indptr[-1]} pages are referenced "
                          f"but kv_indices has {kv_indices.size}")
     if kv_last_page_len.size != batch:
         raise ValueError(f"kv_last_page_len: expected {batch} elements (one per request), "
                          f"got {kv_last_page_len.size}")
-    if kv_indices.size > MAX_TOTAL_PAGES:
-        raise ValueError(f"kv_indices: {kv_indices.size} pages; at most MAX_TOTAL_PAGES="
+    if entries > MAX_TOTAL_PAGES:
+        raise ValueError(f"kv_indices: {entries} pages; at most MAX_TOTAL_PAGES="
                          f"{MAX_TOTAL_PAGES} are supported (the kernel's page-table offsets are int)")
-    check_page_indices(kv_indices)
+    if kv_indices is not None:
+        check_page_indices(kv_indices)
     pages = np.diff(kv_indptr)
     has_pages = pages > 0
     bad_last = has_pages & ((kv_last_page_len < 1) | (kv_last_page_len > page_size))
@@ -283,16 +286,16 @@ def check_query_strides(q, num_qo_heads: int, head_dim: int) -> int:
 def check_device_decode_arrays(q, k_cache, v_cache, *, batch_size: int, num_qo_heads: int,
                                num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
                                max_page: int, device: int | None,
-                               kv_dtype: str | None = None) -> None:
+                               kv_dtype: str | None = None) -> int:
     """Inputs of a GPU decode call, given as descriptors with .shape, .strides (elements),
     .dtype, .ptr and .device. K and V are NHD views with any page, token and head strides (an
     HND cache is such a view: ``core.layouts``), as long as each head's row of head_dim values
     is contiguous, every row starts on a 16-byte boundary and a page spans under 2 GiB (the
     kernels address within a page in 32 bits). With ``kv_dtype`` (an fp8 format) K and V are
-    uint8 codes or that dtype (torch's float8)."""
+    uint8 codes or that dtype (torch's float8). Returns q's row stride (``check_query_strides``)."""
     check_shape("q", q.shape, (batch_size, num_qo_heads, head_dim))
     check_storage_dtype("q", q.dtype, dtype)
-    check_query_strides(q, num_qo_heads, head_dim)
+    q_stride = check_query_strides(q, num_qo_heads, head_dim)
     item = 1 if kv_dtype else 2
     for name, arr in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_shape(name, arr.shape, (None, page_size, num_kv_heads, head_dim))
@@ -323,6 +326,7 @@ def check_device_decode_arrays(q, k_cache, v_cache, *, batch_size: int, num_qo_h
     for name, arr in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if arr.device is not None and device is not None and arr.device != device:
             raise ValueError(f"{name}: is on device {arr.device}, the plan on device {device}")
+    return q_stride
 
 
 def check_device_output(name: str, arr, shape: tuple[int, ...], dtype: str) -> None:

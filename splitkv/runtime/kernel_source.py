@@ -23,6 +23,11 @@ DEFAULT_STAGES = {64: 4, 128: 3, 256: 2}
 # fp8 K/V tiles are half the bytes: twice the tiles keeps the bytes in flight (and so the CTAs an
 # SM holds) as the 16-bit kernel's, within the RECORD_PAGES the first tiles may take at page 16.
 DEFAULT_FP8_STAGES = {64: 6, 128: 6, 256: 4}
+# The latency dissection's cuts (benchmarks/dissect_latency.py), as DISSECT's bits (decode_build.cuh's
+# Cut): ticket merge 1, page lookups 2, K/V reads 4, the whole partial kernel 8, the merge kernel 16.
+# A cut kernel computes wrong answers on purpose.
+DISSECT_CUTS = {"no_merge": 1, "no_pages": 2, "no_kv": 4, "bare": 1 | 4, "empty": 8,
+                "merge_empty": 16}
 
 
 @lru_cache(maxsize=None)
@@ -61,11 +66,15 @@ class DecodeVariant:
     pow2_pages: int = 0    # 1: the page walk shifts for 2**k pages (POW2_PAGES)
     tile_per_warp: int = 16   # tokens per tile per warp: 16, or 32 (an experiment; TILE_N)
     dim_split: int = 1     # warps that split O's head dim, 1 or 2 (an experiment; WARPS_D)
+    dissect: str = ""      # a latency probe: the stages cut out (DISSECT_CUTS); "" in real builds
 
     def __post_init__(self):
         if self.kv_dtype not in ("", *KV_FP8_CODES):
             raise ValueError(f"kv_dtype: expected '' or one of {tuple(KV_FP8_CODES)}, "
                              f"got {self.kv_dtype!r}")
+        if self.dissect not in ("", *DISSECT_CUTS):
+            raise ValueError(f"dissect: expected '' or one of {tuple(DISSECT_CUTS)}, "
+                             f"got {self.dissect!r}")
         if self.num_warps not in (4, 8):
             raise ValueError(f"num_warps: expected 4 or 8, got {self.num_warps}")
         if self.tile_per_warp not in (16, 32):
@@ -129,7 +138,8 @@ class DecodeVariant:
                 # only where it is not the kernel's default, so the default builds' sources
                 # (and so their cached binaries) stay the same
                 **({"TILE_N": self.tile_tokens} if self.tile_per_warp != 16 else {}),
-                **({"WARPS_D": self.dim_split} if self.dim_split != 1 else {})}
+                **({"WARPS_D": self.dim_split} if self.dim_split != 1 else {}),
+                **({"DISSECT": DISSECT_CUTS[self.dissect]} if self.dissect else {})}
 
     @property
     def name(self) -> str:
@@ -144,6 +154,7 @@ class DecodeVariant:
         kv += "_pow2" if self.pow2_pages else ""
         kv += f"_t{self.tile_tokens}" if self.tile_per_warp != 16 else ""
         kv += f"_dsplit{self.dim_split}" if self.dim_split != 1 else ""
+        kv += f"_dissect_{self.dissect}" if self.dissect else ""
         return (f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}_s{self.stages}{regs}{cluster}"
                 f"{kv}")
 

@@ -461,7 +461,8 @@ def test_the_dissect_cuts_build(head_dim):
         assert variant.defines["DISSECT"] == DISSECT_CUTS[cut] and variant.name.endswith(cut)
         ptx = _ptx(variant.source(), variant.name)
         assert ptx != full, cut
-        assert ("atom.global.inc" in ptx) == (cut not in ("no_merge", "bare", "empty")), cut
+        # (the cut-out ticket merge leaves no atomic; "empty" returns at run time, the code stays)
+        assert ("atom.global.inc" in ptx) == (cut not in ("no_merge", "bare")), cut
     with pytest.raises(ValueError, match="dissect: expected"):
         replace(base, dissect="no_such_cut")
 

@@ -334,15 +334,15 @@ __device__ __forceinline__ void write_partial(const DecodeParams& p, const WarpS
 // partials, and merges them all. atomicInc with limit n_chunks - 1 wraps the counter back to 0 on
 // that last arrival, so the next launch and every CUDA-graph replay start from zero without a
 // memset.
-__device__ __forceinline__ void ticket_merge(const DecodeParams& p, int req, int kv_head,
-                                             int head_cta, int head0, int rows_valid,
+__device__ __forceinline__ void ticket_merge(const DecodeParams& p, int req, int head_item,
+                                             int head0, int rows_valid,
                                              int merge_lo, int merge_hi) {
   const int n_chunks = merge_hi - merge_lo;
   __threadfence();
   __syncthreads();
   bool last_arrival = false;
   if (threadIdx.x == 0) {
-    const unsigned slot = ((unsigned)req * p.num_kv_heads + kv_head) * p.ctas_per_kv_head + head_cta;
+    const unsigned slot = (unsigned)req * p.num_kv_heads * p.ctas_per_kv_head + head_item;
     const unsigned ticket = atomicInc(p.counters + slot, (unsigned)(n_chunks - 1));
     last_arrival = ticket == (unsigned)(n_chunks - 1);
   }
@@ -451,6 +451,9 @@ struct WorkItem {
   int rank;           // in the cluster (%cluster_ctarank of a 1-D cluster); 0 without one
   int record_index;   // the chunk record
   int kvh, head_cta;  // the kv head, and which of its ctas_per_kv_head CTAs
+  // kvh x ctas_per_kv_head + head_cta: the ticket merge's counter takes this one value, so it
+  // alone (not kvh and head_cta) stays live across the main loop for the epilogue
+  int head_item;
   int group;          // query heads per kv head
   int head0;          // the CTA's first query head
   int rows_valid;     // its rows that hold a query head
@@ -469,6 +472,7 @@ __device__ __forceinline__ WorkItem locate(const DecodeParams& params) {
     w.record_index = blockIdx.x / heads_per_chunk;
     head_item = blockIdx.x % heads_per_chunk;
   }
+  w.head_item = head_item;
   w.kvh = head_item / params.ctas_per_kv_head;
   w.head_cta = head_item % params.ctas_per_kv_head;
   w.group = params.num_qo_heads / params.num_kv_heads;
@@ -1134,7 +1138,7 @@ __device__ __forceinline__ void finish(const DecodeParams& params, const WarpSta
     write_partial(params, warps, chunk.plan_index, w.head0, w.rows_valid);
     if constexpr (!Build::cuts(CUT_TICKET_MERGE)) {
       if (chunk.flags & RECORD_TICKET_MERGE)
-        ticket_merge(params, chunk.request, w.kvh, w.head_cta, w.head0, w.rows_valid,
+        ticket_merge(params, chunk.request, w.head_item, w.head0, w.rows_valid,
                      chunk.chunk_begin, chunk.chunk_end);
     }
   }

@@ -1,5 +1,6 @@
 """Where does a short decode call spend its time? Times the same plans with parts of the
-decode kernel cut out (by patching its source), so the differences price each part:
+decode kernel cut out (builds with DecodeVariant.dissect set: the kernel's DISSECT cuts, one
+bit a stage, kernel_source.DISSECT_CUTS), so the differences price each part:
 
   base       the kernel as shipped
   no_merge   returns after writing the partials (no fence, ticket or fused merge)
@@ -17,7 +18,7 @@ decode kernel cut out (by patching its source), so the differences price each pa
   cluster_spread  the same, asking the driver to spread a cluster's CTAs over SMs
   cluster_1sm     cluster_any with shared memory padded so only one CTA fits on an SM
 
-The patched kernels compute wrong answers on purpose; only their times mean anything.
+The cut kernels compute wrong answers on purpose; only their times mean anything.
 
     python3 benchmarks/dissect_latency.py [--cases b1_n1k,b1_n8k] [--json out.json]
     python3 benchmarks/dissect_latency.py --plan-set merge --probes base,no_merge,merge_empty
@@ -30,7 +31,7 @@ there).
 import argparse
 import contextlib
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
@@ -46,23 +47,8 @@ from splitkv.runtime.kernel_source import DecodeVariant
 from splitkv.runtime.testing import scattered_page_table
 from splitkv.runtime.timing import make_layers, time_wrapper_us
 
-_COPIES = ("cp_async16(k_smem_u32 + dst, k_bytes + off, valid ? 16 : 0);\n"
-           "      cp_async16(v_smem_u32 + dst, v_bytes + off, valid ? 16 : 0);")
-_NO_COPIES = ("cp_async16(k_smem_u32 + dst, k_bytes + off, 0);\n"
-              "      cp_async16(v_smem_u32 + dst, v_bytes + off, 0);")
-_MERGE = "  if (chunk.flags & RECORD_TICKET_MERGE)\n"
-_PAGES = "? table[pidx] : -1"
-_SMEM = "extern __shared__ __align__(128) unsigned char smem[];"
-_MERGE_KERNEL = "  wait_for_prior_grid();   // the partials are the previous kernel's output\n"
-PATCHES = {
-    "base": [],
-    "no_merge": [(_MERGE, "  if (false)\n")],
-    "no_pages": [(_PAGES, "? pidx : -1")],
-    "no_kv": [(_COPIES, _NO_COPIES)],
-    "bare": [(_COPIES, _NO_COPIES), (_MERGE, "  if (false)\n")],
-    "empty": [(_SMEM, _SMEM + "\n  if (blockDim.x > 0) return;")],
-    "merge_empty": [(_MERGE_KERNEL, _MERGE_KERNEL + "  if (blockDim.x > 0) return;\n")],
-}
+# The probes that cut stages out of the kernel ("base": none), kernel_source.DISSECT_CUTS's.
+PROBES = ("base", *kernel_source.DISSECT_CUTS)
 # The plans to dissect per case: (strategy, chunk tokens).
 PLANS = {
     "b1_n1k": [("fused", 64), ("fused", 128), ("split_merge", 128), ("fused", 256), ("fused", 512)],
@@ -119,27 +105,12 @@ def opt_in(kernel, spread: bool) -> None:
                             _POLICY_SPREAD if spread else _POLICY_DEFAULT)
 
 
-@dataclass(frozen=True)
-class ProbeVariant(DecodeVariant):
-    """A decode variant with source patches applied; a distinct key in the kernel cache."""
-
-    probe: str = "base"
-
-    def source(self) -> str:
-        text = super().source()
-        for old, new in PATCHES[self.probe]:
-            if text.count(old) != 1:
-                raise RuntimeError(f"probe {self.probe}: patch target not found once: {old!r}")
-            text = text.replace(old, new)
-        return text
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--plan-set", choices=sorted(PLAN_SETS), default="default")
     parser.add_argument("--cases", default=None, help="default: every case of the plan set")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--probes", default=",".join([*PATCHES, "cluster"]),
+    parser.add_argument("--probes", default=",".join([*PROBES, "cluster"]),
                         help="comma-separated subset of the probes")
     args = parser.parse_args()
     plans = PLAN_SETS[args.plan_set]
@@ -152,14 +123,15 @@ def main():
             plan = plan_chunk_tokens(prob, chunk, strategy, align=64)
             times, sizes = {}, {}
             chosen = args.probes.split(",")
-            for probe, clusters in [(p, False) for p in PATCHES if p in chosen] + \
+            for probe, clusters in [(p, False) for p in PROBES if p in chosen] + \
                     [(p, None) for p in CLUSTER_PROBES if p in chosen]:
                 w = BatchDecodeWrapper(prob.num_qo_heads, prob.num_kv_heads, prob.head_dim,
                                        prob.page_size, prob.dtype, use_clusters=clusters,
-                                       pdl=False)   # the probes patch plain launches
+                                       pdl=False)   # the probes cut plain launches
                 v = w.variant
-                w.variant = ProbeVariant(v.dtype, v.head_dim, v.row_tiles, v.stages,
-                                         v.max_registers, probe=probe if clusters is False else "base")
+                cut = probe if clusters is False and probe != "base" else ""
+                w.variant = DecodeVariant(v.dtype, v.head_dim, v.row_tiles, v.stages,
+                                          v.max_registers, dissect=cut)
                 with cluster_rule(probe):
                     w.plan(pt, plan=plan)
                 kernel = get_decode_kernels(replace(w.variant, cluster=w.cluster_size)).partial

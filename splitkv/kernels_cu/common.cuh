@@ -168,6 +168,12 @@ __device__ __forceinline__ float4 ld_cluster4(u32 addr) {
                : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
   return v;
 }
+#else
+// Declared only: a build without clusters never calls them (`if constexpr`).
+__device__ void cluster_sync();
+__device__ u32 cluster_map(u32 smem_addr, int rank);
+__device__ float ld_cluster(u32 addr);
+__device__ float4 ld_cluster4(u32 addr);
 #endif
 
 // Programmatic dependent launch (sm_90+). A kernel launched with the programmatic stream

@@ -11,7 +11,7 @@ __device__ __forceinline__ u32 byte_perm(u32 a, u32 b, u32 selector) {
   return r;
 }
 
-#if KV_FP8 == 1 && !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890)
+#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890)
 // Before sm_89 (no fp8 cvt): an e4m3fn code's exponent and mantissa bits, placed as a float16's
 // low bits, are its value times 2**-8 (normal and subnormal alike: the biases differ by 8), so
 // one float16 multiply by 256 finishes the pair; S.1111.111 is NaN.

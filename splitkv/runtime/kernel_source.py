@@ -19,6 +19,11 @@ KV_FP8_CODES = {"float8_e4m3fn": 1, "float8_e5m2": 2}
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 NVRTC_OPTIONS = ("--std=c++17", "-default-device")
+# The latency dissection's cuts (benchmarks/dissect_latency.py), as DISSECT's bits (decode_build.cuh's
+# Cut): ticket merge 1, page lookups 2, K/V reads 4, the whole partial kernel 8, the merge kernel 16.
+# A cut kernel computes wrong answers on purpose.
+DISSECT_CUTS = {"no_merge": 1, "no_pages": 2, "no_kv": 4, "bare": 1 | 4, "empty": 8,
+                "merge_empty": 16}
 
 
 @lru_cache(maxsize=None)
@@ -42,6 +47,14 @@ class DecodeVariant(Build):
     """One compiled specialisation of decode.cu: a ``core.builds.Build`` (what the build rules
     decide) with its defines, name and source."""
 
+    dissect: str = ""      # a latency probe: the stages cut out (DISSECT_CUTS); "" in real builds
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.dissect not in ("", *DISSECT_CUTS):
+            raise ValueError(f"dissect: expected '' or one of {tuple(DISSECT_CUTS)}, "
+                             f"got {self.dissect!r}")
+
     @classmethod
     def of(cls, build: Build) -> "DecodeVariant":
         """``build`` as a variant to compile (itself where it is one)."""
@@ -61,7 +74,8 @@ class DecodeVariant(Build):
                 # only where it is not the kernel's default, so the default builds' sources
                 # (and so their cached binaries) stay the same
                 **({"TILE_N": self.tile_tokens} if self.tile_per_warp != 16 else {}),
-                **({"WARPS_D": self.dim_split} if self.dim_split != 1 else {})}
+                **({"WARPS_D": self.dim_split} if self.dim_split != 1 else {}),
+                **({"DISSECT": DISSECT_CUTS[self.dissect]} if self.dissect else {})}
 
     @property
     def name(self) -> str:
@@ -76,6 +90,7 @@ class DecodeVariant(Build):
         kv += "_pow2" if self.pow2_pages else ""
         kv += f"_t{self.tile_tokens}" if self.tile_per_warp != 16 else ""
         kv += f"_dsplit{self.dim_split}" if self.dim_split != 1 else ""
+        kv += f"_dissect_{self.dissect}" if self.dissect else ""
         return (f"decode_{self.dtype}_d{self.head_dim}_r{self.rows}_s{self.stages}{regs}{cluster}"
                 f"{kv}")
 

@@ -452,21 +452,38 @@ def test_the_head_dim_split_between_warp_pairs_compiles(variant):
 
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_the_dissect_probes_patch_the_current_kernel(head_dim):
-    """benchmarks/dissect_latency.py patches the kernel source by exact strings (its probes
-    patch out the copies, page lookups, merge): each must still find its target once and
-    build, or the probe times the unpatched kernel (a stale target is an error, not a no-op)."""
+def test_the_dissect_cuts_build(head_dim):
+    """benchmarks/dissect_latency.py times builds with stages cut out (DecodeVariant.dissect, the
+    kernel's DISSECT bits): each builds, and differs from the full kernel where its cut is (the
+    K/V copies read nothing, the page lookups, the ticket merge, either kernel at once); a
+    real build carries no DISSECT define."""
+    from splitkv.runtime.kernel_source import DISSECT_CUTS
+
+    base = DecodeVariant("bfloat16", head_dim, 1)
+    assert "DISSECT" not in base.defines
+    full = _ptx(base.source(), base.name)
+    for cut in DISSECT_CUTS:
+        variant = replace(base, dissect=cut)
+        assert variant.defines["DISSECT"] == DISSECT_CUTS[cut] and variant.name.endswith(cut)
+        ptx = _ptx(variant.source(), variant.name)
+        assert ptx != full, cut
+        # (the cut-out ticket merge leaves no atomic; "empty" returns at run time, the code stays)
+        assert ("atom.global.inc" in ptx) == (cut not in ("no_merge", "bare")), cut
+    with pytest.raises(ValueError, match="dissect: expected"):
+        replace(base, dissect="no_such_cut")
+
+
+@pytest.mark.nvrtc
+def test_the_dissect_plan_sets_name_bench_cases():
     import importlib.util
     from pathlib import Path
+
+    from splitkv.bench.cases import select
 
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "dissect_latency.py"
     spec = importlib.util.spec_from_file_location("dissect_latency", path)
     dissect = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(dissect)
-    for probe in dissect.PATCHES:
-        variant = dissect.ProbeVariant("bfloat16", head_dim, 1, probe=probe)
-        assert compile_ptx(variant.source(), variant.name, "compute_90"), probe
-    from splitkv.bench.cases import select
     for plans in dissect.PLAN_SETS.values():      # every plan set names bench cases
         assert [c.name for c in select(",".join(plans))] == list(plans)
 

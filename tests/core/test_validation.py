@@ -439,6 +439,7 @@ def test_q_may_be_a_fused_qkv_slice_but_nothing_else():
     assert V.check_query_strides(q((512, 64, 1)), 8, 64) == 512
     assert V.check_query_strides(q(((8 + 2 * 2) * 64, 64, 1)), 8, 64) == 768   # qkv[:, :512]
     assert V.check_query_strides(q((0, 64, 1), rows=1), 8, 64) == 512   # one row: any stride
+    assert V.check_query_strides(q((0, 0, 0), rows=0), 8, 64) == 512   # empty: CuPy's zero strides
     for strides in ((64, 256, 1), (512, 64, 2), (256, 64, 1), (-512, 64, 1)):
         with pytest.raises(ValueError, match=r"q: expected \[rows, num_qo_heads, head_dim\]"):
             V.check_query_strides(q(strides), 8, 64)

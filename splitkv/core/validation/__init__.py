@@ -269,8 +269,11 @@ def check_query_strides(q, num_qo_heads: int, head_dim: int) -> int:
     """q [rows, num_qo_heads, head_dim] read in place: contiguous, or any view whose heads are
     head_dim apart with unit stride in head_dim (a slice of a fused QKV projection), rows
     forward and 4-byte aligned (the kernels load q two elements at a time). Returns its row
-    stride in elements."""
+    stride in elements. An empty q (no rows; NumPy and CuPy may give it zero strides) is taken
+    as contiguous: nothing is read from it."""
     rows = q.shape[0]
+    if rows == 0:
+        return num_qo_heads * head_dim
     row_stride = q.strides[0] if rows > 1 else num_qo_heads * head_dim
     heads_ok = q.strides[1] == head_dim or num_qo_heads == 1
     if q.strides[2] != 1 or not heads_ok or row_stride < num_qo_heads * head_dim:

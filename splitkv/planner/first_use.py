@@ -127,6 +127,7 @@ def probe_cases(num_sms: int, ctas_per_sm: int) -> list[ProbeCase]:
         return plan_chunk_tokens(prob, chunk, strategy, align=TILE)
 
     long = problem([LONG])
+    lone_1k = problem([1024])
     chunk_for_wave = TILE * math.ceil(LONG / wave(1) / TILE)  # one wave of one request's chunks
     batch = problem([2 * TILE] * wave(2))
     d256 = (16, 8, 256)
@@ -146,10 +147,14 @@ def probe_cases(num_sms: int, ctas_per_sm: int) -> list[ProbeCase]:
         ProbeCase("fused_wave_16k", cut(long, chunk_for_wave, "fused"),
                   ("fused_tail_us", "fused_merges")),
         ProbeCase("fused4_16k", cut(long, LONG // 4, "fused"),
-                  ("cluster_merges", "fused_merges")),
+                  ("fused_merges",)),
         ProbeCase("batch_single", single(batch), ("waves",)),
         ProbeCase("batch_split", cut(batch, TILE, "split_merge"), ("merge_grid", "partial_us")),
-        ProbeCase("batch_fused", cut(batch, TILE, "fused"), ("fused_merges", "cluster_merges")),
+        # one short request cut in 4 (a cluster of 4 where the device has clusters) and in 16
+        # (ticket merges): the merges of the short calls that clusters and tickets are for
+        ProbeCase("lone_fused4_1k", cut(lone_1k, 1024 // 4, "fused"), ("cluster_merges",)),
+        ProbeCase("lone_fused16_1k", cut(lone_1k, 1024 // 16, "fused"),
+                  ("fused_merges", "fused_tail_us")),
         ProbeCase("batch_split4", cut(problem([4 * TILE] * wave(1)), TILE, "split_merge"),
                   ("merge_grid", "merge_chain")),
         ProbeCase("d256_tiles", single(problem([TILE] * wave(4, *d256), *d256)),

@@ -2,7 +2,8 @@
 
 The shipped profile is hidden and the user cache is a fresh temporary folder, so the device is
 one splitkv knows nothing of; the first-use probes run (timed: ``probe_seconds`` is the probes'
-own wall time, ``probe_wall_seconds`` with the first compiles of their kernels), and their
+own wall time, first compiles of their kernels included where CuPy's cache is empty,
+``probe_seconds_compiled`` a second run with every kernel compiled), and their
 model, the shipped profile (where the device has one) and the roofline prior each plan the
 planner evaluation's held-out shapes (``eval_planner.py``: 44 standard and 24 of the classes).
 Every shape's plans are timed once in the same run: the three picks and eval_planner's grid (no
@@ -83,9 +84,13 @@ def main():
     results = run_probes()
     wall = time.perf_counter() - start
     first = derive_profile(results)
+    # again, every kernel compiled: what the probes cost on a machine that has compiled them
+    # (another driver or splitkv version probes again with CuPy's cache warm)
+    warm = run_probes()
     models["first_use"] = first.cost_model()
     models["prior"] = profiles.prior_profile(name, num_sms).cost_model()
-    print(f"probes: {results.seconds:.2f} s ({wall:.2f} s with first compiles); bandwidth "
+    print(f"probes: {results.seconds:.2f} s, {warm.seconds:.2f} s compiled "
+          f"(phases {results.phase_seconds}, compiled {warm.phase_seconds}); bandwidth "
           f"{results.bandwidth_gbps:.0f} GB/s, empty kernel {results.empty_graph_us:.2f} us in "
           f"a graph, {results.empty_eager_us:.2f} alone; ctas/SM {first.ctas_per_sm}; probe "
           f"fit RMS {first.fit_error:.1%}", flush=True)
@@ -128,7 +133,9 @@ def main():
     result = {"device": name, "date": datetime.date.today().isoformat(),
               "command": "python3 " + " ".join(sys.argv), "shape_set": args.shapes,
               **table(rows, "first_use"), "probe_seconds": round(results.seconds, 3),
-              "probe_wall_seconds": round(wall, 3), "probes": results.to_dict(),
+              "probe_wall_seconds": round(wall, 3),
+              "probe_seconds_compiled": round(warm.seconds, 3), "probes": results.to_dict(),
+              "probes_compiled": warm.to_dict(),
               "first_use_profile": first.to_dict()}
     for who in ("shipped", "prior"):
         result[who] = table(rows, who)

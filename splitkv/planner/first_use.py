@@ -184,6 +184,7 @@ class ProbeResults:
     full_read_keys: tuple
     decode_us: dict
     seconds: float = 0.0            # wall time of the probes
+    phase_seconds: dict = field(default_factory=dict)   # each phase's share, first compiles in
     l2_bytes: int = 0
 
     @property

@@ -98,17 +98,30 @@ def run_probes(trials: int = PROBE_TIMING["trials"],
     info = device_info()
     props = device_properties()
     nbytes = probe_bytes(info["l2_bytes"])
+    phases = {}
+    mark = time.perf_counter()
+
+    def phase(name):
+        nonlocal mark
+        now = time.perf_counter()
+        phases[name] = round(now - mark, 3)
+        mark = now
+
     graph_us, eager_us = time_empty_kernel(trials, min_trial_ms)
+    phase("empty_kernel")
     read = read_gbps_by_shape(nbytes, trials, READ_FULL + READ_BY_SM)
+    phase("read")
     full_keys = tuple(f"{c}x{t}x{lo}" for c, t, lo in READ_FULL)
     cases = probe_cases(props.num_sms, probe_ctas_per_sm(props))
     decode = time_cases(cases, nbytes, trials, min_trial_ms)
+    phase("decode")
     return ProbeResults(device_name=info["name"], num_sms=props.num_sms, cc=props.cc,
                         shared_per_block_optin=props.shared_per_block_optin,
                         shared_per_sm=props.shared_per_sm, driver_version=driver_version(),
                         empty_graph_us=graph_us, empty_eager_us=eager_us, read_gbps=read,
                         full_read_keys=full_keys, decode_us=decode,
-                        seconds=time.perf_counter() - start, l2_bytes=info["l2_bytes"])
+                        seconds=time.perf_counter() - start, phase_seconds=phases,
+                        l2_bytes=info["l2_bytes"])
 
 
 def run_quick_calibration(device_id: int, name: str):

@@ -128,6 +128,7 @@ def probe_cases(num_sms: int, ctas_per_sm: int) -> list[ProbeCase]:
 
     long = problem([LONG])
     lone_1k = problem([1024])
+    batch8_1k = problem([1024] * 8)
     chunk_for_wave = TILE * math.ceil(LONG / wave(1) / TILE)  # one wave of one request's chunks
     batch = problem([2 * TILE] * wave(2))
     d256 = (16, 8, 256)
@@ -154,6 +155,9 @@ def probe_cases(num_sms: int, ctas_per_sm: int) -> list[ProbeCase]:
         # (ticket merges): the merges of the short calls that clusters and tickets are for
         ProbeCase("lone_fused4_1k", cut(lone_1k, 1024 // 4, "fused"), ("cluster_merges",)),
         ProbeCase("lone_fused16_1k", cut(lone_1k, 1024 // 16, "fused"),
+                  ("fused_merges", "fused_tail_us")),
+        # eight such requests cut in 4: too wide a grid for clusters, so tickets, many at once
+        ProbeCase("batch8_fused4_1k", cut(batch8_1k, 1024 // 4, "fused"),
                   ("fused_merges", "fused_tail_us")),
         ProbeCase("batch_split4", cut(problem([4 * TILE] * wave(1)), TILE, "split_merge"),
                   ("merge_grid", "merge_chain")),

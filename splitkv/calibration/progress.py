@@ -96,8 +96,10 @@ class Progress:
                        else f", ~{format_duration(left)} left")
         # one column short of the width: a line that fills it wraps on some terminals
         limit = max(20, self.width - 1)
-        # the bar gives up columns (down to 10) to leave about 20 for the note
-        bar_width = max(10, min(30, limit - len(self.label) - len(status) - 24))
+        # the bar gives up columns (down to 10) to leave about 20 for the note; sized by the
+        # longest status of the run, so it keeps its width from the first line to the last
+        widest = len(f"{self.total}/{self.total} {self.unit} 100%, 0m00s elapsed, ~0m00s left")
+        bar_width = max(10, min(30, limit - len(self.label) - widest - 24))
         filled = bar_width * self.done // self.total if self.total else bar_width
         text = f"{self.label} [{'#' * filled}{'.' * (bar_width - filled)}] {status}"
         room = limit - len(text) - 2

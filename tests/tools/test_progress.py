@@ -90,8 +90,19 @@ def test_an_80_column_terminal_drops_the_note_not_the_status():
     clock.now += 0.5
     p.advance(note="h32/8_d64_b16_n2048: chunk tokens 512 split_merge")
     line = stream.getvalue().split("\r")[-1]
-    assert line == ("calibrating [######............] 413/1230 plans 33%, 3m56s elapsed, "
-                    "~6m48s left  h32/8_d64_b16_n...")
+    assert line == ("calibrating [#####...........] 413/1230 plans 33%, 3m56s elapsed, "
+                    "~6m48s left  h32/8_d64_b16_n20...")
+
+
+def test_the_bar_keeps_its_width_from_the_first_line_to_the_last():
+    # the status shortens as it ends ('estimating' at first, no time left at 100%): the bar
+    # must not grow or shrink with it
+    clock, stream = Clock(), Stream(True)
+    with Progress(90, stream, label="calibrating", unit="plans", clock=clock, width=80) as p:
+        run(p, clock, 90, 0.2)
+    bars = {line.split("[")[1].split("]")[0] for line in stream.getvalue().split("\r")
+            if "[" in line}
+    assert len({len(b) for b in bars}) == 1 and "#" * len(next(iter(bars))) in bars
 
 
 def test_a_terminal_is_redrawn_at_most_every_tenth_of_a_second():

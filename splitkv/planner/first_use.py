@@ -33,9 +33,10 @@ from .profiles import Profile, ProfileError, device_slug, read_profile, user_pro
 
 FIRST_USE_ENV = "SPLITKV_FIRST_USE"
 FIRST_USE_MODES = ("off", "probe", "calibrate")
-# Off until the probes' plans are measured against the best plans on a GPU (the evaluation:
-# benchmarks/eval_first_use.py); 'probe' then becomes the default.
-DEFAULT_MODE = "off"
+# The probes' model plans far closer to the best than the roofline prior on the H200's held-out
+# shapes (benchmarks/results/h200-first-use.json), for a pause of a few seconds once a GPU,
+# driver and splitkv version; engines that must not pause set it to 'off'.
+DEFAULT_MODE = "probe"
 FIRST_USE_SOURCE = "first-use probes"
 CACHE_FOLDER = "first-use"
 
@@ -62,8 +63,8 @@ LONG = 16384
 
 
 def first_use_mode() -> str:
-    """``$SPLITKV_FIRST_USE`` checked: 'off' (the default: plan with the roofline prior),
-    'probe' (time the first-use probes once, cache the model) or 'calibrate' (run the quick
+    """``$SPLITKV_FIRST_USE`` checked: 'probe' (the default: time the first-use probes once,
+    cache the model), 'off' (plan with the roofline prior) or 'calibrate' (run the quick
     calibration sweep and fit instead)."""
     value = os.environ.get(FIRST_USE_ENV, "").strip().lower()
     if not value:
@@ -214,6 +215,11 @@ class ProbeResults:
 
 class ProbeError(ValueError):
     """Probe results a model cannot be derived from (missing, non-finite or non-positive)."""
+
+
+class ProbesDeferred(RuntimeError):
+    """The probes cannot run now (a CUDA graph is being captured): the wrapper asking plans
+    with the roofline prior, and the next wrapper to plan asks again."""
 
 
 def _check(results: ProbeResults, cases) -> None:
@@ -375,6 +381,8 @@ def resolve(device_name: str, num_sms: int | None, source) -> Profile | None:
                       f"{FIRST_USE_ENV}=off plans with the roofline prior instead; `splitkv "
                       "calibrate` fits a better one.", stacklevel=3)
         return read_profile(path)
+    except ProbesDeferred:
+        return None
     except Exception as e:        # any failure leaves the prior, which always plans
         _state.failed.add(key)
         warnings.warn(f"splitkv: first-use {mode} for {device_name!r} failed "

@@ -2,8 +2,8 @@
 device has no profile (docs/design/first-use.md). Everything is timed with the one timing
 routine (``timing``): an empty kernel in a CUDA graph and launched alone, the streaming read
 at full occupancy and at one and two CTAs an SM (``bandwidth_probe``), and the decode plans of
-``planner.first_use.probe_cases`` run by a wrapper. About 2-3 s on a warm GPU, plus the
-kernels' first compiles where CuPy's cache does not hold them yet.
+``planner.first_use.probe_cases`` run by a wrapper. 1.8 s on the H200 once compiled, 7.9 s
+with the kernels' first compiles where CuPy's cache does not hold them yet.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from ..planner.first_use import ProbeResults, probe_cases, probe_ctas_per_sm
+from ..planner.first_use import ProbeResults, ProbesDeferred, probe_cases, probe_ctas_per_sm
 from ..planner.profiles import ProfileError, device_slug, read_profile, user_profile_dir
 from . import device_info
 
@@ -149,7 +149,27 @@ class DeviceProbes:
         self.driver_version = driver_version()
 
     def probe(self) -> ProbeResults:
+        refuse_inside_a_capture()
         return run_probes()
 
     def calibrate(self):
+        refuse_inside_a_capture()
         return run_quick_calibration(self.info["device_id"], self.info["name"])
+
+
+def refuse_inside_a_capture() -> None:
+    """The probes synchronize to time kernels, which a CUDA graph capture forbids (and which
+    would invalidate the caller's capture): under CuPy's or torch's capture they wait for a
+    plan made outside one."""
+    import cupy
+
+    try:
+        capturing = cupy.cuda.get_current_stream().is_capturing()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        # the legacy default stream cannot be asked while another stream captures: so one does
+        capturing = True
+    torch = sys.modules.get("torch")
+    if not capturing and torch is not None and torch.cuda.is_available():
+        capturing = torch.cuda.is_current_stream_capturing()
+    if capturing:
+        raise ProbesDeferred("a CUDA graph is being captured on the current stream")

@@ -235,7 +235,7 @@ def test_cached_profile_round_trips_with_its_probes():
         assert read_first_use(path, "NVIDIA L40S", None) is None
 
 
-@pytest.mark.parametrize("value, mode", [(None, "off"), ("", "off"), ("off", "off"),
+@pytest.mark.parametrize("value, mode", [(None, "probe"), ("", "probe"), ("off", "off"),
                                          ("probe", "probe"), (" Calibrate ", "calibrate")])
 def test_the_option(monkeypatch, value, mode):
     monkeypatch.delenv(FIRST_USE_ENV, raising=False)
@@ -328,6 +328,26 @@ def test_failed_probes_fall_back_to_the_prior_once():
     assert "no kernel today" in text and "roofline prior" in text
     load(source)
     assert source.probed == 1                      # not again in this process
+
+
+def test_probes_deferred_by_a_capture_are_asked_for_again():
+    """Under a CUDA graph capture the source defers: that plan uses the prior, with no failure
+    noted, and the next plan outside the capture probes."""
+    source = FakeProbes()
+    deferred = []
+
+    def probe():
+        if not deferred:
+            deferred.append(1)
+            raise first_use.ProbesDeferred("a CUDA graph is being captured")
+        return synthetic(source.name, driver=source.driver_version)
+
+    source.probe = probe
+    with pytest.warns(UserWarning) as caught:
+        assert load(source).is_prior
+    assert not any("failed" in str(w.message) for w in caught)
+    with pytest.warns(UserWarning, match="timed its first-use probes"):
+        assert load(source).source == first_use.FIRST_USE_SOURCE
 
 
 def test_probing_does_not_reenter_itself():

@@ -100,8 +100,6 @@ class Feature:
 
 
 FEATURES = (
-    # 1 per call.
-    Feature("const", "one", "count"),
     # kernel launches in the graph: 2 for 'split_merge' with a split request, else 1.
     Feature("launches", "one", "count", split_merge_row="one_plus_split"),
     # all K and V bytes / device bandwidth (contention for DRAM).

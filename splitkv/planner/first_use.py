@@ -135,7 +135,7 @@ def probe_cases(num_sms: int, ctas_per_sm: int) -> list[ProbeCase]:
     d256 = (16, 8, 256)
     g32 = (64, 2, 128)
     return [
-        ProbeCase("lone_tile", single(problem([TILE])), ("const", "waves")),
+        ProbeCase("lone_tile", single(problem([TILE])), ("waves",)),
         ProbeCase("wave_tile", single(problem([TILE] * wave(1))), ("waves", "crit_tiles")),
         ProbeCase("waves4_tile", single(problem([TILE] * wave(4))), ("waves", "crit_tiles")),
         ProbeCase("wave_1k", single(problem([1024] * wave(1))), ("kv_us", "crit_tiles")),

@@ -47,7 +47,8 @@ PROFILE_ENV = "SPLITKV_PROFILE"
 REFERENCE_DEVICE = "NVIDIA H200"       # what plans made without a device are made for
 # The profile format's version, written by ``Profile.to_dict``. A file without one is read as
 # the version before it (written by hand, or before the field); a newer one is refused.
-SCHEMA = 1
+# 2: no `const` column (schema 1's is dropped on load: a constant per call moves no decision).
+SCHEMA = 2
 PRIOR_SOURCE = "prior, not yet calibrated"
 
 # Streaming-read bandwidth guesses (GB/s) for the prior, by a substring of the device name.
@@ -96,20 +97,21 @@ def roofline_prior(num_sms: int, bandwidth_gbps: float) -> dict:
     """Parameters before any calibration, from the physics measured on an H200 (2026-11-29).
 
     launches: an empty kernel inside a CUDA graph. kv_us, crit_us (0.81 per slot, doubled as
-    the critical path is counted per SM: the same predictions for those grids) and const +
-    waves: the least-squares fit of this model to the plain read kernel over 4, 32 and 128 MiB
-    with 528 or 132 CTAs (2.73 ... 57.1 us; the fit: docs/design/cost-model.md, the roofline
-    prior). The rest are guesses of the right size: a tile's non-memory work (0.02 us, +0.005
-    us per query head), partials at full bandwidth, the fused tail at one CTA's bandwidth plus
-    ~1 us for the ticket atomic and fences, a tenth of the largest chunk's excess over the mean
-    as a scheduling tail, and a lone CTA streaming 3% slower than its SM's share (about what
-    was measured: docs/design/cost-model.md). stream_us 0: crit_us carries the critical path
-    until a calibration fits both; wide_waves 0: waves counts every start-up
-    alike until then; merge_grid 0: launches carries the merge kernel until then.
+    the critical path is counted per SM: the same predictions for those grids) and waves: the
+    least-squares fit of this model to the plain read kernel over 4, 32 and 128 MiB with 528 or
+    132 CTAs (2.73 ... 57.1 us; the fit: docs/design/cost-model.md, the roofline prior), less
+    its 0.5 us a call (a constant moves no decision). The rest are guesses of the right size:
+    a tile's non-memory work (0.02 us, +0.005 us per query head), partials at full bandwidth,
+    the fused tail at one CTA's bandwidth plus ~1 us for the ticket atomic and fences, a tenth
+    of the largest chunk's excess over the mean as a scheduling tail, and a lone CTA streaming
+    3% slower than its SM's share (about what was measured: docs/design/cost-model.md).
+    stream_us 0: crit_us carries the critical path until a calibration fits both; wide_waves 0:
+    waves counts every start-up alike until then; merge_grid 0: launches carries the merge
+    kernel until then.
     The parameters do not depend on the SM count or bandwidth: the features scale with them.
     """
     del num_sms, bandwidth_gbps
-    return {"const": 0.5, "launches": 0.52, "kv_us": 0.24, "crit_us": 1.62, "crit_tiles": 0.02,
+    return {"launches": 0.52, "kv_us": 0.24, "crit_us": 1.62, "crit_tiles": 0.02,
             "crit_tile_rows": 0.005, "waves": 0.6, "partial_us": 1.0, "fused_tail_us": 1.0,
             "fused_merges": 1.0, "merge_chain": 0.05, "tail_us": 0.1, "cluster_merges": 0.3,
             "lone_cta_us": 0.05, "stream_us": 0.0, "wide_waves": 0.0, "merge_grid": 0.0}
@@ -275,6 +277,10 @@ class Profile:
                 raise bad(f"{where}: expected one of {list(PROFILE_TILE_RULES)}, got {value!r}")
             return value
         def parameters(coef, where):
+            if isinstance(coef, dict) and schema < 2:
+                # schema 1's `const` (1 a call): the same on every plan of a call, so it moves
+                # no decision; dropped
+                coef = {k: v for k, v in coef.items() if k != "const"}
             if isinstance(coef, dict) and not clusters and "cluster_merges" not in coef:
                 # written before clusters: its model never predicts a cluster merge (the
                 # wrapper only ever turns a model's clusters off), so it goes unused

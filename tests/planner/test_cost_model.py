@@ -14,7 +14,7 @@ TRUTH = {name: 1.5 * value + 0.05 for name, value in roofline_prior(132, 4460.0)
 # stream_us (0 in the prior) overlaps kv_us on full grids: a truth the size of kv_us's keeps it
 # identifiable from the lone and ragged plans, where the two differ
 TRUTH["stream_us"] = 0.4
-CONST, KV_US = FEATURE_NAMES.index("const"), FEATURE_NAMES.index("kv_us")
+LAUNCHES, KV_US = FEATURE_NAMES.index("launches"), FEATURE_NAMES.index("kv_us")
 
 
 def feature(x, name):
@@ -47,7 +47,6 @@ def test_features_have_physical_units():
     # all K and V at 4460 GB/s: 128 MiB -> 30.1 us
     for x in (xs, xm, xf):
         assert feature(x, "kv_us") == pytest.approx(p.kv_bytes / 4460e3)
-        assert feature(x, "const") == 1
     # unsplit: 8 CTAs, each alone on its SM; the busiest SM reads 16 MiB at 4460/132 GB/s
     assert feature(xs, "crit_us") == pytest.approx(32768 * 512 / (4460e3 / 132))
     assert feature(xs, "tail_us") == 0                  # one chunk size: no scheduling tail
@@ -257,11 +256,11 @@ def test_fit_is_robust_to_a_few_bad_measurements(plans):
 def test_fit_keeps_parameters_physical():
     # a feature that never varies, or would fit negative, stays at zero
     x = np.zeros((40, len(FEATURE_NAMES)))
-    x[:, CONST] = 1
+    x[:, LAUNCHES] = 1
     x[:, KV_US] = np.linspace(1, 100, 40)
     y = 2.0 + 1.1 * x[:, KV_US]
     model = CostModel().fit(zip(x, y))
-    assert model.coef_[CONST] == pytest.approx(2.0) and model.coef_[KV_US] == pytest.approx(1.1)
+    assert model.coef_[LAUNCHES] == pytest.approx(2.0) and model.coef_[KV_US] == pytest.approx(1.1)
     assert np.all(model.coef_ >= 0)
 
 
@@ -289,7 +288,9 @@ def test_predict_needs_parameters_and_takes_plans_or_rows(plans):
 
 def test_from_coef_checks_names():
     with pytest.raises(ValueError, match="missing"):
-        CostModel.from_coef({"const": 1.0})
+        CostModel.from_coef({"launches": 1.0})
+    with pytest.raises(ValueError, match=r"unknown \['const'\]"):     # no longer a column
+        CostModel.from_coef({**dict.fromkeys(FEATURE_NAMES, 0.0), "const": 0.0})
     with pytest.raises(ValueError, match="finite"):
         CostModel.from_coef([np.nan] * len(FEATURE_NAMES))
 

@@ -20,7 +20,7 @@ from splitkv.planner.profiles import PROFILE_ENV, Profile, load_profile, user_pr
 
 # A made-up device model the probes are synthesised from: every free column non-zero, of
 # the size a decode kernel's costs could be, and no GPU's fit.
-KNOWN = {"const": 0.3, "launches": 0.9, "kv_us": 0.3, "crit_us": 0.0, "crit_tiles": 0.25,
+KNOWN = {"launches": 0.9, "kv_us": 0.3, "crit_us": 0.0, "crit_tiles": 0.25,
          "crit_tile_rows": 0.01, "waves": 2.0, "partial_us": 2.0, "fused_tail_us": 0.4,
          "fused_merges": 1.2, "merge_chain": 0.1, "tail_us": 0.0, "cluster_merges": 0.3,
          "lone_cta_us": 0.0, "stream_us": 0.5, "wide_waves": 1.5, "merge_grid": 0.15}
@@ -102,7 +102,7 @@ def test_probe_cases_price_every_column_they_name(name):
     priced = {col for c in cases for col in c.prices}
     assert priced <= set(FEATURE_NAMES)
     free = set(FEATURE_NAMES) - set(first_use.ZERO_COLUMNS) - set(first_use.MEASURED_COLUMNS)
-    assert free - {"cluster_merges"} <= priced | {"const"}
+    assert free - {"cluster_merges"} <= priced
     # a wave is the device's slots: the short probes of one wave give no SM a second round
     wave = next(c for c in cases if c.name == "wave_tile").plan
     assert wave.num_work_items <= d.num_sms * probe_ctas_per_sm(d)

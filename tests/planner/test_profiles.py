@@ -26,8 +26,8 @@ def clean_env(monkeypatch, tmp_path):
     monkeypatch.setattr(profiles, "_default", {})
 
 
-def make_profile(device="NVIDIA H200", num_sms=132, const=7.0, source="calibrated"):
-    coef = dict(profiles.roofline_prior(num_sms, 4460.0), const=const)
+def make_profile(device="NVIDIA H200", num_sms=132, launches=7.0, source="calibrated"):
+    coef = dict(profiles.roofline_prior(num_sms, 4460.0), launches=launches)
     return Profile(device_name=device, num_sms=num_sms, bandwidth_gbps=4460.0, coef=coef,
                    fit_error=0.03, heldout_error=0.05, date="2026-11-29",
                    splitkv_version="0.1.0", source=source, sweep={"name": "test", "points": 3})
@@ -73,14 +73,14 @@ def test_round_trip(tmp_path):
 
 
 def test_lookup_order(tmp_path, monkeypatch):
-    explicit = make_profile(const=1.0).save(tmp_path / "explicit.yaml")
-    env = make_profile(const=2.0).save(tmp_path / "env.yaml")
-    make_profile(const=3.0).save(cache_file(tmp_path))
+    explicit = make_profile(launches=1.0).save(tmp_path / "explicit.yaml")
+    env = make_profile(launches=2.0).save(tmp_path / "env.yaml")
+    make_profile(launches=3.0).save(cache_file(tmp_path))
     monkeypatch.setenv(PROFILE_ENV, str(env))
-    assert load_profile(explicit).coef["const"] == 1.0
-    assert load_profile().coef["const"] == 2.0
+    assert load_profile(explicit).coef["launches"] == 1.0
+    assert load_profile().coef["launches"] == 2.0
     monkeypatch.delenv(PROFILE_ENV)
-    assert load_profile().coef["const"] == 3.0                 # user cache
+    assert load_profile().coef["launches"] == 3.0              # user cache
     cache_file(tmp_path).unlink()
     assert load_profile().origin == "splitkv:nvidia-h200.yaml"  # shipped
     with pytest.warns(UserWarning, match="splitkv calibrate"):
@@ -109,7 +109,7 @@ BROKEN = {
     "not a mapping": "- 1\n- 2\n",
     "python object": "!!python/object/apply:os.system ['echo hi']\n",
     "missing field": "device_name: X\nnum_sms: 1\nbandwidth_gbps: 1.0\n",
-    "wrong coef": "device_name: X\nnum_sms: 1\nbandwidth_gbps: 1.0\ncoef: {const: 1.0}\n",
+    "wrong coef": "device_name: X\nnum_sms: 1\nbandwidth_gbps: 1.0\ncoef: {launches: 1.0}\n",
 }
 
 
@@ -173,6 +173,33 @@ def test_the_schema_is_written_and_a_newer_one_refused():
             Profile.from_dict(dict(good, schema=bad), origin="x.yaml")
 
 
+def test_a_schema_1_profiles_const_is_dropped_and_plans_the_same(tmp_path):
+    """Schema 1 had a `const` column (1 a call): a user's calibration of that schema loads with
+    it dropped, in every fit, and plans as the same profile without it (a constant added to
+    every plan of a call changes no choice). In schema 2 it is an unknown column."""
+    new = make_profile().with_kv_fp8(make_profile(launches=1.0))
+    old = new.to_dict()
+    old["schema"] = 1
+    old["coef"] = {"const": 3.0, **old["coef"]}
+    old["kv_fp8"]["coef"] = {"const": 0.5, **old["kv_fp8"]["coef"]}
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(old, sort_keys=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = read_profile(path)
+    assert loaded == new
+    assert Profile.from_dict({k: v for k, v in old.items() if k != "schema"}) == new
+    for lens in ([32768], [100] * 64, [5000, 17, 900, 3000, 0]):
+        p = DecodeProblem(np.array(lens), 32, 8, 128, 16)
+        for kv_dtype in (None, "float8_e4m3fn"):
+            a = choose_plan(p, loaded.cost_model(kv_dtype))
+            b = choose_plan(p, new.cost_model(kv_dtype))
+            assert (a.strategy, a.merge, a.predicted_us) == (b.strategy, b.merge, b.predicted_us)
+            np.testing.assert_array_equal(a.chunk_end - a.chunk_start, b.chunk_end - b.chunk_start)
+    with pytest.raises(ProfileError, match="expected one parameter for each feature"):
+        Profile.from_dict(dict(old, schema=2), origin="x.yaml")
+
+
 def test_unquoted_date_is_read_as_text(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text(make_profile().to_yaml().replace("date: '2026-11-29'", "date: 2026-11-29"))
@@ -204,9 +231,9 @@ def test_corrupt_or_foreign_cache_profile_warns_and_falls_back(tmp_path):
 
 def test_default_profile_follows_the_environment(tmp_path, monkeypatch):
     assert default_profile() is default_profile()          # remembered
-    path = make_profile(const=5.0).save(tmp_path / "env.yaml")
+    path = make_profile(launches=5.0).save(tmp_path / "env.yaml")
     monkeypatch.setenv(PROFILE_ENV, str(path))
-    assert default_profile().coef["const"] == 5.0
+    assert default_profile().coef["launches"] == 5.0
 
 
 def test_prior_profile_fields():
@@ -241,10 +268,11 @@ def test_an_fp8_fit_plans_fp8_caches_only(tmp_path):
     round trip, and a fit made for another device is refused."""
     base = make_profile()
     assert base.cost_model("float8_e4m3fn") is base.cost_model()
-    fp8 = make_profile(const=1.0)
+    fp8 = make_profile(launches=1.0)
     both = base.with_kv_fp8(fp8)
-    assert both.cost_model("float8_e5m2").coef_dict()["const"] == 1.0
-    assert both.cost_model().coef_dict()["const"] == 7.0 and both.cost_model(None) is both.cost_model()
+    assert both.cost_model("float8_e5m2").coef_dict()["launches"] == 1.0
+    assert both.cost_model().coef_dict()["launches"] == 7.0
+    assert both.cost_model(None) is both.cost_model()
     q = read_profile(both.save(tmp_path / "both.yaml"))
     assert q == both and "kv_fp8" in (tmp_path / "both.yaml").read_text()
     assert "kv_fp8" not in base.to_yaml()
@@ -256,13 +284,13 @@ def test_graph_stable_fp8_wrappers_plan_with_their_own_fit(tmp_path):
     """`kv_fp8_graph_stable` (timed with 4-warp CTAs everywhere) is what a graph-stable fp8
     wrapper plans with; per-shape fp8 plans keep kv_fp8; without it both use kv_fp8, and
     16-bit caches never see either. It survives a round trip."""
-    fp8 = make_profile().with_kv_fp8(make_profile(const=1.0))
+    fp8 = make_profile().with_kv_fp8(make_profile(launches=1.0))
     assert fp8.cost_model("float8_e4m3fn", graph_stable=True) is fp8.cost_model("float8_e4m3fn")
-    all3 = fp8.with_kv_fp8(make_profile(const=2.0), graph_stable=True)
-    assert all3.cost_model("float8_e4m3fn", graph_stable=True).coef_dict()["const"] == 2.0
-    assert all3.cost_model("float8_e4m3fn").coef_dict()["const"] == 1.0
-    assert all3.cost_model(None, graph_stable=True).coef_dict()["const"] == 7.0
-    assert all3.kv_fp8["coef"]["const"] == 1.0
+    all3 = fp8.with_kv_fp8(make_profile(launches=2.0), graph_stable=True)
+    assert all3.cost_model("float8_e4m3fn", graph_stable=True).coef_dict()["launches"] == 2.0
+    assert all3.cost_model("float8_e4m3fn").coef_dict()["launches"] == 1.0
+    assert all3.cost_model(None, graph_stable=True).coef_dict()["launches"] == 7.0
+    assert all3.kv_fp8["coef"]["launches"] == 1.0
     assert read_profile(all3.save(tmp_path / "all3.yaml")) == all3
     assert "kv_fp8_graph_stable" not in fp8.to_yaml()
     data = yaml.safe_load(all3.to_yaml())
@@ -290,7 +318,7 @@ def test_an_fp8_fits_tile_rule_travels_with_it(tmp_path):
     the device counts 64-token tiles), do not. A fit without the field counts 64."""
     from dataclasses import replace
 
-    fp8 = replace(make_profile(const=1.0), tile_rule="fp8")
+    fp8 = replace(make_profile(launches=1.0), tile_rule="fp8")
     both = make_profile().with_kv_fp8(fp8)
     assert both.kv_fp8["tile_rule"] == "fp8"
     assert both.cost_model("float8_e4m3fn").tile_rule == "fp8"
@@ -300,7 +328,7 @@ def test_an_fp8_fits_tile_rule_travels_with_it(tmp_path):
     q = read_profile(both.save(tmp_path / "both.yaml"))
     assert q == both and q.cost_model("float8_e4m3fn").tile_rule == "fp8"
     assert "tile_rule" not in make_profile().to_yaml()           # written only where set
-    old = make_profile().with_kv_fp8(make_profile(const=1.0))
+    old = make_profile().with_kv_fp8(make_profile(launches=1.0))
     assert "tile_rule" not in old.kv_fp8 and old.cost_model("float8_e4m3fn").tile_rule == ""
 
 
@@ -310,11 +338,11 @@ def test_graph_stable_models_always_count_64_token_tiles():
     profile (the rule at its top level). A profile cannot hold the multi-token rule."""
     from dataclasses import replace
 
-    marked = replace(make_profile(const=2.0), tile_rule="fp8")
+    marked = replace(make_profile(launches=2.0), tile_rule="fp8")
     p = make_profile().with_kv_fp8(marked, graph_stable=True)
     assert p.cost_model("float8_e4m3fn", graph_stable=True).tile_rule == ""
-    assert p.cost_model("float8_e4m3fn", graph_stable=True).coef_dict()["const"] == 2.0
-    alone = replace(make_profile(const=1.0), tile_rule="fp8")
+    assert p.cost_model("float8_e4m3fn", graph_stable=True).coef_dict()["launches"] == 2.0
+    alone = replace(make_profile(launches=1.0), tile_rule="fp8")
     assert alone.cost_model("float8_e4m3fn").tile_rule == "fp8"
     assert alone.cost_model("float8_e4m3fn", graph_stable=True).tile_rule == ""
     assert (alone.cost_model("float8_e4m3fn", graph_stable=True)
@@ -352,7 +380,7 @@ def test_the_shipped_fp8_fits_count_the_tiles_they_were_timed_with():
     (lambda d: d.update(kv_fp8=[1, 2]), "kv_fp8: expected a mapping with a 'coef'"),
 ])
 def test_a_bad_fp8_fit_names_its_field(tmp_path, change, blamed):
-    data = yaml.safe_load(make_profile().with_kv_fp8(make_profile(const=1.0)).to_yaml())
+    data = yaml.safe_load(make_profile().with_kv_fp8(make_profile(launches=1.0)).to_yaml())
     change(data)
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(data))

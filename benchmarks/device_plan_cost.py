@@ -99,7 +99,7 @@ for case in cases:
           f"{host_step:13.1f}us/{layers:<3d} {device_step:15.1f}us/{layers:<3d} "
           f"{device_step - host_step:9.2f}us  {row['plan']}{'' if same else ' DIFFERENT PLAN'}",
           flush=True)
-    del data
+    data = None                 # this case's layers freed before the next case's
     cupy.get_default_memory_pool().free_all_blocks()
 
 if args.json:

@@ -159,7 +159,7 @@ def test_the_device_planners_structs_sit_where_its_mirror_writes_them():
     assert {"DevicePlanParams", "DevicePlanState", "Record"} == {f[0] for f in fields}
     checks = device_planner.layout_checks()
     assert "MERGE_TICKET == 2" in checks
-    assert "X(16, split_x_requests, split_x_requests, 1) /* merge_grid */" in \
+    assert "X(15, split_x_requests, split_x_requests, 1) /* merge_grid */" in \
         device_planner.source()
     _ptx(device_planner.source(), "device_plan.cu")
 

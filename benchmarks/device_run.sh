@@ -26,6 +26,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-$PWD/out}; RES=$(mktemp -d); mkdir -p "$OUT"
 trap 'tar -C "$RES" -czf "$OUT/results.tgz" .' EXIT
 PROFILE=splitkv/planner/profiles/nvidia-h200.yaml
+# the logs without the libraries' warnings, a line at a time (a phase cut off keeps its lines)
+quiet() { grep --line-buffered -v Warning; }
 # FlashInfer as the benches' live peer, where .peers/ holds its slim archive
 # (flashinfer_slim.tgz) and the wheels it needs: installed into a temporary folder, and the
 # bench phases pass --flashinfer.
@@ -79,41 +81,41 @@ for phase in "$@"; do
     bench)
       # a fresh CuPy kernel cache, so the first-call compile time is a cold one
       CUPY_CACHE_DIR=$(mktemp -d) SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench $FI --json "$RES/h200.json" --markdown "$RES/h200.md" 2>&1 \
-        | grep --line-buffered -v Warning | tee "$RES/bench.log" | tail -22 ;;
+        | quiet | tee "$RES/bench.log" | tail -22 ;;
     bench_fp8)
       # fp8 K/V (e4m3, scale 1) through the same cases, beside the fp8 peers' numbers
       CUPY_CACHE_DIR=$(mktemp -d) SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench $FI --kv-dtype fp8_e4m3 \
-        --json "$RES/h200-fp8.json" --markdown "$RES/h200-fp8.md" 2>&1 | grep --line-buffered -v Warning | tee "$RES/bench_fp8.log" | tail -22 ;;
+        --json "$RES/h200-fp8.json" --markdown "$RES/h200-fp8.md" 2>&1 | quiet | tee "$RES/bench_fp8.log" | tail -22 ;;
     bench_classes)
       # head_dim 64/256, pages 1/64, groups 16/32, short requests (splitkv/bench/cases.py)
       CUPY_CACHE_DIR=$(mktemp -d) SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench $FI --cases classes \
-        --json "$RES/h200-classes.json" --markdown "$RES/h200-classes.md" 2>&1 | grep --line-buffered -v Warning \
+        --json "$RES/h200-classes.json" --markdown "$RES/h200-classes.md" 2>&1 | quiet \
         | tee "$RES/bench_classes.log" | tail -14 ;;
     bench_variants)
       # soft cap, sinks, a 4k window over 128k, multi-token decode, beside plain (bf16, then fp8)
-      python3 benchmarks/bench_variants.py --json "$RES/h200-variants.json" 2>&1 | grep --line-buffered -v Warning \
+      python3 benchmarks/bench_variants.py --json "$RES/h200-variants.json" 2>&1 | quiet \
         | tee "$RES/bench_variants.log"
       python3 benchmarks/bench_variants.py --kv-dtype float8_e4m3fn --json "$RES/h200-variants-fp8.json" \
-        2>&1 | grep --line-buffered -v Warning | tee "$RES/bench_variants_fp8.log" ;;
+        2>&1 | quiet | tee "$RES/bench_variants_fp8.log" ;;
     first_use)
       # the planner evaluation's 68 shapes planned by the first-use probes' model, the shipped
       # profile and the roofline prior, each against the best plan measured in the same run
       CUPY_CACHE_DIR=$(mktemp -d) python3 benchmarks/eval_first_use.py --json "$RES/h200-first-use.json" 2>&1 \
-        | grep --line-buffered -v Warning | tee "$RES/first_use.log" | tail -12 ;;
+        | quiet | tee "$RES/first_use.log" | tail -12 ;;
     dissect)
       # the same plans with parts of the kernel cut out: what each part of a short call costs
       python3 benchmarks/dissect_latency.py --probes base,no_merge,bare,empty,cluster \
-        --json "$RES/h200-dissect.json" 2>&1 | grep --line-buffered -v Warning | tee "$RES/dissect.log" | tail -25 ;;
+        --json "$RES/h200-dissect.json" 2>&1 | quiet | tee "$RES/dissect.log" | tail -25 ;;
     plan_cost)
       # the host's plan() (choose_plan, then with the upload), then planning on the device
-      python3 benchmarks/plan_host_cost.py 2>&1 | grep --line-buffered -v Warning | tee "$RES/plan_host_cost.log"
-      python3 benchmarks/device_plan_cost.py --json "$RES/h200-device-plan.json" 2>&1 | grep --line-buffered -v Warning \
+      python3 benchmarks/plan_host_cost.py 2>&1 | quiet | tee "$RES/plan_host_cost.log"
+      python3 benchmarks/device_plan_cost.py --json "$RES/h200-device-plan.json" 2>&1 | quiet \
         | tee "$RES/device_plan_cost.log" ;;
     ab)
       # benchmarks/ab.py with $AB_ARGS (split on spaces, no globbing)
       read -r -a ab_args <<< "$AB_ARGS"
       SPLITKV_PROFILE=$PROFILE python3 benchmarks/ab.py "${ab_args[@]}" --json "$RES/h200-ab.json" 2>&1 \
-        | grep --line-buffered -v Warning | tee "$RES/ab.log" ;;
+        | quiet | tee "$RES/ab.log" ;;
     dist)
       export NCCL_NVLS_ENABLE=0    # NVLink multicast stays off on shared machines
       python3 -c "import cupy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'nccl', nccl.get_version(), 'gpus', cupy.cuda.runtime.getDeviceCount())"
@@ -121,19 +123,19 @@ for phase in "$@"; do
         | tee "$RES/dist_tests.log" | tail -6
       timeout 250 python3 -m splitkv.distributed.launch --nproc "$(python3 -c 'import cupy; print(cupy.cuda.runtime.getDeviceCount())')" \
         --timeout 240 benchmarks/bench_distributed.py --json "$RES/h200-distributed.json" 2>&1 \
-        | grep --line-buffered -v Warning | tee "$RES/dist_bench.log" | tail -20 ;;
+        | quiet | tee "$RES/dist_bench.log" | tail -20 ;;
     engines)
       # transformers' continuous batching, paged|splitkv beside paged|sdpa ($ENGINES_ARGS: the
       # script's options, split on spaces; default its whole grid, about 15 minutes)
       read -r -a engines_args <<< "${ENGINES_ARGS:-}"
       python3 benchmarks/transformers_throughput.py --out "$RES" "${engines_args[@]}" 2>&1 \
-        | grep --line-buffered -v Warning | tee "$RES/engines.log" | tail -14 ;;
+        | quiet | tee "$RES/engines.log" | tail -14 ;;
     baseline)
       # the bench of the tree in .baseline/ with its own shipped profile, for a before and after
       # in one run beside `bench`
       (cd .baseline && CUPY_CACHE_DIR=$(mktemp -d) PYTHONPATH=$PWD \
         SPLITKV_PROFILE=$PWD/splitkv/planner/profiles/nvidia-h200.yaml \
-        python3 -m splitkv.bench --no-peer --json "$RES/h200-baseline.json" 2>&1 | grep --line-buffered -v Warning \
+        python3 -m splitkv.bench --no-peer --json "$RES/h200-baseline.json" 2>&1 | quiet \
         | tee "$RES/baseline.log" | tail -16) ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..core.geometry import WARPS_PER_CTA
 from ..planner import Profile
-from ..planner.profiles import device_slug, prior_profile, user_profile_dir
+from ..planner.profiles import prior_profile, user_profile_path
 from ..runtime import timing as runtime_timing
 from ..runtime.experiments import DecodeExperiments
 from .fit import FitReport, fit_profile, fit_tile_rule
@@ -71,7 +71,7 @@ def calibrate(points: list[SweepPoint], device: dict, *, quick: bool = False, se
 
 def profile_path(device_name: str, path=None) -> Path:
     """Where ``save`` writes the profile: ``path``, or the user cache's file for the device."""
-    return Path(path) if path else user_profile_dir() / f"{device_slug(device_name)}.yaml"
+    return Path(path) if path else user_profile_path(device_name)
 
 
 def save(profile: Profile, measurements: list[Measurement], path=None,

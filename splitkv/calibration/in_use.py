@@ -11,17 +11,10 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..planner.profiles import (PROFILE_ENV, Profile, ProfileError, device_slug, load_profile,
-                                prior_profile, user_profile_dir)
-
-PRIOR_ORIGIN = "roofline prior"         # ``prior_profile``'s origin
-SHIPPED_PREFIX = "splitkv:"             # a shipped profile's origin: 'splitkv:<device>.yaml'
-
-
-def cache_file(device_name: str) -> Path:
-    """The device's file in the user cache, where ``load_profile`` looks after
-    ``$SPLITKV_PROFILE``."""
-    return user_profile_dir() / f"{device_slug(device_name)}.yaml"
+from ..planner.profiles import PRIOR_ORIGIN, PROFILE_ENV, Profile, ProfileError, load_profile
+from ..planner.profiles import SHIPPED_ORIGIN_PREFIX as SHIPPED_PREFIX
+from ..planner.profiles import prior_profile
+from ..planner.profiles import user_profile_path as cache_file
 
 
 def _load(device_name: str, num_sms: int) -> tuple[Profile | None, str | None, list[str]]:

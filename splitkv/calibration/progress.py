@@ -73,25 +73,27 @@ class Progress:
         per_item = (self.clock() - self._first_done) / (self.done - 1)
         return per_item * (self.total - self.done)
 
+    def _parts(self) -> tuple[int, str, float | None, bool]:
+        """(percent done, the time elapsed, seconds left or None, whether it is finished)."""
+        pct = 100 * self.done // self.total if self.total else 100
+        return (pct, format_duration(self.elapsed()), self.seconds_left(),
+                self.done >= self.total)
+
     def status(self) -> str:
         """'412/1230 plans (33%), 2m05s elapsed, about 4m10s left'."""
-        pct = 100 * self.done // self.total if self.total else 100
-        text = (f"{self.done}/{self.total} {self.unit} ({pct}%), "
-                f"{format_duration(self.elapsed())} elapsed")
-        if self.done >= self.total:
+        pct, elapsed, left, finished = self._parts()
+        text = f"{self.done}/{self.total} {self.unit} ({pct}%), {elapsed} elapsed"
+        if finished:
             return text
-        left = self.seconds_left()
         return text + (", estimating the time left" if left is None
                        else f", about {format_duration(left)} left")
 
     def line(self) -> str:
         """The terminal's line: label, bar, a shorter status than a log's (a terminal of 80
         columns holds it) and the note, cut to the width, the note first."""
-        pct = 100 * self.done // self.total if self.total else 100
-        status = (f"{self.done}/{self.total} {self.unit} {pct}%, "
-                  f"{format_duration(self.elapsed())} elapsed")
-        if self.done < self.total:
-            left = self.seconds_left()
+        pct, elapsed, left, finished = self._parts()
+        status = f"{self.done}/{self.total} {self.unit} {pct}%, {elapsed} elapsed"
+        if not finished:
             status += (", estimating time left" if left is None
                        else f", ~{format_duration(left)} left")
         # one column short of the width: a line that fills it wraps on some terminals

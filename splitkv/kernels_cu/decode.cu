@@ -95,7 +95,6 @@ enum : int { DTILES = HEAD_DIM / 8 };
 enum : int { DTILES_W = DTILES / WARPS_D };                // d-tiles of O one warp accumulates
 enum : int { STAGE_BYTES = TILE_N * ROW_BYTES };           // K (or V) of one tile
 enum : int { PIPELINE_BYTES = STAGES * STAGE_BYTES * 2 };  // K and V tiles of every stage
-enum : int { CLUSTER_CTAS = Build::cluster > 1 ? Build::cluster : 1 };
 static_assert(RECORD_PAGES / 4 <= NUM_THREADS, "record copy: one 16-byte copy per thread");
 static_assert(TILE_N % (16 * WARPS_N) == 0, "TILE_N: whole 16-token subtiles for every warp");
 static_assert(ROW_TILES * WARPS_D * WARPS_N == NUM_WARPS, "warps: row tiles x WARPS_D x WARPS_N");
@@ -371,19 +370,19 @@ __device__ __forceinline__ void cluster_merge(const DecodeParams& p, const WarpS
   }
   cluster_sync();
   const u32 cl_o_u32 = smem_u32(cl_o), cl_lse_u32 = smem_u32(cl_lse);
-  for (int idx = rank + CLUSTER_CTAS * threadIdx.x; idx < rows_valid * (HEAD_DIM / 4);
-       idx += CLUSTER_CTAS * NUM_THREADS) {
+  for (int idx = rank + Build::cluster * threadIdx.x; idx < rows_valid * (HEAD_DIM / 4);
+       idx += Build::cluster * NUM_THREADS) {
     const int row = idx / (HEAD_DIM / 4), dim = (idx % (HEAD_DIM / 4)) * 4;
-    float lse2[CLUSTER_CTAS];
-    float4 o[CLUSTER_CTAS];
+    float lse2[Build::cluster];
+    float4 o[Build::cluster];
 #pragma unroll
-    for (int j = 0; j < CLUSTER_CTAS; ++j) {
+    for (int j = 0; j < Build::cluster; ++j) {
       lse2[j] = ld_cluster(cluster_map(cl_lse_u32 + row * 4, j));
       o[j] = ld_cluster4(cluster_map(cl_o_u32 + (row * HEAD_DIM + dim) * 4, j));
     }
-    SlotState parts[CLUSTER_CTAS];
+    SlotState parts[Build::cluster];
 #pragma unroll
-    for (int j = 0; j < CLUSTER_CTAS; ++j) parts[j] = SlotState::normalised(o[j], lse2[j]);
+    for (int j = 0; j < Build::cluster; ++j) parts[j] = SlotState::normalised(o[j], lse2[j]);
     SlotState merged = SlotState::empty();
     merged.merge(parts);
     write_output_slot(p, (i64)req * p.num_qo_heads + head0 + row, dim, merged);
@@ -1053,10 +1052,9 @@ __device__ __forceinline__ void stream_chunk(const DecodeParams& params, unsigne
       stream_pass(params, kv, q, mask, state, first_table, first_base, pages, upper_rows,
                   unified, phi, seen_max, role);
       if (!unified) break;
-      const float o_scale = Build::fp8 ? v_scale : 1.f;
       bool row_seen[2];
       if (!unified_rows_in_band(reinterpret_cast<float*>(smem), state, seen_max, q.row, phi,
-                                o_scale, role.warp, role.warp_m, role.g, role.t, upper_rows,
+                                v_scale, role.warp, role.warp_m, role.g, role.t, upper_rows,
                                 row_seen)) {
         // the running max, from the first tile again (the record's page ids are still in place)
         if (role.tid == 0 && params.unified_fallbacks) atomicAdd(params.unified_fallbacks, 1u);

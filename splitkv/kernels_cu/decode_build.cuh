@@ -79,7 +79,6 @@ enum Cut : int {
 // emit a constexpr variable into every module as a device global).
 struct Build {
   enum : int {
-    kv_fp8 = KV_FP8,
     fp8 = KV_FP8 != 0,
     bf16 = SPLITKV_BF16 != 0,   // q and the output are bfloat16
     soft_cap = SOFT_CAP != 0,
@@ -87,7 +86,7 @@ struct Build {
     unified_max = UNIFIED_MAX != 0,
     q_in_smem = Q_SMEM != 0,
     pow2_pages = POW2_PAGES != 0,
-    cluster = CLUSTER > 1 ? CLUSTER : 0,
+    cluster = CLUSTER > 1 ? CLUSTER : 1,   // CTAs a cluster (1: no cluster)
   };
   static constexpr bool cuts(Cut c) { return (DISSECT & c) != 0; }
 };

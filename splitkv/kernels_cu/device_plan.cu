@@ -111,7 +111,7 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
 
   // 3. each row's sums over the requests: one warp per row
   for (int r = warp; r < cands.num_rows; r += PLAN_WARPS) {
-    RowSums s = {0, 0, 0, 0, 0, 0};
+    RowSums s = {};
     for (int b = lane; b < n; b += 32) add_request(s, cands.rows[r], sc.lens[b], num_empty > 0);
     s.chunks = warp_sum(s.chunks);       // may pass 2**32 (a candidate too fine to choose)
     s.odd = warp_sum(s.odd);             // at most the chunks

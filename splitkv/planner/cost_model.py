@@ -15,10 +15,12 @@ from .features import F_MERGE_GRID, FEATURE_NAMES, check_tile_rule, plan_feature
 
 
 def fit_relative(x: np.ndarray, y: np.ndarray, huber_delta: float = 0.1,
-                 rounds: int = 4) -> np.ndarray:
+                 rounds: int = 4, target=1.0) -> np.ndarray:
     """Non-negative coefficients c minimising the squared relative error of x @ c against y
     (``CostModel.fit``'s arithmetic, for feature matrices of any width): columns scaled to
-    unit norm, then ``rounds`` NNLS solves, each re-weighted Huber-wise by the last."""
+    unit norm, then ``rounds`` NNLS solves, each re-weighted Huber-wise by the last.
+    ``target``: what (x @ c) / y should reach, row by row (1: y itself; a fraction where
+    fixed columns explain the rest of y)."""
     a = x / y[:, None]                           # relative error: (x @ c - y) / y
     scale = np.linalg.norm(a, axis=0)
     scale[scale == 0] = 1.0                      # a feature that never varies stays at 0
@@ -26,8 +28,8 @@ def fit_relative(x: np.ndarray, y: np.ndarray, huber_delta: float = 0.1,
     weights = np.ones_like(y)
     for _ in range(rounds):
         sw = np.sqrt(weights)
-        c, _ = nnls(a * sw[:, None], sw, maxiter=50 * a.shape[1])
-        resid = a @ c - 1.0
+        c, _ = nnls(a * sw[:, None], target * sw, maxiter=50 * a.shape[1])
+        resid = a @ c - target
         weights = np.minimum(1.0, huber_delta / np.maximum(np.abs(resid), 1e-12))
     return c / scale
 

@@ -191,7 +191,7 @@ LONE_CTA_MIN_TOKENS = 1024
 # held-out error was lowest (docs/design/cost-model.md; 50-70 fit alike).
 LONE_CTA_GBPS = 70.0
 
-SINGLE, SPLIT_MERGE, FUSED = (STRATEGIES.index(s) for s in ("single", "split_merge", "fused"))
+SPLIT_MERGE = STRATEGIES.index("split_merge")
 
 # How a model counts tiles (``CostModel.tile_rule``): '' 64-token tiles everywhere (the 16-bit
 # fits, whose 8-warp lone grids of 128-token tiles are rare in the sweep, the graph-stable

@@ -21,13 +21,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from scipy.optimize import nnls
 
 from ..core.builds import DeviceProperties, PlanGrid, decode_build
 from ..core.geometry import ctas_per_kv_head, rows_per_cta
 from ..core.plan import Plan, plan_chunk_tokens
 from ..core.problem import DecodeProblem
-from .cost_model import CostModel
+from .cost_model import CostModel, fit_relative
 from .features import FEATURE_NAMES, resident_ctas
 from .profiles import Profile, ProfileError, device_slug, read_profile, user_profile_dir
 
@@ -223,19 +222,19 @@ class ProbesDeferred(RuntimeError):
 
 
 def _check(results: ProbeResults, cases) -> None:
-    def bad(what, v):
+    def bad(v):
         return not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
 
     for what, v in (("empty_graph_us", results.empty_graph_us),
                     ("bandwidth_gbps", results.bandwidth_gbps if results.full_read_keys
                      else float("nan"))):
-        if bad(what, v):
+        if bad(v):
             raise ProbeError(f"first-use probes: {what} is {v!r}")
     missing = [c.name for c in cases if c.name not in results.decode_us]
     if missing:
         raise ProbeError(f"first-use probes: no time for {missing}")
     for c in cases:
-        if bad(c.name, results.decode_us[c.name]):
+        if bad(results.decode_us[c.name]):
             raise ProbeError(f"first-use probes: {c.name} timed {results.decode_us[c.name]!r}")
 
 
@@ -261,17 +260,14 @@ def probe_model(results: ProbeResults) -> tuple[CostModel, dict]:
     free = [i for i, name in enumerate(FEATURE_NAMES)
             if name not in fixed and np.any(x[:, i] != 0)]
     rest = y - x @ coef                           # what the free columns must explain
-    a = x[:, free] / y[:, None]                   # relative error, as the calibration fits
-    scale = np.linalg.norm(a, axis=0)
-    c, _ = nnls(a / scale, rest / y, maxiter=50 * len(free))
-    coef[free] = c / scale
+    coef[free] = fit_relative(x[:, free], y, rounds=1, target=rest / y)
     model.coef_ = coef
     predicted = x @ coef
     rel = predicted / y - 1.0
     model.fit_error_ = float(np.sqrt(np.mean(rel ** 2)))
     model.fit_mape_ = float(np.mean(np.abs(rel)))
     model.n_samples_ = len(y)
-    rank = int(np.linalg.matrix_rank(a))
+    rank = int(np.linalg.matrix_rank(x[:, free] / y[:, None]))
     return model, {"cases": [c.name for c in cases], "free": [FEATURE_NAMES[i] for i in free],
                    "rank": rank, "predicted_us": predicted.tolist(), "measured_us": y.tolist()}
 
@@ -312,11 +308,7 @@ def first_use_path(device_name: str, driver_version, version: str | None = None)
 
 def save_first_use(profile: Profile, path: Path) -> Path:
     """Write atomically: processes probing the same GPU at once each leave a whole file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(profile.to_yaml())
-    os.replace(tmp, path)
-    return path
+    return profile.save(path)
 
 
 def read_first_use(path: Path, device_name: str, num_sms: int | None) -> Profile | None:

@@ -81,9 +81,20 @@ def device_slug(device_name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
 
 
+# Where a loaded profile came from (``Profile.origin``), besides a file's path
+PRIOR_ORIGIN = "roofline prior"
+SHIPPED_ORIGIN_PREFIX = "splitkv:"     # then the shipped file's name: 'splitkv:nvidia-h200.yaml'
+
+
 def user_profile_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "splitkv" / "profiles"
+
+
+def user_profile_path(device_name: str) -> Path:
+    """The device's file in the user cache: where ``splitkv calibrate`` writes by default and
+    ``load_profile`` looks after ``$SPLITKV_PROFILE``."""
+    return user_profile_dir() / f"{device_slug(device_name)}.yaml"
 
 
 def guess_bandwidth_gbps(device_name: str) -> float:
@@ -222,9 +233,13 @@ class Profile:
         return header + yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def save(self, path) -> Path:
+        """Written atomically: a process planning meanwhile reads the old file or the new one,
+        and processes writing at once each leave a whole file."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_yaml())
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(self.to_yaml())
+        os.replace(tmp, path)
         return path
 
     @classmethod
@@ -386,7 +401,7 @@ def prior_profile(device_name: str, num_sms: int | None = None,
     return Profile(device_name=device_name, num_sms=num_sms, bandwidth_gbps=bandwidth_gbps,
                    coef=roofline_prior(num_sms, bandwidth_gbps), splitkv_version=__version__,
                    source=PRIOR_SOURCE, sweep={"name": "none: roofline prior"},
-                   origin="roofline prior")
+                   origin=PRIOR_ORIGIN)
 
 
 def load_profile(path=None, device_name: str | None = None, num_sms: int | None = None,
@@ -411,7 +426,7 @@ def load_profile(path=None, device_name: str | None = None, num_sms: int | None 
 
     name = device_name or REFERENCE_DEVICE
     slug = device_slug(name)
-    cached = user_profile_dir() / f"{slug}.yaml"
+    cached = user_profile_path(name)
     if cached.is_file():
         try:
             profile = read_profile(cached)
@@ -422,7 +437,7 @@ def load_profile(path=None, device_name: str | None = None, num_sms: int | None 
     try:
         text = _shipped_profile_text(slug)
         if text is not None:
-            profile = Profile.from_dict(yaml.safe_load(text), origin=f"splitkv:{slug}.yaml")
+            profile = Profile.from_dict(yaml.safe_load(text), origin=f"{SHIPPED_ORIGIN_PREFIX}{slug}.yaml")
             _check_device(profile, name, num_sms)
             return profile
     except (ProfileError, yaml.YAMLError) as e:

@@ -20,11 +20,11 @@ def shape_variant(dtype: str, head_dim: int, group_size: int, page_size: int, kv
                        experiments.build_forces, build_type=DecodeVariant)
 
 
-def per_shape_kernels(base: DecodeVariant, plan, ctas: int, row_tiles: int, *, kv_dtype,
-                      page_size: int, head_dim: int, experiments: DecodeExperiments,
-                      soft_cap: bool, multi_token: bool, unified_max: bool):
+def per_shape_kernels(base: DecodeVariant, plan, ctas: int, row_tiles: int, *, page_size: int,
+                      experiments: DecodeExperiments, soft_cap: bool, multi_token: bool,
+                      unified_max: bool):
     """The compiled kernels a per-shape ``plan`` of ``ctas`` CTAs runs on the current device
-    (``core.builds.plan_build``; ``kv_dtype`` and ``head_dim`` are ``base``'s)."""
+    (``core.builds.plan_build``; the K/V dtype and head_dim are ``base``'s)."""
     sizes = plan.chunk_end - plan.chunk_start
     grid = PlanGrid(ctas, float(sizes.mean()) if sizes.size else 0.0, plan.cluster_size,
                     row_tiles, soft_cap, multi_token, unified_max)

@@ -8,7 +8,6 @@ with the kernels' first compiles where CuPy's cache does not hold them yet.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import time
 import numpy as np
 
 from ..planner.first_use import ProbeResults, ProbesDeferred, probe_cases, probe_ctas_per_sm
-from ..planner.profiles import ProfileError, device_slug, read_profile, user_profile_dir
+from ..planner.profiles import ProfileError, read_profile, user_profile_path
 from . import device_info
 
 EMPTY_KERNEL = "splitkv_first_use_empty"
@@ -98,23 +97,17 @@ def run_probes(trials: int = PROBE_TIMING["trials"],
     info = device_info()
     props = device_properties()
     nbytes = probe_bytes(info["l2_bytes"])
-    phases = {}
-    mark = time.perf_counter()
-
-    def phase(name):
-        nonlocal mark
-        now = time.perf_counter()
-        phases[name] = round(now - mark, 3)
-        mark = now
-
+    marks = [time.perf_counter()]
     graph_us, eager_us = time_empty_kernel(trials, min_trial_ms)
-    phase("empty_kernel")
+    marks.append(time.perf_counter())
     read = read_gbps_by_shape(nbytes, trials, READ_FULL + READ_BY_SM)
-    phase("read")
+    marks.append(time.perf_counter())
     full_keys = tuple(f"{c}x{t}x{lo}" for c, t, lo in READ_FULL)
     cases = probe_cases(props.num_sms, probe_ctas_per_sm(props))
     decode = time_cases(cases, nbytes, trials, min_trial_ms)
-    phase("decode")
+    marks.append(time.perf_counter())
+    phases = {name: round(b - a, 3) for name, a, b in
+              zip(("empty_kernel", "read", "decode"), marks, marks[1:])}
     return ProbeResults(device_name=info["name"], num_sms=props.num_sms, cc=props.cc,
                         shared_per_block_optin=props.shared_per_block_optin,
                         shared_per_sm=props.shared_per_sm, driver_version=driver_version(),
@@ -128,8 +121,8 @@ def run_quick_calibration(device_id: int, name: str):
     """``splitkv calibrate --quick`` on this device, in a child process (the calibration sits
     above the runtime); its profile goes where ``load_profile`` finds calibrations. Returns it."""
     cmd = [sys.executable, "-m", "splitkv", "calibrate", "--quick", "--device", str(device_id)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
-    path = user_profile_dir() / f"{device_slug(name)}.yaml"
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    path = user_profile_path(name)
     if done.returncode != 0 or not path.is_file():
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise RuntimeError(f"`{' '.join(cmd[1:])}` exited {done.returncode}: "

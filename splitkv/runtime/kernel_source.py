@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 from importlib import resources
 
-from ..core.builds import Build, row_tiles_for
+from ..core.builds import Build
 from ..core.geometry import RECORD_PAGES, WARPS_PER_CTA
 from .kernel_abi import layout_checks
 
@@ -99,17 +99,6 @@ class DecodeVariant(Build):
         laid out as runtime/kernel_abi.py writes them."""
         header = "".join(f"#define {k} {v}\n" for k, v in self.defines.items())
         return header + read_source("decode.cu") + layout_checks()
-
-    @staticmethod
-    def for_problem(dtype: str, head_dim: int, group_size: int, stages: int = 0,
-                    max_registers: int = 0, cluster: int = 0,
-                    kv_dtype: str = "", num_warps: int = WARPS_PER_CTA,
-                    q_in_smem: int = 0, pow2_pages: int = 0,
-                    tile_per_warp: int = 16, dim_split: int = 1) -> "DecodeVariant":
-        return DecodeVariant(dtype, head_dim, row_tiles_for(group_size), stages, max_registers,
-                             cluster, kv_dtype or "", num_warps, q_in_smem=q_in_smem,
-                             pow2_pages=pow2_pages, tile_per_warp=tile_per_warp,
-                             dim_split=dim_split)
 
 
 def all_variants() -> list[DecodeVariant]:

@@ -10,8 +10,8 @@ import numpy as np
 from ..core import validation as V
 from ..core.execution import MERGE_KERNEL, grid_order
 from ..core.geometry import MAX_HEADS_PER_CTA, ctas_per_kv_head
+from ..core.builds import row_tiles_for
 from .builds import per_shape_kernels
-from .kernel_source import row_tiles_for
 from .records import chunk_records, pages_fit_record, record_pages_needed
 
 
@@ -43,8 +43,8 @@ def per_shape_plan(plan, page_table, *, shape, heads: int, variant, experiments,
                                       // (4 * 128)),
                       "the merge kernel's: a thread per 4 dims of each request's heads")
     kernels = per_shape_kernels(
-        variant, plan, ctas, row_tiles_for(min(group, max_rows)), kv_dtype=shape.kv_dtype,
-        page_size=shape.page_size, head_dim=shape.head_dim, experiments=experiments,
+        variant, plan, ctas, row_tiles_for(min(group, max_rows)), page_size=shape.page_size,
+        experiments=experiments,
         soft_cap=soft_cap, multi_token=rows_array is not None, unified_max=unified_max)
     stages, tile = kernels.variant.stages, kernels.variant.tile_tokens
     # a table kept on the device has no page ids on the host to carry

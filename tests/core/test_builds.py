@@ -138,8 +138,7 @@ def test_the_runtime_compiles_what_the_core_decides(name, monkeypatch):
                                chunk_end=np.array(c["chunk_tokens"]),
                                cluster_size=c["cluster_size"])
         got = runtime_builds.per_shape_kernels(
-            base, plan, grid.ctas, grid.row_tiles, kv_dtype=c["kv_dtype"] or None,
-            page_size=c["page_size"], head_dim=c["head_dim"], experiments=ex,
+            base, plan, grid.ctas, grid.row_tiles, page_size=c["page_size"], experiments=ex,
             soft_cap=grid.soft_cap, multi_token=grid.multi_token,
             unified_max=grid.unified_max).variant
         assert isinstance(got, DecodeVariant) and got == DecodeVariant.of(want), c

@@ -69,7 +69,7 @@ inline void plan_on_host(const DevicePlanParams& p) {
   enumerate_rows(c, n, max_len, total, p.items_per_chunk, p.slots);
   RowSums sums[MAX_ROWS];
   for (int r = 0; r < c.num_rows; ++r) {
-    sums[r] = {0, 0, 0, 0, 0, 0};
+    sums[r] = RowSums{};
     for (int b = 0; b < n; ++b) add_request(sums[r], c.rows[r], sc.lens[b], num_empty > 0);
   }
   Scorer scorer = {&p, (double)total, (double)total_units, (double)max_len, n, num_empty};

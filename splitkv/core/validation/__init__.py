@@ -166,10 +166,10 @@ def check_page_table(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_last_page
         raise ValueError(f"kv_indptr: expected kv_indptr[0] == 0, got {kv_indptr[0]}")
     if np.any(np.diff(kv_indptr) < 0):
         raise ValueError("kv_indptr: expected a non-decreasing array")
-    entries = int(kv_indptr[-1]) if kv_indices is None else kv_indices.size
-    if kv_indptr[-1] != entries:
+    if kv_indices is not None and kv_indptr[-1] != kv_indices.size:
         raise ValueError(f"kv_indices: kv_indptr[-1]={kv_indptr[-1]} pages are referenced "
                          f"but kv_indices has {kv_indices.size}")
+    entries = int(kv_indptr[-1])
     if kv_last_page_len.size != batch:
         raise ValueError(f"kv_last_page_len: expected {batch} elements (one per request), "
                          f"got {kv_last_page_len.size}")

@@ -14,6 +14,11 @@
 #                                                      # an A/B (benchmarks/ab.py; AB_ARGS split on spaces)
 #   ENGINES_ARGS='--graphs on --repeats 1' bash benchmarks/device_run.sh engines
 #                                                      # transformers' generate_batch, splitkv vs sdpa
+#   bash benchmarks/device_run.sh transformers_newest  # the transformers GPU tests on the release whose
+#                                                      # wheels lie in .whl/transformers/ (carried with the
+#                                                      # call: pip download --no-deps --python-version 3.12
+#                                                      # --only-binary=:all: transformers==X huggingface_hub
+#                                                      # kernels ... -d .whl/transformers)
 #   bash benchmarks/device_run.sh dist                 # 2+ GPUs: context-parallel tests and benchmark
 #   bash benchmarks/device_run.sh baseline bench       # the bench of an older tree in .baseline/, then
 #     this tree's: before and after in one run (git archive REV | tar -x -C .baseline)
@@ -124,6 +129,14 @@ for phase in "$@"; do
       timeout 250 python3 -m splitkv.distributed.launch --nproc "$(python3 -c 'import cupy; print(cupy.cuda.runtime.getDeviceCount())')" \
         --timeout 240 benchmarks/bench_distributed.py --json "$RES/h200-distributed.json" 2>&1 \
         | quiet | tee "$RES/dist_bench.log" | tail -20 ;;
+    transformers_newest)
+      # the wheels of a newer transformers (and what it needs beyond the machine's) put in front
+      # of the installed one, in a subshell so later phases keep the machine's
+      (T=$(mktemp -d) && python3 -m pip install -q --no-index --no-deps --target "$T" .whl/transformers/*.whl \
+        && export PYTHONPATH=$T:$PYTHONPATH \
+        && python3 -c "import transformers, torch; print('transformers', transformers.__version__, 'torch', torch.__version__)" \
+        && python3 -m pytest -q -m gpu -rs -p no:cacheprovider --durations=10 \
+          ${TESTS:-tests/integrations/test_transformers_gpu.py} 2>&1 | tee "$RES/gpu_tests_transformers_newest.log" | tail -16) ;;
     engines)
       # transformers' continuous batching, paged|splitkv beside paged|sdpa ($ENGINES_ARGS: the
       # script's options, split on spaces; default its whole grid, about 15 minutes)

@@ -1,6 +1,8 @@
 """Tokens per second of transformers' continuous batching (``model.generate_batch``) with
-``paged|splitkv`` against ``paged|sdpa``, in the same run, on a random-weight Llama-style model
-built offline (nothing downloaded).
+splitkv against transformers' SDPA (``paged|sdpa`` on 5.17-5.22, ``sdpa`` on 5.23+), in the
+same run, on a random-weight Llama-style model built offline (nothing downloaded); with
+``--sliding-window N``, a Mistral-style one (every layer slides), which transformers serves
+without a block table.
 
     PYTHONPATH=$PWD python3 benchmarks/transformers_throughput.py --out OUT_DIR
     PYTHONPATH=$PWD python3 benchmarks/transformers_throughput.py --out OUT_DIR \\
@@ -27,7 +29,14 @@ import statistics
 import sys
 import time
 
-IMPLEMENTATIONS = ("paged|splitkv", "paged|sdpa")
+IMPLEMENTATIONS = ("splitkv", "sdpa")      # the table's columns
+
+
+def implementation_name(implementation: str) -> str:
+    """The name this transformers runs continuous batching under."""
+    import splitkv.integrations.transformers as skv
+
+    return "paged|" + implementation if skv.uses_paged_prefix() else implementation
 
 
 def int_list(text: str) -> list[int]:
@@ -66,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-size", type=int, default=256, help="transformers' page size")
     ap.add_argument("--max-batch-tokens", type=int, default=8192,
                     help="tokens a forward step (prefill chunks)")
+    ap.add_argument("--sliding-window", type=int, default=0,
+                    help="a Mistral-style model with this window on every layer (0: Llama)")
     ap.add_argument("--seed", type=int, default=0)
     return ap
 
@@ -76,22 +87,30 @@ def check_args(ap, args) -> None:
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: expected a positive integer, got "
                      f"{getattr(args, name)}")
+    if args.sliding_window < 0:
+        ap.error(f"--sliding-window: expected 0 (none) or a positive window, got "
+                 f"{args.sliding_window}")
     if args.heads % args.kv_heads:
         ap.error(f"--heads: expected a multiple of --kv-heads={args.kv_heads}, got {args.heads}")
 
 
 def build_model(args):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers as tf
 
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                         intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                         head_dim=args.head_dim, max_position_embeddings=65536,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    options = dict(vocab_size=args.vocab, hidden_size=args.hidden,
+                   intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                   num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                   head_dim=args.head_dim, max_position_embeddings=65536,
+                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if args.sliding_window:
+        config, kind = tf.MistralConfig(**options, sliding_window=args.sliding_window), \
+            tf.MistralForCausalLM
+    else:
+        config, kind = tf.LlamaConfig(**options), tf.LlamaForCausalLM
     torch.manual_seed(args.seed)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = kind(config).to(torch.bfloat16)
     return model.eval()
 
 
@@ -101,10 +120,13 @@ def one_run(model, implementation: str, prompts, args, graphs: bool) -> dict:
 
     import splitkv.integrations.transformers as skv
 
-    model.set_attn_implementation(implementation)
+    model.set_attn_implementation(implementation_name(implementation))
     tokens = len(prompts) * (len(prompts[0]) + args.new_tokens)
+    # transformers 5.23 renamed block_size to page_size
+    size = "page_size" if "page_size" in ContinuousBatchingConfig.__dataclass_fields__ \
+        else "block_size"
     cb = ContinuousBatchingConfig(
-        block_size=args.block_size, num_blocks=tokens // args.block_size + 2 * len(prompts) + 8,
+        **{size: args.block_size}, num_blocks=tokens // args.block_size + 2 * len(prompts) + 8,
         max_batch_tokens=args.max_batch_tokens, use_cuda_graph=graphs)
     config = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False,
                               eos_token_id=None, pad_token_id=0)

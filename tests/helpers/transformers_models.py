@@ -1,8 +1,9 @@
 """Random-weight transformers models built offline from a config (no download), the
 continuous-batching run of a prompt set, and the judge of its greedy tokens.
 
-The models are small and shaped like three families splitkv must serve: ``llama`` (full
-attention, GQA), ``gemma2`` (alternating sliding-window and full layers, the logits soft cap) and
+The models are small and shaped like the families splitkv must serve: ``llama`` (full
+attention, GQA), ``qwen2`` (biases on the Q, K and V projections), ``mistral`` (a sliding window
+on every layer), ``gemma2`` (alternating sliding-window and full layers, the logits soft cap) and
 ``gpt_oss`` (alternating sliding-window and full layers, attention sinks). The window is shorter
 than the sequences, the soft cap is small enough to change the argmax, and the sinks are drawn
 large enough to matter, so each feature is exercised.
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-MODELS = ("llama", "gemma2", "gpt_oss")
+MODELS = ("llama", "qwen2", "mistral", "gemma2", "gpt_oss")
 
 # A decode step whose token is not the judge's argmax is a near-tie, not a mismatch, when the
 # judge's top logit beats its logit for that token by less than this gap. The models' logits
@@ -44,6 +45,16 @@ def build_model(kind: str, *, dtype=torch.float32, device="cpu", seed: int = 0, 
     torch.manual_seed(seed)
     if kind == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**options))
+    elif kind == "qwen2":
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**options, initializer_range=0.05))
+        with torch.no_grad():          # the biases start at zero: give them something to do
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                             layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.5)
+    elif kind == "mistral":
+        model = tf.MistralForCausalLM(tf.MistralConfig(**options,
+                                                       sliding_window=SLIDING_WINDOW))
     elif kind == "gemma2":
         model = tf.Gemma2ForCausalLM(tf.Gemma2Config(
             **options, sliding_window=SLIDING_WINDOW, attn_logit_softcapping=SOFT_CAP,
@@ -77,7 +88,10 @@ def generate(model, implementation: str, prompts, max_new_tokens: int, *, graphs
     model.set_attn_implementation(implementation)
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
-    cb = ContinuousBatchingConfig(block_size=block_size, num_blocks=num_blocks,
+    # transformers 5.23 renamed block_size to page_size
+    size = "page_size" if "page_size" in ContinuousBatchingConfig.__dataclass_fields__ \
+        else "block_size"
+    cb = ContinuousBatchingConfig(**{size: block_size}, num_blocks=num_blocks,
                                   max_batch_tokens=max_batch_tokens, use_cuda_graph=graphs)
     with torch.no_grad():
         out = model.generate_batch(prompts, generation_config=config,
@@ -140,11 +154,11 @@ class PagedAttention(torch.nn.Module):
         self.handle = handle
 
     def forward(self, x, k_pool, v_pool, seq_lens, block_table):
-        from splitkv.integrations.transformers import _next_slots
+        from splitkv.integrations.transformers import next_slots
 
         heads, kv_heads, d = self.shape
         rows, page_size = x.shape[0], k_pool.shape[1]
-        slots = _next_slots(seq_lens, block_table, page_size, trash=0)
+        slots = next_slots(seq_lens, block_table, page_size, trash=0)
         k_pool.view(-1, kv_heads, d).index_copy_(0, slots, self.k(x).view(rows, kv_heads, d))
         v_pool.view(-1, kv_heads, d).index_copy_(0, slots, self.v(x).view(rows, kv_heads, d))
         out = torch.ops.splitkv.paged_decode(self.q(x).view(rows, heads, d), k_pool, v_pool,

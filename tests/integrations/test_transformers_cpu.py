@@ -1,7 +1,8 @@
-"""``paged|splitkv`` on the CPU: the registration, the route each call takes, the arrays handed to
-splitkv, the mask of the delegated batches, and whole ``generate_batch`` runs of the three model
-families, where the decode call is splitkv's float64 reference (the op's CPU path). Skipped where
-torch or transformers are not installed (as in CI)."""
+"""splitkv in transformers' continuous batching, on the CPU: the registration, the route each
+call takes, the arrays handed to splitkv, the mask of the delegated batches, and whole
+``generate_batch`` runs of the five model families, where the decode call is splitkv's float64
+reference (the op's CPU path). Run against transformers 5.17 and the newest release
+(``.ci/run``); skipped where torch or transformers are not installed."""
 
 from __future__ import annotations
 
@@ -28,44 +29,76 @@ def cpu_memory(monkeypatch):
 
 
 def test_registration_is_what_set_attn_implementation_accepts():
-    assert skv.register() == "paged|splitkv"
+    assert skv.register() == "splitkv"
+    assert {"splitkv", "paged|splitkv"} <= skv.registered_names()
     model = build_model("llama", num_hidden_layers=1)
-    model.set_attn_implementation("paged|splitkv")
-    assert model.config._attn_implementation == "paged|splitkv"
-    with pytest.raises(ValueError, match="not supported"):   # the key is the whole string
-        model.set_attn_implementation("paged|splitkv-unregistered")
-    with pytest.raises(ValueError, match="name: expected 'paged|"):
-        skv.register("splitkv")
+    model.set_attn_implementation("splitkv")
+    assert model.config._attn_implementation == "splitkv"
+    with pytest.raises(ValueError, match="not supported"):
+        model.set_attn_implementation("splitkv-unregistered")
+    for bad in ("paged|splitkv", "", 3):
+        with pytest.raises(ValueError, match="name: expected a plain name"):
+            skv.register(bad)
 
 
-def test_the_decode_fast_path_opens_for_registered_names_only():
+def test_continuous_batching_keeps_splitkv_and_leaves_other_names_alone():
+    """The manager's gate keeps a splitkv model on splitkv (with the paged| prefix where the
+    release runs paged names), and calls transformers' own gate for every other name."""
+    from transformers.generation.continuous_batching.continuous_api import \
+        ContinuousBatchingManager
+
+    skv.register()
+    gate = ContinuousBatchingManager.switch_to_cb_friendly_attn
+    assert gate.__wrapped__ is not gate
+    manager = object.__new__(ContinuousBatchingManager)
+    model = build_model("llama", num_hidden_layers=1)
+    model.set_attn_implementation("splitkv")
+    gate(manager, model)
+    expected = "paged|splitkv" if skv.uses_paged_prefix() else "splitkv"
+    assert model.config._attn_implementation == expected
+    model.set_attn_implementation("eager")          # transformers' own: becomes paged|eager
+    gate(manager, model)
+    assert model.config._attn_implementation == "paged|eager"
+    skv.register()                                   # registering again wraps nothing twice
+    assert ContinuousBatchingManager.switch_to_cb_friendly_attn is gate
+
+
+@pytest.mark.parametrize("kind,kept", [("llama", 32), ("mistral", None)])
+def test_the_decode_fast_path_opens_for_registered_names_only(kind, kept):
+    """A block table for splitkv where every attention type of the model supports one
+    (transformers 5.23+ gives sliding-window groups none; 5.17 decides that in its cache)."""
     from transformers import ContinuousBatchingConfig
     from transformers.generation.continuous_batching import initialization
 
     skv.register()
     gate = initialization.ensure_decode_fast_path_is_available
     assert gate.__wrapped__ is not gate
-    ours, theirs = build_model("llama", num_hidden_layers=1).config, \
-        build_model("llama", num_hidden_layers=1).config
-    ours._attn_implementation_internal = "paged|splitkv"
-    theirs._attn_implementation_internal = "paged|sdpa"
-    for config, kept in ((ours, 32), (theirs, 0)):
+    ours, theirs = build_model(kind, num_hidden_layers=1).config, \
+        build_model(kind, num_hidden_layers=1).config
+    ours._attn_implementation_internal = "splitkv"
+    theirs._attn_implementation_internal = "sdpa"
+    if kept is None:
+        kept = 32 if skv.uses_paged_prefix() else 0
+    for config, blocks in ((ours, kept), (theirs, 0)):
         cb = ContinuousBatchingConfig(max_blocks_per_request=32)
         gate(config, cb, True)
-        assert cb.max_blocks_per_request == kept
-    skv.register()                                   # registering again wraps nothing twice
+        assert cb.max_blocks_per_request == blocks
+    skv.register()
     assert initialization.ensure_decode_fast_path_is_available is gate
 
 
-@pytest.mark.parametrize("tokens,table,max_q,seqs,route", [
-    (8, "t", 1, 8, "block_table"),        # transformers' decode fast path
-    (8, None, 1, 8, "token_table"),       # decode-only, not padded
-    (8, None, 3, 4, "delegate"),          # prefill or mixed
-    (64, None, 64, 64, "delegate"),       # padded (CUDA graphs): cannot tell, so delegated
-    (1, None, 1, 1, "token_table"),
+@pytest.mark.parametrize("tokens,table,max_q,seqs,gathered,route", [
+    (8, "t", 1, 8, False, "block_table"),    # the decode fast path (both releases)
+    (8, None, 1, 8, False, "token_table"),   # decode-only, not padded (5.17)
+    (8, None, 1, 8, True, "gathered"),       # decode-only, not padded (5.23+)
+    (8, None, 3, 4, False, "token_rows"),    # a small prefill or mixed batch
+    (80, None, 40, 4, True, "delegate"),     # a larger one
+    (64, None, 64, 64, True, "token_rows"),  # padded (CUDA graphs): one row a token
+    (65, None, 65, 65, False, "delegate"),   # past TOKEN_ROWS_LIMIT
+    (1, None, 1, 1, False, "token_table"),
 ])
-def test_the_route_follows_host_values(tokens, table, max_q, seqs, route):
-    assert skv.decode_route(tokens, table, max_q, seqs) == route
+def test_the_route_follows_host_values(tokens, table, max_q, seqs, gathered, route):
+    assert skv.decode_route(tokens, table, max_q, seqs, gathered=gathered) == route
 
 
 def test_the_mask_is_transformers_own():
@@ -93,13 +126,13 @@ def test_decode_arrays():
     slots of a sliding-window group with the new tokens' placeholders replaced."""
     table = torch.tensor([[3, 7, -1], [5, -1, -1], [-1, -1, -1]], dtype=torch.int32)
     seq_lens = torch.tensor([18, 16, 0], dtype=torch.int32)
-    slots = skv._next_slots(seq_lens, table, 16, trash=999)
+    slots = skv.next_slots(seq_lens, table, 16, trash=999)
     assert slots.tolist() == [7 * 16 + 1, 5 * 16 + 15, 999]
     read = torch.tensor([40, 41, 7, 8, 9, 7], dtype=torch.int64)   # sentinel 7 ends each request
     read[2] = 50                                                    # a real slot
     write = torch.tensor([42, 60])
     cu_k = torch.tensor([0, 3, 6], dtype=torch.int32)
-    out = skv._token_slots(read, write, cu_k, sentinel=7)
+    out = skv.token_slots(read, write, cu_k, sentinel=7)
     assert out.dtype == torch.int32 and out.tolist() == [40, 41, 50, 8, 9, 60]
 
 
@@ -129,21 +162,44 @@ PROMPT_LENS = [5, 23, 40, 12]
 @pytest.mark.parametrize("kind", MODELS)
 def test_generate_batch_decodes_the_models_own_tokens(kind):
     """float32 model, float64 decode attention: every token is the eager model's argmax on the
-    same prefix. Llama decodes through the block table, the sliding-window models through the
-    token table; the prompts go through the delegate."""
+    same prefix. Full-attention models decode through the block table; sliding-window ones
+    through the token table (5.17) or the gathered keys (5.23+); prompts go to the delegate."""
     skv.register()
     model = build_model(kind)
     prompts = random_prompts(PROMPT_LENS, seed=1)
     skv.route_counts.clear()
-    ours = generate(model, "paged|splitkv", prompts, 10, graphs=False, num_blocks=64)
+    ours = generate(model, "splitkv", prompts, 10, graphs=False, num_blocks=64)
     routes = dict(skv.route_counts)
     layers = model.config.num_hidden_layers
-    decode_route = "block_table" if kind == "llama" else "token_table"
-    assert routes.get(decode_route, 0) >= 9 * layers and routes.get("delegate", 0) >= layers
+    if kind in ("llama", "qwen2"):
+        decode_route = "block_table"
+    else:
+        decode_route = "token_table" if skv.uses_paged_prefix() else "gathered"
+    assert routes.get(decode_route, 0) >= 9 * layers and routes.get("delegate", 0) >= layers, \
+        routes
     verdict = judge(model, prompts, ours, NEAR_TIE_GAP["float32"])
     assert verdict.mismatches == 0 and verdict.near_ties == 0, verdict
-    if kind == "llama":               # paged|sdpa is exact here (no soft cap, no sinks)
-        assert generate(model, "paged|sdpa", prompts, 10, graphs=False, num_blocks=64) == ours
+    if kind == "llama":               # transformers' sdpa is exact here (no soft cap, no sinks)
+        sdpa = "paged|sdpa" if skv.uses_paged_prefix() else "sdpa"
+        assert generate(model, sdpa, prompts, 10, graphs=False, num_blocks=64) == ours
+
+
+def test_padding_rows_of_a_block_table_batch_change_no_cache_slot():
+    """5.23+ leaves the cache write of a block-table batch to the attention: a padding row
+    (length 0) must not write anywhere, and real rows land at their last position."""
+    from splitkv.integrations.transformers.attention import _write_rows
+
+    pages = torch.zeros(6, 4, 2, 8)                  # [pages, page_size, H_kv, D]
+    v_pages = torch.zeros_like(pages)
+    table = torch.tensor([[2, 5], [1, -1], [-1, -1]], dtype=torch.int32)
+    seq_lens = torch.tensor([6, 3, 0], dtype=torch.int32)
+    key = torch.arange(1, 4).float().view(1, 1, 3, 1).expand(1, 2, 3, 8)   # row r: r + 1
+    before = pages.clone()
+    _write_rows(pages, v_pages, key, key * 10, seq_lens, table)
+    changed = (pages != before).any(-1).any(-1).nonzero().tolist()
+    assert changed == [[1, 2], [5, 1]]               # row 1 at page 1 slot 2; row 0 at 5, 1
+    assert pages[5, 1].eq(1).all() and pages[1, 2].eq(2).all()
+    assert v_pages[5, 1].eq(10).all()
 
 
 def test_torch_compile_fullgraph_traces_the_op_without_a_break():
@@ -152,3 +208,24 @@ def test_torch_compile_fullgraph_traces_the_op_without_a_break():
         eager = module(*make())
         compiled = torch.compile(module, fullgraph=True, backend="aot_eager")(*make())
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_a_changed_private_hook_is_left_alone_with_one_warning(monkeypatch):
+    """Where a release renames or re-signs a check that register() widens, transformers keeps
+    its own check and the user is told once what is lost."""
+    from transformers.generation.continuous_batching import initialization
+
+    from splitkv.integrations.transformers import registration
+
+    def resigned(config, cb_config):               # a release with another signature
+        return None
+
+    monkeypatch.setattr(initialization, "ensure_decode_fast_path_is_available", resigned)
+    monkeypatch.setattr(registration, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="decode batches reach splitkv without a block"):
+        skv.register()
+    assert initialization.ensure_decode_fast_path_is_available is resigned
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        skv.register()                               # once only

@@ -39,7 +39,7 @@ class DecodeSession:
 
     def __init__(self, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype, layout: str, capacity: int, width: int, sm_scale: float,
-                 logits_soft_cap: float | None = None, window_left: int = -1):
+                 logits_soft_cap: float | None = None, window_left: int = -1, kv_dtype=None):
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
         if layout == "indptr" and page_size != 1:
@@ -58,6 +58,9 @@ class DecodeSession:
         self.capacity, self.width, self.sm_scale = capacity, width, float(sm_scale)
         self.logits_soft_cap = logits_soft_cap or None
         self.window_left = -1 if window_left is None else int(window_left)
+        from splitkv.core.fp8 import fp8_format
+
+        self.kv_dtype = fp8_format("kv_dtype", kv_dtype)   # None: K/V in ``dtype``
         self.buffers: dict[str, torch.Tensor] | None = None
         self.wrapper = None           # the GPU wrapper, made at the first plan on a CUDA device
         self.page_table = None        # the CPU path's plan
@@ -114,15 +117,17 @@ class DecodeSession:
         self.plans += 1
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            sinks: torch.Tensor | None) -> torch.Tensor:
-        """q: [rows, num_qo_heads, head_dim]; returns a new [rows, num_qo_heads, head_dim]."""
+            sinks: torch.Tensor | None, k_scale: torch.Tensor | None = None,
+            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [rows, num_qo_heads, head_dim]; returns a new [rows, num_qo_heads, head_dim].
+        k_scale, v_scale: an fp8 cache's scales (1 value or one per kv head), or None."""
         rows = q.shape[0]
         if not 1 <= rows <= self.capacity:
             raise ValueError(f"q: expected 1 to {self.capacity} rows, got {rows}")
         self.runs += 1
         if q.is_cuda:
-            return self._run_gpu(q, k_cache, v_cache, sinks)
-        return self._run_cpu(q, k_cache, v_cache, sinks)
+            return self._run_gpu(q, k_cache, v_cache, sinks, k_scale, v_scale)
+        return self._run_cpu(q, k_cache, v_cache, sinks, k_scale, v_scale)
 
     def _gpu_wrapper(self):
         if self.wrapper is None:
@@ -132,7 +137,7 @@ class DecodeSession:
             self.wrapper = BatchDecodeWrapper(
                 self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
                 dtype=self.dtype, use_cuda_graph=True, max_batch_size=self.capacity,
-                max_num_pages=entries)
+                max_num_pages=entries, kv_dtype=self.kv_dtype)
         return self.wrapper
 
     def _plan_gpu(self, rows: int) -> None:
@@ -148,11 +153,15 @@ class DecodeSession:
             **batch, sm_scale=self.sm_scale, logits_soft_cap=self.logits_soft_cap,
             window_left=self.window_left)
 
-    def _run_gpu(self, q, k_cache, v_cache, sinks):
+    def _run_gpu(self, q, k_cache, v_cache, sinks, k_scale, v_scale):
         if sinks is not None:
             sinks = sinks.to(torch.float32).contiguous()
+        # device scales, read when the kernel runs (a captured graph sees new values)
+        k_scale, v_scale = (None if s is None else s.to(torch.float32).reshape(-1)
+                            for s in (k_scale, v_scale))
         # torch's current stream, and a torch output of q's rows
-        return self._gpu_wrapper().run(q.contiguous(), k_cache, v_cache, sinks=sinks)
+        return self._gpu_wrapper().run(q.contiguous(), k_cache, v_cache, sinks=sinks,
+                                       k_scale=k_scale, v_scale=v_scale)
 
     def _plan_cpu(self) -> None:
         from splitkv import PageTable
@@ -166,7 +175,7 @@ class DecodeSession:
             self.page_table = PageTable.from_flashinfer(
                 ptr, host["kv_indices"][:ptr[-1]], host["kv_last_page_len"], 1)
 
-    def _run_cpu(self, q, k_cache, v_cache, sinks):
+    def _run_cpu(self, q, k_cache, v_cache, sinks, k_scale, v_scale):
         from splitkv import reference_decode
 
         if self.page_table is None:
@@ -174,9 +183,15 @@ class DecodeSession:
         rows, cap = q.shape[0], self.capacity
         q64 = np.zeros((cap, *q.shape[1:]))
         q64[:rows] = q.detach().double().numpy()
+        if self.kv_dtype is None:
+            k_host, v_host = (c.detach().double().numpy() for c in (k_cache, v_cache))
+        else:   # the fp8 codes as bytes (uint8 or torch float8 storage), decoded exactly
+            k_host, v_host = (c.detach().view(torch.uint8).numpy() for c in (k_cache, v_cache))
+        k_scale, v_scale = (None if s is None else s.detach().double().reshape(-1).numpy()
+                            for s in (k_scale, v_scale))
         out, _ = reference_decode(
-            q64, k_cache.detach().double().numpy(), v_cache.detach().double().numpy(),
-            self.page_table, self.sm_scale, window_left=self.window_left,
+            q64, k_host, v_host, self.page_table, self.sm_scale, kv_dtype=self.kv_dtype,
+            k_scale=k_scale, v_scale=v_scale, window_left=self.window_left,
             logits_soft_cap=self.logits_soft_cap,
             sinks=None if sinks is None else sinks.detach().double().numpy())
         return torch.from_numpy(out[:rows]).to(q.dtype)
@@ -208,18 +223,22 @@ def close_session(handle: int) -> None:
 @torch.library.custom_op("splitkv::paged_decode", mutates_args=())
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: list[torch.Tensor], sinks: Optional[torch.Tensor], handle: int,
-                 plan: bool) -> torch.Tensor:
+                 plan: bool, k_scale: Optional[torch.Tensor] = None,
+                 v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Decode attention of ``q`` [rows, num_qo_heads, head_dim] over the paged caches
     ``[num_pages, page_size, num_kv_heads, head_dim]``; ``tables`` as the session's layout
     (int32), read only when ``plan`` (once per step, before the layers that share the plan).
-    ``sinks``: [num_qo_heads] logits or None. Returns [rows, num_qo_heads, head_dim] in q's dtype.
+    ``sinks``: [num_qo_heads] logits or None. ``k_scale``, ``v_scale``: a session with an fp8
+    ``kv_dtype``: the caches' scales (float32, 1 value or one per kv head), or None (1).
+    Returns [rows, num_qo_heads, head_dim] in q's dtype.
     """
     session = get_session(handle)
     if plan:
         session.plan(tables, q.shape[0])
-    return session.run(q, k_cache, v_cache, sinks)
+    return session.run(q, k_cache, v_cache, sinks, k_scale, v_scale)
 
 
 @paged_decode.register_fake
-def _paged_decode_fake(q, k_cache, v_cache, tables, sinks, handle, plan):
+def _paged_decode_fake(q, k_cache, v_cache, tables, sinks, handle, plan, k_scale=None,
+                       v_scale=None):
     return q.new_empty(q.shape)

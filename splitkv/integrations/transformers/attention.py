@@ -4,18 +4,20 @@
 returns ``(output, None)``, ``output.reshape(1, T, -1)`` the heads side by side. What arrives
 depends on the release:
 
-- 5.17-5.22: ``key``/``value`` are the step's new tokens ``[1, H_kv, T, D]``; the function writes
+- 5.17-5.18: ``key``/``value`` are the step's new tokens ``[1, H_kv, T, D]``; the function writes
   them (``read_index``/``write_index``, or the next slot of each row with a ``block_table``
   ``[groups, rows, blocks]``); ``cu_seq_lens_k`` is a dict by layer type when layers differ.
-- 5.23+: the model calls ``cache.update`` first. With a block table the kwargs carry this
+- 5.19-5.23: the function calls ``cache.update(key, value, layer_idx, kwargs=kwargs)``, which
+  leaves the call as 5.24's.
+- 5.24+: the model calls ``cache.update`` first. With a block table the kwargs carry this
   layer's ``block_table [rows, blocks]``, ``k_cache``/``v_cache`` ``[pages, page_size, H_kv, D]``
   and the new tokens, which the attention writes; otherwise ``key``/``value`` are already the
   gathered keys and values ``[1, H_kv, K, D]``, each request's ``cu_seq_lens_k`` run of them.
 
 Each call takes one of five routes (:func:`decode_route`), from host values only (a captured
 graph replays the route of its capture, and transformers keys its graphs by the same values):
-``"block_table"`` (decode over the cache's pages in place), ``"token_table"`` (5.17: a decode
-batch over ``read_index``, one-token pages), ``"gathered"`` (5.23+: a decode batch over the
+``"block_table"`` (decode over the cache's pages in place), ``"token_table"`` (5.17-5.18: a
+decode batch over ``read_index``, one-token pages), ``"gathered"`` (5.19+: a decode batch over the
 gathered keys), ``"token_rows"`` (a padded or mixed batch of at most ``TOKEN_ROWS_LIMIT``
 tokens: every query token a decode row over its own request's keys up to itself; this is how
 sliding-window models, which get no block table, decode under CUDA graphs) and ``"delegate"``
@@ -24,6 +26,7 @@ sliding-window models, which get no block table, decode under CUDA graphs) and `
 
 from __future__ import annotations
 
+import inspect
 import math
 import weakref
 from collections import Counter
@@ -32,6 +35,7 @@ ROUTES = ("block_table", "token_table", "gathered", "token_rows", "delegate")
 
 #: calls per route since import (diagnostics: which path a run took)
 route_counts: Counter = Counter()
+_UPDATE_TAKES_KWARGS: dict = {}   # cache class -> whether its update takes kwargs
 _STATES: dict = {}              # id(cache or config) -> CacheState, dropped with its owner
 
 
@@ -47,7 +51,7 @@ def decode_route(num_q_tokens: int, block_table, max_seqlen_q, num_sequences: in
     """The route of one call. num_q_tokens: query's token axis (T); block_table: the kwarg (a
     tensor or None); max_seqlen_q: the longest query of the batch (an int); num_sequences:
     ``len(cu_seq_lens_q) - 1``; gathered: whether ``key``/``value`` already hold every key the
-    rows attend to (5.23+ without a block table)."""
+    rows attend to (5.19+ without a block table)."""
     if block_table is not None:
         return "block_table"
     if max_seqlen_q == 1 and num_q_tokens == num_sequences:
@@ -78,10 +82,10 @@ class LayerVariant:
 
     @classmethod
     def of(cls, module, cache, query_head_dim: int, scaling, kwargs) -> "LayerVariant":
-        windows = getattr(cache, "sliding_windows", None)                   # 5.17
+        windows = getattr(cache, "sliding_windows", None)                   # 5.17-5.18
         if windows is not None:
             window = windows.get(module.layer_idx, 1)
-        else:                    # 5.23+: what the model passes (Mistral: on every layer)
+        else:                    # 5.19+: what the model passes (Mistral: on every layer)
             window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         soft_cap = kwargs.get("softcap")
         if soft_cap is not None:
@@ -96,12 +100,12 @@ class LayerVariant:
 
 def per_layer_type(value, variant: LayerVariant):
     """``cu_seq_lens_k``/``max_seqlen_k`` come as a dict by layer type when a model mixes them
-    (5.17; 5.23+ has chosen the layer's entry before the call)."""
+    (5.17-5.18; 5.19+'s ``cache.update`` chooses the layer's entry)."""
     return value[variant.layer_type] if isinstance(value, dict) else value
 
 
 def max_query_length(kwargs):
-    """The batch's longest query: ``max_length_q`` (5.23+) or ``max_seqlen_q`` (5.17)."""
+    """The batch's longest query: ``max_length_q`` (5.19+) or ``max_seqlen_q`` (5.17-5.18)."""
     value = kwargs.get("max_length_q")
     return kwargs.get("max_seqlen_q") if value is None else value
 
@@ -114,7 +118,7 @@ def paged_splitkv_attention(module, query, key, value, attention_mask, scaling=N
     ``[1, T, H, D]`` (delegated)."""
     from .delegate import delegate
 
-    cache = kwargs.get("cache")            # 5.17 passes it; 5.23+ keeps it in the model
+    cache = kwargs.get("cache")            # up to 5.23; 5.24+ keeps it in the model
     if cache is None and "cu_seq_lens_q" not in kwargs:
         raise ValueError("splitkv: called outside continuous batching (no cu_seq_lens_q); it "
                          "serves transformers' continuous batching (generate_batch). Use "
@@ -123,14 +127,33 @@ def paged_splitkv_attention(module, query, key, value, attention_mask, scaling=N
         raise ValueError(f"query: expected [1, num_heads, tokens, head_dim], got "
                          f"{tuple(query.shape)}")
     variant = LayerVariant.of(module, cache, query.shape[-1], scaling, kwargs)
+    owner = module.config if cache is None else cache
     gathered = cache is None
+    if cache is not None and _update_takes_kwargs(cache):
+        # 5.19-5.23: the attention calls the update itself, which leaves the call as 5.24's:
+        # the layer's kwargs chosen, the keys gathered or the block table's views given
+        key, value = cache.update(key, value, module.layer_idx, kwargs=kwargs)
+        cache, gathered = None, True
     route = decode_route(query.shape[2], kwargs.get("block_table"), max_query_length(kwargs),
                          kwargs["cu_seq_lens_q"].shape[0] - 1, gathered=gathered)
     route_counts[route] += 1
-    owner = module.config if cache is None else cache
     if route == "delegate":
         return delegate(module, query, key, value, variant, dropout, gathered, owner, kwargs)
     return decode(route, module, query, key, value, variant, cache, owner, kwargs), None
+
+
+def _update_takes_kwargs(cache) -> bool:
+    """Whether ``cache.update`` is 5.19+'s ``update(key, value, layer_idx, kwargs)`` (5.17's
+    takes ``read_index`` and ``write_index``)."""
+    kind = type(cache)
+    known = _UPDATE_TAKES_KWARGS.get(kind)
+    if known is None:
+        try:
+            parameters = inspect.signature(kind.update).parameters
+        except (AttributeError, TypeError, ValueError):
+            parameters = {}
+        known = _UPDATE_TAKES_KWARGS[kind] = "kwargs" in parameters
+    return known
 
 
 class CacheState:
@@ -158,8 +181,8 @@ class CacheState:
 
 
 def state_of(owner) -> CacheState:
-    """The state of one continuous-batching cache (5.17 passes it to the attention) or, where
-    the cache stays inside the model (5.23+), of the model's config."""
+    """The state of one continuous-batching cache (up to 5.23 it reaches the attention) or,
+    where the cache stays inside the model (5.24+), of the model's config."""
     key = id(owner)
     state = _STATES.get(key)
     if state is None:
@@ -183,7 +206,8 @@ def bucket(rows: int) -> int:
 def decode(route, module, query, key, value, variant: LayerVariant, cache, owner, kwargs):
     """One decode step of a layer through ``torch.ops.splitkv.paged_decode``: the new K/V
     written where the route reads them, then splitkv over the pages. ``cache``: transformers'
-    cache where the call receives it (5.17), else None; ``owner``: what keeps the sessions.
+    cache where the call must update it the 5.17 way, else None; ``owner``: what keeps the
+    sessions.
     Returns [T, H, D]."""
     import torch
 
@@ -194,14 +218,14 @@ def decode(route, module, query, key, value, variant: LayerVariant, cache, owner
     kv_heads = key.shape[1]
     cu_k = per_layer_type(kwargs["cu_seq_lens_k"], variant)[:rows + 1]
     window_left = -1            # the token lists hold only the window's tokens
-    if route == "block_table" and "k_cache" in kwargs:                     # 5.23+
+    if route == "block_table" and "k_cache" in kwargs:                     # 5.19+
         table, k_pages, v_pages = kwargs["block_table"], kwargs["k_cache"], kwargs["v_cache"]
         page_size = k_pages.shape[1]
         seq_lens = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
         _write_rows(k_pages, v_pages, key, value, seq_lens, table)
         tables, width, window_left = [seq_lens, table], table.shape[1], variant.window_left
         group = table.data_ptr()          # the allocator's rows of a static table
-    elif route == "block_table":                                           # 5.17
+    elif route == "block_table":                                           # 5.17-5.18
         group, index_in_group = cache.layer_index_to_group_indices[layer]
         k_pool, v_pool = cache.key_cache[index_in_group], cache.value_cache[index_in_group]
         table, page_size = kwargs["block_table"][group], cache.block_size
@@ -212,7 +236,7 @@ def decode(route, module, query, key, value, variant: LayerVariant, cache, owner
         pages = (-1, page_size, kv_heads, head_dim)
         k_pages, v_pages = k_pool.view(pages), v_pool.view(pages)
         tables, width, window_left = [seq_lens, table], table.shape[1], variant.window_left
-    elif route == "token_table":                                           # 5.17
+    elif route == "token_table":                                           # 5.17-5.18
         group, index_in_group = cache.layer_index_to_group_indices[layer]
         k_pool, v_pool = cache.key_cache[index_in_group], cache.value_cache[index_in_group]
         slots, read = kwargs["write_index"][group], kwargs["read_index"][group]
@@ -232,7 +256,7 @@ def decode(route, module, query, key, value, variant: LayerVariant, cache, owner
         cu_k = per_layer_type(kwargs["cu_seq_lens_k"], variant)[:cu_q.shape[0]]
         tables = token_row_tables(cu_q, cu_k, rows, width)
         k_pages, v_pages = keys.unsqueeze(1), values.unsqueeze(1)
-    else:                                                                  # gathered, 5.23+
+    else:                                                                  # gathered, 5.19+
         keys = key[0].transpose(0, 1).contiguous()                         # [K, H_kv, D]
         values = value[0].transpose(0, 1).contiguous()
         page_size, width, window_left = 1, bucket(keys.shape[0]), variant.window_left
@@ -254,7 +278,7 @@ def decode(route, module, query, key, value, variant: LayerVariant, cache, owner
 
 
 def _write_rows(k_pages, v_pages, key, value, seq_lens, table) -> None:
-    """Write each row's new K/V at its last position (5.23+'s block-table path leaves this to
+    """Write each row's new K/V at its last position (5.19+'s block-table path leaves this to
     the attention). Padding rows (length 0) rewrite row 0's slot with row 0's values, so the
     write is one fixed-shape ``index_copy_`` (capturable) that changes nothing for them."""
     import torch
@@ -294,8 +318,8 @@ def token_slots(read, write, cu_k, sentinel: int):
 
 def gathered_keys(module, key, value, cache, kwargs):
     """Every key and value the batch's rows attend to, ``[K, H_kv, D]`` each, request by request
-    in ``cu_seq_lens_k`` order: what 5.23+ passes in, or (5.17) what ``cache.update`` returns
-    after writing the new tokens."""
+    in ``cu_seq_lens_k`` order: what 5.19+'s update gave, or (5.17-5.18) what ``cache.update``
+    returns after writing the new tokens."""
     if cache is None:
         return key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous()
     return cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from .attention import LayerVariant, per_layer_type, state_of
 
-#: the kwargs SDPA must not see: ours, or ones SDPA refuses (it raises on a soft cap)
-_NOT_FOR_SDPA = ("scaling", "dropout", "softcap", "is_causal", "s_aux", "sliding_window")
+#: the kwargs SDPA must not see: ours, ones it refuses (a soft cap), and the cache (5.19-5.23's
+#: SDPA would update it a second time)
+_NOT_FOR_SDPA = ("scaling", "dropout", "softcap", "is_causal", "s_aux", "sliding_window",
+                 "cache")
 
 
 def varlen_mask(cu_seq_lens_q, cu_seq_lens_k, num_q: int, num_k: int, window: int, dtype):
@@ -39,7 +41,7 @@ def varlen_mask(cu_seq_lens_q, cu_seq_lens_k, num_q: int, num_k: int, window: in
 
 
 def _num_keys(cache, layer: int, query, key, gathered: bool, kwargs) -> int:
-    if gathered:                   # 5.23+: key holds every key of the batch
+    if gathered:                   # 5.19+: key holds every key of the batch
         return key.shape[2]
     read = kwargs["read_index"][cache.layer_index_to_group_indices[layer][0]]
     return read.shape[0] if read.numel() else query.shape[2]   # no cache read: the new keys
@@ -73,8 +75,8 @@ def mask_for(owner, variant: LayerVariant, query, key, layer: int, gathered: boo
 def delegate(module, query, key, value, variant: LayerVariant, dropout: float, gathered: bool,
              owner, kwargs):
     """Attention of a prefill, mixed or padded batch; returns transformers' ``(output, None)``.
-    ``owner``: the cache (5.17) or the model's config (5.23+), whose state keeps the mask."""
-    if not gathered:               # 5.17: the new K/V go into the cache, and the batch's come back
+    ``owner``: the cache or the model's config (5.24+), whose state keeps the mask."""
+    if not gathered:               # 5.17-5.18: the new K/V go into the cache, the batch's come back
         keys, values = owner.update(key_states=key, value_states=value,
                                     layer_idx=module.layer_idx,
                                     read_index=kwargs["read_index"],

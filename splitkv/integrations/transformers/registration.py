@@ -1,9 +1,10 @@
 """Making transformers' continuous batching accept splitkv, on the releases that name attention
 implementations differently.
 
-- transformers 5.17-5.22 run continuous batching through ``"paged|<name>"`` implementations:
-  the manager switches a model set to ``"splitkv"`` to ``"paged|splitkv"``.
-- transformers 5.23 and later dropped the prefix (``"paged|x"`` now means ``"x"``, with a
+- transformers 5.17-5.18 run continuous batching through ``"paged|<name>"`` implementations:
+  the manager switches a model set to ``"splitkv"`` to ``"paged|splitkv"`` (or to flash
+  attention, where it is installed).
+- transformers 5.19 and later dropped the prefix (from 5.23 ``"paged|x"`` means ``"x"``, with a
   FutureWarning) and accept only ``"sdpa"``, ``"paged|eager"`` and flash names for continuous
   batching (``ContinuousBatchingManager.switch_to_cb_friendly_attn``).
 
@@ -63,7 +64,7 @@ def is_splitkv(config) -> bool:
 
 
 def uses_paged_prefix() -> bool:
-    """Whether this transformers runs continuous batching through ``"paged|"`` names (5.17-5.22:
+    """Whether this transformers runs continuous batching through ``"paged|"`` names (5.17-5.18:
     it still ships ``"paged|sdpa"``)."""
     from transformers import AttentionInterface
 
@@ -86,8 +87,8 @@ def _signature_starts(function, names: tuple[str, ...]) -> bool:
 
 # --------------------------------------------------------------------------- the manager's gate
 def _accept_in_continuous_batching() -> None:
-    """``switch_to_cb_friendly_attn`` keeps a splitkv model on splitkv (5.23+ would refuse the
-    name; 5.17 would switch it to flash attention when flash is installed)."""
+    """``switch_to_cb_friendly_attn`` keeps a splitkv model on splitkv (5.19+ would refuse the
+    name; 5.17-5.18 would switch it to flash attention when flash is installed)."""
     try:
         from transformers.generation.continuous_batching.continuous_api import \
             ContinuousBatchingManager
@@ -119,8 +120,8 @@ def _accept_in_continuous_batching() -> None:
 # --------------------------------------------------------------------------- the decode fast path
 def _open_decode_fast_path() -> None:
     """Keep transformers' ``max_blocks_per_request`` (its block tables) for splitkv's names when
-    every attention type of the model supports block tables (5.23+ asks its cache allocators;
-    5.17 drops them for sliding-window groups in the cache itself)."""
+    every attention type of the model supports block tables (5.19+ asks its cache allocators;
+    5.17-5.18 drop them for sliding-window groups in the cache itself)."""
     try:
         from transformers.generation.continuous_batching import initialization
     except ImportError:
@@ -153,6 +154,6 @@ def _all_types_support_block_tables(config) -> bool:
 
     allocators = getattr(initialization, "ATTN_TYPE_TO_ALLOCATOR", None)
     group = getattr(initialization, "group_layers_by_attn_type", None)
-    if allocators is None or group is None:       # 5.17: the cache decides per group
+    if allocators is None or group is None:       # 5.17-5.18: the cache decides per group
         return True
     return all(getattr(allocators[kind], "supports_block_table", False) for kind in group(config))

@@ -6,10 +6,16 @@ says there is no usable GPU (or the runtime cannot be imported).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 from helpers.batches import build_batch
+
+# The tests choose their caches themselves (XDG_CACHE_HOME or SPLITKV_CACHE_DIR in a temporary
+# folder): a cache folder set in the environment that runs them must not leak in.
+os.environ.pop("SPLITKV_CACHE_DIR", None)
 
 
 @pytest.fixture

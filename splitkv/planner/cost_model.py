@@ -6,12 +6,55 @@ latencies with non-negative parameters.
 from __future__ import annotations
 
 import copy
+import math
+from numbers import Integral, Real
 
 import numpy as np
 from scipy.optimize import nnls
 
 from ..core.plan import Plan
 from .features import F_MERGE_GRID, FEATURE_NAMES, check_tile_rule, plan_features
+
+# Bounds on the machine a model describes: the device planner's int (kernels_cu/device_plan.cuh)
+# holds the SM count; an SM holds at most 32 resident blocks on every NVIDIA GPU.
+MAX_NUM_SMS = 2**31 - 1
+MAX_CTAS_PER_SM = 32
+
+
+def check_machine_int(name: str, value, maximum: int) -> int:
+    """An SM or CTA count: an integer (not a bool) in 1..maximum, named in the error; a
+    negative or fractional count would plan with negative or meaningless predictions."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
+    if not 1 <= value <= maximum:
+        raise ValueError(f"{name}: expected an integer in 1..{maximum}, got {value}")
+    return int(value)
+
+
+def check_bandwidth(name: str, value) -> float:
+    """A bandwidth in GB/s: a finite number > 0 (every byte column is divided by it)."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name}: expected a number of GB/s, got {type(value).__name__} "
+                        f"{value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}: expected a finite number of GB/s > 0, got {value!r}")
+    return float(value)
+
+
+def check_machine(num_sms, ctas_per_sm, bandwidth_gbps, optional: bool = False) -> tuple:
+    """A model's machine checked, as (int, int, float); the errors name the argument. With
+    ``optional``, None stands for a value not given and stays None."""
+    def check(value, how):
+        return None if value is None and optional else how(value)
+
+    return (check(num_sms, lambda v: check_machine_int("num_sms", v, MAX_NUM_SMS)),
+            check(ctas_per_sm, lambda v: check_machine_int("ctas_per_sm", v, MAX_CTAS_PER_SM)),
+            check(bandwidth_gbps, lambda v: check_bandwidth("bandwidth_gbps", v)))
+
+
+class NotFittedError(RuntimeError, AttributeError):
+    """A CostModel asked to predict before it has parameters. An AttributeError too, so that
+    ``hasattr(model, "coef_")`` stays False on an unfitted model."""
 
 
 def fit_relative(x: np.ndarray, y: np.ndarray, huber_delta: float = 0.1,
@@ -49,12 +92,27 @@ class CostModel:
 
     def __init__(self, num_sms: int = 132, ctas_per_sm: int = 2, bandwidth_gbps: float = 4460.0,
                  robust: bool = True, clusters: bool = False, tile_rule: str = ""):
-        self.num_sms = num_sms
-        self.ctas_per_sm = ctas_per_sm
-        self.bandwidth_gbps = bandwidth_gbps
+        self.num_sms, self.ctas_per_sm, self.bandwidth_gbps = check_machine(
+            num_sms, ctas_per_sm, bandwidth_gbps)
         self.clusters = clusters        # the GPU merges suitable fused plans in clusters
         self.robust = robust
         self.tile_rule = check_tile_rule(tile_rule)   # how it counts tiles (TILE_RULES)
+        self.fit_error_ = self.fit_mape_ = None        # set by fit
+        self.n_samples_ = 0
+
+    @property
+    def coef_(self) -> np.ndarray:
+        """The parameters, one per name in ``FEATURE_NAMES``; ``NotFittedError`` before
+        ``fit`` or ``from_coef`` set them (every prediction reads them)."""
+        coef = self.__dict__.get("_coef")
+        if coef is None:
+            raise NotFittedError("CostModel is not fitted: call fit(), or build one with "
+                                 "CostModel.from_coef() or a profile's cost_model()")
+        return coef
+
+    @coef_.setter
+    def coef_(self, value) -> None:
+        self.__dict__["_coef"] = value
 
     @classmethod
     def from_coef(cls, coef, **hyperparameters) -> "CostModel":
@@ -156,10 +214,8 @@ class CostModel:
         self.n_samples_ = len(y)
         return self
 
-    def _check_fitted(self):
-        if getattr(self, "coef_", None) is None:
-            raise RuntimeError("CostModel is not fitted: call fit(), or build one with "
-                               "CostModel.from_coef() or a profile's cost_model()")
+    def _check_fitted(self) -> np.ndarray:
+        return self.coef_              # NotFittedError (a RuntimeError) when not fitted
 
     def predict(self, sources):
         """Predicted microseconds: a float for one plan or one feature vector, else an array."""

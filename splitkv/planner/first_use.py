@@ -17,7 +17,7 @@ import math
 import os
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,8 @@ from ..core.plan import Plan, plan_chunk_tokens
 from ..core.problem import DecodeProblem
 from .cost_model import CostModel, fit_relative
 from .features import FEATURE_NAMES, resident_ctas
-from .profiles import Profile, ProfileError, device_slug, read_profile, user_profile_dir
+from .profiles import (CACHE_DIR_ENV, Profile, ProfileError, device_slug, read_profile,
+                       user_profile_dir, warn_skipped)
 
 FIRST_USE_ENV = "SPLITKV_FIRST_USE"
 FIRST_USE_MODES = ("off", "probe", "calibrate")
@@ -313,13 +314,15 @@ def save_first_use(profile: Profile, path: Path) -> Path:
 
 def read_first_use(path: Path, device_name: str, num_sms: int | None) -> Profile | None:
     """The cached first-use model at ``path`` for this device, or None (absent, or unusable:
-    then it is probed again and rewritten)."""
-    if not path.is_file():
-        return None
+    then it is probed again and rewritten; one warning names the file and what is wrong)."""
     try:
+        if not path.is_file():
+            return None
         profile = read_profile(path)
-    except ProfileError as e:
-        warnings.warn(f"{e}; probing again", stacklevel=3)
+    except (OSError, ProfileError) as e:        # OSError: a cache folder that cannot be read
+        if not isinstance(e, ProfileError):
+            e = ProfileError(f"profile {path}: cannot read it ({e.strerror or e})")
+        warn_skipped(e, "probing again", stacklevel=4)
         return None
     if device_slug(profile.device_name) != device_slug(device_name) or (
             num_sms is not None and profile.num_sms != num_sms):
@@ -331,6 +334,9 @@ def read_first_use(path: Path, device_name: str, num_sms: int | None) -> Profile
 class _State:
     failed: set = field(default_factory=set)    # keys whose probes failed in this process
     running: set = field(default_factory=set)   # keys being probed (no re-entry)
+    # models probed in this process that the cache could not hold (a read-only home): kept by
+    # key, so that the next wrapper on the device does not probe again
+    kept: dict = field(default_factory=dict)
 
 
 _state = _State()
@@ -351,6 +357,9 @@ def resolve(device_name: str, num_sms: int | None, source) -> Profile | None:
     path = first_use_path(device_name, source.driver_version)
     key = str(path)
     if mode == "probe":
+        kept = _state.kept.get(key)
+        if kept is not None and (num_sms is None or kept.num_sms == num_sms):
+            return kept
         cached = read_first_use(path, device_name, num_sms)
         if cached is not None:
             return cached
@@ -367,11 +376,22 @@ def resolve(device_name: str, num_sms: int | None, source) -> Profile | None:
         start = time.perf_counter()
         results = source.probe()
         profile = derive_profile(results)
-        save_first_use(profile, path)
-        warnings.warn(f"splitkv had no profile for {device_name!r}; timed its first-use probes "
-                      f"in {time.perf_counter() - start:.1f} s and cached the model in {path}. "
-                      f"{FIRST_USE_ENV}=off plans with the roofline prior instead; `splitkv "
-                      "calibrate` fits a better one.", stacklevel=3)
+        said = (f"splitkv had no profile for {device_name!r}; timed its first-use probes in "
+                f"{time.perf_counter() - start:.1f} s and ")
+        try:
+            save_first_use(profile, path)
+        except OSError as e:
+            # an unwritable cache must not cost a probe a wrapper: kept for the process
+            _state.kept[key] = profile = replace(profile, origin=f"{profile.origin} (kept in "
+                                                                 "memory: not cached)")
+            warnings.warn(f"{said}could not cache the model in {path} ({e.strerror or e}); "
+                          f"keeping it for this process. Set ${CACHE_DIR_ENV} to a writable "
+                          f"folder to keep it across processes, or {FIRST_USE_ENV}=off to plan "
+                          "with the roofline prior.", stacklevel=3)
+            return profile
+        warnings.warn(f"{said}cached the model in {path}. {FIRST_USE_ENV}=off plans with the "
+                      "roofline prior instead; `splitkv calibrate` fits a better one.",
+                      stacklevel=3)
         return read_profile(path)
     except ProbesDeferred:
         return None

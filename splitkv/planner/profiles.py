@@ -12,8 +12,8 @@ graph-stable fp8 wrapper's one captured grid runs, where per-shape plans of few 
 ``load_profile`` looks in this order and takes the first that answers:
   1. the ``path`` argument;
   2. ``$SPLITKV_PROFILE``;
-  3. the user cache: ``$XDG_CACHE_HOME/splitkv/profiles/<device>.yaml``, else
-     ``~/.cache/splitkv/profiles/<device>.yaml``;
+  3. the user cache: ``<cache>/profiles/<device>.yaml``, where ``<cache>`` is
+     ``$SPLITKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/splitkv``, else ``~/.cache/splitkv``;
   4. the profiles shipped in ``splitkv/planner/profiles/``, matched by device name;
   5. given a ``first_use`` source (the runtime passes one for its device), the first-use
      model (``planner.first_use``): cached per GPU, driver and splitkv version under
@@ -23,7 +23,10 @@ graph-stable fp8 wrapper's one captured grid runs, where per-shape plans of few 
   6. a roofline prior computed from the SM count and a bandwidth guess, with a one-time
      warning that suggests ``splitkv calibrate``; also where the probes fail.
 A broken or mismatched file named by 1 or 2 is an error (the user asked for it); one found in
-3 or 4 is skipped with a warning. Nothing is read at import.
+3, 4 or the first-use cache is skipped with one warning naming it: no file on disk can stop
+planning. ``to_yaml`` seals the file (its first line: the byte count and SHA-256 of the rest),
+so one cut short is refused, not read with other coefficients; unsealed files (older, or
+written by hand) are read as they are. Nothing is read at import.
 """
 
 from __future__ import annotations
@@ -40,10 +43,13 @@ from pathlib import Path
 
 import yaml
 
-from .cost_model import CostModel
+from .cost_model import MAX_CTAS_PER_SM, MAX_NUM_SMS, CostModel, check_machine, check_machine_int
 from .features import FEATURE_NAMES
+from .profile_files import ProfileError, read_bytes, read_document, record_problem, sealed, \
+    write_atomically
 
 PROFILE_ENV = "SPLITKV_PROFILE"
+CACHE_DIR_ENV = "SPLITKV_CACHE_DIR"    # splitkv's cache folder (profiles/ and first-use/ in it)
 REFERENCE_DEVICE = "NVIDIA H200"       # what plans made without a device are made for
 # The profile format's version, written by ``Profile.to_dict``. A file without one is read as
 # the version before it (written by hand, or before the field); a newer one is refused.
@@ -71,9 +77,7 @@ FP8_FITS = ("kv_fp8", "kv_fp8_graph_stable")
 PROFILE_TILE_RULES = ("", "fp8")
 
 
-class ProfileError(ValueError):
-    """A profile file that cannot be used: unreadable, not valid YAML, wrong fields, or made
-    for another device."""
+MAX_DEVICE_NAME = 256
 
 
 def device_slug(device_name: str) -> str:
@@ -87,8 +91,12 @@ SHIPPED_ORIGIN_PREFIX = "splitkv:"     # then the shipped file's name: 'splitkv:
 
 
 def user_profile_dir() -> Path:
+    """Where calibrated profiles are cached (first-use ones in its ``first-use`` folder): the
+    one place the cache's location is decided. ``profiles`` in ``$SPLITKV_CACHE_DIR``, else in
+    ``$XDG_CACHE_HOME/splitkv``, else in ``~/.cache/splitkv``."""
+    own = os.environ.get(CACHE_DIR_ENV)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "splitkv" / "profiles"
+    return (Path(os.path.expanduser(own)) if own else Path(base) / "splitkv") / "profiles"
 
 
 def user_profile_path(device_name: str) -> Path:
@@ -156,6 +164,13 @@ class Profile:
     # plan with kv_fp8
     kv_fp8_graph_stable: dict | None = None
     origin: str = field(default="", compare=False)   # where it was loaded from
+
+    def __post_init__(self):
+        """The machine checked however the profile was made (a negative SM count would plan
+        with negative predictions; text would fail deep inside the planner)."""
+        for key, value in zip(("num_sms", "ctas_per_sm", "bandwidth_gbps"), check_machine(
+                self.num_sms, self.ctas_per_sm, self.bandwidth_gbps)):
+            object.__setattr__(self, key, value)
 
     @property
     def is_prior(self) -> bool:
@@ -228,19 +243,16 @@ class Profile:
         return d
 
     def to_yaml(self) -> str:
-        header = (f"# splitkv cost-model profile for {self.device_name} ({self.source}).\n"
-                  "# Written by `splitkv calibrate`; read with yaml.safe_load.\n")
-        return header + yaml.safe_dump(self.to_dict(), sort_keys=False)
+        """The file's text, sealed (``SEAL_PREFIX``): a copy cut short is refused."""
+        return sealed(f"# splitkv cost-model profile for {self.device_name} ({self.source}).\n"
+                      "# Written by `splitkv calibrate`; read with yaml.safe_load.\n"
+                      + yaml.safe_dump(self.to_dict(), sort_keys=False))
 
     def save(self, path) -> Path:
-        """Written atomically: a process planning meanwhile reads the old file or the new one,
-        and processes writing at once each leave a whole file."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(self.to_yaml())
-        os.replace(tmp, path)
-        return path
+        """Written atomically: a process planning meanwhile reads the old file or the new one;
+        threads or processes writing at once each leave a whole file (each call writes its own
+        temporary file, flushed to disk, then renames it over the target)."""
+        return write_atomically(path, self.to_yaml().encode("utf-8"))
 
     @classmethod
     def from_dict(cls, data, origin: str = "<dict>") -> "Profile":
@@ -249,7 +261,12 @@ class Profile:
             return ProfileError(f"profile {origin}: {msg}")
 
         if not isinstance(data, dict):
-            raise bad(f"expected a YAML mapping, got {type(data).__name__}")
+            what = "nothing (an empty file, or one cut short)" if data is None \
+                else type(data).__name__
+            raise bad(f"expected a YAML mapping, got {what}")
+        problem = record_problem(data)
+        if problem:
+            raise bad(problem)
         data = dict(data)
         schema = data.pop("schema", SCHEMA - 1)
         if isinstance(schema, bool) or not isinstance(schema, int) or schema < 0:
@@ -260,37 +277,44 @@ class Profile:
         known = {f for f in cls.__dataclass_fields__ if f != "origin"}
         unknown = set(data) - known
         if unknown:
-            raise bad(f"unknown fields {sorted(unknown)}; expected some of {sorted(known)}")
+            raise bad(f"unknown fields {sorted(unknown, key=repr)}; expected some of "
+                      f"{sorted(known)}")
         for key in ("device_name", "num_sms", "bandwidth_gbps", "coef"):
             if key not in data:
                 raise bad(f"missing field {key!r}")
 
-        def number(key, positive=False, optional=False):
-            v = data.get(key)
+        def number(v, where, positive=False, optional=True):
             if v is None and optional:
                 return None
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                    or v < 0 or (positive and v == 0):
-                raise bad(f"{key}: expected a finite {'positive' if positive else 'non-negative'}"
-                          f" number, got {v!r}")
+            try:
+                ok = not isinstance(v, bool) and isinstance(v, (int, float)) \
+                    and math.isfinite(v) and (v > 0 if positive else v >= 0)
+            except OverflowError:                     # an integer past any float
+                ok = False
+            if not ok:
+                raise bad(f"{where}: expected a finite {'positive' if positive else 'non-negative'}"
+                          f" number, got {v!r:.80}")
             return float(v)
 
-        def integer(key):
-            v = data.get(key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise bad(f"{key}: expected an integer >= 1, got {v!r}")
-            return v
+        def integer(key, maximum):
+            try:
+                return check_machine_int(key, data.get(key), maximum)
+            except (TypeError, ValueError) as e:
+                raise bad(str(e)) from None
 
-        if not isinstance(data["device_name"], str) or not data["device_name"]:
-            raise bad(f"device_name: expected a non-empty string, got {data['device_name']!r}")
+        device = data["device_name"]
+        if not isinstance(device, str) or not device.strip() or len(device) > MAX_DEVICE_NAME:
+            raise bad(f"device_name: expected a non-empty string of at most {MAX_DEVICE_NAME} "
+                      f"characters, got {device!r:.80}")
         clusters = data.get("clusters", False)
         if not isinstance(clusters, bool):
             raise bad(f"clusters: expected true or false, got {clusters!r}")
 
         def tile_rule(value, where):
-            if value not in PROFILE_TILE_RULES:
+            if not isinstance(value, str) or value not in PROFILE_TILE_RULES:
                 raise bad(f"{where}: expected one of {list(PROFILE_TILE_RULES)}, got {value!r}")
             return value
+
         def parameters(coef, where):
             if isinstance(coef, dict) and schema < 2:
                 # schema 1's `const` (1 a call): the same on every plan of a call, so it moves
@@ -304,74 +328,76 @@ class Profile:
                 # fitted before these features existed: that fit is the model with them 0
                 coef = {**{name: 0.0 for name in FEATURES_ADDED_LATER}, **coef}
             if not isinstance(coef, dict) or set(coef) != set(FEATURE_NAMES):
-                got = sorted(coef) if isinstance(coef, dict) else coef
+                got = sorted(coef, key=repr) if isinstance(coef, dict) else coef
                 raise bad(f"{where}: expected one parameter for each feature "
-                          f"{list(FEATURE_NAMES)}, got {got}; this profile was made by another "
-                          "splitkv version, re-run `splitkv calibrate`")
-            for k, v in coef.items():
-                if isinstance(v, bool) or not isinstance(v, (int, float)) \
-                        or not math.isfinite(v) or v < 0:
-                    raise bad(f"{where}.{k}: expected a finite non-negative number, got {v!r}")
-            return {k: float(coef[k]) for k in FEATURE_NAMES}
+                          f"{list(FEATURE_NAMES)}, got {got!r:.300}; this profile was made by "
+                          "another splitkv version, re-run `splitkv calibrate`")
+            # every parameter is a cost: the fit keeps them >= 0, so a negative, infinite or NaN
+            # one is a damaged file, not a fit
+            return {k: number(coef[k], f"{where}.{k}", optional=False) for k in FEATURE_NAMES}
+
+        def date(value, where):
+            if isinstance(value, datetime.date):     # YAML reads 2026-11-29 unquoted as one
+                return value.isoformat()
+            try:
+                if value not in (None, ""):
+                    datetime.datetime.fromisoformat(value)     # a date, or a date and time
+            except (TypeError, ValueError):
+                raise bad(f"{where}: expected a date such as 2026-11-29, got {value!r:.80}") \
+                    from None
+            return value or ""
+
+        def sweep(value, where):
+            if value and not isinstance(value, dict):
+                raise bad(f"{where}: expected a mapping, got {type(value).__name__}")
+            return value or {}
 
         def fp8_fit(name):
             fit = data.get(name)
             if fit is None:
                 return None
             if not isinstance(fit, dict) or "coef" not in fit:
-                raise bad(f"{name}: expected a mapping with a 'coef' mapping, got {fit!r}")
+                raise bad(f"{name}: expected a mapping with a 'coef' mapping, got {fit!r:.200}")
             extra = set(fit) - FP8_FIELDS
             if extra:
-                raise bad(f"{name}: unknown fields {sorted(extra)}; expected some of "
+                raise bad(f"{name}: unknown fields {sorted(extra, key=repr)}; expected some of "
                           f"{sorted(FP8_FIELDS)}")
             for key in ("fit_error", "heldout_error", "measured_bandwidth_gbps"):
-                v = fit.get(key)
-                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                      or not math.isfinite(v) or v < 0):
-                    raise bad(f"{name}.{key}: expected a finite non-negative number, got {v!r}")
-            date = fit.get("date") or ""
+                number(fit.get(key), f"{name}.{key}")
             if "tile_rule" in fit:
                 tile_rule(fit["tile_rule"], f"{name}.tile_rule")
             return {**fit, "coef": parameters(fit["coef"], f"{name}.coef"),
-                    "date": date.isoformat() if isinstance(date, datetime.date) else str(date)}
+                    "date": date(fit.get("date"), f"{name}.date"),
+                    **({"sweep": sweep(fit["sweep"], f"{name}.sweep")} if "sweep" in fit else {})}
 
         coef = parameters(data["coef"], "coef")
         fits = {name: fp8_fit(name) for name in FP8_FITS}
-        sweep = data.get("sweep") or {}
-        if not isinstance(sweep, dict):
-            raise bad(f"sweep: expected a mapping, got {type(sweep).__name__}")
-        text = {}
-        for key in ("date", "splitkv_version", "source"):
-            v = data.get(key) or ""
-            if isinstance(v, (datetime.date, datetime.datetime)):
-                v = v.isoformat()          # YAML reads an unquoted 2026-11-29 as a date
-            if not isinstance(v, str):
-                raise bad(f"{key}: expected a string, got {v!r}")
-            text[key] = v
-        return cls(device_name=data["device_name"], num_sms=integer("num_sms"),
-                   bandwidth_gbps=number("bandwidth_gbps", positive=True),
+        text = {"date": date(data.get("date"), "date")}
+        for key in ("splitkv_version", "source"):
+            text[key] = "" if data.get(key) is None else data[key]
+            if not isinstance(text[key], str):
+                raise bad(f"{key}: expected a string, got {text[key]!r:.80}")
+        return cls(device_name=device, num_sms=integer("num_sms", MAX_NUM_SMS),
+                   bandwidth_gbps=number(data["bandwidth_gbps"], "bandwidth_gbps", True, False),
                    coef=coef, **fits,
-                   ctas_per_sm=integer("ctas_per_sm") if "ctas_per_sm" in data else 2,
+                   ctas_per_sm=integer("ctas_per_sm", MAX_CTAS_PER_SM)
+                   if "ctas_per_sm" in data else 2,
                    clusters=clusters,
                    tile_rule=tile_rule(data.get("tile_rule", ""), "tile_rule"),
-                   measured_bandwidth_gbps=number("measured_bandwidth_gbps", optional=True),
-                   fit_error=number("fit_error", optional=True),
-                   heldout_error=number("heldout_error", optional=True),
-                   sweep=sweep, origin=origin, **text)
+                   **{key: number(data.get(key), key) for key in
+                      ("measured_bandwidth_gbps", "fit_error", "heldout_error")},
+                   sweep=sweep(data.get("sweep"), "sweep"), origin=origin, **text)
+
+
+def parse_profile(data: bytes, origin: str) -> Profile:
+    """A profile file's bytes checked into a ``Profile``; ``ProfileError`` naming ``origin``
+    and what is wrong for anything in them (binary, cut short, not YAML, nested too deep)."""
+    return Profile.from_dict(read_document(data, origin), origin=origin)
 
 
 def read_profile(path) -> Profile:
-    """Read and check one profile file; ``ProfileError`` if it cannot be used."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ProfileError(f"profile {path}: cannot read it ({e.strerror or e})") from e
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ProfileError(f"profile {path}: not valid YAML ({e})") from e
-    return Profile.from_dict(data, origin=str(path))
+    """Read and check one profile file; ``ProfileError`` naming it if it cannot be used."""
+    return parse_profile(read_bytes(path), str(path))
 
 
 def _check_device(profile: Profile, device_name, num_sms) -> None:
@@ -383,18 +409,42 @@ def _check_device(profile: Profile, device_name, num_sms) -> None:
                            f"device has {num_sms} (a MIG slice or another model?)")
 
 
-def _shipped_profile_text(slug: str) -> str | None:
+def _shipped_profile(slug: str) -> Profile | None:
     ref = resources.files(__package__).joinpath("profiles", f"{slug}.yaml")
-    return ref.read_text() if ref.is_file() else None
+    return parse_profile(ref.read_bytes(), f"{SHIPPED_ORIGIN_PREFIX}{slug}.yaml") \
+        if ref.is_file() else None
 
 
 _warned_prior: set = set()
+_warned_files: set = set()      # the warnings about broken files given in this process
+
+
+def warn_skipped(error: Exception, then: str, stacklevel: int = 3) -> None:
+    """One warning a process for each broken file skipped (``error`` names it and the fault)."""
+    if (message := f"{error}; ignoring it and {then}") not in _warned_files:
+        _warned_files.add(message)
+        warnings.warn(message, stacklevel=stacklevel)
+
+
+def _found(where: str, read, device_name: str, num_sms) -> Profile | None:
+    """``read()``'s profile (None: no file) if made for this device; else None with one warning
+    naming ``where`` and what is wrong: a file found on disk never stops planning."""
+    try:
+        profile = read()
+        if profile is not None:
+            _check_device(profile, device_name, num_sms)
+        return profile
+    except (OSError, ValueError, TypeError, KeyError) as e:   # and what no check foresaw
+        error = e if isinstance(e, ProfileError) else ProfileError(
+            f"profile {where}: cannot read it ({type(e).__name__}: {e})")
+    warn_skipped(error, "using the next profile found", stacklevel=4)
+    return None
 
 
 def prior_profile(device_name: str, num_sms: int | None = None,
                   bandwidth_gbps: float | None = None) -> Profile:
     """A profile from the roofline prior, for a device nobody has calibrated."""
-    num_sms = num_sms or DEFAULT_NUM_SMS
+    num_sms = DEFAULT_NUM_SMS if num_sms is None else num_sms
     if bandwidth_gbps is None:
         bandwidth_gbps = guess_bandwidth_gbps(device_name)
     from .._version import __version__
@@ -408,6 +458,8 @@ def load_profile(path=None, device_name: str | None = None, num_sms: int | None 
                  bandwidth_gbps: float | None = None, first_use=None) -> Profile:
     """The profile to plan with (see the module docstring for the lookup order).
 
+    path: a profile file (str or os.PathLike), or None to look one up (an empty path is a
+        ValueError, not None).
     device_name, num_sms: the device to plan for (the runtime passes ``device_info()``'s);
         without them, the reference device ``NVIDIA H200``. Given, they are checked against
         the profile found.
@@ -415,6 +467,13 @@ def load_profile(path=None, device_name: str | None = None, num_sms: int | None 
     first_use: what can probe the device (``runtime.first_use.DeviceProbes``), for step 5;
         None skips it (no device to measure). ``$SPLITKV_FIRST_USE`` is checked only then.
     """
+    if path is not None and (not isinstance(path, (str, os.PathLike)) or not os.fspath(path)):
+        raise (ValueError if isinstance(path, (str, os.PathLike)) else TypeError)(
+            f"path: expected a profile file's path (str or os.PathLike), or None to look one "
+            f"up; got {type(path).__name__} {path!r:.80}")
+    if device_name is not None and (not isinstance(device_name, str) or not device_name):
+        raise ValueError(f"device_name: expected a GPU's name or None, got {device_name!r}")
+    check_machine(num_sms, None, bandwidth_gbps, optional=True)
     for explicit, what in ((path, "path"), (os.environ.get(PROFILE_ENV), f"${PROFILE_ENV}")):
         if explicit:
             try:
@@ -427,22 +486,11 @@ def load_profile(path=None, device_name: str | None = None, num_sms: int | None 
     name = device_name or REFERENCE_DEVICE
     slug = device_slug(name)
     cached = user_profile_path(name)
-    if cached.is_file():
-        try:
-            profile = read_profile(cached)
-            _check_device(profile, name, num_sms)
+    for where, read in ((cached, lambda: read_profile(cached) if cached.is_file() else None),
+                        (f"{SHIPPED_ORIGIN_PREFIX}{slug}.yaml", lambda: _shipped_profile(slug))):
+        profile = _found(where, read, name, num_sms)
+        if profile is not None:
             return profile
-        except ProfileError as e:
-            warnings.warn(f"{e}; ignoring it and using the next profile found", stacklevel=2)
-    try:
-        text = _shipped_profile_text(slug)
-        if text is not None:
-            profile = Profile.from_dict(yaml.safe_load(text), origin=f"{SHIPPED_ORIGIN_PREFIX}{slug}.yaml")
-            _check_device(profile, name, num_sms)
-            return profile
-    except (ProfileError, yaml.YAMLError) as e:
-        warnings.warn(f"shipped profile {slug}.yaml: {e}; using the roofline prior",
-                      stacklevel=2)
     if first_use is not None:
         from .first_use import resolve
 
@@ -465,7 +513,7 @@ _default: dict = {}
 
 def default_profile() -> Profile:
     """``load_profile()`` for the reference device, remembered (planning runs every step)."""
-    key = (os.environ.get(PROFILE_ENV), os.environ.get("XDG_CACHE_HOME"))
+    key = tuple(os.environ.get(k) for k in (PROFILE_ENV, CACHE_DIR_ENV, "XDG_CACHE_HOME"))
     profile = _default.get(key)
     if profile is None:
         profile = _default[key] = load_profile()

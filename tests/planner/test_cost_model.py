@@ -286,6 +286,33 @@ def test_predict_needs_parameters_and_takes_plans_or_rows(plans):
     assert "crit_us=" in repr(model) and "not fitted" in repr(CostModel())
 
 
+def test_an_unfitted_model_says_so_wherever_it_is_used(plans):
+    """Not an AttributeError from deep inside: a RuntimeError saying what to do, from the
+    planner, the graph-stable copy and the parameters alike; hasattr stays False."""
+    from splitkv.planner import choose_plan, rank_candidates
+    from splitkv.planner.cost_model import NotFittedError
+
+    unfitted = CostModel()
+    for call in (lambda: choose_plan(plans[0].problem, unfitted),
+                 lambda: rank_candidates(plans[0].problem, unfitted),
+                 unfitted.for_graph_stable, unfitted.coef_dict, lambda: unfitted.coef_):
+        with pytest.raises(RuntimeError, match="CostModel is not fitted: call fit"):
+            call()
+    assert issubclass(NotFittedError, RuntimeError) and not hasattr(unfitted, "coef_")
+    assert unfitted.fit_error_ is None and unfitted.n_samples_ == 0
+    assert CostModel.from_coef(roofline_prior(132, 4460.0)).for_graph_stable() is not None
+
+
+def test_the_machine_is_checked():
+    for kwargs, error in [({"num_sms": -1}, ValueError), ({"num_sms": "fast"}, TypeError),
+                          ({"ctas_per_sm": 0}, ValueError), ({"bandwidth_gbps": "fast"}, TypeError),
+                          ({"bandwidth_gbps": float("inf")}, ValueError)]:
+        with pytest.raises(error, match=next(iter(kwargs))):
+            CostModel(**kwargs)
+    model = CostModel(num_sms=np.int64(108), bandwidth_gbps=np.float32(1500))
+    assert type(model.num_sms) is int and type(model.bandwidth_gbps) is float
+
+
 def test_from_coef_checks_names():
     with pytest.raises(ValueError, match="missing"):
         CostModel.from_coef({"launches": 1.0})

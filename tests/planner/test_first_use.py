@@ -2,6 +2,7 @@
 timings, the cache, $SPLITKV_FIRST_USE, and where load_profile puts the first-use model."""
 
 import math
+import os
 import warnings
 
 import numpy as np
@@ -31,8 +32,10 @@ BANDWIDTH = 1500.0
 def clean(monkeypatch, tmp_path):
     monkeypatch.delenv(PROFILE_ENV, raising=False)
     monkeypatch.setenv(FIRST_USE_ENV, "probe")
+    monkeypatch.delenv(profiles.CACHE_DIR_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(profiles, "_warned_prior", set())
+    monkeypatch.setattr(profiles, "_warned_files", set())
     monkeypatch.setattr(first_use, "_state", first_use._State())
 
 
@@ -364,3 +367,77 @@ def test_probing_does_not_reenter_itself():
         outer = load(source)
     assert inner[0].is_prior and outer.source == first_use.FIRST_USE_SOURCE
     assert not math.isnan(outer.coef["waves"])
+
+
+# ---------------------------------------------------------------- broken and unwritable caches
+
+def _cut(text):
+    return text[:len(text) // 2]
+
+
+@pytest.mark.parametrize("spoil", [
+    lambda text: bytes(range(256)),                                   # binary
+    lambda text: _cut(text).encode(),                                 # half-written
+    lambda text: text.split("\n", 1)[1].replace("date: '", "date: 2026-13-45 #'").encode(),
+    lambda text: ("sweep: " + "[" * 5000 + "]" * 5000 + "\n").encode(),   # deep nesting
+], ids=["binary", "half-written", "bad date", "deep nesting"])
+def test_a_broken_first_use_cache_is_probed_again_with_one_warning(spoil):
+    """A cached model the disk or a crash spoiled: one warning names the file, the device is
+    probed again and the cache rewritten whole."""
+    path = first_use_path("NVIDIA L40S", "12040")
+    text = save_first_use(derive_profile(synthetic("NVIDIA L40S")), path).read_text()
+    path.write_bytes(spoil(text))
+    source = FakeProbes()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert load(source).source == first_use.FIRST_USE_SOURCE
+    named = [str(w.message) for w in caught if "probing again" in str(w.message)]
+    assert len(named) == 1 and str(path) in named[0], [str(w.message) for w in caught]
+    assert source.probed == 1
+    assert profiles.read_profile(path).source == first_use.FIRST_USE_SOURCE
+
+
+def _probed_twice_without_a_cache(source):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = load(source)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                # the kept model answers quietly
+        second = load(source)
+    return first, second, [str(w.message) for w in caught]
+
+
+def test_an_unwritable_cache_keeps_the_probed_model_for_the_process(tmp_path, monkeypatch):
+    """The cache folder cannot be made (a file stands in its way: any user, root too): the
+    model is probed once, planned with, kept in memory with one warning, and the next wrapper
+    in the process does not probe again."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(profiles.CACHE_DIR_ENV, str(blocker / "cache"))
+    source = FakeProbes()
+    first, second, said = _probed_twice_without_a_cache(source)
+    assert source.probed == 1
+    assert first.source == first_use.FIRST_USE_SOURCE and second is first
+    assert len([m for m in said if "could not cache" in m]) == 1 and len(said) == 1, said
+    assert "keeping it for this process" in said[0] and str(blocker) in said[0]
+    # another driver is another model: probed (and kept) too
+    other = FakeProbes(driver="12050")
+    with pytest.warns(UserWarning, match="could not cache"):
+        load(other)
+    assert other.probed == 1 and source.probed == 1
+
+
+def test_a_read_only_cache_keeps_the_probed_model_for_the_process(tmp_path, monkeypatch):
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    monkeypatch.setenv(profiles.CACHE_DIR_ENV, str(folder))
+    os.chmod(folder, 0o500)
+    try:
+        if os.access(folder, os.W_OK):
+            pytest.skip("chmod does not make a folder read-only here (running as root)")
+        source = FakeProbes()
+        first, _, said = _probed_twice_without_a_cache(source)
+        assert source.probed == 1 and first.source == first_use.FIRST_USE_SOURCE
+        assert len(said) == 1 and "could not cache" in said[0]
+    finally:
+        os.chmod(folder, 0o755)

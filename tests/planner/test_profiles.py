@@ -21,8 +21,10 @@ from splitkv.planner.profiles import (PROFILE_ENV, Profile, ProfileError, defaul
 def clean_env(monkeypatch, tmp_path):
     """No $SPLITKV_PROFILE, an empty user cache, the one-time warning not yet given."""
     monkeypatch.delenv(PROFILE_ENV, raising=False)
+    monkeypatch.delenv(profiles.CACHE_DIR_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(profiles, "_warned_prior", set())
+    monkeypatch.setattr(profiles, "_warned_files", set())
     monkeypatch.setattr(profiles, "_default", {})
 
 
@@ -201,8 +203,10 @@ def test_a_schema_1_profiles_const_is_dropped_and_plans_the_same(tmp_path):
 
 
 def test_unquoted_date_is_read_as_text(tmp_path):
+    """A hand edit of a saved file: its seal line deleted, it is read as written."""
     path = tmp_path / "p.yaml"
-    path.write_text(make_profile().to_yaml().replace("date: '2026-11-29'", "date: 2026-11-29"))
+    text = make_profile().to_yaml().replace("date: '2026-11-29'", "date: 2026-11-29")
+    path.write_text(text.split("\n", 1)[1])
     assert read_profile(path).date == "2026-11-29"
 
 

@@ -197,13 +197,20 @@ class SplitKVAttnBackend(AttentionBackend):
                                   f"splitkv; expected DECODE or IDLE (speculative decoding and "
                                   f"other modes need another decode backend)")
 
-    def init_forward_metadata(self, forward_batch):
+    def _is_decode(self, forward_batch) -> bool:
+        """True for a decode batch; False (no metadata) for an idle one; any other mode is
+        refused by name."""
         mode = forward_batch.forward_mode
         if mode.is_idle():
             self.forward_metadata = None
-            return
+            return False
         if not mode.is_decode():
             self._refuse_mode(mode)
+        return True
+
+    def init_forward_metadata(self, forward_batch):
+        if not self._is_decode(forward_batch):
+            return
         bs = forward_batch.batch_size
         total = forward_batch.seq_lens_sum
         total = int(total) if total is not None else int(forward_batch.seq_lens.sum())
@@ -237,12 +244,8 @@ class SplitKVAttnBackend(AttentionBackend):
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         """Before a capture and before each replay: the metadata views for this batch size."""
-        mode = forward_batch.forward_mode
-        if mode.is_idle():
-            self.forward_metadata = None
+        if not self._is_decode(forward_batch):
             return
-        if not mode.is_decode():
-            self._refuse_mode(mode)
         if self.graph_tables is None:
             raise RuntimeError("init_cuda_graph_state: expected before the CUDA-graph hooks")
         t, bs = self.graph_tables, forward_batch.batch_size

@@ -14,6 +14,7 @@ import os
 import sys
 
 from .._version import __version__
+from ..planner.profile_files import ProfileError
 from .args import Parser
 
 # name -> (module, one-line help)
@@ -74,6 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("splitkv: interrupted", file=sys.stderr)
         return 130
+    except ImportError as exc:      # a dependency missing from a broken install: say which
+        name = getattr(exc, "name", None) or str(exc)
+        print(f"splitkv: needs {name.split('.')[0]}, which does not import ({exc}); "
+              f"reinstall splitkv's dependencies (pip install splitkv)", file=sys.stderr)
+        return 1
+    except ProfileError as exc:     # a profile the caller named cannot be used
+        print(f"splitkv: {exc}", file=sys.stderr)
+        return 2
     return status
 
 

@@ -10,7 +10,6 @@ import math
 from numbers import Integral, Real
 
 import numpy as np
-from scipy.optimize import nnls
 
 from ..core.plan import Plan
 from .features import F_MERGE_GRID, FEATURE_NAMES, check_tile_rule, plan_features
@@ -64,6 +63,8 @@ def fit_relative(x: np.ndarray, y: np.ndarray, huber_delta: float = 0.1,
     unit norm, then ``rounds`` NNLS solves, each re-weighted Huber-wise by the last.
     ``target``: what (x @ c) / y should reach, row by row (1: y itself; a fraction where
     fixed columns explain the rest of y)."""
+    from scipy.optimize import nnls              # fitting only: planning needs no SciPy
+
     a = x / y[:, None]                           # relative error: (x @ c - y) / y
     scale = np.linalg.norm(a, axis=0)
     scale[scale == 0] = 1.0                      # a feature that never varies stays at 0

@@ -15,6 +15,14 @@ from . import variants as VA
 from .reference import attend, kv_format, kv_to_float64, to_float64
 
 
+def bits_as(array, dtype: str):
+    """uint16 holds the bits of the plan's 16-bit dtype, as on the GPU: float16 bits are viewed
+    as float16 (the host paths read a bare uint16 as bfloat16 bits)."""
+    if dtype == "float16" and str(array.dtype) == "uint16":
+        return array.view("float16")
+    return array
+
+
 def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_scale=None, *,
                      kv_dtype=None, k_scale=None, v_scale=None, window_left: int | None = None,
                      logits_soft_cap=None, qo_indptr=None, kv_layout: str = "NHD"):
@@ -35,6 +43,7 @@ def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
     V.check_attention_arrays(q, k_cache, v_cache, rows.num_rows, p.page_size,
                              page_table.kv_indices, p.num_qo_heads, p.num_kv_heads, p.head_dim,
                              kv_dtype=fmt)
+    q, k_cache, v_cache = (bits_as(a, p.dtype) for a in (q, k_cache, v_cache))
     sm_scale = V.check_sm_scale(sm_scale, p.head_dim)
     variant = VA.check_variant(p.num_qo_heads, -1 if window_left is None else window_left,
                                logits_soft_cap)

@@ -199,3 +199,16 @@ def test_custom_sm_scale(make_batch):
     ref = reference_decode(bt.q, bt.k_cache, bt.v_cache, bt.page_table, sm_scale=0.3)
     np.testing.assert_allclose(out, ref[0], **TOL)
     np.testing.assert_allclose(lse, ref[1], **TOL)
+
+
+def test_uint16_holds_the_bits_of_a_float16_plan(make_batch):
+    """As on the GPU, uint16 arrays hold the bits of the plan's 16-bit dtype: under a float16
+    plan they are float16 bits, not bfloat16 bits (read as bfloat16 they are off by ~100)."""
+    b = make_batch([40, 7, 100], dtype=np.float16)
+    problem = DecodeProblem.from_page_table(b.page_table, 4, 2, 64, dtype="float16")
+    plan = plan_fixed_splits(problem, 2)
+    as_float16 = execute_plan_cpu(plan, b.q, b.k_cache, b.v_cache, b.page_table)
+    as_bits = execute_plan_cpu(plan, *(a.view(np.uint16) for a in (b.q, b.k_cache, b.v_cache)),
+                               b.page_table)
+    np.testing.assert_array_equal(as_bits[0] if isinstance(as_bits, tuple) else as_bits,
+                                  as_float16[0] if isinstance(as_float16, tuple) else as_float16)

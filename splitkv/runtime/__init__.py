@@ -19,10 +19,20 @@ class GPUUnavailableError(RuntimeError):
 
 _gpu_found = False     # once a GPU is found usable, it stays found: the check costs nothing after
 
-# What to install, said the same way by every error that suggests an install. splitkv is
-# installed from a clone; each extra brings one CuPy and the NVRTC library of its CUDA major.
-INSTALL_HINT = ("from a splitkv clone, python3 -m pip install -e '.[cuda13]' (CUDA 13 driver) "
-                "or -e '.[cuda12]' (CUDA 12 driver)")
+def _install_hint() -> str:
+    """What to install, said the same way by every error that suggests an install: each extra
+    brings one CuPy and the NVRTC library of its CUDA major; the command fits how splitkv was
+    installed (a source tree beside the package, or a wheel)."""
+    from pathlib import Path
+
+    if (Path(__file__).resolve().parents[2] / "pyproject.toml").is_file():
+        return ("in splitkv's source tree, python3 -m pip install -e '.[cuda13]' (CUDA 13 "
+                "driver) or -e '.[cuda12]' (CUDA 12 driver)")
+    return ("python3 -m pip install 'splitkv[cuda13]' (CUDA 13 driver) or 'splitkv[cuda12]' "
+            "(CUDA 12 driver)")
+
+
+INSTALL_HINT = _install_hint()
 
 
 def require_gpu(what: str) -> None:

@@ -60,8 +60,8 @@ def test_without_cupy_plan_and_run_raise_a_clear_error():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
-    why = ("CuPy is not installed (from a splitkv clone, python3 -m pip install -e '.[cuda13]' "
-           "(CUDA 13 driver) or -e '.[cuda12]' (CUDA 12 driver))")
+    why = ("CuPy is not installed (in splitkv's source tree, python3 -m pip install -e "
+           "'.[cuda13]' (CUDA 13 driver) or -e '.[cuda12]' (CUDA 12 driver))")
     assert done.stdout.splitlines() == [f"BatchDecodeWrapper.plan() needs a usable CUDA GPU: {why}",
                                         f"BatchDecodeWrapper.run() needs a usable CUDA GPU: {why}"]
 
@@ -121,3 +121,16 @@ def test_what_a_wrapper_reads_from_the_device_says_there_is_none(monkeypatch):
     for what in ("profile", "max_chunks"):
         with pytest.raises(GPUUnavailableError, match=f"^BatchDecodeWrapper.{what} needs a usable"):
             getattr(wrapper, what)
+
+
+def test_the_install_hint_fits_how_splitkv_was_installed(monkeypatch, tmp_path):
+    """From a source tree: the editable install of an extra; from a wheel (no pyproject.toml
+    beside the package): the extra by name."""
+    import splitkv.runtime as runtime
+
+    assert "pip install -e '.[cuda13]'" in runtime._install_hint()      # this checkout
+    package = tmp_path / "site-packages" / "splitkv" / "runtime"
+    package.mkdir(parents=True)
+    monkeypatch.setattr(runtime, "__file__", str(package / "__init__.py"))
+    hint = runtime._install_hint()
+    assert "'splitkv[cuda13]'" in hint and " -e " not in hint

@@ -384,3 +384,33 @@ def decode_build(dtype: str, head_dim: int, group_size: int, page_size: int, kv_
     ``plan_build``. ``group_size``: the wrapper's query heads a kv head."""
     base = shape_build(dtype, head_dim, group_size, page_size, kv_dtype, forces)
     return plan_build(base, grid, page_size=page_size, device=device, forces=forces)
+
+
+def reachable_builds(base, *, device: DeviceProperties, page_size: int, group_size: int,
+                     soft_caps=(False,), max_q_len: int = 1, unified_max: bool = False,
+                     clusters: bool = False, rows_per_cta: int = MAX_HEADS_PER_CTA,
+                     graph_stable: bool = False, forces: BuildForces = NO_FORCES) -> frozenset:
+    """Every build a wrapper of ``base``'s shape can run on ``device``: what ``warmup()``
+    compiles so that no plan compiles in serving. ``plan_build`` reads a grid only through
+    thresholds (CTAs past the SMs, chunks past ``LONG_CHUNK_TOKENS``), so one grid on each side
+    of each stands for all; the rest are the options a wrapper's plans may take: the soft cap
+    on or off (``soft_caps``), query rows a request up to ``max_q_len`` (multi-token decode),
+    the unified max, clusters. A graph-stable wrapper runs ``graph_build`` only."""
+    if graph_stable:
+        return frozenset(graph_build(base, soft_cap=cap, rows=group_size * max_q_len,
+                                     max_q_len=max_q_len, device=device, forces=forces)
+                         for cap in soft_caps)
+    found = set()
+    # (query rows a request, multi-token): plans without qo_indptr, then those with it
+    rows = [(1, False)] + [(q, True) for q in range(1, max_q_len + 1) if max_q_len > 1]
+    for q_len, multi_token in rows:
+        row_tiles = row_tiles_for(min(group_size * q_len, rows_per_cta))
+        for cap in soft_caps:
+            for cluster in (0, *CLUSTER_SIZES) if clusters else (0,):
+                for ctas in (1, device.num_sms + 1):
+                    for mean_tokens in (0.0, float(LONG_CHUNK_TOKENS)):
+                        grid = PlanGrid(ctas, mean_tokens, cluster, row_tiles, cap,
+                                        multi_token, unified_max)
+                        found.add(plan_build(base, grid, page_size=page_size, device=device,
+                                             forces=forces))
+    return frozenset(found)

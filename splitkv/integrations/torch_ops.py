@@ -129,6 +129,12 @@ class DecodeSession:
             return self._run_gpu(q, k_cache, v_cache, sinks, k_scale, v_scale)
         return self._run_cpu(q, k_cache, v_cache, sinks, k_scale, v_scale)
 
+    def warmup(self) -> int:
+        """Compile, before serving, every build this session's plans can run on the current
+        CUDA device and its planning kernel (``BatchDecodeWrapper.warmup``); returns the
+        number of decode builds."""
+        return self._gpu_wrapper().warmup(logits_soft_cap=self.logits_soft_cap is not None)
+
     def _gpu_wrapper(self):
         if self.wrapper is None:
             from splitkv import BatchDecodeWrapper

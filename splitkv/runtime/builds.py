@@ -6,7 +6,8 @@ current device and compiles what it decides."""
 
 from __future__ import annotations
 
-from ..core.builds import PlanGrid, graph_build, plan_build, shape_build
+from ..core.builds import PlanGrid, graph_build, plan_build, reachable_builds, shape_build
+from ..core.geometry import MAX_HEADS_PER_CTA
 from .experiments import DecodeExperiments
 from .features import device_properties
 from .kernel_source import DecodeVariant
@@ -39,3 +40,19 @@ def graph_kernels(base: DecodeVariant, experiments: DecodeExperiments, *, soft_c
     return get_decode_kernels(graph_build(base, soft_cap=soft_cap, rows=rows,
                                           max_q_len=max_q_len, device=device_properties(),
                                           forces=experiments.build_forces))
+
+
+def compile_reachable(base: DecodeVariant, experiments: DecodeExperiments, *, page_size: int,
+                      group_size: int, soft_caps, max_q_len: int, unified_max: bool,
+                      clusters: bool, graph_stable: bool) -> int:
+    """Compile, on the current device, every build a wrapper of ``base``'s shape can run with
+    these options (``core.builds.reachable_builds``); returns how many (compiled now or
+    before, in this process)."""
+    found = reachable_builds(base, device=device_properties(), page_size=page_size,
+                             group_size=group_size, soft_caps=soft_caps, max_q_len=max_q_len,
+                             unified_max=unified_max, clusters=clusters,
+                             rows_per_cta=experiments.rows_per_cta or MAX_HEADS_PER_CTA,
+                             graph_stable=graph_stable, forces=experiments.build_forces)
+    for build in found:
+        get_decode_kernels(build)
+    return len(found)

@@ -71,6 +71,19 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
         self._device_planner = None           # plan_on_device()'s kernel, once bound
         self._device_plan_ready = None        # the event after the last eager plan_on_device()
 
+    def _warmup_rows(self, max_q_len) -> int:
+        """A graph-stable wrapper's builds are sized for its own max_q_len."""
+        if max_q_len is not None and max_q_len != self._max_q_len:
+            raise ValueError(f"max_q_len: a graph-stable wrapper runs its own max_q_len="
+                             f"{self._max_q_len}; got {max_q_len!r}")
+        return self._max_q_len
+
+    def _warm_planner(self) -> None:
+        """plan_on_device()'s planning kernel."""
+        from .device_planner import plan_kernel
+
+        plan_kernel()
+
     def _check_capacity(self, max_batch_size, max_num_pages, max_chunks):
         """(max_batch_size, max_num_pages, max_chunks or None) of a graph-stable wrapper."""
         given = {"max_batch_size": max_batch_size, "max_num_pages": max_num_pages,

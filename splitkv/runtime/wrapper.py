@@ -306,6 +306,45 @@ class BatchDecodeWrapper:
         self._logits_soft_cap_log2 = soft_cap
         return chosen
 
+    def warmup(self, *, logits_soft_cap: bool = False, max_q_len: int | None = None,
+               unified_max: bool = False) -> int:
+        """Do before serving what the first plans would otherwise do in the middle of it:
+        resolve the cost model (a GPU with no profile is probed here), compile every build
+        this wrapper's plans can run on the current device, and, for a graph-stable wrapper,
+        the planning kernel. After it no ``plan()`` or ``plan_on_device()`` with these options
+        compiles. ``logits_soft_cap``: whether plans will take a soft cap (the builds with and
+        without it are compiled); ``max_q_len``: the most query rows a request (multi-token
+        decode; a graph-stable wrapper's is its own); ``unified_max``: whether plans take it.
+        Returns the number of decode builds, compiled now or earlier in this process."""
+        require_gpu("BatchDecodeWrapper.warmup()")
+        from .builds import compile_reachable
+
+        for name, value in (("logits_soft_cap", logits_soft_cap), ("unified_max", unified_max)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}: expected True or False (whether plans will take "
+                                f"it), got {value!r}")
+        if unified_max and self.use_cuda_graph:
+            raise ValueError("unified_max: graph-stable wrappers do not take it (their plans "
+                             "refuse it)")
+        rows = self._warmup_rows(max_q_len)
+        self.profile            # noqa: B018  (resolved, probed where the GPU has no profile)
+        count = compile_reachable(
+            self.variant, self.experiments, page_size=self.page_size,
+            group_size=self.group_size, soft_caps=(False, True) if logits_soft_cap else (False,),
+            max_q_len=rows, unified_max=unified_max, clusters=self._clusters(),
+            graph_stable=self.use_cuda_graph)
+        self._warm_planner()
+        return count
+
+    def _warmup_rows(self, max_q_len) -> int:
+        """warmup()'s query rows a request: up to 16 (multi-token decode), 1 by default."""
+        if max_q_len is None:
+            return 1
+        return V.check_int("max_q_len", max_q_len, 1, VA.MAX_Q_LEN)
+
+    def _warm_planner(self) -> None:
+        """A per-shape wrapper plans on the host: no kernel to compile."""
+
     # the decisions a graph-stable wrapper makes otherwise (GraphStableDecodeWrapper)
     def _check_plans_on_host(self) -> None:
         """plan() may run: a per-shape wrapper always plans on the host."""

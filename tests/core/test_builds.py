@@ -274,3 +274,35 @@ def test_head_dim_256_gives_way_to_fewer_stages_and_the_split_on_99_kib():
     assert (rtx.dim_split, rtx.num_warps) == (2, 4)
     h200 = decode_build("bfloat16", 256, 2, 16, "", grid, H200)
     assert (h200.dim_split, h200.num_warps, h200.stages, h200.q_in_smem) == (1, 4, 2, 1)
+
+
+@pytest.mark.parametrize("name", sorted(DEVICES))
+def test_every_plans_build_is_among_the_builds_warmup_compiles(name):
+    """``reachable_builds`` (what ``warmup()`` compiles) holds the build of every recorded plan
+    case of its options: no plan of a warmed-up wrapper meets a build it did not compile."""
+    dev = device(name)
+    missing = []
+    for c in plan_cases(name) + [dict(c, ctas=1, chunk_tokens=[40000]) for c in plan_cases(name)]:
+        forces = forces_of(c)
+        try:
+            build = decode_build(c["dtype"], c["head_dim"], c["group_size"], c["page_size"],
+                                 c["kv_dtype"], plan_grid(c), dev, forces)
+        except ValueError:
+            continue
+        base = shape_build(c["dtype"], c["head_dim"], c["group_size"], c["page_size"],
+                           c["kv_dtype"], forces)
+        reachable = builds.reachable_builds(
+            base, device=dev, page_size=c["page_size"], group_size=c["group_size"],
+            soft_caps=(c["soft_cap"],), max_q_len=c["q_len"], unified_max=c["unified_max"],
+            clusters=c["cluster_size"] > 0,
+            rows_per_cta=c["experiments"].get("rows_per_cta", 64), forces=forces)
+        if build not in reachable:
+            missing.append((c, build))
+    assert not missing, missing[:2]
+
+
+def test_a_graph_stable_wrapper_reaches_one_build_a_soft_cap_setting():
+    base = shape_build("bfloat16", 128, 4, 16, "")
+    both = builds.reachable_builds(base, device=H200, page_size=16, group_size=4,
+                                   soft_caps=(False, True), graph_stable=True)
+    assert len(both) == 2 and {b.soft_cap for b in both} == {0, 1}

@@ -23,6 +23,10 @@ COMMANDS = {
     "plan": ("splitkv.cli.plan", "show the plan the planner chooses for a batch"),
     "calibrate": ("splitkv.cli.calibrate", "measure kernel latencies and fit the planner's cost model"),
     "bench": ("splitkv.cli.bench", "time decode attention over a grid of batch shapes"),
+    "env": ("splitkv.cli.env", "print the versions, GPU, profile and cache folders splitkv "
+                               "sees, to diagnose the GPU stack"),
+    "cache": ("splitkv.cli.cache", "clear splitkv's cached profiles and first-use models "
+                                   "(and CuPy's compiled kernels)"),
 }
 
 

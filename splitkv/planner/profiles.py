@@ -17,7 +17,7 @@ graph-stable fp8 wrapper's one captured grid runs, where per-shape plans of few 
   4. the profiles shipped in ``splitkv/planner/profiles/``, matched by device name;
   5. given a ``first_use`` source (the runtime passes one for its device), the first-use
      model (``planner.first_use``): cached per GPU, driver and splitkv version under
-     ``<user cache>/first-use/``, else probed in a few seconds and cached;
+     ``<cache>/profiles/first-use/``, else probed in a few seconds and cached;
      ``$SPLITKV_FIRST_USE`` = off skips this step, = calibrate runs the quick calibration
      instead (docs/design/first-use.md);
   6. a roofline prior computed from the SM count and a bandwidth guess, with a one-time
@@ -49,7 +49,7 @@ from .profile_files import ProfileError, read_bytes, read_document, record_probl
     write_atomically
 
 PROFILE_ENV = "SPLITKV_PROFILE"
-CACHE_DIR_ENV = "SPLITKV_CACHE_DIR"    # splitkv's cache folder (profiles/ and first-use/ in it)
+CACHE_DIR_ENV = "SPLITKV_CACHE_DIR"    # splitkv's cache folder (profiles/, profiles/first-use/)
 REFERENCE_DEVICE = "NVIDIA H200"       # what plans made without a device are made for
 # The profile format's version, written by ``Profile.to_dict``. A file without one is read as
 # the version before it (written by hand, or before the field); a newer one is refused.

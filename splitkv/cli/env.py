@@ -124,7 +124,7 @@ def cupy_distributions() -> list[tuple[str, str]]:
 def _cupy_lines(report: dict, found: list) -> None:
     """The CuPy, CUDA, NVRTC, driver and device lines; the device profiles plan for, kept in
     report["_device"] for ``_profile``."""
-    from ..runtime import device_info, gpu_available, nvrtc_available
+    from ..runtime import cupy_build, device_info, gpu_available, nvrtc_available
 
     dists = _guarded(cupy_distributions)
     if isinstance(dists, list):
@@ -136,16 +136,17 @@ def _cupy_lines(report: dict, found: list) -> None:
                          "[cuda12] or [cuda13] extra)")
     else:
         report["cupy distributions"] = dists
-    ok, reason = gpu_available()                 # imports CuPy, through the runtime
-    cupy = sys.modules.get("cupy")
+    ok, reason = gpu_available()
+    cupy = cupy_build()
     if cupy is None:
         report["cupy"] = reason
         for key in ("cuda runtime", "nvrtc", "cuda driver", "gpu", "devices"):
             report[key] = "n/a: no CuPy (see the cupy line)"
         return
-    report["cupy"] = f"{getattr(cupy, '__version__', '?')} ({Path(cupy.__file__).parent})"
-    report["cuda runtime"] = _guarded(
-        lambda: f"{_cuda_version(cupy.cuda.runtime.runtimeGetVersion())} (CuPy's build)")
+    report["cupy"] = f"{cupy['version']} ({cupy['path']})"
+    report["cuda runtime"] = ("unavailable (the CUDA runtime library does not load)"
+                              if cupy["cuda_runtime"] is None
+                              else f"{_cuda_version(cupy['cuda_runtime'])} (CuPy's build)")
     nvrtc_ok, nvrtc = nvrtc_available()
     report["nvrtc"] = nvrtc.removeprefix("NVRTC ") if nvrtc_ok else f"unavailable: {nvrtc}"
     report["cuda driver"] = _guarded(_driver)

@@ -25,6 +25,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from splitkv.core.fp8 import fp8_format
+
 LAYOUTS = ("block_table", "indptr")
 
 
@@ -58,8 +60,6 @@ class DecodeSession:
         self.capacity, self.width, self.sm_scale = capacity, width, float(sm_scale)
         self.logits_soft_cap = logits_soft_cap or None
         self.window_left = -1 if window_left is None else int(window_left)
-        from splitkv.core.fp8 import fp8_format
-
         self.kv_dtype = fp8_format("kv_dtype", kv_dtype)   # None: K/V in ``dtype``
         self.buffers: dict[str, torch.Tensor] | None = None
         self.wrapper = None           # the GPU wrapper, made at the first plan on a CUDA device
@@ -130,9 +130,9 @@ class DecodeSession:
         return self._run_cpu(q, k_cache, v_cache, sinks, k_scale, v_scale)
 
     def warmup(self) -> int:
-        """Compile, before serving, every build this session's plans can run on the current
-        CUDA device and its planning kernel (``BatchDecodeWrapper.warmup``); returns the
-        number of decode builds."""
+        """Compile, before serving, every build these plans can run on the current CUDA device,
+        and the planning kernel (``BatchDecodeWrapper.warmup``); returns the number of decode
+        builds."""
         return self._gpu_wrapper().warmup(logits_soft_cap=self.logits_soft_cap is not None)
 
     def _gpu_wrapper(self):
@@ -201,6 +201,33 @@ class DecodeSession:
             logits_soft_cap=self.logits_soft_cap,
             sinks=None if sinks is None else sinks.detach().double().numpy())
         return torch.from_numpy(out[:rows]).to(q.dtype)
+
+
+class LayerSessions(dict):
+    """An engine's sessions by configuration (key -> (handle, the layer that plans it)): the
+    first layer that used a session plans it in every step, and runs first among the layers
+    sharing it, so its ``plan=True`` call plans the step (a captured step holds the plan)."""
+
+    def session(self, key, layer: int, options) -> tuple[int, bool]:
+        """(the handle, whether ``layer`` plans); ``options()`` gives a new session's keyword
+        arguments."""
+        if key not in self:
+            self[key] = (new_session(**options()), layer)
+        handle, first = self[key]
+        return handle, first == layer
+
+    def close(self) -> None:
+        """Forget every session (their buffers and wrappers)."""
+        for handle, _ in self.values():
+            close_session(handle)
+        self.clear()
+
+
+def pow2_capacity(rows: int, floor: int = 1) -> int:
+    """The next power of two at least ``rows`` and ``floor``: a session's capacity (or table
+    width) for a batch, so that few sessions serve every batch an engine makes (engines pad
+    batches to powers of two under CUDA graphs)."""
+    return max(floor, 1 << max(int(rows) - 1, 0).bit_length())
 
 
 _SESSIONS: dict[int, DecodeSession] = {}

@@ -105,7 +105,7 @@ class CostModel:
     def coef_(self) -> np.ndarray:
         """The parameters, one per name in ``FEATURE_NAMES``; ``NotFittedError`` before
         ``fit`` or ``from_coef`` set them (every prediction reads them)."""
-        coef = self.__dict__.get("_coef")
+        coef = getattr(self, "_coef", None)
         if coef is None:
             raise NotFittedError("CostModel is not fitted: call fit(), or build one with "
                                  "CostModel.from_coef() or a profile's cost_model()")
@@ -113,7 +113,7 @@ class CostModel:
 
     @coef_.setter
     def coef_(self, value) -> None:
-        self.__dict__["_coef"] = value
+        self._coef = value
 
     @classmethod
     def from_coef(cls, coef, **hyperparameters) -> "CostModel":

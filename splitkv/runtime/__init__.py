@@ -3,6 +3,7 @@ uploads plans, launches kernels, times them."""
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 
@@ -65,6 +66,22 @@ def gpu_available() -> tuple[bool, str]:
     return (True, name) if ok else (False, why)
 
 
+def cupy_build() -> dict | None:
+    """The CuPy this process imports: its ``version``, its ``path``, and the CUDA runtime it
+    was built for (``cuda_runtime``, CUDA's integer, or None where that cannot be read); None
+    when CuPy does not import."""
+    try:
+        import cupy
+    except Exception:         # not installed, or broken: gpu_available() says which
+        return None
+    try:
+        runtime = int(cupy.cuda.runtime.runtimeGetVersion())
+    except Exception:         # the CUDA runtime library is missing
+        runtime = None
+    return {"version": getattr(cupy, "__version__", "?"), "path": os.path.dirname(cupy.__file__),
+            "cuda_runtime": runtime}
+
+
 @lru_cache(maxsize=None)
 def nvrtc_available() -> tuple[bool, str]:
     """(True, "NVRTC major.minor") when CuPy's NVRTC bindings load the NVRTC library, else
@@ -104,5 +121,6 @@ def device_info(device_id: int | None = None) -> dict:
     return _device_info(cupy.cuda.runtime.getDevice() if device_id is None else device_id)
 
 
-__all__ = ["INSTALL_HINT", "GPUUnavailableError", "device_info", "gpu_available", "nvrtc_available",
+__all__ = ["INSTALL_HINT", "GPUUnavailableError", "cupy_build", "device_info", "gpu_available",
+           "nvrtc_available",
            "require_gpu"]

@@ -263,6 +263,26 @@ def test_dates_are_read_as_iso_text():
 
 # ------------------------------------------------------------------ saves
 
+def save_in_threads(profiles_to_save, path, times: int) -> list:
+    """Each profile saved ``times`` to ``path`` from a thread of its own, all at once; the
+    exceptions the saves raised."""
+    errors = []
+
+    def save(p):
+        try:
+            for _ in range(times):
+                p.save(path)
+        except Exception as e:          # noqa: BLE001 - reported to the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=save, args=(p,)) for p in profiles_to_save]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
 def test_two_threads_saving_at_once_both_land_and_leave_one_whole_file(tmp_path, monkeypatch):
     """Both threads reach the rename with their files written (a barrier holds them there):
     each save succeeds, the file is one of the two, whole, and no temporary file is left."""
@@ -276,20 +296,7 @@ def test_two_threads_saving_at_once_both_land_and_leave_one_whole_file(tmp_path,
         rename(src, dst)
 
     monkeypatch.setattr(profiles.os, "replace", replace_together)
-    errors = []
-
-    def save(p):
-        try:
-            p.save(path)
-        except Exception as e:          # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=save, args=(p,)) for p in mine]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert save_in_threads(mine, path, times=1) == []
     assert read_profile(path) in mine
     assert [f.name for f in tmp_path.iterdir()] == ["p.yaml"]
 
@@ -297,20 +304,7 @@ def test_two_threads_saving_at_once_both_land_and_leave_one_whole_file(tmp_path,
 def test_many_threads_saving_leave_a_whole_file(tmp_path):
     path = tmp_path / "p.yaml"
     mine = [make_profile(launches=float(i)) for i in range(8)]
-    errors = []
-
-    def save(p):
-        try:
-            for _ in range(10):
-                p.save(path)
-        except Exception as e:          # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=save, args=(p,)) for p in mine]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = save_in_threads(mine, path, times=10)
     assert errors == [] and read_profile(path) in mine
     assert [f.name for f in tmp_path.iterdir()] == ["p.yaml"]
 

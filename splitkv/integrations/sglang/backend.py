@@ -155,10 +155,6 @@ def fill_kv_tables(req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indic
     return kv_indptr[:bs + 1], kv_indices
 
 
-def _pow2(n: int, floor: int) -> int:
-    return max(floor, 1 << max(0, int(n) - 1).bit_length())
-
-
 @dataclass
 class DecodeMetadata:
     """A step's plan inputs: ``kv_indptr [bs + 1]``, ``kv_indices`` (rows of one-token pages;
@@ -185,7 +181,7 @@ class SplitKVAttnBackend(AttentionBackend):
         self.forward_metadata: DecodeMetadata | None = None
         self.graph_tables: dict[str, torch.Tensor] | None = None
         self.specs: dict[int, LayerSpec] = {}
-        self.sessions: dict[tuple, tuple[int, int]] = {}   # key -> (handle, planning layer)
+        self.sessions = torch_ops.LayerSessions()
         self._scales: dict[tuple, torch.Tensor] = {}
 
     # ----------------------------------------------------------------- eager steps
@@ -222,8 +218,9 @@ class SplitKVAttnBackend(AttentionBackend):
         fill_kv_tables(self.req_to_token, forward_batch.req_pool_indices,
                        forward_batch.seq_lens[:bs], indptr, indices, positions)
         # a session per power-of-two batch and table size, so few exist and each fits
-        self.forward_metadata = DecodeMetadata(indptr, indices, _pow2(bs, 8),
-                                               _pow2(total + 1, 4096), graph=False)
+        self.forward_metadata = DecodeMetadata(
+            indptr, indices, torch_ops.pow2_capacity(bs, 8),
+            torch_ops.pow2_capacity(total + 1, 4096), graph=False)
 
     # ----------------------------------------------------------------- CUDA graphs
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
@@ -272,18 +269,17 @@ class SplitKVAttnBackend(AttentionBackend):
     def _session(self, spec: LayerSpec, md: DecodeMetadata, layer_id: int) -> tuple[int, bool]:
         """(the session's handle, whether this layer plans: the first layer that used it plans
         it in every step, so a captured step holds its plan too)."""
-        key = (spec, md.capacity, md.width, md.graph)
-        if key not in self.sessions:
-            options = dict(num_qo_heads=spec.num_qo_heads, num_kv_heads=spec.num_kv_heads,
-                           head_dim=spec.head_dim, page_size=1, dtype=spec.dtype,
-                           layout="indptr", capacity=md.capacity, width=md.width,
-                           sm_scale=spec.sm_scale, logits_soft_cap=spec.logits_soft_cap,
-                           window_left=spec.window_left)
+        def options():
+            made = dict(num_qo_heads=spec.num_qo_heads, num_kv_heads=spec.num_kv_heads,
+                        head_dim=spec.head_dim, page_size=1, dtype=spec.dtype,
+                        layout="indptr", capacity=md.capacity, width=md.width,
+                        sm_scale=spec.sm_scale, logits_soft_cap=spec.logits_soft_cap,
+                        window_left=spec.window_left)
             if self.kv_dtype is not None:
-                options["kv_dtype"] = self.kv_dtype
-            self.sessions[key] = (torch_ops.new_session(**options), layer_id)
-        handle, first = self.sessions[key]
-        return handle, first == layer_id
+                made["kv_dtype"] = self.kv_dtype
+            return made
+
+        return self.sessions.session((spec, md.capacity, md.width, md.graph), layer_id, options)
 
     def _scale(self, layer, name: str):
         """An fp8 cache's scale as a device tensor (read when the kernel runs), or None (1)."""
@@ -336,6 +332,4 @@ class SplitKVAttnBackend(AttentionBackend):
 
     def close(self) -> None:
         """Forget the decode sessions (their buffers and wrappers)."""
-        for handle, _ in self.sessions.values():
-            torch_ops.close_session(handle)
-        self.sessions.clear()
+        self.sessions.close()

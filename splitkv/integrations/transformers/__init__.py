@@ -15,13 +15,12 @@ here. transformers turns CUDA graphs on by default only for flash attention name
 transformers, :mod:`.attention` what each call does, :mod:`.delegate` the batches it hands on.
 """
 
-from .attention import (ROUTES, TOKEN_ROWS_LIMIT, LayerVariant, bucket, decode_route,
-                        next_slots, paged_splitkv_attention, route_counts, token_row_tables,
-                        token_slots)
+from .attention import (ROUTES, TOKEN_ROWS_LIMIT, LayerVariant, decode_route, next_slots,
+                        paged_splitkv_attention, route_counts, token_row_tables, token_slots)
 from .delegate import varlen_mask
 from .registration import NAME, PAGED_NAME, register, registered_names, uses_paged_prefix
 
-__all__ = ["NAME", "PAGED_NAME", "ROUTES", "TOKEN_ROWS_LIMIT", "LayerVariant", "bucket",
-           "decode_route", "next_slots", "paged_splitkv_attention", "register",
-           "registered_names", "route_counts", "token_row_tables", "token_slots",
-           "uses_paged_prefix", "varlen_mask"]
+__all__ = ["NAME", "PAGED_NAME", "ROUTES", "TOKEN_ROWS_LIMIT", "LayerVariant", "decode_route",
+           "next_slots", "paged_splitkv_attention", "register", "registered_names",
+           "route_counts", "token_row_tables", "token_slots", "uses_paged_prefix",
+           "varlen_mask"]

@@ -160,24 +160,13 @@ class CacheState:
     """What the integration keeps per transformers cache: decode sessions and the last mask."""
 
     def __init__(self):
-        self.sessions: dict[tuple, tuple[int, int]] = {}     # key -> (handle, first layer)
+        from ..torch_ops import LayerSessions
+
+        self.sessions = LayerSessions()
         self.mask_key, self.mask = None, None
 
-    def session(self, key: tuple, layer: int, options: dict) -> tuple[int, bool]:
-        """(the session's handle, whether this layer plans it: the first layer that used it)."""
-        from ..torch_ops import new_session
-
-        if key not in self.sessions:
-            self.sessions[key] = (new_session(**options), layer)
-        handle, first = self.sessions[key]
-        return handle, layer == first
-
     def close(self) -> None:
-        from ..torch_ops import close_session
-
-        for handle, _ in self.sessions.values():
-            close_session(handle)
-        self.sessions.clear()
+        self.sessions.close()
 
 
 def state_of(owner) -> CacheState:
@@ -197,12 +186,6 @@ def _forget(key: int) -> None:
         state.close()
 
 
-def bucket(rows: int) -> int:
-    """A session's capacity for a batch of ``rows``: the next power of two (transformers pads
-    decode batches to these under CUDA graphs, so each padded size is its own session)."""
-    return 1 << max(rows - 1, 0).bit_length()
-
-
 def decode(route, module, query, key, value, variant: LayerVariant, cache, owner, kwargs):
     """One decode step of a layer through ``torch.ops.splitkv.paged_decode``: the new K/V
     written where the route reads them, then splitkv over the pages. ``cache``: transformers'
@@ -211,68 +194,61 @@ def decode(route, module, query, key, value, variant: LayerVariant, cache, owner
     Returns [T, H, D]."""
     import torch
 
-    from .. import torch_ops  # noqa: F401  (registers torch.ops.splitkv.paged_decode)
+    from ..torch_ops import pow2_capacity      # (and registers torch.ops.splitkv.paged_decode)
 
     layer = module.layer_idx
     rows, heads, head_dim = query.shape[2], query.shape[1], query.shape[3]
     kv_heads = key.shape[1]
     cu_k = per_layer_type(kwargs["cu_seq_lens_k"], variant)[:rows + 1]
-    window_left = -1            # the token lists hold only the window's tokens
+    seq_lens = (cu_k[1:] - cu_k[:-1]).to(torch.int32) if route == "block_table" else None
+    window_left = variant.window_left
     if route == "block_table" and "k_cache" in kwargs:                     # 5.19+
         table, k_pages, v_pages = kwargs["block_table"], kwargs["k_cache"], kwargs["v_cache"]
         page_size = k_pages.shape[1]
-        seq_lens = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
         _write_rows(k_pages, v_pages, key, value, seq_lens, table)
-        tables, width, window_left = [seq_lens, table], table.shape[1], variant.window_left
         group = table.data_ptr()          # the allocator's rows of a static table
     elif route == "block_table":                                           # 5.17-5.18
-        group, index_in_group = cache.layer_index_to_group_indices[layer]
-        k_pool, v_pool = cache.key_cache[index_in_group], cache.value_cache[index_in_group]
+        group, k_pool, v_pool = _pools(cache, layer)
         table, page_size = kwargs["block_table"][group], cache.block_size
-        seq_lens = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
-        slots = next_slots(seq_lens, table, page_size, cache.write_trash_index)
-        k_pool.index_copy_(0, slots, key[0].transpose(0, 1))
-        v_pool.index_copy_(0, slots, value[0].transpose(0, 1))
+        _store(k_pool, v_pool, next_slots(seq_lens, table, page_size, cache.write_trash_index),
+               key, value)
         pages = (-1, page_size, kv_heads, head_dim)
         k_pages, v_pages = k_pool.view(pages), v_pool.view(pages)
-        tables, width, window_left = [seq_lens, table], table.shape[1], variant.window_left
     elif route == "token_table":                                           # 5.17-5.18
-        group, index_in_group = cache.layer_index_to_group_indices[layer]
-        k_pool, v_pool = cache.key_cache[index_in_group], cache.value_cache[index_in_group]
+        group, k_pool, v_pool = _pools(cache, layer)
         slots, read = kwargs["write_index"][group], kwargs["read_index"][group]
-        k_pool.index_copy_(0, slots, key[0].transpose(0, 1))
-        v_pool.index_copy_(0, slots, value[0].transpose(0, 1))
-        page_size = 1
+        _store(k_pool, v_pool, slots, key, value)
+        # the read list holds only the window's tokens
+        page_size, window_left, width = 1, -1, cache.num_pages + cache.max_batch_tokens
         tables = [cu_k.to(torch.int32), token_slots(read, slots, cu_k, cache.sentinel_index)]
         k_pages, v_pages = k_pool.view(-1, 1, kv_heads, head_dim), \
             v_pool.view(-1, 1, kv_heads, head_dim)
-        width = cache.num_pages + cache.max_batch_tokens
-    elif route == "token_rows":
-        keys, values = gathered_keys(module, key, value, cache, kwargs)
-        page_size, window_left, group = 1, variant.window_left, variant.layer_type
-        max_k = per_layer_type(kwargs.get("max_length_k", kwargs.get("max_seqlen_k")), variant)
-        width = bucket(int(max_k) if isinstance(max_k, int) and max_k > 0 else keys.shape[0])
-        cu_q = kwargs["cu_seq_lens_q"]
-        cu_k = per_layer_type(kwargs["cu_seq_lens_k"], variant)[:cu_q.shape[0]]
-        tables = token_row_tables(cu_q, cu_k, rows, width)
+    else:                                            # over the gathered keys: one-token pages
+        keys, values = gathered_keys(module, key, value, cache, kwargs)    # [K, H_kv, D]
+        page_size, group = 1, variant.layer_type     # one allocator per attention type
         k_pages, v_pages = keys.unsqueeze(1), values.unsqueeze(1)
-    else:                                                                  # gathered, 5.19+
-        keys = key[0].transpose(0, 1).contiguous()                         # [K, H_kv, D]
-        values = value[0].transpose(0, 1).contiguous()
-        page_size, width, window_left = 1, bucket(keys.shape[0]), variant.window_left
-        group = variant.layer_type        # one allocator per attention type
-        indices = torch.arange(keys.shape[0], dtype=torch.int32, device=keys.device)
-        tables = [cu_k.to(torch.int32), indices]
-        k_pages, v_pages = keys.unsqueeze(1), values.unsqueeze(1)
-    capacity = bucket(rows)
+        if route == "token_rows":
+            max_k = per_layer_type(kwargs.get("max_length_k", kwargs.get("max_seqlen_k")),
+                                   variant)
+            width = pow2_capacity(int(max_k) if isinstance(max_k, int) and max_k > 0
+                                  else keys.shape[0])
+            cu_q = kwargs["cu_seq_lens_q"]
+            cu_k = per_layer_type(kwargs["cu_seq_lens_k"], variant)[:cu_q.shape[0]]
+            tables = token_row_tables(cu_q, cu_k, rows, width)
+        else:                                                              # gathered, 5.19+
+            width = pow2_capacity(keys.shape[0])
+            indices = torch.arange(keys.shape[0], dtype=torch.int32, device=keys.device)
+            tables = [cu_k.to(torch.int32), indices]
+    if route == "block_table":
+        tables, width = [seq_lens, table], table.shape[1]
+    capacity = pow2_capacity(rows)
     layout = "block_table" if route in ("block_table", "token_rows") else "indptr"
-    options = dict(num_qo_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                   page_size=page_size, dtype=query.dtype, layout=layout, capacity=capacity,
-                   width=width, sm_scale=variant.scaling, logits_soft_cap=variant.soft_cap,
-                   window_left=window_left)
     session_key = (route, capacity, group, width, page_size, query.dtype, variant.scaling,
                    variant.soft_cap, window_left)
-    handle, plans = state_of(owner).session(session_key, layer, options)
+    handle, plans = state_of(owner).sessions.session(session_key, layer, lambda: dict(
+        num_qo_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, page_size=page_size,
+        dtype=query.dtype, layout=layout, capacity=capacity, width=width,
+        sm_scale=variant.scaling, logits_soft_cap=variant.soft_cap, window_left=window_left))
     return torch.ops.splitkv.paged_decode(query[0].transpose(0, 1), k_pages, v_pages, tables,
                                           variant.sinks, handle, plans)
 
@@ -287,10 +263,21 @@ def _write_rows(k_pages, v_pages, key, value, seq_lens, table) -> None:
     slots = next_slots(seq_lens, table, page_size, trash=-1)
     valid = slots >= 0
     slots = torch.where(valid, slots, slots[:1])
-    keep = valid.view(-1, 1, 1)
-    new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)        # [rows, H_kv, D]
-    k_pages.view(-1, kv_heads, head_dim).index_copy_(0, slots, torch.where(keep, new_k, new_k[:1]))
-    v_pages.view(-1, kv_heads, head_dim).index_copy_(0, slots, torch.where(keep, new_v, new_v[:1]))
+    keep = valid.view(1, 1, -1, 1)                   # key, value: [1, H_kv, rows, D]
+    _store(k_pages.view(-1, kv_heads, head_dim), v_pages.view(-1, kv_heads, head_dim), slots,
+           torch.where(keep, key, key[:, :, :1]), torch.where(keep, value, value[:, :, :1]))
+
+
+def _pools(cache, layer: int):
+    """(the layer's cache group, its K pool, its V pool) in a 5.17-5.18 cache."""
+    group, index_in_group = cache.layer_index_to_group_indices[layer]
+    return group, cache.key_cache[index_in_group], cache.value_cache[index_in_group]
+
+
+def _store(k_tokens, v_tokens, slots, key, value) -> None:
+    """The step's new K/V (``[1, H_kv, rows, D]``) into token-major pools at ``slots``."""
+    k_tokens.index_copy_(0, slots, key[0].transpose(0, 1))
+    v_tokens.index_copy_(0, slots, value[0].transpose(0, 1))
 
 
 def next_slots(seq_lens, table, page_size: int, trash: int):

@@ -9,7 +9,7 @@ transformers' ``build_attention_mask``, sliding window included).
 
 from __future__ import annotations
 
-from .attention import LayerVariant, per_layer_type, state_of
+from .attention import LayerVariant, gathered_keys, per_layer_type, state_of
 
 #: the kwargs SDPA must not see: ours, ones it refuses (a soft cap), and the cache (5.19-5.23's
 #: SDPA would update it a second time)
@@ -40,22 +40,16 @@ def varlen_mask(cu_seq_lens_q, cu_seq_lens_k, num_q: int, num_k: int, window: in
     return mask.masked_fill_(ok, 0)[None, None]
 
 
-def _num_keys(cache, layer: int, query, key, gathered: bool, kwargs) -> int:
-    if gathered:                   # 5.19+: key holds every key of the batch
-        return key.shape[2]
-    read = kwargs["read_index"][cache.layer_index_to_group_indices[layer][0]]
-    return read.shape[0] if read.numel() else query.shape[2]   # no cache read: the new keys
-
-
-def mask_for(owner, variant: LayerVariant, query, key, layer: int, gathered: bool, kwargs):
-    """The mask of this call, reused by the following layers of the step while the lengths
-    are unchanged (same tensors, same in-place version)."""
+def mask_for(owner, variant: LayerVariant, query, key, kwargs):
+    """The mask of this call over ``key``, the batch's gathered keys, reused by the following
+    layers of the step while the lengths are unchanged (same tensors, same in-place
+    version)."""
     import torch
 
     cu_q = kwargs["cu_seq_lens_q"]
     cu_k = per_layer_type(kwargs["cu_seq_lens_k"], variant)
     num_q = query.shape[2]
-    num_k = _num_keys(owner, layer, query, key, gathered, kwargs)
+    num_k = key.shape[2]
     window = variant.window
     mask_key, state = None, state_of(owner)
     if not torch.compiler.is_compiling():
@@ -77,12 +71,9 @@ def delegate(module, query, key, value, variant: LayerVariant, dropout: float, g
     """Attention of a prefill, mixed or padded batch; returns transformers' ``(output, None)``.
     ``owner``: the cache or the model's config (5.24+), whose state keeps the mask."""
     if not gathered:               # 5.17-5.18: the new K/V go into the cache, the batch's come back
-        keys, values = owner.update(key_states=key, value_states=value,
-                                    layer_idx=module.layer_idx,
-                                    read_index=kwargs["read_index"],
-                                    write_index=kwargs["write_index"])   # [K, H_kv, D]
-        key, value = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
-    mask = mask_for(owner, variant, query, key, module.layer_idx, gathered, kwargs)
+        key, value = (x.transpose(0, 1).unsqueeze(0)
+                      for x in gathered_keys(module, key, value, owner, kwargs))
+    mask = mask_for(owner, variant, query, key, kwargs)
     if variant.soft_cap is not None or variant.sinks is not None:
         return masked_attention(query, key, value, mask, variant), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -266,6 +266,7 @@ class DevicePlanner:
         p.scratch, p.state = self._scratch.data.ptr, self._state.data.ptr
         p.predicted_us = self._predicted.data.ptr
         self.params = p
+        self._capacity_chunks = p.max_chunks
         # every record starts idle: later plans rewrite only those the previous one used
         idle = idle_records(params.max_chunks).view(np.int32)
         memory = cupy.cuda.UnownedMemory(records_ptr, idle.nbytes, self)
@@ -276,13 +277,19 @@ class DevicePlanner:
         self._inputs, self._input_ptrs, self._sm_scale = None, None, None
         self.bind(batch, arrays)
 
-    def bind(self, batch: BatchArrays, arrays: list) -> None:
+    def bind(self, batch: BatchArrays, arrays: list, max_chunks: int | None = None) -> None:
         """Read ``batch``'s arrays from the next launch on (a capture holds the arrays of its
         launch): an engine's graph per batch size binds that size's views. ``arrays``: the
-        objects behind them, kept alive while the kernel reads them."""
+        objects behind them, kept alive while the kernel reads them. ``max_chunks``: the
+        chunks of the grid that runs this batch size (at most the capacity's, which the
+        scratch and the records are sized for)."""
         from .launch import KernelLaunch
 
         p = self.params
+        if max_chunks is not None:
+            if not 1 <= max_chunks <= self._capacity_chunks:
+                raise ValueError(f"max_chunks: {max_chunks} is outside 1..{self._capacity_chunks}")
+            p.max_chunks = max_chunks
         p.seq_lens, p.kv_indptr, p.kv_last_page_len, p.kv_indices = batch.pointers
         p.block_table_stride, p.page_table_entries = batch.block_table_stride, batch.page_table_entries
         p.batch_size = batch.batch_size
@@ -314,7 +321,7 @@ class DevicePlanner:
         cupy.cuda.Device().synchronize()
         p = self.params
         host = []
-        for ptr, count in ((p.records, p.max_chunks * CHUNK_RECORD.itemsize // 4),
+        for ptr, count in ((p.records, self._capacity_chunks * CHUNK_RECORD.itemsize // 4),
                            (p.merge_indptr, p.max_batch + 1)):
             memory = cupy.cuda.UnownedMemory(ptr, count * 4, self)
             array = cupy.ndarray((count,), np.int32, cupy.cuda.MemoryPointer(memory, 0))

@@ -35,10 +35,12 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
         ``max_batch_size`` rows (x ``max_q_len``; rows past the plan's are not written).
     max_batch_size, max_num_pages: the capacity of a graph-stable wrapper: requests per plan,
         and page-table entries (``kv_indices``) per plan. Required with ``use_cuda_graph``.
-    max_chunks: chunks per plan (the fixed grid is max_chunks x num_kv_heads x
-        ctas_per_kv_head CTAs, and CTAs past the plan's chunks exit at once); default: at least
-        max_batch_size, and 2 x SMs CTAs for a small batch's grid (one CTA per SM, see
-        ``_graph_spreads``), 4 x SMs else.
+    max_chunks: chunks per plan (a grid is max_chunks x num_kv_heads x ctas_per_kv_head
+        CTAs, and CTAs past the plan's chunks exit at once): given, one fixed grid for every
+        batch. Default: a grid per batch size that runs (q's rows; an engine captures a graph
+        per batch size), sized as a wrapper of that capacity would be (``max_chunks_for``): at
+        least the batch, and 2 x SMs CTAs for a small batch (one CTA per SM, see
+        ``_spreads``), 4 x SMs else; every grid shares the capacity's buffers.
     max_q_len: a graph-stable wrapper's query rows a request for multi-token decode (1 to 16;
         default 1): its captured launch runs the multi-token build sized for it, every plan
         takes ``qo_indptr`` of up to that many rows a request (or none: one row each), and q,
@@ -66,6 +68,9 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
                                               * self.head_dim // (4 * 128)),
                           "the merge kernel's: a thread per 4 dims of each request's heads")
         self._launch_soft_cap = 0             # whether the bound launches are the cap's build
+        self._chunks_given = chunks is not None   # one fixed grid, else a grid per batch size
+        self._launches: dict = {}             # requests a grid is built for -> its DecodeLaunch
+        self._grid_binding = None             # what binding a grid needs: kernels, buffers, ...
         self._graph_upload: GraphPlanUpload | None = None
         self._graph_pool_pages: int | None = None    # pages of the K/V pool a run was given
         self._device_planner = None           # plan_on_device()'s kernel, once bound
@@ -108,24 +113,43 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
 
     @property
     def max_chunks(self) -> int:
-        """Chunks per plan (the fixed grid's CTA rows)."""
+        """Chunks per plan of the capacity (the largest grid's CTA rows, what the buffers
+        hold)."""
         batch, _, chunks = self._capacity
         if chunks is None:
-            from . import device_info
-
-            require_gpu("BatchDecodeWrapper.max_chunks")   # sized from the device's SMs
-            # a spread grid: one wave of one CTA per SM, twice; else two waves of two
-            waves = 2 * device_info()["num_sms"] * (1 if self._graph_spreads() else 2)
-            chunks = max(batch, waves // (self.num_kv_heads * self.ctas_per_kv_head))
+            chunks = self._default_chunks(batch)
             self._capacity = (*self._capacity[:2], chunks)
         return chunks
 
-    def _graph_spreads(self) -> bool:
-        """Whether a graph-stable grid places one CTA per SM under PDL (see
-        ``features.spreads_one_per_sm``): decided once, for the capacity, since the captured
-        launch holds it. Yes when even a full batch unsplit leaves SMs idle, so that plans
-        split to fill them (and those split requests' CTAs, whatever else the grid holds,
-        must not land two to an SM); no for larger batches, whose plans fill the SMs twice.
+    def max_chunks_for(self, batch_size: int) -> int:
+        """Chunks per plan of a batch of ``batch_size`` requests: the CTA rows of the grid that
+        runs it (``max_chunks`` when it was given: one fixed grid)."""
+        return self.max_chunks if self._chunks_given else self._default_chunks(
+            self._grid_requests(batch_size))
+
+    def _grid_requests(self, batch_size: int) -> int:
+        """The requests the grid that runs a batch is built for: the batch's own, unless the
+        wrapper has one fixed grid (max_chunks given, or multi-token rows, whose device plans
+        fill the whole capacity)."""
+        if self._chunks_given or self._max_q_len > 1:
+            return self._capacity[0]
+        return min(max(int(batch_size), 1), self._capacity[0])
+
+    def _default_chunks(self, requests: int) -> int:
+        """The default grid's chunks for ``requests``: a spread grid is one wave of one CTA
+        per SM, twice; else two waves of two."""
+        from . import device_info
+
+        require_gpu("BatchDecodeWrapper.max_chunks")   # sized from the device's SMs
+        waves = 2 * device_info()["num_sms"] * (1 if self._spreads(requests) else 2)
+        return max(requests, waves // (self.num_kv_heads * self.ctas_per_kv_head))
+
+    def _spreads(self, requests: int) -> bool:
+        """Whether the grid built for ``requests`` places one CTA per SM under PDL (see
+        ``features.spreads_one_per_sm``): decided per grid, since its captured launch holds
+        it. Yes when even ``requests`` unsplit leave SMs idle, so that plans split to fill
+        them (and those split requests' CTAs, whatever else the grid holds, must not land two
+        to an SM); no for larger batches, whose plans fill the SMs twice.
         Never for fp8 K/V: a lone fp8 CTA streams far below an SM's share, so two to an SM on
         half the SMs lose little, while a spread grid runs plans of more CTAs than SMs in two
         rounds (H200: b8_n32k 187 us spread, 133 not, 133 per-shape; b1_n8k 12.7 vs 13.5;
@@ -136,7 +160,7 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
             return self.experiments.pdl_spread
         if self.kv_dtype:
             return False
-        items = self._capacity[0] * self.num_kv_heads * self.ctas_per_kv_head
+        items = requests * self.num_kv_heads * self.ctas_per_kv_head
         return items <= device_info()["num_sms"]
 
     # ------------------------------------------------------------------ plan
@@ -147,6 +171,9 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
 
     def _kernel_rows(self, query_rows) -> int:
         return self._max_q_len
+
+    def _plan_max_chunks(self, batch_size: int) -> int:
+        return self.max_chunks_for(batch_size)
 
     def _clusters(self) -> bool:
         return False                          # a graph-stable grid is one fixed launch
@@ -195,9 +222,12 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
 
         max_batch, max_pages, max_chunks = self._capacity[0], self._capacity[1], self.max_chunks
         batch = chosen.problem.batch_size
-        if chosen.num_chunks > max_chunks:
-            raise ValueError(f"plan: {chosen.num_chunks} chunks exceed the wrapper's "
-                             f"max_chunks={max_chunks}")
+        grid_chunks = self.max_chunks_for(batch)
+        if chosen.num_chunks > grid_chunks:
+            raise ValueError(f"plan: {chosen.num_chunks} chunks exceed the {grid_chunks} of the "
+                             f"grid that runs a batch of {batch} (max_chunks="
+                             f"{max_chunks if self._chunks_given else None}; pass max_chunks= "
+                             "for one larger fixed grid)")
         kernels = self._graph_kernels(soft_cap_log2)
         stages = kernels.variant.stages
         tile = kernels.variant.tile_tokens
@@ -215,9 +245,8 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
                                      query_rows=self._max_q_len > 1)
             self._workspace.ensure_size(max_chunks * heads,
                                         max_batch * self.num_kv_heads * self.ctas_per_kv_head, s)
-            self._launch = self._bind(kernels, upload.pointers, LaunchGrid(
-                max_chunks, max_batch, heads, self.ctas_per_kv_head, merge=True,
-                pages_in_record=may_carry_pages, spread=self._graph_spreads()), sm_scale_log2)
+            self._grid_binding = (kernels, upload.pointers, may_carry_pages, False, sm_scale_log2)
+            self._launch = self._grid_launch(max_batch)
             self._device_id = cupy.cuda.runtime.getDevice()
             self._graph_upload = upload         # only once the launches are built
         elif sm_scale_log2 != self._launch.params.sm_scale_log2:
@@ -322,8 +351,10 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
             raise ValueError("sm_scale: a graph-stable wrapper keeps the sm_scale of its first "
                              "plan (a captured launch holds it)")
         elif batch != planner.batch:             # other arrays (another batch size): rebind
-            planner.bind(batch, arrays)
-            self._launch.params.kv_indices = batch.pointers[3]
+            planner.bind(batch, arrays, max_chunks=self.max_chunks_for(batch.batch_size))
+            self._grid_binding[1]["kv_indices"] = batch.pointers[3]
+            for launch in self._launches.values():
+                launch.params.kv_indices = batch.pointers[3]
         planner.remember(inputs, sm_scale)
 
     def _bind_device_planner(self, batch, arrays, sm_scale_log2: float, s, kernels):
@@ -350,16 +381,33 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
                                 upload.pointers["merge_indptr"], s,
                                 query_rows_ptr=upload.pointers["query_rows"] if multi else 0,
                                 max_q_len=self._max_q_len)
+        planner.bind(batch, arrays, max_chunks=self.max_chunks_for(batch.batch_size))
         meta = dict(upload.pointers, kv_indices=batch.pointers[3])
-        self._launch = self._bind(kernels, meta, LaunchGrid(
-            max_chunks, max_batch, heads, self.ctas_per_kv_head, merge=True,
-            pages_in_record=params.record_pages > 0, spread=self._graph_spreads(),
-            device_planned=True), sm_scale_log2)
+        self._grid_binding = (kernels, meta, params.record_pages > 0, True, sm_scale_log2)
+        self._launch = self._grid_launch(max_batch)
         self._device_id = cupy.cuda.runtime.getDevice()
         self._graph_upload = upload
         self._max_page = -1                      # page ids are the caller's (not checked)
         self._device_planner = planner           # last: a failure above leaves nothing bound
         return planner
+
+    def _grid_launch(self, requests: int):
+        """The launches of the grid built for a batch of ``requests`` (bound once, then kept:
+        a captured graph holds the one of its batch size); every grid shares the capacity's
+        records, page table, merge_indptr and workspace."""
+        key = self._grid_requests(requests)
+        launch = self._launches.get(key)
+        if launch is None:
+            kernels, meta, pages_in_record, device_planned, scale_log2 = self._grid_binding
+            launch = self._bind(kernels, meta, LaunchGrid(
+                self.max_chunks_for(key), key, self.num_qo_heads * self._max_q_len,
+                self.ctas_per_kv_head, merge=True, pages_in_record=pages_in_record,
+                spread=self._spreads(key), device_planned=device_planned), scale_log2)
+            self._launches[key] = launch
+        return launch
+
+    def _launch_for_rows(self, rows: int):
+        return self._grid_launch(-(-rows // self._max_q_len))
 
     def device_plan_state(self) -> dict:
         """What the last ``plan_on_device()`` chose, read back from the device (waits for it):

@@ -290,7 +290,8 @@ class BatchDecodeWrapper:
             if query_rows is not None:           # the builds' tiles of multi-token plans
                 model = model.for_multi_token()
             chosen = choose_plan(problem, model, num_splits, strategy,
-                                 launch_order=self.launch_order, max_chunks=self.max_chunks)
+                                 launch_order=self.launch_order,
+                                 max_chunks=self._plan_max_chunks(page_table.batch_size))
         scale_log2 = sm_scale_log2(sm_scale, self.head_dim)
         if max_page >= 2**31:
             raise ValueError("page_table: page indices must be < 2**31")
@@ -352,6 +353,14 @@ class BatchDecodeWrapper:
     def _kernel_rows(self, query_rows) -> int:
         """Query rows a request the kernels are sized for: the plan's."""
         return query_rows.max_q_len if query_rows is not None else 1
+
+    def _plan_max_chunks(self, batch_size: int) -> int | None:
+        """The most chunks a plan of ``batch_size`` requests may have (None: any)."""
+        return None
+
+    def _launch_for_rows(self, rows: int) -> DecodeLaunch:
+        """The launches that run q of ``rows`` rows: the plan's."""
+        return self._launch
 
     def _check_fits(self, page_table: PageTable, max_page: int, stream) -> None:
         """A per-shape wrapper's plans have no capacity to fit."""
@@ -478,6 +487,7 @@ class BatchDecodeWrapper:
         self._note_pool(io.k_cache)
         if io.rows:
             with self._streams.run_order(io.stream):
-                self._launch(io.args, io.stream.ptr, plain=self._run_after_device_plan)
+                launch = self._launch_for_rows(io.rows)
+                launch(io.args, io.stream.ptr, plain=self._run_after_device_plan)
             self._run_after_device_plan = False
         return (io.out, io.lse) if want_lse else io.out

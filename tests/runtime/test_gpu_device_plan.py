@@ -50,7 +50,7 @@ def test_the_kernel_writes_the_host_planners_records(seed):
         model = w.profile.cost_model(graph_stable=True)       # the model plan_on_device has
         plan, want, want_indptr = expected(table, model, num_qo_heads=hq,
                                            num_kv_heads=hk, head_dim=d, stages=STAGES[d],
-                                           max_batch=batch + 3, max_chunks=w.max_chunks,
+                                           max_batch=batch + 3, max_chunks=w.max_chunks_for(batch),
                                            launch_order="longest_chunks")
         n = plan.num_chunks
         have, want = comparable_records(records[:n], want, table, layout, arrays)

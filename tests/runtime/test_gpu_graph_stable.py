@@ -154,3 +154,68 @@ def test_runs_on_another_stream_are_ordered_with_the_next_plan():
         for out in outs:
             np.testing.assert_array_equal(out[:batch].view(cupy.uint16).get(),
                                           want.view(cupy.uint16).get())
+
+
+def test_each_batch_size_runs_the_grid_of_its_own_capacity():
+    """A large capacity (an engine's 256) runs a small batch in the grid a wrapper of that
+    batch's capacity would have (not 256 requests' worth of CTAs that only exit), host-planned
+    and device-planned, graphs per batch size replaying correctly side by side."""
+    from splitkv import BatchDecodeWrapper, reference_decode
+    from splitkv.core.reference import to_float64
+    from splitkv.runtime.testing import random_device_array
+
+    def stable(cap, **kw):
+        return BatchDecodeWrapper(HQ, HK, D, PAGE, DTYPE, use_cuda_graph=True,
+                                  max_batch_size=cap, max_num_pages=cap * 64, **kw)
+
+    big = stable(256)
+    for batch in (1, 4, 16, 17, 64, 256):
+        assert big.max_chunks_for(batch) == stable(batch).max_chunks, batch
+    assert stable(256, max_chunks=4000).max_chunks_for(1) == 4000     # given: one fixed grid
+
+    rng = np.random.default_rng(5)
+    pool = 512
+    k = random_device_array((pool, PAGE, HK, D), DTYPE, rng)
+    v = random_device_array((pool, PAGE, HK, D), DTYPE, rng)
+    k_host, v_host = k.get(), v.get()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for device_planned in (False, True):
+        w = stable(256)
+        graphs = {}
+        for step in range(3):
+            for batch in (1, 5, 40):
+                lens = rng.integers(1, 1000, batch) + step
+                table = rng.integers(0, pool, (batch, 64)).astype(np.int32)
+                pt = PageTable.from_block_table(table, lens, PAGE)
+                q = random_device_array((batch, HQ, D), DTYPE, rng)
+                if batch not in graphs:
+                    bufs = dict(q=q, out=cupy.full((batch, HQ, D), 0x7FC0, q.dtype),
+                                seq_lens=cupy.asarray(lens.astype(np.int32)),
+                                block_table=cupy.asarray(table))
+                with stream:
+                    if batch in graphs:
+                        bufs = graphs[batch][1]
+                        bufs["q"][...] = q
+                        bufs["seq_lens"][...] = cupy.asarray(lens.astype(np.int32))
+                        bufs["block_table"][...] = cupy.asarray(table)
+                        bufs["out"].fill(0x7FC0)           # poisoned: NaN in bfloat16
+                    if not device_planned:
+                        w.plan(pt, stream=stream)
+                    if batch not in graphs:
+                        if device_planned:         # the first call binds, outside the capture
+                            w.plan_on_device(seq_lens=bufs["seq_lens"],
+                                             block_table=bufs["block_table"], stream=stream)
+                        stream.begin_capture()
+                        if device_planned:
+                            w.plan_on_device(seq_lens=bufs["seq_lens"],
+                                             block_table=bufs["block_table"], stream=stream)
+                        w.run(bufs["q"], k, v, out=bufs["out"], stream=stream)
+                        graphs[batch] = (stream.end_capture(), bufs)
+                    graphs[batch][0].launch(stream)
+                stream.synchronize()
+                want, _ = reference_decode(q.get(), k_host, v_host, pt)
+                got = to_float64(graphs[batch][1]["out"])
+                err = np.linalg.norm(got - want) / np.linalg.norm(want)
+                assert err < 1e-2, (device_planned, step, batch, err)
+        grids = {key: launch.partial.grid for key, launch in w._launches.items()}
+        assert grids[1] < grids[40] < grids[256], grids

@@ -25,6 +25,7 @@ cluster's CTAs must be neighbours in the grid.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,9 +99,13 @@ def plan_cluster_size(plan) -> int:
     s = plan.num_chunks // batch
     if s not in CLUSTER_SIZES or s * batch != plan.num_chunks or int(plan.merge_indptr[1]) != s:
         return 0
+    counts = plan.chunks_per_request
+    if (counts != s).any():                 # one NumPy call, not a Python loop over requests
+        return 0
     longest = int((plan.chunk_end - plan.chunk_start).max())
     group = plan.problem.num_qo_heads // plan.problem.num_kv_heads
-    return fused_cluster_size(plan.strategy, plan.chunks_per_request, longest,
+    # every request has s chunks: the first request's count stands for all
+    return fused_cluster_size(plan.strategy, counts[:1], longest,
                               plan.num_work_items * ctas_per_kv_head(group))
 
 
@@ -109,13 +114,29 @@ def decide(plan, *, clusters: bool = False, launch_order: str = DEFAULT_LAUNCH_O
     order ``launch_order`` asked for (cluster grids always run in plan order)."""
     # every request has at least one chunk, so more chunks than requests means a split
     if plan.num_chunks <= plan.problem.batch_size:
-        return Execution(MERGE_NONE, 0, launch_order)
+        return _execution(MERGE_NONE, 0, launch_order)
     if plan.strategy == "split_merge":
-        return Execution(MERGE_KERNEL, 0, launch_order)
+        return _execution(MERGE_KERNEL, 0, launch_order)
     size = plan_cluster_size(plan) if clusters else 0
     if size:
-        return Execution(MERGE_CLUSTER, size, "plan")
-    return Execution(MERGE_TICKET, 0, launch_order)
+        return _execution(MERGE_CLUSTER, size, "plan")
+    return _execution(MERGE_TICKET, 0, launch_order)
+
+
+# Every valid Execution, made once: ``decide`` runs on every plan, and building and checking a
+# frozen dataclass costs more than the rest of it.
+_EXECUTIONS = {(e.merge, e.cluster_size, e.launch_order): e for e in (
+    *(Execution(merge, 0, order) for merge in (MERGE_NONE, MERGE_KERNEL, MERGE_TICKET)
+      for order in LAUNCH_ORDERS),
+    *(Execution(MERGE_CLUSTER, size, "plan") for size in CLUSTER_SIZES))}
+
+
+def _execution(merge: str, cluster_size: int, launch_order) -> Execution:
+    """``Execution(merge, cluster_size, launch_order)``, the shared one when it is valid."""
+    try:
+        return _EXECUTIONS[merge, cluster_size, launch_order]
+    except (KeyError, TypeError):           # invalid: the constructor says why
+        return Execution(merge, cluster_size, launch_order)
 
 
 def may_cluster(clusters: bool, max_len: int) -> bool:
@@ -137,12 +158,24 @@ def clustered(out, num_chunks, max_chunk_tokens, max_splits, batch_size: int,
     request has max_splits chunks (the counts, each at most max_splits, sum to batch_size x
     max_splits), max_splits is a cluster size, no chunk is longer than
     ``CLUSTER_MAX_CHUNK_TOKENS``, and clusters wider than 2 have a small grid."""
-    np.take(_CLUSTER_SIZE_OK, max_splits.astype(np.intp), mode="clip", out=out)
+    np.take(_cluster_sizes_ok(batch_size, items_per_chunk), max_splits.astype(np.intp),
+            mode="clip", out=out)
     out *= np.equal(num_chunks, max_splits * float(batch_size))
     out *= np.less_equal(max_chunk_tokens, CLUSTER_MAX_CHUNK_TOKENS)
-    small_grid = np.less_equal(num_chunks * float(items_per_chunk), CLUSTER_MAX_WIDE_CTAS)
-    out *= np.logical_or(small_grid, np.less_equal(max_splits, 2.0))
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _cluster_sizes_ok(batch_size: int, items_per_chunk: int) -> np.ndarray:
+    """``_CLUSTER_SIZE_OK`` less the sizes past 2 whose grid of batch_size x S chunks exceeds
+    ``CLUSTER_MAX_WIDE_CTAS``: where every request has S chunks, the grid's test depends on S
+    alone, so ``clustered`` reads it from this table (the same on every step of a batch)."""
+    ok = _CLUSTER_SIZE_OK.copy()
+    for size in CLUSTER_SIZES:
+        if size > 2 and size * batch_size * items_per_chunk > CLUSTER_MAX_WIDE_CTAS:
+            ok[size] = 0.0
+    ok.setflags(write=False)
+    return ok
 
 
 def launch_order(chunk_request, chunk_tokens, kv_lens, policy: str = DEFAULT_LAUNCH_ORDER):
@@ -167,5 +200,7 @@ def launch_order(chunk_request, chunk_tokens, kv_lens, policy: str = DEFAULT_LAU
 
 def grid_order(plan) -> np.ndarray:
     """Plan indices of ``plan``'s chunks in grid order, by its execution's launch order."""
+    if plan.execution.launch_order == "longest_chunks":    # the default, with one call fewer:
+        return np.argsort(plan.chunk_start - plan.chunk_end, kind="stable")   # -(chunk tokens)
     return launch_order(plan.chunk_request, plan.chunk_end - plan.chunk_start,
                         plan.problem.kv_lens, plan.execution.launch_order)

@@ -18,6 +18,15 @@ import numpy as np
 from . import validation as V
 
 
+def _own(array: np.ndarray, given) -> np.ndarray:
+    """``array``, ``host_int_array``'s reading of ``given``, as an array no one else holds: as
+    it is where that made it (from a list, or converting another integer dtype), else a copy."""
+    if array is not given and array.base is None and (
+            isinstance(given, (list, tuple)) or isinstance(given, np.ndarray)):
+        return array
+    return array.copy()
+
+
 @dataclass(frozen=True, eq=False)
 class PageTable:
     """Pages of each request, FlashInfer layout, on the host.
@@ -41,7 +50,8 @@ class PageTable:
         indices = V.host_int_array("kv_indices", self.kv_indices, 1)
         last = V.host_int_array("kv_last_page_len", self.kv_last_page_len, 1)
         lens = V.check_page_table(indptr, indices, last, page_size)
-        indptr, indices, last = indptr.copy(), indices.copy(), last.copy()
+        indptr, indices, last = (_own(indptr, self.kv_indptr), _own(indices, self.kv_indices),
+                                 _own(last, self.kv_last_page_len))
         for name, value in (("page_size", page_size), ("kv_indptr", indptr), ("kv_indices", indices),
                             ("kv_last_page_len", last), ("kv_lens", lens)):
             if isinstance(value, np.ndarray):
@@ -68,24 +78,53 @@ class PageTable:
         ``ceil(seq_lens[b] / page_size)`` entries of a row are read, so the rest may hold any
         padding (-1 included). A bad entry among those read is named by row and column."""
         page_size = V.check_page_size(page_size)
-        table = V.host_int_array("block_table", block_table, 2)
+        # the table in its own dtype: only the entries read are converted (plan() runs on every
+        # step, and the table's padding may be most of it)
+        table = V.host_int_array("block_table", block_table, 2, as_int64=False)
         lens = V.host_int_array("seq_lens", seq_lens, 1)
-        if lens.size != table.shape[0]:
-            raise ValueError(f"seq_lens: expected {table.shape[0]} elements (one per block_table row), "
+        rows, width = table.shape
+        if lens.size != rows:
+            raise ValueError(f"seq_lens: expected {rows} elements (one per block_table row), "
                              f"got {lens.size}")
-        V.check_seq_lens(lens, table.shape[1] * page_size, page_size)
+        V.check_seq_lens(lens, width * page_size, page_size)
         pages = -(-lens // page_size)
-        indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int64)
-        rows = np.repeat(np.arange(lens.size), pages)
-        cols = np.arange(indptr[-1]) - np.repeat(indptr[:-1], pages)
-        indices = table[rows, cols].astype(np.int64)
+        indptr = np.empty(rows + 1, np.int64)
+        indptr[0] = 0
+        np.cumsum(pages, out=indptr[1:])
+        total = int(indptr[-1])
+        if total > V.MAX_TOTAL_PAGES:
+            raise ValueError(f"kv_indices: {total} pages; at most MAX_TOTAL_PAGES="
+                             f"{V.MAX_TOTAL_PAGES} are supported (the kernel's page-table "
+                             "offsets are int)")
+        # entry e of request b is column e - indptr[b] of row b: b x width + that, row-major
+        flat = np.arange(total, dtype=np.int64)
+        flat += np.repeat(np.arange(rows, dtype=np.int64) * width - indptr[:-1], pages)
+        indices = table.ravel().take(flat).astype(np.int64, copy=False)
+
+        def position(i: int) -> str:          # where entry i sits in block_table
+            b = int(np.searchsorted(indptr, i, side="right")) - 1
+            return (f"[{b}, {i - indptr[b]}] (request {b} reads {pages[b]} pages for its "
+                    f"{lens[b]} tokens)")
+
         # only the entries read are checked, and a bad one is named by its row and column
-        V.check_page_indices(indices, num_pages, "block_table",
-                             position=lambda i: f"[{rows[i]}, {cols[i]}] (request {rows[i]} "
-                                                f"reads {pages[rows[i]]} pages for its "
-                                                f"{lens[rows[i]]} tokens)")
-        last = np.where(pages > 0, lens - (pages - 1) * page_size, 0)
-        return cls.from_flashinfer(indptr, indices, last, page_size)
+        V.check_page_indices(indices, num_pages, "block_table", position=position)
+        last = lens - np.maximum(pages - 1, 0) * page_size      # 0 for an empty request
+        # built and checked here (the lengths against the table, the entries read): nothing
+        # for the constructor to check again
+        return cls._trusted(indptr, indices, last, page_size, lens.copy())
+
+    @classmethod
+    def _trusted(cls, kv_indptr, kv_indices, kv_last_page_len, page_size: int,
+                 kv_lens) -> "PageTable":
+        """A table whose arrays this module built and checked (int64, its own): frozen as
+        they are, without the constructor's checks and copies."""
+        table = object.__new__(cls)
+        for arr in (kv_indptr, kv_indices, kv_last_page_len, kv_lens):
+            arr.setflags(write=False)
+        table.__dict__.update(kv_indptr=kv_indptr, kv_indices=kv_indices,
+                              kv_last_page_len=kv_last_page_len, page_size=page_size,
+                              kv_lens=kv_lens)
+        return table
 
     @classmethod
     def from_layout(cls, page_table: "PageTable | None", page_size: int, *, kv_indptr=None,
@@ -94,6 +133,10 @@ class PageTable:
         """The page table of exactly one of: a ``PageTable``; FlashInfer's ``kv_indptr``,
         ``kv_indices``, ``kv_last_page_len``; vLLM's ``block_table`` and ``seq_lens`` (host
         arrays: NumPy, lists, or CPU tensors). What a ``plan()`` takes."""
+        if (page_table is not None and kv_indptr is None and kv_indices is None
+                and kv_last_page_len is None and block_table is None and seq_lens is None):
+            V.check_instance("page_table", page_table, cls)   # plan()'s common call
+            return page_table
         flashinfer = (kv_indptr, kv_indices, kv_last_page_len)
         vllm = (block_table, seq_lens)
         given = [name for name, parts in (("page_table", (page_table,)),
@@ -153,6 +196,36 @@ class PageLengths:
         return int(self.kv_lens.size)
 
 
+_SHAPE_FIELDS = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype",
+                 "window_left")
+_CHECKED_SHAPES: dict = {}        # (type, value) of each shape field -> the checked values
+
+
+def _checked_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
+                   window_left) -> tuple:
+    """The shape fields of a ``DecodeProblem``, checked (``_SHAPE_FIELDS`` order). A decode loop
+    plans one shape on every step, so a shape that passed is remembered, keyed by each value's
+    type too (True == 1, but a bool is no head count)."""
+    key = (type(num_qo_heads), num_qo_heads, type(num_kv_heads), num_kv_heads, type(head_dim),
+           head_dim, type(page_size), page_size, type(dtype), dtype, type(window_left),
+           window_left)
+    try:
+        return _CHECKED_SHAPES[key]
+    except TypeError:                   # unhashable: checked every time
+        key = None
+    except KeyError:
+        pass
+    hq, hk = V.check_heads(num_qo_heads, num_kv_heads)
+    checked = (hq, hk, V.check_head_dim(head_dim), V.check_page_size(page_size),
+               V.check_dtype("dtype", dtype),
+               V.check_int("window_left", window_left, -1, V.MAX_KV_LEN, "MAX_KV_LEN"))
+    if key is not None:
+        if len(_CHECKED_SHAPES) >= 1024:
+            _CHECKED_SHAPES.clear()
+        _CHECKED_SHAPES[key] = checked
+    return checked
+
+
 @dataclass(frozen=True, eq=False)
 class DecodeProblem:
     """What the planner needs to know about one decode call: lengths and shapes, no pages.
@@ -178,14 +251,10 @@ class DecodeProblem:
         self._check_shapes()
 
     def _check_shapes(self) -> None:
-        hq, hk = V.check_heads(self.num_qo_heads, self.num_kv_heads)
-        object.__setattr__(self, "num_qo_heads", hq)
-        object.__setattr__(self, "num_kv_heads", hk)
-        object.__setattr__(self, "head_dim", V.check_head_dim(self.head_dim))
-        object.__setattr__(self, "page_size", V.check_page_size(self.page_size))
-        object.__setattr__(self, "dtype", V.check_dtype("dtype", self.dtype))
-        window = V.check_int("window_left", self.window_left, -1, V.MAX_KV_LEN, "MAX_KV_LEN")
-        object.__setattr__(self, "window_left", window)
+        checked = _checked_shape(self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                                 self.page_size, self.dtype, self.window_left)
+        self.__dict__.update(zip(_SHAPE_FIELDS, checked))
+        window = checked[-1]
         if window >= 0:
             begin = np.maximum(self.kv_lens - 1 - window, 0)
             begin.setflags(write=False)
@@ -203,11 +272,10 @@ class DecodeProblem:
         the table already holds them checked and read-only (plan() runs on every step)."""
         V.check_instance("page_table", page_table, (PageTable, PageLengths), "a PageTable")
         problem = cls.__new__(cls)
-        for name, value in (("kv_lens", page_table.kv_lens), ("num_qo_heads", num_qo_heads),
-                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                            ("page_size", page_table.page_size), ("dtype", dtype),
-                            ("window_left", window_left)):
-            object.__setattr__(problem, name, value)
+        problem.__dict__.update(kv_lens=page_table.kv_lens, num_qo_heads=num_qo_heads,
+                                num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                page_size=page_table.page_size, dtype=dtype,
+                                window_left=window_left)
         problem._check_shapes()
         return problem
 

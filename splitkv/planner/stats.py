@@ -17,6 +17,7 @@ the per-chunk one.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 
@@ -206,7 +207,7 @@ def equal_candidate_stats(out, length: int, copies: int, total: int, chunk: list
     length1 = max(length, 1)
     units = -(-length // TILE_TOKENS)
     tiles = length / TILE_TOKENS
-    caps = [None] * splits.start + [int(s) for s in split_caps.ravel()]
+    caps = [None] * splits.start + [int(s) for s in split_caps.ravel().tolist()]
     caps += [None] * (len(chunk) - len(caps))
     st = [[] for _ in STAT_NAMES]
     num_chunks, max_tokens = st[S_NUM_CHUNKS], st[S_MAX_CHUNK_TOKENS]
@@ -237,5 +238,7 @@ def equal_candidate_stats(out, length: int, copies: int, total: int, chunk: list
         max_tiles[j] = 1 if length else 0
         if odd_chunks:
             odd[j] = total_tiles[j]
-    out[:] = st
+    # one pass through the numbers (setting ``out`` from the nested lists costs twice that)
+    out[:] = np.fromiter(itertools.chain.from_iterable(st), np.float64,
+                         len(STAT_NAMES) * len(chunk)).reshape(len(STAT_NAMES), len(chunk))
     return [[k] for k in max_splits]

@@ -12,17 +12,28 @@ from ..core.problem import PageLengths, PageTable
 from .kernel_abi import CHUNK_RECORD, IDLE_REQUEST, RECORD_HAS_PAGES, RECORD_TICKET_MERGE
 
 
+_PAGE_STEPS = np.arange(RECORD_PAGES)[:, None]      # first_pages' offsets from the first
+
+
 def first_pages(page_table: PageTable, chunk_request, chunk_start,
                 count: int = RECORD_PAGES) -> np.ndarray:
     """[num_chunks, count] page ids of each chunk's first pages (from the page holding its
     first token), carried in its record so the kernel need not look them up before its first
     copies. Entries past the request's last page repeat that page (never read)."""
-    entries = (page_table.kv_indptr[chunk_request] + chunk_start // page_table.page_size)[:, None] \
-        + np.arange(count)
-    last = np.maximum(page_table.kv_indptr[np.asarray(chunk_request) + 1] - 1, 0)[:, None]
+    indptr = page_table.kv_indptr
+    first = indptr[chunk_request]                      # each chunk's first page's entry
+    first += np.asarray(chunk_start) // page_table.page_size
+    last = indptr[1:][chunk_request]                   # its request's last entry
+    last -= 1
+    np.maximum(last, 0, out=last)
     if page_table.kv_indices.size == 0:
-        return np.zeros(entries.shape, dtype=np.int32)
-    return page_table.kv_indices[np.minimum(entries, last)]
+        return np.zeros((first.size, count), dtype=np.int32)
+    # [count, num_chunks], transposed on return: NumPy adds a column to a long row faster
+    # than a short row to each of many
+    steps = _PAGE_STEPS[:count] if count <= RECORD_PAGES else np.arange(count)[:, None]
+    entries = steps + first
+    np.minimum(entries, last, out=entries)
+    return page_table.kv_indices[entries].T
 
 
 def record_pages_needed(page_size: int, stages: int, tile_tokens: int = TILE_TOKENS) -> int:
@@ -36,8 +47,11 @@ def pages_fit_record(plan: Plan, page_size: int, stages: int,
     """Whether the kernel may take its first ``stages`` tiles' page ids from the chunk
     records: every chunk starts on a page boundary and those tiles span at most RECORD_PAGES
     pages."""
-    return (record_pages_needed(page_size, stages, tile_tokens) <= RECORD_PAGES
-            and not np.any(plan.chunk_start % page_size))
+    if record_pages_needed(page_size, stages, tile_tokens) > RECORD_PAGES:
+        return False
+    if page_size & (page_size - 1) == 0:     # a power of two: one reduction over the starts' bits
+        return not int(np.bitwise_or.reduce(plan.chunk_start)) & (page_size - 1)
+    return not (plan.chunk_start % page_size).any()
 
 
 def chunk_records(plan: Plan, page_table: PageTable, order, record_pages: int,
@@ -62,7 +76,7 @@ def chunk_records(plan: Plan, page_table: PageTable, order, record_pages: int,
     records["token_end"] = plan.chunk_end[order]
     records["page_table_begin"] = page_table.kv_indptr[req]
     records["chunk_begin"] = plan.merge_indptr[req]
-    records["chunk_end"] = plan.merge_indptr[req + 1]
+    records["chunk_end"] = plan.merge_indptr[1:][req]
     records["plan_index"] = order
     records["flags"] = ((RECORD_TICKET_MERGE if plan.merge == "ticket" else 0)
                         | (RECORD_HAS_PAGES if record_pages else 0))

@@ -89,6 +89,36 @@ def test_tables_are_frozen_and_do_not_freeze_the_callers_arrays():
         pt.page_size = 8
 
 
+def test_tables_never_share_the_callers_arrays():
+    """A table copies what the caller holds (and nothing it converted itself), so later writes
+    to the caller's arrays never reach a plan."""
+    for dtype in (np.int32, np.int64):
+        given = [np.array(a, dtype) for a in ([0, 1, 2], [0, 1], [4, 4])]
+        pt = PageTable(*given, 16)
+        for array, name in zip(given, ("kv_indptr", "kv_indices", "kv_last_page_len")):
+            assert array.flags.writeable and not np.shares_memory(array, getattr(pt, name))
+    block, lens = np.array([[3, 1]]), np.array([20])
+    pt = PageTable.from_block_table(block, lens, 16)
+    block[0, 0], lens[0] = 9, 5
+    assert pt.kv_indices.tolist() == [3, 1] and pt.kv_lens.tolist() == [20]
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint16])
+@pytest.mark.parametrize("layout", ["rows", "columns", "strided", "lists"])
+def test_block_tables_of_any_layout_and_dtype_read_the_entries_inside_the_lengths(dtype, layout):
+    lens = np.array([33, 0, 16, 1, 70])
+    table = np.random.default_rng(0).integers(0, 50, (5, 6)).astype(dtype)
+    wanted = [int(table[b, i]) for b, n in enumerate(lens) for i in range(-(-n // 16))]
+    wide = np.zeros((5, 12), dtype)
+    wide[:, ::2] = table
+    given = {"rows": table, "columns": np.asfortranarray(table), "strided": wide[:, ::2],
+             "lists": table.tolist()}[layout]
+    pt = PageTable.from_block_table(given, lens, 16, num_pages=50)
+    assert pt.kv_indices.dtype == np.int64 and pt.kv_indices.tolist() == wanted
+    assert_same_table(pt, PageTable.from_flashinfer(pt.kv_indptr.tolist(), wanted,
+                                                    [1, 0, 16, 1, 6], 16))
+
+
 def test_any_integer_dtype_is_accepted():
     a = PageTable.from_flashinfer(np.array([0, 1], np.int32), np.array([2], np.uint8),
                                   np.array([3], np.int16), 4)

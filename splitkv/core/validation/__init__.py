@@ -107,8 +107,9 @@ def _holds_a_bool(items) -> bool:
     return False
 
 
-def host_int_array(name: str, value, ndim: int) -> np.ndarray:
-    """A host integer array of the given rank, as int64 (exact for every int dtype given)."""
+def host_int_array(name: str, value, ndim: int, as_int64: bool = True) -> np.ndarray:
+    """A host integer array of the given rank, as int64 (exact for every int dtype given), or
+    with ``as_int64`` False in its own dtype (a block table: only the entries read convert)."""
     if hasattr(value, "__cuda_array_interface__") or type(value).__module__.startswith("cupy"):
         raise TypeError(f"{name}: expected a host (NumPy) array; got a device array. "
                         "Plans are made on the host: pass a NumPy array (e.g. x.get()).")
@@ -129,7 +130,7 @@ def host_int_array(name: str, value, ndim: int) -> np.ndarray:
     # compared as uint64: NumPy 1.x compares uint64 with an int through float64, which rounds
     if arr.size and arr.dtype == np.uint64 and arr.max() > np.uint64(np.iinfo(np.int64).max):
         raise ValueError(f"{name}: value {arr.max()} does not fit in int64")
-    return arr.astype(np.int64, copy=False)
+    return arr.astype(np.int64, copy=False) if as_int64 else arr
 
 
 def check_batch_size(name: str, batch_size: int) -> None:
@@ -164,7 +165,8 @@ def check_page_table(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_last_page
     check_batch_size("kv_indptr", batch)
     if kv_indptr[0] != 0:
         raise ValueError(f"kv_indptr: expected kv_indptr[0] == 0, got {kv_indptr[0]}")
-    if np.any(np.diff(kv_indptr) < 0):
+    pages = np.diff(kv_indptr)
+    if batch and pages.min() < 0:
         raise ValueError("kv_indptr: expected a non-decreasing array")
     if kv_indices is not None and kv_indptr[-1] != kv_indices.size:
         raise ValueError(f"kv_indices: kv_indptr[-1]={kv_indptr[-1]} pages are referenced "
@@ -178,26 +180,36 @@ def check_page_table(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_last_page
                          f"{MAX_TOTAL_PAGES} are supported (the kernel's page-table offsets are int)")
     if kv_indices is not None:
         check_page_indices(kv_indices)
-    pages = np.diff(kv_indptr)
-    has_pages = pages > 0
-    bad_last = has_pages & ((kv_last_page_len < 1) | (kv_last_page_len > page_size))
-    if np.any(bad_last):
-        b = int(np.flatnonzero(bad_last)[0])
-        raise ValueError(f"kv_last_page_len: request {b} has {kv_last_page_len[b]}; expected a value "
-                         f"in 1..page_size={page_size}")
-    empty_bad = ~has_pages & (kv_last_page_len != 0)
-    if np.any(empty_bad):
-        b = int(np.flatnonzero(empty_bad)[0])
-        raise ValueError(f"kv_last_page_len: request {b} has no pages, so its last page length "
-                         f"must be 0, got {kv_last_page_len[b]}")
-    # pages < 2**31 (the total's limit) and page_size < 2**31: the product cannot wrap
-    lens = np.where(has_pages, (pages - 1) * page_size + kv_last_page_len, 0).astype(np.int64)
+    # Every plan() checks its table: whether all is well first, in a few whole-array calls (h = 1
+    # for a request with pages, else 0: h <= last <= h x page_size), which request is wrong only
+    # when something is
+    has_pages = np.minimum(pages, 1)
+    if batch and ((kv_last_page_len - has_pages).min() < 0
+                  or (has_pages * page_size - kv_last_page_len).min() < 0):
+        _raise_bad_last_page(pages > 0, kv_last_page_len, page_size)
+    # the full pages' tokens and the last page's (0 for no pages): pages < 2**31 (the total's
+    # limit) and page_size < 2**31, so the product cannot wrap
+    lens = np.subtract(pages, has_pages, dtype=np.int64)
+    lens *= page_size
+    lens += kv_last_page_len
     if batch and lens.max() > MAX_KV_LEN:
         b = int(np.argmax(lens))
         raise ValueError(f"kv_indptr: request {b} holds {lens[b]} tokens ({pages[b]} pages of "
                          f"{page_size}); at most MAX_KV_LEN={MAX_KV_LEN} (2**31 - 1) per request "
                          "are supported (plans hold token offsets as int32)")
     return lens
+
+
+def _raise_bad_last_page(has_pages: np.ndarray, kv_last_page_len: np.ndarray, page_size: int):
+    """``check_page_table``'s error for the first request whose last page length is wrong."""
+    bad_last = has_pages & ((kv_last_page_len < 1) | (kv_last_page_len > page_size))
+    if np.any(bad_last):
+        b = int(np.flatnonzero(bad_last)[0])
+        raise ValueError(f"kv_last_page_len: request {b} has {kv_last_page_len[b]}; expected a value "
+                         f"in 1..page_size={page_size}")
+    b = int(np.flatnonzero(~has_pages & (kv_last_page_len != 0))[0])
+    raise ValueError(f"kv_last_page_len: request {b} has no pages, so its last page length "
+                     f"must be 0, got {kv_last_page_len[b]}")
 
 
 def check_page_indices(kv_indices: np.ndarray, num_pages=None, name: str = "kv_indices",
@@ -208,12 +220,14 @@ def check_page_indices(kv_indices: np.ndarray, num_pages=None, name: str = "kv_i
     ``position(i)`` says where entry i of ``kv_indices`` sits there (default ``[i]``)."""
     if not kv_indices.size:
         return
-    bad = kv_indices < 0
     if num_pages is not None:
         num_pages = check_int("num_pages", num_pages, 0)
-        bad |= kv_indices >= num_pages
-    if not bad.any():
+    # two reductions over a plan's many entries; the mask only to find the first bad one
+    if kv_indices.min() >= 0 and (num_pages is None or kv_indices.max() < num_pages):
         return
+    bad = kv_indices < 0
+    if num_pages is not None:
+        bad |= kv_indices >= num_pages
     i = int(np.argmax(bad))
     where = position(i) if position is not None else f"[{i}]"
     expected = ("a page index >= 0" if num_pages is None

@@ -1,22 +1,25 @@
-"""Batch-1 decode latency with context parallelism over WORLD_SIZE GPUs, run under the launcher:
+"""Batch-1 decode latency with context parallelism over WORLD_SIZE GPUs, run under torchrun:
 
-    PYTHONPATH=$PWD python3 -m splitkv.distributed.launch --nproc 2 \\
-        benchmarks/bench_distributed.py --json out/bench_distributed.json
+    PYTHONPATH=$PWD torchrun --nproc-per-node 2 benchmarks/bench_distributed.py \\
+        --json out/bench_distributed.json
 
 One request of T tokens (default 128k and 1M), 32 query / 8 KV heads, head_dim 128, bfloat16,
-page size 16. The KV is sharded by ``shard_page_table``: each rank holds only its pages. Per
-case and rank, three timings in microseconds per decode call (one layer):
+page size 16. The KV is sharded by ``shard_page_table``: each rank holds only its pages. The
+group is torch.distributed's NCCL world group (``--group torch``, the default) or a
+cupyx.distributed communicator (``--group cupy``). Per case and rank, three timings in
+microseconds per decode call (one layer):
 
   local          the splitkv kernels on this rank's shard (``time_graph_us``: CUDA graph over
                  L layers of distinct KV, at least 1 GiB in all, median of 7 trials)
-  exchange+merge pack to float32, NCCL all-gather, ``merge_states_n``, cast to bfloat16
+  exchange+merge the pack kernel, the group's all-gather, the fused merge-and-cast kernel
   step           both, per layer, as one decode step would run them
 
 and, for comparison, ``1 GPU``: one GPU attending over the whole request. The collective timings
-replay a CUDA graph when CuPy's NCCL call captures (it should: NCCL supports stream capture),
-else run eagerly, which the output says; each is the median over ``--iters`` iterations timed
-with CUDA events, every rank running the same number of iterations. The table shows the
-slowest rank (a step is as slow as its slowest rank); the JSON has every rank.
+replay a CUDA graph when the group's NCCL call captures, else run eagerly, which the output
+says; each is the median over ``--iters`` iterations timed with CUDA events, every rank running
+the same number of iterations. The table shows the slowest rank (a step is as slow as its
+slowest rank); the JSON has every rank. splitkv/distributed/README.md has the paper figures
+these are to be set against.
 """
 
 from __future__ import annotations
@@ -33,6 +36,56 @@ import numpy as np
 from splitkv.cli import args as A
 
 STEP_KEYS = ("local_us", "exchange_merge_us", "step_us", "single_gpu_us")
+
+
+def init_group(kind: str, timeout_s: float):
+    """This rank's GPU made current and the group: torch's NCCL world group, or a
+    cupyx.distributed communicator (its own store on MASTER_PORT + 1). Returns (group, close)."""
+    import os
+
+    import cupy
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    cupy.cuda.Device(local_rank).use()
+    if kind == "torch":
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank),
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        return dist.group.WORLD, dist.destroy_process_group
+    from cupyx.distributed import init_process_group
+
+    port = int(os.environ.get("MASTER_PORT", 29500)) + 1
+    comm = init_process_group(world, rank, host=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                              port=port)
+
+    def close():
+        comm.barrier()                     # every rank is done with rank 0's store
+        store = getattr(comm, "_store", None)
+        if store is not None:              # its server process would keep the exit waiting
+            store.stop()
+
+    return comm, close
+
+
+def nccl_versions() -> dict:
+    """NCCL as CuPy and torch (where imported) load it."""
+    import sys
+
+    from cupy.cuda import nccl
+
+    versions = {"nccl_cupy": nccl.get_version() if nccl.available else None}
+    if "torch" in sys.modules:
+        import torch
+
+        versions["torch"] = torch.__version__
+        versions["nccl_torch"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return versions
 
 
 def time_collective_us(group, launch, calls_per_launch: int, stream, *, iters: int, warmup: int,
@@ -174,7 +227,7 @@ def print_table(cases: list[dict]) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description="context-parallel decode latency (run under the launcher)")
+    ap = argparse.ArgumentParser(description="context-parallel decode latency (run under torchrun)")
     ap.add_argument("--tokens", default="131072,1048576", help="request lengths (default %(default)s)")
     ap.add_argument("--heads", type=A.heads, default="32/8",
                     help="query heads / kv heads, as `splitkv plan` takes them (default "
@@ -187,16 +240,20 @@ def main() -> int:
     ap.add_argument("--eager", action="store_true", help="do not try CUDA graphs for the collectives")
     ap.add_argument("--skip-single", action="store_true", help="skip the one-GPU baseline")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--group", default="torch", choices=["torch", "cupy"],
+                    help="torch.distributed's NCCL group, or a cupyx.distributed communicator")
+    ap.add_argument("--timeout", type=float, default=300.0,
+                    help="the group's timeout in seconds (default %(default)s)")
     ap.add_argument("--json", help="rank 0 writes the results here")
     args = ap.parse_args()
 
     import cupy
-    from cupy.cuda import nccl
 
-    from splitkv.distributed import init_process_group
+    from splitkv.distributed import as_group
     from splitkv.runtime import device_info
 
-    group = init_process_group()
+    raw, close = init_group(args.group, args.timeout)
+    group = as_group(raw, timeout_s=args.timeout)
     cases = []
     for tokens in (int(x) for x in args.tokens.split(",")):
         result = bench_case(group, tokens, args)
@@ -209,14 +266,14 @@ def main() -> int:
         print_table(cases)
         if args.json:
             meta = {"device": device_info()["name"], "world_size": group.world_size,
-                    "cupy": cupy.__version__, "nccl": nccl.get_version(),
+                    "group": args.group, "cupy": cupy.__version__, **nccl_versions(),
                     "num_qo_heads": args.heads[0], "num_kv_heads": args.heads[1],
                     "head_dim": args.head_dim, "page_size": args.page_size, "dtype": args.dtype,
                     "batch_size": 1, "iters": args.iters, "command": " ".join(sys.argv)}
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps({"meta": meta, "cases": cases}, indent=2) + "\n")
             print(f"wrote {args.json}")
-    group.close()
+    close()
     return 0
 
 

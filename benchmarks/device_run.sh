@@ -8,6 +8,9 @@
 #   bash benchmarks/device_run.sh bench_classes        # the classes of shape outside the standard set
 #   bash benchmarks/device_run.sh bench_variants       # soft cap, sinks, windows, multi-token beside plain
 #   bash benchmarks/device_run.sh dissect plan_cost    # what a short call spends; planning's cost a step
+#   bash benchmarks/device_run.sh engine_path          # the engines' path (graph-stable, capacity 256,
+#                                                      # planned on the device, the torch op) beside the
+#                                                      # per-shape wrapper, bf16 then fp8
 #   bash benchmarks/device_run.sh first_use            # first-use probes (shipped profile hidden) against
 #                                                      # the shipped profile and the roofline prior, ~5 min
 #   AB_ARGS='--cases b32_n8k --set default= --set w8=warps=8' bash benchmarks/device_run.sh ab
@@ -116,18 +119,27 @@ for phase in "$@"; do
       python3 benchmarks/plan_host_cost.py 2>&1 | quiet | tee "$RES/plan_host_cost.log"
       python3 benchmarks/device_plan_cost.py --json "$RES/h200-device-plan.json" 2>&1 | quiet \
         | tee "$RES/device_plan_cost.log" ;;
+    engine_path)
+      # $ENGINE_ARGS: more options (--cases ...), split on spaces
+      read -r -a engine_args <<< "${ENGINE_ARGS:-}"
+      python3 benchmarks/engine_path.py "${engine_args[@]}" --json "$RES/engine-path.json" 2>&1 \
+        | quiet | tee "$RES/engine_path.log"
+      python3 benchmarks/engine_path.py "${engine_args[@]}" --kv-dtype fp8_e4m3 \
+        --json "$RES/engine-path-fp8.json" 2>&1 | quiet | tee "$RES/engine_path_fp8.log" ;;
     ab)
       # benchmarks/ab.py with $AB_ARGS (split on spaces, no globbing)
       read -r -a ab_args <<< "$AB_ARGS"
       SPLITKV_PROFILE=$PROFILE python3 benchmarks/ab.py "${ab_args[@]}" --json "$RES/h200-ab.json" 2>&1 \
         | quiet | tee "$RES/ab.log" ;;
     dist)
-      export NCCL_NVLS_ENABLE=0    # NVLink multicast stays off on shared machines
-      python3 -c "import cupy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'nccl', nccl.get_version(), 'gpus', cupy.cuda.runtime.getDeviceCount())"
+      # NVLink multicast stays off on shared machines (NCCL's and torch's)
+      export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+      gpus=$(python3 -c 'import cupy; print(cupy.cuda.runtime.getDeviceCount())')
+      python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', $gpus)"
       timeout 330 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/integrations/test_distributed.py 2>&1 \
         | tee "$RES/dist_tests.log" | tail -6
-      timeout 250 python3 -m splitkv.distributed.launch --nproc "$(python3 -c 'import cupy; print(cupy.cuda.runtime.getDeviceCount())')" \
-        --timeout 240 benchmarks/bench_distributed.py --json "$RES/h200-distributed.json" 2>&1 \
+      timeout 250 torchrun --nproc-per-node "$gpus" --max-restarts 0 benchmarks/bench_distributed.py \
+        --timeout 240 --json "$RES/h200-distributed.json" 2>&1 \
         | quiet | tee "$RES/dist_bench.log" | tail -20 ;;
     transformers_newest)
       # the wheels of a newer transformers (and what it needs beyond the machine's) put in front

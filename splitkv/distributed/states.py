@@ -7,8 +7,9 @@ gathered buffer [num_ranks, batch, num_qo_heads, head_dim + 1] is unpacked as vi
 with ``splitkv.merge_states_n``. A rank that holds none of a request's tokens sends zeros and
 LSE -inf, which the merge ignores.
 
-Every function takes NumPy or CuPy arrays (``xp`` is the array's module), so the exact path
-the GPU runs is tested on the CPU. bfloat16 is handled as raw uint16 bits.
+Every function takes NumPy or CuPy arrays (``xp`` is the array's module). The CPU path runs
+them; the GPU runs their fused twins (``exchange_kernels.py``: one kernel packs, one merges and
+casts), which the GPU tests compare with them. bfloat16 is handled as raw uint16 bits.
 """
 
 from __future__ import annotations

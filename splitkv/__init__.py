@@ -3,7 +3,13 @@
 Host-side pieces (problem description, plans, the planner, the float64 reference, the CPU plan
 executor and ``merge_states``) import without a GPU or CuPy. The planner and the GPU wrapper are
 imported lazily, on first use of their names.
+
+Notices to operators (a profile skipped, a GPU probed on first use, planning with the roofline
+prior) are records of the ``splitkv`` logger (``splitkv._log``); it has a ``NullHandler``, so
+nothing prints until the application configures logging.
 """
+
+import logging as _logging
 
 from ._version import __version__
 from .core.cpu_executor import execute_plan_cpu
@@ -11,6 +17,8 @@ from .core.merge import merge_states, merge_states_n
 from .core.plan import Plan, plan_chunk_tokens, plan_fixed_splits, plan_from_chunk_counts
 from .core.problem import DecodeProblem, PageTable
 from .core.reference import reference_decode
+
+_logging.getLogger("splitkv").addHandler(_logging.NullHandler())
 
 __all__ = [
     "BatchDecodeWrapper", "DecodeProblem", "GPUUnavailableError", "GraphStableDecodeWrapper",

@@ -6,12 +6,14 @@ says there is no usable GPU (or the runtime cannot be imported).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
 import pytest
 
 from helpers.batches import build_batch
+from helpers.notices import logged
 
 # The tests choose their caches themselves (XDG_CACHE_HOME or SPLITKV_CACHE_DIR in a temporary
 # folder): a cache folder set in the environment that runs them must not leak in.
@@ -27,6 +29,13 @@ def rng() -> np.random.Generator:
 def make_batch(rng):
     """``make_batch(kv_lens, **kwargs)``: ``build_batch`` with this test's seeded generator."""
     return lambda kv_lens, **kwargs: build_batch(rng, kv_lens, **kwargs)
+
+
+@pytest.fixture
+def notices(caplog):
+    """``with notices(match) as said:``: the ``splitkv`` logger's records in the block
+    (helpers.notices.logged); ``match`` asks for one whose message matches."""
+    return functools.partial(logged, caplog)
 
 
 # NVRTC's register and spill report of each kernel variant the compile tests built

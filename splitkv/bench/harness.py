@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import datetime as _dt
 
-import sys
-
 import numpy as np
 
+from .._log import logger
 from ..runtime.timing import median_host_us
 from .bandwidth import PROBE_SHAPES
 from .cases import FP8_BEST_PEER_US, LATENCY_TARGETS_US, ragged_b256_lengths
@@ -34,11 +33,14 @@ def _rel_err_subset(wrapper, page_table, data, max_requests: int = 4, kv_dtype=N
     err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
     if not np.isfinite(err):           # say which side is not finite, and whether it repeats
         again = to_float64(wrapper.run(data.q, data.k_layers[0], data.v_layers[0])[:n])
-        rows = lambda a: np.flatnonzero(~np.isfinite(a).all(axis=(1, 2))).tolist()
-        print(f"rel err check: non-finite rows of the output {rows(got)}, of the reference "
-              f"{rows(ref)}; a second run's output rows {rows(again)}, "
-              f"{'the same' if np.array_equal(got, again, equal_nan=True) else 'different'} "
-              "bits", file=sys.stderr, flush=True)
+
+        def rows(a):
+            return np.flatnonzero(~np.isfinite(a).all(axis=(1, 2))).tolist()
+
+        same = np.array_equal(got, again, equal_nan=True)
+        logger.warning(f"rel err check: non-finite rows of the output {rows(got)}, of the "
+                       f"reference {rows(ref)}; a second run's output rows {rows(again)}, "
+                       f"{'the same' if same else 'different'} bits")
     return err
 
 

@@ -7,10 +7,10 @@ profile just written is the one used, or which file wins over it and why.
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._log import caught_notices
 from ..planner.profiles import PRIOR_ORIGIN, PROFILE_ENV, Profile, ProfileError, load_profile
 from ..planner.profiles import SHIPPED_ORIGIN_PREFIX as SHIPPED_PREFIX
 from ..planner.profiles import prior_profile
@@ -18,15 +18,14 @@ from ..planner.profiles import user_profile_path as cache_file
 
 
 def _load(device_name: str, num_sms: int) -> tuple[Profile | None, str | None, list[str]]:
-    """(``load_profile``'s answer or None, its error, the warnings it gave). The warnings
+    """(``load_profile``'s answer or None, its error, the notices it logged). The notices
     are caught: the prior's suggests running ``splitkv calibrate``, which is under way."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caught_notices() as caught:
         try:
             profile, error = load_profile(device_name=device_name, num_sms=num_sms), None
         except ProfileError as exc:
             profile, error = None, str(exc)
-    return profile, error, [str(w.message) for w in caught]
+    return profile, error, [record.getMessage() for record in caught]
 
 
 def _same_file(a, b) -> bool:
@@ -68,7 +67,7 @@ def previous_profile(device_name: str, num_sms: int) -> tuple[Profile, str]:
 @dataclass(frozen=True)
 class ProfileInUse:
     """``profile_in_use``'s answer. ``used``: the origin of the profile wrappers on the device
-    plan with, None when they cannot load one (``error`` says why); ``skipped``: the warnings
+    plan with, None when they cannot load one (``error`` says why); ``skipped``: the notices
     of files the lookup passed over."""
 
     written: Path

@@ -3,19 +3,22 @@
 A subcommand's module is imported only when that subcommand runs, so ``splitkv demo`` works on a
 machine without CuPy and one broken subcommand cannot break another. A bad argument is one line
 on stderr and exit status 2 (``args.Parser``); output cut short by a closed pipe
-(``splitkv plan | head -3``) ends the command quietly.
+(``splitkv plan | head -3``) ends the command quietly. The library's notices (records of the
+``splitkv`` logger, INFO and above) are ``note:`` lines on stderr while a command runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 
+from .._log import logger
 from .._version import __version__
 from ..planner.profile_files import ProfileError
-from .args import Parser
+from .args import Parser, one_line
 
 # name -> (module, one-line help)
 COMMANDS = {
@@ -26,7 +29,10 @@ COMMANDS = {
     "env": ("splitkv.cli.env", "print the versions, GPU, profile and cache folders splitkv "
                                "sees, to diagnose the GPU stack"),
     "cache": ("splitkv.cli.cache", "clear splitkv's cached profiles and first-use models "
-                                   "(and CuPy's compiled kernels)"),
+                                   "(and the compiled kernels)"),
+    "precompile": ("splitkv.cli.precompile", "compile the kernels a configuration runs, for "
+                                             "named architectures, before serving (no GPU "
+                                             "needed)"),
 }
 
 
@@ -62,9 +68,32 @@ def load_command(name: str):
     return module
 
 
+class NoteHandler(logging.Handler):
+    """The library's notices as ``note: <message>`` lines on stderr (the one of the moment, so
+    a redirected or captured stderr gets them)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(f"note: {one_line(record.getMessage())}", file=sys.stderr, flush=True)
+        except Exception:       # logging's rule: a handler never raises into the caller
+            self.handleError(record)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``splitkv <argv>``; the exit status (argparse's too: 0 after --help, 2 for a bad
     argument)."""
+    handler, level = NoteHandler(logging.INFO), logger.level
+    logger.addHandler(handler)
+    if level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    try:
+        return _main(argv)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         try:
             status = _dispatch(sys.argv[1:] if argv is None else list(argv))

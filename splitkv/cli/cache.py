@@ -1,16 +1,17 @@
 """``splitkv cache clear``: remove splitkv's cached profiles and first-use models, and with
-``--kernels`` CuPy's compiled kernels, printing each file and the bytes freed (``--dry-run``:
-the same list, nothing removed).
+``--kernels`` the compiled kernels (splitkv's precompiled CUBINs and CuPy's cache), printing
+each file and the bytes freed (``--dry-run``: the same list, nothing removed).
 
 Only files these caches write are removed, chosen by name, one folder deep, never a folder:
 in ``<cache>/profiles/`` the profiles ``splitkv calibrate`` writes (``*.yaml``), their
 measurements (``*.csv``) and plots, and the temporary files of an interrupted write; in its
-``first-use/`` folder the first-use models; in CuPy's kernel cache (``$CUPY_CACHE_DIR``, else
-``~/.cupy/kernel_cache``) the files CuPy names by a hash (``<sha1>.cubin`` and the like). A
-file anyone else put there stays, and so does anything inside the profiles shipped with
-splitkv, wherever ``$SPLITKV_CACHE_DIR`` points. The folders' locations are decided where
-planning decides them (``planner.profiles.user_profile_dir``, ``planner.first_use``); ``splitkv
-env`` prints them with their sizes.
+``first-use/`` folder the first-use models; in ``<cache>/kernels/`` the CUBINs ``splitkv
+precompile`` writes (``<build>.sm_XX.<hash>.cubin``); in CuPy's kernel cache
+(``$CUPY_CACHE_DIR``, else ``~/.cupy/kernel_cache``) the files CuPy names by a hash
+(``<sha1>.cubin`` and the like). A file anyone else put there stays, and so does anything
+inside the profiles shipped with splitkv, wherever ``$SPLITKV_CACHE_DIR`` points. The folders'
+locations are decided where the library decides them (``planner.profiles.cache_root``,
+``planner.first_use``, ``runtime.cubin_cache``); ``splitkv env`` prints them with their sizes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from importlib import resources
 from pathlib import Path
 
 from ..planner.first_use import first_use_path
-from ..planner.profiles import CACHE_DIR_ENV, REFERENCE_DEVICE, user_profile_dir
+from ..planner.profiles import CACHE_DIR_ENV, REFERENCE_DEVICE, cache_root, user_profile_dir
+from ..runtime.cubin_cache import CUBIN_FILE, CUBIN_TEMP_FILE, cubin_dir
 from . import args as A
 
 CUPY_CACHE_ENV = "CUPY_CACHE_DIR"
@@ -41,17 +43,22 @@ CUPY_FILE = re.compile(r"[0-9a-f]{32,64}(_\d+)?\.(cubin|ltoir|hsaco)(\.cu)?")
 
 
 def cache_dir() -> Path:
-    """splitkv's cache folder: the one the profiles folder is in."""
-    return user_profile_dir().parent
+    """splitkv's cache folder: the one the profiles and kernels folders are in."""
+    return cache_root()
 
 
 def cache_dir_source() -> str:
-    """What chose ``cache_dir()``, in words (the choice itself is ``user_profile_dir``'s)."""
+    """What chose ``cache_dir()``, in words (the choice itself is ``cache_root``'s)."""
     if os.environ.get(CACHE_DIR_ENV):
         return f"from ${CACHE_DIR_ENV}"
     if os.environ.get("XDG_CACHE_HOME"):
         return "in $XDG_CACHE_HOME"
     return "the default"
+
+
+def is_cubin_file(name: str) -> bool:
+    """Whether ``splitkv precompile`` names a file so (its CUBINs and their temporary files)."""
+    return bool(CUBIN_FILE.fullmatch(name) or CUBIN_TEMP_FILE.fullmatch(name))
 
 
 def first_use_dir() -> Path:
@@ -139,11 +146,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(cache_parser=parser)
     actions = parser.add_subparsers(dest="action", metavar="ACTION")
     clear = actions.add_parser(
-        "clear", help="remove cached profiles and first-use models (--kernels: CuPy's kernels)",
+        "clear", help="remove cached profiles and first-use models (--kernels: the compiled "
+                      "kernels)",
         description="Remove splitkv's calibrated profiles, their measurements and the first-use "
                     "models from its cache folder; never the profiles shipped with splitkv.")
     clear.add_argument("--kernels", action="store_true",
-                       help=f"also remove CuPy's compiled kernels (${CUPY_CACHE_ENV}, else "
+                       help=f"also remove the compiled kernels: splitkv precompile's CUBINs "
+                            f"(<cache>/kernels) and CuPy's (${CUPY_CACHE_ENV}, else "
                             f"{CUPY_DEFAULT_CACHE}): the next run compiles them again")
     clear.add_argument("--dry-run", action="store_true",
                        help="list what would be removed, remove nothing")
@@ -161,6 +170,8 @@ def _clear(kernels: bool, dry_run: bool) -> int:
     print(f"splitkv's cache: {folder} ({cache_dir_source()})")
     groups = [("splitkv", user_profile_dir(), dict(patterns=PROFILE_FILES)),
               ("splitkv", first_use_dir(), dict(patterns=FIRST_USE_FILES))]
+    if kernels:
+        groups.append(("splitkv", cubin_dir(), dict(match=is_cubin_file)))
     cupy_dir = kernel_cache_dir()
     if kernels and cupy_dir is None:
         print(f"CuPy's kernel cache: not cleared: ${CUPY_CACHE_ENV} is set but empty (CuPy "
@@ -188,6 +199,12 @@ def _clear(kernels: bool, dry_run: bool) -> int:
         if others:
             print(f"kept {others:,} file{'s' * (others != 1)} in {where}: not named as "
                   f"{writer} names its files")
+    if not kernels:
+        usage = folder_usage(cubin_dir())
+        if usage["files"]:
+            print(f"kept splitkv's precompiled kernels {cubin_dir()} "
+                  f"({files_and_bytes(usage['files'], usage['bytes'])}): --kernels clears them "
+                  "too")
     if not kernels and cupy_dir is not None:
         usage = folder_usage(cupy_dir)
         if usage["files"]:

@@ -3,7 +3,8 @@ each (``--json``: the same as one JSON object): splitkv, Python and its dependen
 installed (two CuPy distributions overwrite each other's files: said as a warning), the CUDA
 runtime CuPy was built for, NVRTC, the driver, the devices, the profile planning would use on
 this GPU and why, the cache folders with their sizes, and the environment variables that
-change any of these.
+change any of these. The caches: splitkv's folder, its profiles, its first-use models, the
+kernels ``splitkv precompile`` wrote ("precompiled kernels") and CuPy's ("kernel cache").
 
 Every probe is guarded: one that fails says why on its own line, so a broken install is
 described rather than a traceback. Nothing is compiled or timed: a GPU without a profile is
@@ -24,6 +25,7 @@ import warnings
 from importlib import metadata
 from pathlib import Path
 
+from .._log import caught_notices
 from .._version import __version__
 from . import args as A
 from . import cache as C
@@ -35,7 +37,8 @@ MAX_DEVICES = 64
 # the lines every report has, in order (devices add "device N" lines)
 CUPY_KEYS = ("cupy", "cupy distributions", "cuda runtime", "nvrtc", "cuda driver", "gpu",
              "devices")
-CACHE_KEYS = ("cache dir", "profiles cache", "first-use cache", "kernel cache")
+CACHE_KEYS = ("cache dir", "profiles cache", "first-use cache", "precompiled kernels",
+              "kernel cache")
 KEYS = ("splitkv", "python", "numpy", "scipy", "pyyaml", *CUPY_KEYS, "profile", *CACHE_KEYS,
         "environment")
 
@@ -75,10 +78,11 @@ def _cuda_version(value) -> str:
 
 def collect() -> dict:
     """The report: every key of ``KEYS``, and "warnings" (a list) where there are any;
-    warnings raised while probing are gathered into it rather than printed."""
+    warnings raised and splitkv's notices logged while probing are gathered into it rather
+    than printed."""
     report: dict = {}
     found: list[str] = []
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, caught_notices() as noted:
         warnings.simplefilter("always")
         report["splitkv"] = f"{__version__} ({Path(__file__).resolve().parents[1]})"
         report["python"] = f"{platform.python_version()} ({sys.executable})"
@@ -91,11 +95,13 @@ def collect() -> dict:
         report.pop("_device", None)
         for key, args in zip(CACHE_KEYS, ((C.cache_dir, True, C.cache_dir_source),
                                           (C.user_profile_dir,), (C.first_use_dir,),
+                                          (C.cubin_dir,),
                                           (C.kernel_cache_dir, False, _kernel_cache_source))):
             report[key] = _guarded(_cache, *args)
         report["environment"] = {
             name: A.one_line(text) for name, text in sorted(os.environ.items())
             if name.startswith(ENV_PREFIXES) or name in ENV_NAMES}
+    found += [A.one_line(r.getMessage()) for r in noted]
     found += [A.one_line(w.message) for w in caught]
     ordered = {key: report.pop(key) for key in KEYS if key in report}
     if found:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from dataclasses import replace
 
 import numpy as np
 
+from .._log import caught_notices
 from ..core import validation as V
 from ..core.geometry import TILE_TOKENS
 from ..core.variants import MAX_Q_LEN, covering_window_left
@@ -103,8 +103,7 @@ def run(args) -> int:
                              "q_len of its KV")
         problem = DecodeProblem(lens, args.heads[0] * args.q_len, args.heads[1],
                                 args.head_dim, args.page_size, window_left=window)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with caught_notices() as caught:
             profile = load_profile(args.profile, device_name=args.device_name,
                                    num_sms=args.num_sms)
         model = profile.cost_model(args.kv_dtype)
@@ -114,8 +113,8 @@ def run(args) -> int:
         plan = ranked[0].build(problem, clusters=model.clusters)
     except (TypeError, ValueError, ProfileError) as exc:
         return A.refuse("plan", exc)
-    for w in caught:
-        print(f"note: {A.one_line(w.message)}", file=sys.stderr)
+    for record in caught:
+        print(f"note: {A.one_line(record.getMessage())}", file=sys.stderr)
 
     print(f"problem:   {problem!r}")
     if args.q_len > 1:

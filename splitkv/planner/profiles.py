@@ -21,12 +21,13 @@ graph-stable fp8 wrapper's one captured grid runs, where per-shape plans of few 
      ``$SPLITKV_FIRST_USE`` = off skips this step, = calibrate runs the quick calibration
      instead (docs/design/first-use.md);
   6. a roofline prior computed from the SM count and a bandwidth guess, with a one-time
-     warning that suggests ``splitkv calibrate``; also where the probes fail.
+     notice that suggests ``splitkv calibrate``; also where the probes fail.
 A broken or mismatched file named by 1 or 2 is an error (the user asked for it); one found in
-3, 4 or the first-use cache is skipped with one warning naming it: no file on disk can stop
-planning. ``to_yaml`` seals the file (its first line: the byte count and SHA-256 of the rest),
-so one cut short is refused, not read with other coefficients; unsealed files (older, or
-written by hand) are read as they are. Nothing is read at import.
+3, 4 or the first-use cache is skipped with one notice naming it (a WARNING record of the
+``splitkv`` logger, as is the prior's): no file on disk can stop planning. ``to_yaml`` seals
+the file (its first line: the byte count and SHA-256 of the rest), so one cut short is
+refused, not read with other coefficients; unsealed files (older, or written by hand) are read
+as they are. Nothing is read at import.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import datetime
 import math
 import os
 import re
-import warnings
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from importlib import resources
@@ -43,13 +43,15 @@ from pathlib import Path
 
 import yaml
 
+from .._log import logger
 from .cost_model import MAX_CTAS_PER_SM, MAX_NUM_SMS, CostModel, check_machine, check_machine_int
 from .features import FEATURE_NAMES
 from .profile_files import ProfileError, read_bytes, read_document, record_problem, sealed, \
     write_atomically
 
 PROFILE_ENV = "SPLITKV_PROFILE"
-CACHE_DIR_ENV = "SPLITKV_CACHE_DIR"    # splitkv's cache folder (profiles/, profiles/first-use/)
+CACHE_DIR_ENV = "SPLITKV_CACHE_DIR"    # splitkv's cache folder (profiles/, profiles/first-use/,
+                                       # kernels/)
 REFERENCE_DEVICE = "NVIDIA H200"       # what plans made without a device are made for
 # The profile format's version, written by ``Profile.to_dict``. A file without one is read as
 # the version before it (written by hand, or before the field); a newer one is refused.
@@ -90,13 +92,19 @@ PRIOR_ORIGIN = "roofline prior"
 SHIPPED_ORIGIN_PREFIX = "splitkv:"     # then the shipped file's name: 'splitkv:nvidia-h200.yaml'
 
 
-def user_profile_dir() -> Path:
-    """Where calibrated profiles are cached (first-use ones in its ``first-use`` folder): the
-    one place the cache's location is decided. ``profiles`` in ``$SPLITKV_CACHE_DIR``, else in
-    ``$XDG_CACHE_HOME/splitkv``, else in ``~/.cache/splitkv``."""
+def cache_root() -> Path:
+    """splitkv's cache folder: the one place its location is decided, so that the profiles
+    (``user_profile_dir``) and the precompiled kernels (``runtime.cubin_cache``) move together.
+    ``$SPLITKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/splitkv``, else ``~/.cache/splitkv``."""
     own = os.environ.get(CACHE_DIR_ENV)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return (Path(os.path.expanduser(own)) if own else Path(base) / "splitkv") / "profiles"
+    return Path(os.path.expanduser(own)) if own else Path(base) / "splitkv"
+
+
+def user_profile_dir() -> Path:
+    """Where calibrated profiles are cached (first-use ones in its ``first-use`` folder):
+    ``profiles`` in ``cache_root()``."""
+    return cache_root() / "profiles"
 
 
 def user_profile_path(device_name: str) -> Path:
@@ -416,18 +424,19 @@ def _shipped_profile(slug: str) -> Profile | None:
 
 
 _warned_prior: set = set()
-_warned_files: set = set()      # the warnings about broken files given in this process
+_warned_files: set = set()      # the notices about broken files given in this process
 
 
-def warn_skipped(error: Exception, then: str, stacklevel: int = 3) -> None:
-    """One warning a process for each broken file skipped (``error`` names it and the fault)."""
+def warn_skipped(error: Exception, then: str) -> None:
+    """One notice (WARNING) a process for each broken file skipped (``error`` names it and the
+    fault)."""
     if (message := f"{error}; ignoring it and {then}") not in _warned_files:
         _warned_files.add(message)
-        warnings.warn(message, stacklevel=stacklevel)
+        logger.warning(message)
 
 
 def _found(where: str, read, device_name: str, num_sms) -> Profile | None:
-    """``read()``'s profile (None: no file) if made for this device; else None with one warning
+    """``read()``'s profile (None: no file) if made for this device; else None with one notice
     naming ``where`` and what is wrong: a file found on disk never stops planning."""
     try:
         profile = read()
@@ -437,7 +446,7 @@ def _found(where: str, read, device_name: str, num_sms) -> Profile | None:
     except (OSError, ValueError, TypeError, KeyError) as e:   # and what no check foresaw
         error = e if isinstance(e, ProfileError) else ProfileError(
             f"profile {where}: cannot read it ({type(e).__name__}: {e})")
-    warn_skipped(error, "using the next profile found", stacklevel=4)
+    warn_skipped(error, "using the next profile found")
     return None
 
 
@@ -501,10 +510,9 @@ def load_profile(path=None, device_name: str | None = None, num_sms: int | None 
     key = (slug, num_sms)
     if key not in _warned_prior:
         _warned_prior.add(key)
-        warnings.warn(f"splitkv has no calibrated profile for {name!r}"
-                      f"{f' with {num_sms} SMs' if num_sms else ''}; planning with a roofline "
-                      "prior. Run `splitkv calibrate` on this GPU for better plans.",
-                      stacklevel=2)
+        logger.warning(f"splitkv has no calibrated profile for {name!r}"
+                       f"{f' with {num_sms} SMs' if num_sms else ''}; planning with a roofline "
+                       "prior. Run `splitkv calibrate` on this GPU for better plans.")
     return prior_profile(name, num_sms, bandwidth_gbps)
 
 

@@ -42,17 +42,29 @@ def graph_kernels(base: DecodeVariant, experiments: DecodeExperiments, *, soft_c
                                           forces=experiments.build_forces))
 
 
+def reachable_variants(base: DecodeVariant, experiments: DecodeExperiments, *, device,
+                       page_size: int, group_size: int, soft_caps, max_q_len: int,
+                       unified_max: bool, clusters: bool, graph_stable: bool) -> frozenset:
+    """Every build a wrapper of ``base``'s shape can run on ``device`` with these options
+    (``core.builds.reachable_builds``): what ``warmup()`` compiles, and ``splitkv precompile``
+    without the GPU."""
+    return reachable_builds(base, device=device, page_size=page_size, group_size=group_size,
+                            soft_caps=soft_caps, max_q_len=max_q_len, unified_max=unified_max,
+                            clusters=clusters,
+                            rows_per_cta=experiments.rows_per_cta or MAX_HEADS_PER_CTA,
+                            graph_stable=graph_stable, forces=experiments.build_forces)
+
+
 def compile_reachable(base: DecodeVariant, experiments: DecodeExperiments, *, page_size: int,
                       group_size: int, soft_caps, max_q_len: int, unified_max: bool,
                       clusters: bool, graph_stable: bool) -> int:
     """Compile, on the current device, every build a wrapper of ``base``'s shape can run with
-    these options (``core.builds.reachable_builds``); returns how many (compiled now or
-    before, in this process)."""
-    found = reachable_builds(base, device=device_properties(), page_size=page_size,
-                             group_size=group_size, soft_caps=soft_caps, max_q_len=max_q_len,
-                             unified_max=unified_max, clusters=clusters,
-                             rows_per_cta=experiments.rows_per_cta or MAX_HEADS_PER_CTA,
-                             graph_stable=graph_stable, forces=experiments.build_forces)
+    these options (``reachable_variants``); returns how many (compiled now or before, in this
+    process)."""
+    found = reachable_variants(base, experiments, device=device_properties(),
+                               page_size=page_size, group_size=group_size, soft_caps=soft_caps,
+                               max_q_len=max_q_len, unified_max=unified_max, clusters=clusters,
+                               graph_stable=graph_stable)
     for build in found:
         get_decode_kernels(build)
     return len(found)

@@ -361,7 +361,9 @@ def plan_kernel():
     device = cupy.cuda.runtime.getDevice()
     kernel = _KERNELS.get(device)
     if kernel is None:
-        module = cupy.RawModule(code=source(), options=PLAN_NVRTC_OPTIONS)
+        from .modules import PLANNER_LABEL, load_module
+
+        module, _ = load_module(source(), PLAN_NVRTC_OPTIONS, PLANNER_LABEL)
         kernel = module.get_function("plan_decode")
         kernel.max_dynamic_shared_size_bytes = MAX_SHARED_SCRATCH_BYTES
         _KERNELS[device] = kernel

@@ -112,7 +112,8 @@ def fp8_variants() -> list[DecodeVariant]:
             for f in KV_FP8_CODES]
 
 
-def _nvrtc_compile(source: str, arch: str, name: str, extra_options=(), read=None):
+def _nvrtc_compile(source: str, arch: str, name: str, extra_options=(), read=None,
+                   options=NVRTC_OPTIONS):
     """Compile with NVRTC (no GPU needed) and return ``read(nvrtc, prog)``; a failure raises
     with the compiler's log."""
     from cupy_backends.cuda.libs import nvrtc
@@ -120,13 +121,23 @@ def _nvrtc_compile(source: str, arch: str, name: str, extra_options=(), read=Non
     prog = nvrtc.createProgram(source, name, [], [])
     try:
         try:
-            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch={arch}", *extra_options])
+            nvrtc.compileProgram(prog, [*options, f"-arch={arch}", *extra_options])
         except nvrtc.NVRTCError as exc:
             log = nvrtc.getProgramLog(prog).rstrip("\x00")
             raise RuntimeError(f"NVRTC failed to compile {name} for {arch}: {exc}\n{log}") from None
         return read(nvrtc, prog)
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def nvrtc_archs() -> tuple:
+    """The compute capabilities this NVRTC compiles for; () where it cannot say."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        return tuple(int(a) for a in nvrtc.getSupportedArchs())
+    except Exception:
+        return ()
 
 
 def compile_ptx(source: str, name: str = "kernel.cu", arch: str = "compute_90") -> str:
@@ -138,8 +149,11 @@ def compile_ptx(source: str, name: str = "kernel.cu", arch: str = "compute_90") 
     return _nvrtc_compile(source, arch, name, read=read)
 
 
-def compile_cubin(source: str, arch: str, name: str = "kernel.cu", verbose: bool = False):
-    """Compile with NVRTC to a CUBIN without touching a GPU. Returns (cubin bytes, log)."""
+def compile_cubin(source: str, arch: str, name: str = "kernel.cu", verbose: bool = False,
+                  options=NVRTC_OPTIONS):
+    """Compile with NVRTC to a CUBIN without touching a GPU. Returns (cubin bytes, log).
+    ``options``: NVRTC's options before ``-arch`` (a planning kernel's differ)."""
     return _nvrtc_compile(
         source, arch, name, ["-Xptxas", "-v"] if verbose else [],
-        read=lambda nvrtc, prog: (nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog).rstrip("\x00")))
+        read=lambda nvrtc, prog: (nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog).rstrip("\x00")),
+        options=options)

@@ -2,8 +2,8 @@
 timings, the cache, $SPLITKV_FIRST_USE, and where load_profile puts the first-use model."""
 
 import math
+import logging
 import os
-import warnings
 
 import numpy as np
 import pytest
@@ -219,7 +219,7 @@ def test_cache_key_names_gpu_driver_and_version():
     assert path.parent == user_profile_dir() / "first-use"
 
 
-def test_cached_profile_round_trips_with_its_probes():
+def test_cached_profile_round_trips_with_its_probes(notices):
     results = synthetic("NVIDIA L40S", noise=0.01)
     profile = derive_profile(results)
     path = save_first_use(profile, first_use_path("NVIDIA L40S", "12040"))
@@ -234,8 +234,9 @@ def test_cached_profile_round_trips_with_its_probes():
     assert read_first_use(path, "NVIDIA L4", None) is None
     assert read_first_use(path, "NVIDIA L40S", profile.num_sms - 2) is None
     path.write_text("coef: [1, 2")
-    with pytest.warns(UserWarning, match="probing again"):
+    with notices("probing again") as said:
         assert read_first_use(path, "NVIDIA L40S", None) is None
+    assert said.at(logging.WARNING) == said.messages
 
 
 @pytest.mark.parametrize("value, mode", [(None, "probe"), ("", "probe"), ("off", "off"),
@@ -247,7 +248,7 @@ def test_the_option(monkeypatch, value, mode):
     assert first_use_mode() == mode
 
 
-def test_a_bad_option_is_a_clear_error(monkeypatch):
+def test_a_bad_option_is_a_clear_error(monkeypatch, notices):
     monkeypatch.setenv(FIRST_USE_ENV, "yes")
     with pytest.raises(ValueError, match=r"SPLITKV_FIRST_USE: expected one of off, probe, "
                                          r"calibrate, got 'yes'"):
@@ -255,7 +256,7 @@ def test_a_bad_option_is_a_clear_error(monkeypatch):
     with pytest.raises(ValueError, match="SPLITKV_FIRST_USE"):
         load_profile(device_name="NVIDIA L40S", num_sms=142, first_use=FakeProbes())
     # without a device to probe the option is not read
-    with pytest.warns(UserWarning, match="roofline prior"):
+    with notices("roofline prior"):
         assert load_profile(device_name="NVIDIA L40S", num_sms=142).is_prior
 
 
@@ -266,28 +267,29 @@ def load(source, name="NVIDIA L40S"):
                         first_use=source)
 
 
-def test_no_profile_probes_once_then_reads_the_cache():
+def test_no_profile_probes_once_then_reads_the_cache(notices):
     source = FakeProbes()
-    with pytest.warns(UserWarning, match=r"first-use probes in .* cached the model in .*"
-                                         r"nvidia-l40s-driver-12040"):
+    with notices(r"first-use probes in .* cached the model in .*nvidia-l40s-driver-12040") \
+            as said:
         profile = load(source)
+    assert said.at(logging.INFO) == said.messages, said.messages   # as designed: INFO
     assert profile.source == first_use.FIRST_USE_SOURCE and source.probed == 1
     assert first_use_path("NVIDIA L40S", "12040").is_file()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")             # said once: the cache answers quietly
+    with notices() as said:
         again = load(source)
+    assert not said.messages                       # said once: the cache answers quietly
     assert source.probed == 1 and again.coef == pytest.approx(profile.coef)
     # another driver is another cache entry: probed again
     other = FakeProbes(driver="12050")
-    with pytest.warns(UserWarning, match="12050"):
+    with notices("12050"):
         load(other)
     assert other.probed == 1
 
 
-def test_without_a_source_or_with_off_the_prior_plans(monkeypatch):
+def test_without_a_source_or_with_off_the_prior_plans(monkeypatch, notices):
     save_first_use(derive_profile(synthetic("NVIDIA L40S")),
                    first_use_path("NVIDIA L40S", "12040"))
-    with pytest.warns(UserWarning, match="roofline prior"):
+    with notices("roofline prior"):
         assert load_profile(device_name="NVIDIA L40S", num_sms=142).is_prior
     monkeypatch.setenv(FIRST_USE_ENV, "off")
     source = FakeProbes()
@@ -315,25 +317,25 @@ def test_calibrated_shipped_and_explicit_profiles_come_first(monkeypatch, tmp_pa
     assert load(source).origin == str(explicit) and source.probed == 0
 
 
-def test_calibrate_mode_runs_the_calibration(monkeypatch):
+def test_calibrate_mode_runs_the_calibration(monkeypatch, notices):
     monkeypatch.setenv(FIRST_USE_ENV, "calibrate")
     source = FakeProbes()
-    with pytest.warns(UserWarning, match="quick calibration"):
+    with notices("quick calibration"):
         load(source)
     assert source.calibrated == 1 and source.probed == 0
 
 
-def test_failed_probes_fall_back_to_the_prior_once():
+def test_failed_probes_fall_back_to_the_prior_once(notices):
     source = FakeProbes(fail=True)
-    with pytest.warns(UserWarning) as caught:
+    with notices("no kernel today") as said:
         assert load(source).is_prior
-    text = " ".join(str(w.message) for w in caught)
+    text = " ".join(said.at(logging.WARNING))
     assert "no kernel today" in text and "roofline prior" in text
     load(source)
     assert source.probed == 1                      # not again in this process
 
 
-def test_probes_deferred_by_a_capture_are_asked_for_again():
+def test_probes_deferred_by_a_capture_are_asked_for_again(notices):
     """Under a CUDA graph capture the source defers: that plan uses the prior, with no failure
     noted, and the next plan outside the capture probes."""
     source = FakeProbes()
@@ -346,14 +348,14 @@ def test_probes_deferred_by_a_capture_are_asked_for_again():
         return synthetic(source.name, driver=source.driver_version)
 
     source.probe = probe
-    with pytest.warns(UserWarning) as caught:
+    with notices("roofline prior") as said:
         assert load(source).is_prior
-    assert not any("failed" in str(w.message) for w in caught)
-    with pytest.warns(UserWarning, match="timed its first-use probes"):
+    assert not any("failed" in m for m in said.messages)
+    with notices("timed its first-use probes"):
         assert load(source).source == first_use.FIRST_USE_SOURCE
 
 
-def test_probing_does_not_reenter_itself():
+def test_probing_does_not_reenter_itself(notices):
     """A wrapper the probes build must not start the probes again: it plans with the prior."""
     inner = []
 
@@ -363,7 +365,7 @@ def test_probing_does_not_reenter_itself():
             return super().probe()
 
     source = Reentrant()
-    with pytest.warns(UserWarning):
+    with notices("timed its first-use probes"):
         outer = load(source)
     assert inner[0].is_prior and outer.source == first_use.FIRST_USE_SOURCE
     assert not math.isnan(outer.coef["waves"])
@@ -381,53 +383,53 @@ def _cut(text):
     lambda text: text.split("\n", 1)[1].replace("date: '", "date: 2026-13-45 #'").encode(),
     lambda text: ("sweep: " + "[" * 5000 + "]" * 5000 + "\n").encode(),   # deep nesting
 ], ids=["binary", "half-written", "bad date", "deep nesting"])
-def test_a_broken_first_use_cache_is_probed_again_with_one_warning(spoil):
-    """A cached model the disk or a crash spoiled: one warning names the file, the device is
+def test_a_broken_first_use_cache_is_probed_again_with_one_notice(spoil, notices):
+    """A cached model the disk or a crash spoiled: one notice names the file, the device is
     probed again and the cache rewritten whole."""
     path = first_use_path("NVIDIA L40S", "12040")
     text = save_first_use(derive_profile(synthetic("NVIDIA L40S")), path).read_text()
     path.write_bytes(spoil(text))
     source = FakeProbes()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with notices() as caught:
         assert load(source).source == first_use.FIRST_USE_SOURCE
-    named = [str(w.message) for w in caught if "probing again" in str(w.message)]
-    assert len(named) == 1 and str(path) in named[0], [str(w.message) for w in caught]
+    named = [m for m in caught.at(logging.WARNING) if "probing again" in m]
+    assert len(named) == 1 and str(path) in named[0], caught.messages
     assert source.probed == 1
     assert profiles.read_profile(path).source == first_use.FIRST_USE_SOURCE
 
 
-def _probed_twice_without_a_cache(source):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+def _probed_twice_without_a_cache(source, notices):
+    """The two loads, and the notices of the first (each a WARNING; the second says nothing)."""
+    with notices() as caught:
         first = load(source)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")                # the kept model answers quietly
+    with notices() as quiet:
         second = load(source)
-    return first, second, [str(w.message) for w in caught]
+    assert not quiet.messages                         # the kept model answers quietly
+    assert caught.at(logging.WARNING) == caught.messages
+    return first, second, caught.messages
 
 
-def test_an_unwritable_cache_keeps_the_probed_model_for_the_process(tmp_path, monkeypatch):
+def test_an_unwritable_cache_keeps_the_probed_model_for_the_process(tmp_path, monkeypatch, notices):
     """The cache folder cannot be made (a file stands in its way: any user, root too): the
-    model is probed once, planned with, kept in memory with one warning, and the next wrapper
+    model is probed once, planned with, kept in memory with one notice, and the next wrapper
     in the process does not probe again."""
     blocker = tmp_path / "blocker"
     blocker.write_text("not a folder")
     monkeypatch.setenv(profiles.CACHE_DIR_ENV, str(blocker / "cache"))
     source = FakeProbes()
-    first, second, said = _probed_twice_without_a_cache(source)
+    first, second, said = _probed_twice_without_a_cache(source, notices)
     assert source.probed == 1
     assert first.source == first_use.FIRST_USE_SOURCE and second is first
     assert len([m for m in said if "could not cache" in m]) == 1 and len(said) == 1, said
     assert "keeping it for this process" in said[0] and str(blocker) in said[0]
     # another driver is another model: probed (and kept) too
     other = FakeProbes(driver="12050")
-    with pytest.warns(UserWarning, match="could not cache"):
+    with notices("could not cache"):
         load(other)
     assert other.probed == 1 and source.probed == 1
 
 
-def test_a_read_only_cache_keeps_the_probed_model_for_the_process(tmp_path, monkeypatch):
+def test_a_read_only_cache_keeps_the_probed_model_for_the_process(tmp_path, monkeypatch, notices):
     folder = tmp_path / "cache"
     folder.mkdir()
     monkeypatch.setenv(profiles.CACHE_DIR_ENV, str(folder))
@@ -436,7 +438,7 @@ def test_a_read_only_cache_keeps_the_probed_model_for_the_process(tmp_path, monk
         if os.access(folder, os.W_OK):
             pytest.skip("chmod does not make a folder read-only here (running as root)")
         source = FakeProbes()
-        first, _, said = _probed_twice_without_a_cache(source)
+        first, _, said = _probed_twice_without_a_cache(source, notices)
         assert source.probed == 1 and first.source == first_use.FIRST_USE_SOURCE
         assert len(said) == 1 and "could not cache" in said[0]
     finally:

@@ -1,12 +1,12 @@
 """Profile files as a user's disk and a crash leave them: a broken file in the user cache is
-skipped with one warning naming it, a broken file the caller names is an error naming it and
+skipped with one notice naming it, a broken file the caller names is an error naming it and
 the field, a file cut short is refused, every number is checked, saves from several threads
 at once each land whole, and $SPLITKV_CACHE_DIR moves the cache."""
 
 import os
 import re
+import logging
 import threading
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +26,7 @@ PROBLEM = DecodeProblem(np.array([32768, 100]), 32, 8, 128, 16)
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch, tmp_path):
-    """No $SPLITKV_PROFILE or $SPLITKV_CACHE_DIR, an empty user cache, no warning given yet."""
+    """No $SPLITKV_PROFILE or $SPLITKV_CACHE_DIR, an empty user cache, no notice given yet."""
     monkeypatch.delenv(PROFILE_ENV, raising=False)
     monkeypatch.delenv(CACHE_DIR_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -96,27 +96,27 @@ def cache_file(device="NVIDIA H200") -> Path:
     return path
 
 
-def warnings_naming(caught, path) -> list[str]:
-    return [str(w.message) for w in caught if str(path) in str(w.message)]
+def notices_naming(said, path) -> list[str]:
+    return [m for m in said.messages if str(path) in m]
 
 
 # ------------------------------------------------------------------ broken files in the cache
 
 @pytest.mark.parametrize("case", sorted(BROKEN))
-def test_a_broken_cache_file_is_skipped_with_one_warning(case):
-    """load_profile() and choose_plan's default plan with the shipped profile; the one warning
+def test_a_broken_cache_file_is_skipped_with_one_notice(case, notices):
+    """load_profile() and choose_plan's default plan with the shipped profile; the one notice
     names the file and what is wrong, and is not repeated."""
     data, what = BROKEN[case]
     path = cache_file()
     path.write_bytes(data)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with notices() as caught:
         assert load_profile().origin == SHIPPED
         assert load_profile(device_name="NVIDIA H200", num_sms=132).origin == SHIPPED
         plan = choose_plan(PROBLEM)
     assert plan.predicted_us > 0
-    said = warnings_naming(caught, path)
-    assert len(said) == 1 and len(caught) == 1, [str(w.message) for w in caught]
+    said = notices_naming(caught, path)
+    assert len(said) == 1 and len(caught) == 1, caught.messages
+    assert caught[0].levelno == logging.WARNING
     assert "ignoring it" in said[0]
     assert re.search(what, said[0]), said[0]
 
@@ -137,25 +137,25 @@ def test_a_broken_file_the_caller_names_is_an_error_naming_it(tmp_path, monkeypa
     assert str(path) in str(e.value)
 
 
-def test_an_unreadable_cache_folder_is_skipped(tmp_path):
+def test_an_unreadable_cache_folder_is_skipped(tmp_path, notices):
     folder = cache_file().parent
     make_profile(launches=3.0).save(cache_file())
     os.chmod(folder, 0)
     try:
         if os.access(folder, os.R_OK):
             pytest.skip("chmod does not take a folder's access away here (running as root)")
-        with pytest.warns(UserWarning, match="cannot read it"):
+        with notices("cannot read it"):
             assert load_profile().origin == SHIPPED
     finally:
         os.chmod(folder, 0o755)
 
 
-def test_a_folder_in_place_of_a_file(tmp_path):
+def test_a_folder_in_place_of_a_file(tmp_path, notices):
     """In the cache: no file there, the next source answers; named by the caller: an error."""
     cache_file().mkdir()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with notices() as said:
         assert load_profile().origin == SHIPPED
+    assert not said.messages
     with pytest.raises(ProfileError, match=f"profile {tmp_path}: cannot read it"):
         load_profile(tmp_path)
 

@@ -1,9 +1,9 @@
 """Profiles: where they are looked up, and what happens when one is broken or foreign."""
 
+import logging
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -41,10 +41,10 @@ def cache_file(tmp_path, device="NVIDIA H200"):
     return path
 
 
-def test_shipped_h200_profile_loads_and_says_what_it_is():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")               # a shipped profile needs no warning
+def test_shipped_h200_profile_loads_and_says_what_it_is(notices):
+    with notices() as said:
         p = load_profile(device_name="NVIDIA H200", num_sms=132)
+    assert not said.messages                           # a shipped profile needs no notice
     assert p.device_name == "NVIDIA H200" and p.num_sms == 132
     assert p.origin == "splitkv:nvidia-h200.yaml"
     assert set(p.coef) == set(FEATURE_NAMES)
@@ -74,7 +74,7 @@ def test_round_trip(tmp_path):
     assert "splitkv cost-model profile" in path.read_text()
 
 
-def test_lookup_order(tmp_path, monkeypatch):
+def test_lookup_order(tmp_path, monkeypatch, notices):
     explicit = make_profile(launches=1.0).save(tmp_path / "explicit.yaml")
     env = make_profile(launches=2.0).save(tmp_path / "env.yaml")
     make_profile(launches=3.0).save(cache_file(tmp_path))
@@ -85,23 +85,24 @@ def test_lookup_order(tmp_path, monkeypatch):
     assert load_profile().coef["launches"] == 3.0              # user cache
     cache_file(tmp_path).unlink()
     assert load_profile().origin == "splitkv:nvidia-h200.yaml"  # shipped
-    with pytest.warns(UserWarning, match="splitkv calibrate"):
+    with notices("splitkv calibrate"):
         p = load_profile(device_name="Acme GPU 9000", num_sms=80)   # last: the prior
     assert p.is_prior and p.num_sms == 80 and p.device_name == "Acme GPU 9000"
 
 
-def test_unknown_gpu_warns_once_and_plans_with_the_prior():
-    with pytest.warns(UserWarning, match="no calibrated profile for 'Acme GPU'"):
+def test_unknown_gpu_warns_once_and_plans_with_the_prior(notices):
+    with notices("no calibrated profile for 'Acme GPU'") as said:
         p = load_profile(device_name="Acme GPU", num_sms=40)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    assert len(said.at(logging.WARNING)) == 1, said.messages       # a fallback: a WARNING
+    with notices() as said:
         load_profile(device_name="Acme GPU", num_sms=40)          # once per device
+    assert not said.messages
     assert p.coef == profiles.roofline_prior(40, p.bandwidth_gbps)
     assert p.bandwidth_gbps == profiles.DEFAULT_BANDWIDTH_GBPS
     plan = choose_plan(DecodeProblem(np.array([32768]), 32, 8, 128, 16), p)
     assert plan.num_splits > 1
     # a fraction of a known GPU (a MIG slice) is not the shipped profile's device
-    with pytest.warns(UserWarning):
+    with notices("no calibrated profile for 'NVIDIA H200' with 16 SMs"):
         mig = load_profile(device_name="NVIDIA H200", num_sms=16)
     assert mig.is_prior and mig.num_sms == 16 and mig.bandwidth_gbps == 4460.0
 
@@ -175,7 +176,7 @@ def test_the_schema_is_written_and_a_newer_one_refused():
             Profile.from_dict(dict(good, schema=bad), origin="x.yaml")
 
 
-def test_a_schema_1_profiles_const_is_dropped_and_plans_the_same(tmp_path):
+def test_a_schema_1_profiles_const_is_dropped_and_plans_the_same(tmp_path, notices):
     """Schema 1 had a `const` column (1 a call): a user's calibration of that schema loads with
     it dropped, in every fit, and plans as the same profile without it (a constant added to
     every plan of a call changes no choice). In schema 2 it is an unknown column."""
@@ -186,9 +187,9 @@ def test_a_schema_1_profiles_const_is_dropped_and_plans_the_same(tmp_path):
     old["kv_fp8"]["coef"] = {"const": 0.5, **old["kv_fp8"]["coef"]}
     path = tmp_path / "old.yaml"
     path.write_text(yaml.safe_dump(old, sort_keys=False))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with notices() as said:
         loaded = read_profile(path)
+    assert not said.messages
     assert loaded == new
     assert Profile.from_dict({k: v for k, v in old.items() if k != "schema"}) == new
     for lens in ([32768], [100] * 64, [5000, 17, 900, 3000, 0]):
@@ -222,13 +223,14 @@ def test_mismatched_explicit_profile_is_an_error(tmp_path, monkeypatch):
     assert load_profile(path).num_sms == 108          # no device given: not checked
 
 
-def test_corrupt_or_foreign_cache_profile_warns_and_falls_back(tmp_path):
+def test_corrupt_or_foreign_cache_profile_warns_and_falls_back(tmp_path, notices):
     cache_file(tmp_path).write_text("coef: [oops\n")
-    with pytest.warns(UserWarning, match="ignoring it"):
+    with notices("ignoring it") as said:
         p = load_profile(device_name="NVIDIA H200")
+    assert said.at(logging.WARNING) == said.messages
     assert p.origin == "splitkv:nvidia-h200.yaml"
     make_profile(num_sms=100).save(cache_file(tmp_path))
-    with pytest.warns(UserWarning, match="100 SMs"):
+    with notices("100 SMs"):
         p = load_profile(device_name="NVIDIA H200", num_sms=132)
     assert p.origin == "splitkv:nvidia-h200.yaml"
 

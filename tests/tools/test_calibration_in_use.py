@@ -3,8 +3,6 @@ on the CPU with temporary folders and environment variables, as ``load_profile``
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 from splitkv.calibration.in_use import (PRIOR_ORIGIN, cache_file, previous_profile,
@@ -106,9 +104,9 @@ def test_an_unusable_splitkv_profile_is_an_error_wrappers_will_raise(cache, monk
     assert found.lines()[1].startswith(f"  to plan with the new one: unset {PROFILE_ENV} or set")
 
 
-def test_the_previous_profile_is_what_load_profile_answered(cache, monkeypatch, tmp_path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")      # the prior's advice to calibrate is not repeated
+def test_the_previous_profile_is_what_load_profile_answered(cache, monkeypatch, tmp_path,
+                                                            notices):
+    with notices() as said:
         profile, where = previous_profile(*OTHER)
         assert profile.is_prior and profile.origin == PRIOR_ORIGIN
         assert where == "the roofline prior (no calibrated profile for this GPU)"
@@ -122,6 +120,7 @@ def test_the_previous_profile_is_what_load_profile_answered(cache, monkeypatch, 
         profile, where = previous_profile(*H200)
         assert profile.is_prior and where.startswith("the roofline prior (profile ")
         assert "not valid YAML" in where
+    assert not said.messages        # the prior's advice to calibrate is not repeated
 
 
 def test_the_origins_named_are_the_lookups():

@@ -105,6 +105,12 @@ def test_env_cache_paths_follow_the_variables(clean_env, no_cupy, monkeypatch, t
                                                "(1 file, 20 bytes)")
     assert value(lines, "kernel cache") == (f"{tmp_path / 'kernels'} (1 file, 7 bytes; from "
                                             "$CUPY_CACHE_DIR)")
+    assert value(lines, "precompiled kernels") == f"{clean_env / 'kernels'} (absent)"
+    (clean_env / "kernels").mkdir()
+    (clean_env / "kernels" / f"decode_x.sm_90.{'1' * 40}.cubin").write_bytes(b"c" * 5)
+    lines = env_lines(capsys)
+    assert value(lines, "precompiled kernels") == f"{clean_env / 'kernels'} (1 file, 5 bytes)"
+    assert value(lines, "cache dir") == f"{clean_env} (3 files, 35 bytes; from $SPLITKV_CACHE_DIR)"
     monkeypatch.delenv("SPLITKV_CACHE_DIR")
     monkeypatch.delenv("CUPY_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -241,6 +247,31 @@ def test_cache_clear_removes_splitkvs_files_and_nothing_else(clean_env, tmp_path
     assert files_under(clean_env, kernels) == {clean_env / "profiles" / "notes.txt",
                                                clean_env / "unrelated.yaml", kernels / "mine.cubin"}
     assert out[-1] == "removed 2 files, 24 bytes" and kernels.is_dir()
+
+
+def test_cache_clear_removes_the_precompiled_kernels_with_kernels_only(clean_env, tmp_path,
+                                                                        capsys):
+    ours = {clean_env / "kernels" / f"decode_bfloat16_d128_r16_s3.sm_90.{'ab' * 20}.cubin": 11,
+            clean_env / "kernels" / f"device_plan.sm_100.{'cd' * 20}.cubin": 13,
+            clean_env / "kernels" / f".device_plan.sm_90.{'ef' * 20}.cubin.12.0a1b.tmp": 2}
+    others = {clean_env / "kernels" / "notes.txt": 4,
+              clean_env / "kernels" / f"{'ab' * 20}.cubin": 3}       # CuPy's name, not ours
+    for path, size in {**ours, **others}.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"k" * size)
+    assert cli.main(["cache", "clear"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert files_under(clean_env) == set(ours) | set(others)
+    assert (f"kept splitkv's precompiled kernels {clean_env / 'kernels'} (5 files, 33 bytes): "
+            "--kernels clears them too") in out
+    assert cli.main(["cache", "clear", "--kernels"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert files_under(clean_env) == set(others)
+    assert sorted(line.split()[1] for line in out if line.startswith("removed /")) == \
+        sorted(map(str, ours))
+    assert (f"kept 2 files in {clean_env / 'kernels'}: not named as splitkv names its files"
+            in out)
+    assert out[-1] == "removed 3 files, 26 bytes"
 
 
 def test_cache_clear_dry_run_removes_nothing(clean_env, tmp_path, capsys):

@@ -72,6 +72,9 @@ def uses_paged_prefix() -> bool:
 
 
 def _warn_once(what: str, message: str) -> None:
+    # A warning, not a notice of the "splitkv" logger: it is said to the programmer who called
+    # register(), at that call, about the transformers they installed (pin another release, or
+    # turn it into an error in their tests with -W error::RuntimeWarning).
     if what not in _WARNED:
         _WARNED.add(what)
         warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -1,0 +1,165 @@
+"""``splitkv precompile`` without a GPU: it writes, for a named architecture, the CUBIN of every
+build ``warmup()`` of that configuration would compile (the core's ``reachable_builds``,
+worked out here on their own), under the names the runtime looks them up by; keeps what is
+there; lists without writing (``--dry-run``, ``--json``); and refuses a wrong argument in one
+line with exit status 2, a failed compile or write with exit status 1."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from splitkv import cli
+from splitkv.cli import precompile as precompile_cli
+from splitkv.core.architectures import architecture_properties
+from splitkv.core.builds import reachable_builds, shape_build
+from splitkv.runtime import cubin_cache as CC
+from splitkv.runtime.kernel_source import NVRTC_OPTIONS, DecodeVariant
+
+# a configuration of two builds (the soft cap on and off; head_dim 64, no clusters): seconds
+SMALL = ["--head-dim", "64", "--no-clusters", "--soft-cap"]
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    """splitkv's cache in tmp_path/cache; returns its kernels folder."""
+    monkeypatch.setenv("SPLITKV_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "kernels"
+
+
+def expected_names(arch_cc: int, head_dim: int, soft_caps, clusters: bool) -> set[str]:
+    """The files of the builds a 32/8 bfloat16 wrapper with pages of 16 warms up on a GPU of
+    ``arch_cc``, as ``BatchDecodeWrapper.warmup`` asks ``core.builds`` for them."""
+    base = shape_build("bfloat16", head_dim, 4, 16, None, build_type=DecodeVariant)
+    builds = reachable_builds(base, device=architecture_properties(arch_cc), page_size=16,
+                              group_size=4, soft_caps=soft_caps, clusters=clusters)
+    return {CC.cubin_name(b.name, b.source(), NVRTC_OPTIONS, f"sm_{arch_cc}") for b in builds}
+
+
+@pytest.mark.nvrtc
+def test_precompile_writes_what_warmup_would_compile_and_keeps_it(cache, capsys):
+    assert cli.main(["precompile", "--arch", "sm_90", *SMALL]) == 0
+    out = capsys.readouterr().out.splitlines()
+    want = expected_names(90, 64, (False, True), clusters=False)
+    assert len(want) == 2 and {p.name for p in cache.iterdir()} == want
+    for path in cache.iterdir():
+        CC.check_cubin(path.read_bytes(), path)
+    assert out[0].startswith(f"splitkv's kernel cache: {cache} (from $SPLITKV_CACHE_DIR); NVRTC ")
+    assert sorted(line.split()[1] for line in out if line.startswith("wrote ")
+                  and line.endswith("s)")) == sorted(want)
+    assert out[-1].startswith("wrote 2 of 2 modules (0 already there) in ")
+    stamps = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+    assert cli.main(["precompile", "--arch", "90", *SMALL]) == 0          # kept as they are
+    out = capsys.readouterr().out.splitlines()
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == stamps
+    assert out[-1].startswith("wrote 0 of 2 modules (2 already there) in ")
+
+
+@pytest.mark.nvrtc
+def test_dry_run_lists_each_arch_and_the_planning_kernel_and_writes_nothing(cache, capsys):
+    assert cli.main(["precompile", "--arch", "sm_80,sm_90", "--arch", "9.0", "--graph-stable",
+                     "--dry-run", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["arches"] == ["sm_80", "sm_90"] and report["dry_run"] is True
+    assert report["cache"] == str(cache) and not cache.exists()
+    assert report["configuration"]["graph_stable"] is True
+    modules = report["modules"]
+    assert {m["status"] for m in modules} == {"would write"}
+    for arch in ("sm_80", "sm_90"):
+        labels = [m["label"] for m in modules if m["arch"] == arch]
+        assert "device_plan" in labels and len(labels) == len(set(labels)) >= 2
+    # the same module for two architectures: two files
+    plans = [m["path"] for m in modules if m["label"] == "device_plan"]
+    assert len(set(plans)) == 2
+    assert cli.main(["precompile", "--arch", "sm_90", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "would write 4 of 4 modules (0 already there; --dry-run: nothing written)"
+    assert {line.split()[2] for line in out if line.startswith("would write decode")} == \
+        expected_names(90, 128, (False,), clusters=True)
+
+
+BAD_ARGUMENTS = [
+    (["--arch", "sm_9x"], "error: argument --arch: expected an architecture like sm_90 (or 90, "
+                          "9.0), got 'sm_9x'"),
+    (["--arch", "sm_90,"], "error: argument --arch: expected architectures like sm_90 or "
+                           "sm_90,sm_100, got 'sm_90,'"),
+    (["--arch", "sm_90", "--heads", "32/5"], "error: argument --heads: num_qo_heads: 32 is not "
+                                             "a multiple of num_kv_heads=5"),
+    (["--arch", "sm_90", "--head-dim", "96"], "error: argument --head-dim: head_dim: 96 is not "
+                                              "supported"),
+    (["--arch", "sm_90", "--page-size", "0"], "error: argument --page-size: expected an integer "
+                                              "from 1"),
+    (["--arch", "sm_90", "--max-q-len", "17"], "error: argument --max-q-len: expected an integer "
+                                               "from 1 to 16, got 17"),
+    (["--arch", "sm_90", "--dtype", "float32"], "error: argument --dtype: invalid choice: "
+                                                "'float32'"),
+    (["--arch", "sm_90", "--kv-dtype", "int8"], "error: argument --kv-dtype: "),
+    (["--arch", "sm_90", "--jobs", "0"], "error: argument --jobs: expected an integer from 1 to "
+                                         "256, got 0"),
+    (["--arch"], "error: argument --arch: expected one argument"),
+    (["--arch", "sm_90", "--bogus"], "error: unrecognized arguments: --bogus"),
+    (["--arch", "sm_90", "--graph-stable", "--unified-max"],
+     "--unified-max: graph-stable wrappers do not take it"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_ARGUMENTS,
+                         ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
+def test_a_wrong_argument_is_one_line_and_exit_2(argv, message, cache, capsys):
+    assert cli.main(["precompile", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith("splitkv precompile: ") and message in err, err
+    assert not cache.exists()
+
+
+def test_without_a_gpu_the_arch_is_required(cache, monkeypatch, capsys):
+    monkeypatch.setattr(precompile_cli, "_current_gpu", lambda: (None, "no usable GPU here"))
+    assert cli.main(["precompile", "--heads", "32/8"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("splitkv precompile: --arch: expected the architectures to compile "
+                          "for (like --arch sm_90; sm_80, sm_86, sm_89, sm_90, sm_100, sm_120): "
+                          "no GPU here to take one from (no usable GPU here)")
+
+
+def test_without_nvrtc_it_says_so_in_one_line(cache, monkeypatch, capsys):
+    import splitkv.runtime as runtime
+
+    monkeypatch.setattr(runtime, "nvrtc_available", lambda: (False, "libnvrtc not found"))
+    assert cli.main(["precompile", "--arch", "sm_90"]) == 2
+    assert capsys.readouterr().err == ("splitkv precompile: needs NVRTC, which does not load: "
+                                       "libnvrtc not found\n")
+
+
+@pytest.mark.nvrtc
+@pytest.mark.parametrize("arch, message", [
+    ("sm_75", "--arch: expected one of sm_80, sm_86, sm_89, sm_90, sm_100, sm_120 (or this "
+              "machine's GPU's), got sm_75"),
+    ("sm_30", "sm_30"),           # NVRTC compiles for none so old: it says for which it does
+])
+def test_an_architecture_without_its_limits_or_compiler_is_refused(arch, message, cache, capsys):
+    assert cli.main(["precompile", "--arch", arch]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("splitkv precompile: --arch: ") and message in err, err
+
+
+@pytest.mark.nvrtc
+def test_a_failed_compile_or_write_is_one_line_and_exit_1(cache, monkeypatch, capsys, tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    monkeypatch.setenv("SPLITKV_CACHE_DIR", str(tmp_path / "a-file"))
+    assert cli.main(["precompile", "--arch", "sm_90", *SMALL]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("splitkv precompile: "), err
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("NVRTC failed to compile tiny.cu for sm_90: NVRTC_ERROR\nthe log")
+
+    monkeypatch.setattr("splitkv.runtime.kernel_source.compile_cubin", broken)
+    monkeypatch.setenv("SPLITKV_CACHE_DIR", str(tmp_path / "cache"))
+    assert cli.main(["precompile", "--arch", "sm_90", *SMALL]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("splitkv precompile: NVRTC failed to compile tiny.cu for "
+                                 "sm_90: NVRTC_ERROR\n")

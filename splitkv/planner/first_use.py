@@ -16,18 +16,19 @@ import datetime
 import math
 import os
 import time
-import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
+from .._log import logger
 from ..core.builds import DeviceProperties, PlanGrid, decode_build
 from ..core.geometry import ctas_per_kv_head, rows_per_cta
 from ..core.plan import Plan, plan_chunk_tokens
 from ..core.problem import DecodeProblem
 from .cost_model import CostModel, fit_relative
 from .features import FEATURE_NAMES, resident_ctas
+from .kin import kin_of, kin_profile
 from .profiles import (CACHE_DIR_ENV, Profile, ProfileError, device_slug, read_profile,
                        user_profile_dir, warn_skipped)
 
@@ -314,7 +315,7 @@ def save_first_use(profile: Profile, path: Path) -> Path:
 
 def read_first_use(path: Path, device_name: str, num_sms: int | None) -> Profile | None:
     """The cached first-use model at ``path`` for this device, or None (absent, or unusable:
-    then it is probed again and rewritten; one warning names the file and what is wrong)."""
+    then it is probed again and rewritten; one notice names the file and what is wrong)."""
     try:
         if not path.is_file():
             return None
@@ -322,7 +323,7 @@ def read_first_use(path: Path, device_name: str, num_sms: int | None) -> Profile
     except (OSError, ProfileError) as e:        # OSError: a cache folder that cannot be read
         if not isinstance(e, ProfileError):
             e = ProfileError(f"profile {path}: cannot read it ({e.strerror or e})")
-        warn_skipped(e, "probing again", stacklevel=4)
+        warn_skipped(e, "probing again")
         return None
     if device_slug(profile.device_name) != device_slug(device_name) or (
             num_sms is not None and profile.num_sms != num_sms):
@@ -348,9 +349,10 @@ def resolve(device_name: str, num_sms: int | None, source) -> Profile | None:
     ``source``: what can measure the device (``runtime.first_use.DeviceProbes``): its
     ``driver_version``, ``probe()`` -> ``ProbeResults``, ``calibrate()`` -> a calibrated
     ``Profile`` (written where ``load_profile`` finds calibrations). By ``first_use_mode()``:
-    'off' -> None; 'probe' -> the cached model, else probe, derive, cache, and say so once;
-    'calibrate' -> ``source.calibrate()``. A failure warns and gives None (the prior), once a
-    process."""
+    'off' -> None; 'probe' -> the cached model, else probe, derive, cache, and say so once
+    (an INFO record of the ``splitkv`` logger; WARNING where the cache cannot be written);
+    'calibrate' -> ``source.calibrate()``. A failure is a WARNING and gives None (the prior),
+    once a process."""
     mode = first_use_mode()
     if mode == "off":
         return None
@@ -369,37 +371,44 @@ def resolve(device_name: str, num_sms: int | None, source) -> Profile | None:
     try:
         if mode == "calibrate":
             profile = source.calibrate()
-            warnings.warn(f"splitkv had no profile for {device_name!r}; ran the quick "
-                          f"calibration ({FIRST_USE_ENV}=calibrate) and wrote "
-                          f"{profile.origin}", stacklevel=3)
+            logger.info(f"splitkv had no profile for {device_name!r}; ran the quick "
+                        f"calibration ({FIRST_USE_ENV}=calibrate) and wrote {profile.origin}")
             return profile
         start = time.perf_counter()
-        results = source.probe()
-        profile = derive_profile(results)
-        said = (f"splitkv had no profile for {device_name!r}; timed its first-use probes in "
-                f"{time.perf_counter() - start:.1f} s and ")
+        kin = kin_of(device_name, getattr(source, "cc", None))
+        if kin is not None and hasattr(source, "read_bandwidth"):
+            gbps = source.read_bandwidth()
+            seconds = time.perf_counter() - start
+            profile = kin_profile(kin, device_name, getattr(source, "num_sms", None)
+                                  or num_sms or kin.num_sms, gbps, seconds)
+            said = (f"splitkv had no profile for {device_name!r}; took the profile of "
+                    f"{kin.device_name} (the same architecture) with this GPU's streaming read, "
+                    f"{gbps:,.0f} GB/s, measured in {seconds:.1f} s, and ")
+        else:
+            results = source.probe()
+            profile = derive_profile(results)
+            said = (f"splitkv had no profile for {device_name!r}; timed its first-use probes "
+                    f"in {time.perf_counter() - start:.1f} s and ")
         try:
             save_first_use(profile, path)
         except OSError as e:
             # an unwritable cache must not cost a probe a wrapper: kept for the process
             _state.kept[key] = profile = replace(profile, origin=f"{profile.origin} (kept in "
                                                                  "memory: not cached)")
-            warnings.warn(f"{said}could not cache the model in {path} ({e.strerror or e}); "
-                          f"keeping it for this process. Set ${CACHE_DIR_ENV} to a writable "
-                          f"folder to keep it across processes, or {FIRST_USE_ENV}=off to plan "
-                          "with the roofline prior.", stacklevel=3)
+            logger.warning(f"{said}could not cache the model in {path} ({e.strerror or e}); "
+                           f"keeping it for this process. Set ${CACHE_DIR_ENV} to a writable "
+                           f"folder to keep it across processes, or {FIRST_USE_ENV}=off to "
+                           "plan with the roofline prior.")
             return profile
-        warnings.warn(f"{said}cached the model in {path}. {FIRST_USE_ENV}=off plans with the "
-                      "roofline prior instead; `splitkv calibrate` fits a better one.",
-                      stacklevel=3)
+        logger.info(f"{said}cached the model in {path}. {FIRST_USE_ENV}=off plans with the "
+                    "roofline prior instead; `splitkv calibrate` fits a better one.")
         return read_profile(path)
     except ProbesDeferred:
         return None
     except Exception as e:        # any failure leaves the prior, which always plans
         _state.failed.add(key)
-        warnings.warn(f"splitkv: first-use {mode} for {device_name!r} failed "
-                      f"({type(e).__name__}: {e}); planning with the roofline prior",
-                      stacklevel=3)
+        logger.warning(f"splitkv: first-use {mode} for {device_name!r} failed "
+                       f"({type(e).__name__}: {e}); planning with the roofline prior")
         return None
     finally:
         _state.running.discard(key)

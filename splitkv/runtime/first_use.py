@@ -140,6 +140,17 @@ class DeviceProbes:
     def __init__(self):
         self.info = device_info()
         self.driver_version = driver_version()
+        self.cc = int(self.info["cc"])
+        self.num_sms = self.info["num_sms"]
+
+    def read_bandwidth(self) -> float:
+        """The device's streaming read (GB/s): the best of the full-occupancy read shapes,
+        as the probes' ``bandwidth_gbps``."""
+        from .bandwidth_probe import read_gbps_by_shape
+
+        refuse_inside_a_capture()
+        trials, nbytes = PROBE_TIMING["trials"], probe_bytes(self.info["l2_bytes"])
+        return max(read_gbps_by_shape(nbytes, trials, READ_FULL).values())
 
     def probe(self) -> ProbeResults:
         refuse_inside_a_capture()

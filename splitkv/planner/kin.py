@@ -1,0 +1,59 @@
+"""First use on a GPU of an architecture splitkv already has a profile for: the shipped profile
+of that architecture's GPU, rescaled to this one by what a read probe measures.
+
+Two GPUs of one compute capability run the same builds with the same SM: what a launch, a wave,
+a tile or a merge costs is the architecture's (and its clocks'), while what streaming the K/V
+costs is the memory's. So every fit of the shipped profile (16-bit, fp8, graph-stable fp8) is
+kept, with this device's SM count, and the bandwidth its streaming read reached becomes the
+byte columns' unit. On an H100 (the H200's architecture) the H200's profile as it is planned
+93% of the held-out shapes within 5% of the best, against 89% for the first-use probes' own
+model (docs/design/first-use.md); and only the read probe runs, no decode build is compiled.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import replace
+from importlib import resources
+
+from ..core.architectures import GPU_SMS
+from .profiles import SHIPPED_ORIGIN_PREFIX, Profile, device_slug, parse_profile
+
+KIN_SOURCE = "first use: a shipped profile of the same architecture"
+
+
+def shipped_profiles() -> list[Profile]:
+    """Every profile splitkv ships, by file name."""
+    folder = resources.files(__package__).joinpath("profiles")
+    return [parse_profile(f.read_bytes(), f"{SHIPPED_ORIGIN_PREFIX}{f.name}")
+            for f in sorted(folder.iterdir(), key=lambda f: f.name) if f.name.endswith(".yaml")]
+
+
+def kin_of(device_name: str, cc: int | None) -> Profile | None:
+    """The shipped profile of another GPU of compute capability ``cc`` (a GPU of
+    ``core.architectures.GPU_SMS``), or None."""
+    if cc is None:
+        return None
+    for profile in shipped_profiles():
+        known = GPU_SMS.get(profile.device_name)
+        if known and known[0] == cc and device_slug(profile.device_name) != device_slug(device_name):
+            return profile
+    return None
+
+
+def kin_profile(shipped: Profile, device_name: str, num_sms: int, bandwidth_gbps: float,
+                seconds: float = 0.0) -> Profile:
+    """``shipped`` for this device: its fits, this device's SMs and streaming bandwidth (the
+    byte columns' unit), the date, and where it came from in ``source`` and ``sweep``."""
+    from .._version import __version__
+
+    return replace(shipped, device_name=device_name, num_sms=int(num_sms),
+                   bandwidth_gbps=round(float(bandwidth_gbps), 1), measured_bandwidth_gbps=None,
+                   fit_error=None, heldout_error=None,
+                   date=datetime.date.today().isoformat(), splitkv_version=__version__,
+                   source=KIN_SOURCE,
+                   sweep={"name": KIN_SOURCE, "from": shipped.device_name,
+                          "from_bandwidth_gbps": shipped.bandwidth_gbps,
+                          "read_gbps": round(float(bandwidth_gbps), 1),
+                          "seconds": round(seconds, 3)},
+                   origin=f"{KIN_SOURCE} ({shipped.device_name})")

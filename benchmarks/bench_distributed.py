@@ -134,9 +134,9 @@ def bench_case(group, tokens: int, args) -> dict:
     import cupy
 
     from splitkv.distributed import ContextParallelDecode, compact_page_table, shard_page_table
-    from splitkv.runtime.testing import scattered_page_table
-    from splitkv.runtime.timing import make_layers, time_graph_us, time_wrapper_us
+    from splitkv.measure.timing import make_layers, time_graph_us, time_wrapper_us
     from splitkv.runtime.wrapper import BatchDecodeWrapper
+    from splitkv.testing import scattered_page_table
 
     hq, hk = args.heads
     d, page, dtype = args.head_dim, args.page_size, args.dtype

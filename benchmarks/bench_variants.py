@@ -20,10 +20,10 @@ import cupy
 import numpy as np
 
 from splitkv.bench.cases import select
+from splitkv.measure.timing import make_layers, time_wrapper_us
 from splitkv.runtime.experiments import DecodeExperiments
-from splitkv.runtime.testing import scattered_page_table
-from splitkv.runtime.timing import make_layers, time_wrapper_us
 from splitkv.runtime.wrapper import BatchDecodeWrapper
+from splitkv.testing import scattered_page_table
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--cases", default="b1_n32k,b8_n32k,b32_n8k,b128_n2k,ragged_b32")

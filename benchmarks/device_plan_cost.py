@@ -18,10 +18,10 @@ import cupy
 import numpy as np
 
 from splitkv.bench.cases import STANDARD_CASES, Case, ragged_b256_lengths, select
-from splitkv.runtime.testing import scattered_page_table
-from splitkv.runtime.timing import (WARMUP_MS, cupy_timer, make_layers, median_host_us,
-                                    median_us_per_call)
+from splitkv.measure.timing import WARMUP_MS, make_layers, median_host_us, median_us_per_call
+from splitkv.runtime.cupy_timers import cupy_timer
 from splitkv.runtime.wrapper import BatchDecodeWrapper
+from splitkv.testing import scattered_page_table
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--cases", default=None, help="standard case names (default: all + r256)")

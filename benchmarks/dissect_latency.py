@@ -44,8 +44,8 @@ from splitkv.runtime import kernel_source
 from splitkv.runtime.launch import KernelLaunch
 from splitkv.runtime.modules import get_decode_kernels
 from splitkv.runtime.kernel_source import DecodeVariant
-from splitkv.runtime.testing import scattered_page_table
-from splitkv.runtime.timing import make_layers, time_wrapper_us
+from splitkv.measure.timing import make_layers, time_wrapper_us
+from splitkv.testing import scattered_page_table
 
 # The probes that cut stages out of the kernel ("base": none), kernel_source.DISSECT_CUTS's.
 PROBES = ("base", *kernel_source.DISSECT_CUTS)

@@ -30,9 +30,9 @@ import cupy
 import numpy as np
 
 from splitkv.bench.cases import select
-from splitkv.runtime.testing import scattered_page_table
-from splitkv.runtime.timing import make_layers, time_graph_us
+from splitkv.measure.timing import make_layers, time_graph_us
 from splitkv.runtime.wrapper import BatchDecodeWrapper
+from splitkv.testing import scattered_page_table
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--cases", default=None, help="case names or groups (default: standard)")
@@ -60,7 +60,7 @@ def block_table_of(pt, batch: int, width: int) -> np.ndarray:
 def time_op_us(case, pt, data, table, capacity: int) -> float:
     """The torch op, planned on the first layer, over the same layers, in a torch CUDA graph."""
     from splitkv.integrations import torch_ops
-    from splitkv.runtime.timing import median_us_per_call
+    from splitkv.measure.timing import median_us_per_call
 
     handle = torch_ops.new_session(
         num_qo_heads=case.num_qo_heads, num_kv_heads=case.num_kv_heads,

@@ -31,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from eval_planner import GRID, heldout_class_shapes, heldout_shapes  # noqa: E402
 
 from splitkv.core.plan import plan_chunk_tokens  # noqa: E402
-from splitkv.planner import choose_plan, profiles  # noqa: E402
+from splitkv.measure.first_use_probes import run_probes  # noqa: E402
+from splitkv.measure.timing import make_layers, time_plan_us  # noqa: E402
+from splitkv.planner import choose_plan, profile_lookup, profiles  # noqa: E402
 from splitkv.planner.first_use import derive_profile  # noqa: E402
 from splitkv.runtime import device_info  # noqa: E402
-from splitkv.runtime.first_use import run_probes  # noqa: E402
-from splitkv.runtime.testing import scattered_page_table  # noqa: E402
-from splitkv.runtime.timing import make_layers, time_plan_us  # noqa: E402
+from splitkv.testing import scattered_page_table  # noqa: E402
 
 PICKS = ("first_use", "shipped", "prior")
 
@@ -70,13 +70,12 @@ def main():
     name, num_sms = info["name"], info["num_sms"]
 
     # the shipped profile, read before it is hidden
-    text = profiles._shipped_profile_text(profiles.device_slug(name))
+    shipped = profiles.shipped_profile(profiles.device_slug(name))
     models = {}
-    if text is not None:
-        import yaml
-        models["shipped"] = profiles.Profile.from_dict(yaml.safe_load(text)).cost_model()
+    if shipped is not None:
+        models["shipped"] = shipped.cost_model()
     # a device splitkv knows nothing of: no shipped profile, an empty user cache
-    profiles._shipped_profile_text = lambda slug: None
+    profile_lookup.shipped_profile = lambda slug: None
     os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="splitkv-first-use-")
     os.environ.pop(profiles.PROFILE_ENV, None)
 

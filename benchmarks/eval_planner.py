@@ -26,12 +26,12 @@ import numpy as np
 from splitkv.calibration.sweep import ragged_lengths
 from splitkv.core.fp8 import fp8_format
 from splitkv.core.plan import plan_chunk_tokens
-from splitkv.planner import choose_plan
-from splitkv.planner.profiles import load_profile
 from splitkv.core.problem import DecodeProblem
+from splitkv.measure.timing import make_layers, time_plan_us
+from splitkv.planner import choose_plan
+from splitkv.planner.profile_lookup import load_profile
 from splitkv.runtime import device_info
-from splitkv.runtime.testing import scattered_page_table
-from splitkv.runtime.timing import make_layers, time_plan_us
+from splitkv.testing import scattered_page_table
 
 GRID = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 

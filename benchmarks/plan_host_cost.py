@@ -25,8 +25,8 @@ import numpy as np
 
 from splitkv.bench.cases import RAGGED_B32, Case, ragged_b256_lengths, select
 from splitkv.core.problem import DecodeProblem, PageTable
+from splitkv.measure.timing import median_host_us
 from splitkv.planner import choose_plan
-from splitkv.runtime.timing import median_host_us
 from splitkv.testing import scattered_page_table
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

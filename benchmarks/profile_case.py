@@ -11,9 +11,9 @@ import cupy
 import numpy as np
 
 from splitkv.bench.cases import select
-from splitkv.runtime.testing import scattered_page_table
-from splitkv.runtime.timing import make_layers
+from splitkv.measure.timing import make_layers
 from splitkv.runtime.wrapper import BatchDecodeWrapper
+from splitkv.testing import scattered_page_table
 
 case = select(sys.argv[1])[0]
 num_splits = int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2] != "0" else None

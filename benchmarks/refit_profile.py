@@ -19,7 +19,7 @@ from pathlib import Path
 
 from splitkv.calibration.fit import fit_profile, fit_tile_rule
 from splitkv.calibration.sweep import read_measurements
-from splitkv.planner.profiles import load_profile
+from splitkv.planner.profile_lookup import load_profile
 
 DEVICE = {"name": "NVIDIA H200", "num_sms": 132, "cc": "90"}
 SHIPPED = Path(__file__).resolve().parents[1] / "splitkv/planner/profiles/nvidia-h200.yaml"

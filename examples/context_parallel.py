@@ -117,7 +117,7 @@ def main() -> int:
     from splitkv import BatchDecodeWrapper, reference_decode
     from splitkv.core.reference import to_float64
     from splitkv.distributed import ContextParallelDecode, compact_page_table, shard_page_table
-    from splitkv.runtime.testing import random_device_array, scattered_page_table
+    from splitkv.measure.test_data import random_device_array, scattered_page_table
 
     group, close = init_group(args.group, args.timeout)
     lens, (hq, hk) = args.lens, args.heads

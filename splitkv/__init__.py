@@ -11,6 +11,7 @@ nothing prints until the application configures logging.
 
 import logging as _logging
 
+from . import _first_use_source
 from ._version import __version__
 from .core.cpu_executor import execute_plan_cpu
 from .core.merge import merge_states, merge_states_n
@@ -19,6 +20,18 @@ from .core.problem import DecodeProblem, PageTable
 from .core.reference import reference_decode
 
 _logging.getLogger("splitkv").addHandler(_logging.NullHandler())
+
+
+def _device_probes():
+    """The current GPU's first-use probes, for a wrapper whose GPU has no profile: measuring is
+    ``splitkv.measure``'s, above the runtime, so it is installed here (this module runs before
+    any other of splitkv) and imported only when a wrapper asks (``_first_use_source``)."""
+    from .measure.first_use_probes import DeviceProbes
+
+    return DeviceProbes()
+
+
+_first_use_source.install(_device_probes)
 
 __all__ = [
     "BatchDecodeWrapper", "DecodeProblem", "GPUUnavailableError", "GraphStableDecodeWrapper",

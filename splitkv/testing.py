@@ -1,6 +1,6 @@
 """Random paged batches for tests, the demo, the benchmark and the calibration sweep: each
 request's pages drawn from a shuffled pool with a few pages to spare, as a serving engine
-leaves them. Pure NumPy (the device-side helpers are in ``splitkv.runtime.testing``)."""
+leaves them. Pure NumPy (the device-side helpers are in ``splitkv.measure.test_data``)."""
 
 from __future__ import annotations
 

@@ -1,1 +1,1 @@
-"""`splitkv bench`: the standard decode cases (``cases``), timed by ``runtime.timing``'s method."""
+"""`splitkv bench`: the standard decode cases (``cases``), timed by ``measure.timing``'s method."""

@@ -10,8 +10,7 @@ most 2,048 threads, so 8 x 512 runs as two waves of 4.)
 
 from __future__ import annotations
 
-# read_kernel_source is re-exported: tests/kernels/test_kernels_compile.py builds the probe by it
-from ..runtime.bandwidth_probe import read_gbps_by_shape, read_kernel_source  # noqa: F401
+from ..measure.bandwidth_probe import read_gbps_by_shape
 
 # (grid CTAs per SM, threads per CTA, loads in flight per thread)
 PROBE_SHAPES = ((8, 512, 1), (4, 1024, 1), (16, 256, 1), (4, 512, 4), (8, 256, 4))

@@ -56,10 +56,10 @@ def time_experiments(case, settings: dict, *, kv_dtype=None, rounds: int = 2,
 
     import numpy as np
 
+    from ..measure.timing import make_layers, time_wrapper_us
     from ..runtime.cupy_arrays import empty, free_cached_blocks, zero_padded_rows
-    from ..runtime.testing import scattered_page_table
-    from ..runtime.timing import make_layers, time_wrapper_us
     from ..runtime.wrapper import BatchDecodeWrapper
+    from ..testing import scattered_page_table
 
     pt, _ = scattered_page_table(case.kv_lens, case.page_size, np.random.default_rng(0),
                                  extra_pages=0)

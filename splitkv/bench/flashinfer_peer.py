@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..runtime.timing import MIN_TRIAL_MS, TRIALS
+from ..measure.timing import MIN_TRIAL_MS, TRIALS
 from .peers import torch_graph_us
 
 PATHS = ("xqa", "tensor_core", "cuda_core")
@@ -74,7 +74,7 @@ def flashinfer_us(page_table, data, num_qo_heads: int, num_kv_heads: int, head_d
                   trials: int = TRIALS, min_trial_ms: float = MIN_TRIAL_MS,
                   log=print) -> dict[str, float | None]:
     """Median us per call of each FlashInfer path over the layers of ``data`` (a
-    ``runtime.timing.LayeredKV``: q in ``dtype``, K/V in it or as fp8 codes of ``kv_dtype``);
+    ``measure.timing.LayeredKV``: q in ``dtype``, K/V in it or as fp8 codes of ``kv_dtype``);
     None for a path that this shape does not support or that failed (``log`` says why)."""
     import torch
 

@@ -9,7 +9,7 @@ import datetime as _dt
 import numpy as np
 
 from .._log import logger
-from ..runtime.timing import median_host_us
+from ..measure.timing import median_host_us
 from .bandwidth import PROBE_SHAPES
 from .cases import FP8_BEST_PEER_US, LATENCY_TARGETS_US, ragged_b256_lengths
 
@@ -91,12 +91,12 @@ def run_cases(cases, *, dtype: str = "bfloat16", min_total_mib: int = 1024,
     row per case (us, GB/s, fraction of the floor, error, plan, peers).
     """
     from ..core.problem import DecodeProblem
+    from ..measure.timing import make_layers, time_wrapper_us
     from ..runtime import device_info
     from ..runtime.cupy_arrays import free_cached_blocks
     from ..runtime.modules import compile_seconds_so_far
-    from ..runtime.testing import scattered_page_table
-    from ..runtime.timing import make_layers, time_wrapper_us
     from ..runtime.wrapper import BatchDecodeWrapper
+    from ..testing import scattered_page_table
     from .bandwidth import read_bandwidth_survey
     from .peers import sdpa_us, torch_available
 

@@ -3,7 +3,7 @@ contiguous copies of the same KV. PyTorch is imported only here, and only if ins
 
 from __future__ import annotations
 
-from ..runtime.timing import MIN_TRIAL_MS, TRIALS, layers_for, median_us_per_call
+from ..measure.timing import MIN_TRIAL_MS, TRIALS, layers_for, median_us_per_call
 
 
 def torch_available() -> bool:

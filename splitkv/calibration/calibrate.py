@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..core.geometry import WARPS_PER_CTA
+from ..measure import timing as measure_timing
 from ..planner import Profile
 from ..planner.profiles import prior_profile, user_profile_path
-from ..runtime import timing as runtime_timing
 from ..runtime.experiments import DecodeExperiments
 from .fit import FitReport, fit_profile, fit_tile_rule
 from .sweep import Measurement, SweepPoint, measure, sweep_points, write_measurements
@@ -57,11 +57,11 @@ def calibrate(points: list[SweepPoint], device: dict, *, quick: bool = False, se
                    if graph_stable else {})
     measurements = measure(points, progress=progress, seed=seed, **timing, **fp8,
                            **experiments)
-    runtime_timing.release_cached_layers()
+    measure_timing.release_cached_layers()
 
     sweep = {"name": "quick" if quick else "full", "seed": seed,
-             "timing": timing or {"trials": runtime_timing.TRIALS,
-                                  "min_trial_ms": runtime_timing.MIN_TRIAL_MS},
+             "timing": timing or {"trials": measure_timing.TRIALS,
+                                  "min_trial_ms": measure_timing.MIN_TRIAL_MS},
              **fp8, **({"graph_stable": True} if graph_stable else {})}
     profile, report = fit_profile(measurements, device, seed=seed, sweep=sweep,
                                   kv_bytes_per_element=1 if kv_dtype else 2,

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._log import caught_notices
-from ..planner.profiles import PRIOR_ORIGIN, PROFILE_ENV, Profile, ProfileError, load_profile
+from ..planner.profile_lookup import load_profile
+from ..planner.profiles import PRIOR_ORIGIN, PROFILE_ENV, Profile, ProfileError
 from ..planner.profiles import SHIPPED_ORIGIN_PREFIX as SHIPPED_PREFIX
 from ..planner.profiles import prior_profile
 from ..planner.profiles import user_profile_path as cache_file

@@ -6,7 +6,7 @@ K and V. Plans: for each shape, no split plus the decompositions the planner ran
 the prior and a few it ranks worse (the fit must see bad plans to learn what makes them bad),
 each as 'split_merge' and as 'fused'. ``--quick`` keeps a small subset.
 
-Timing goes through ``splitkv.runtime.timing.time_plan_us`` (imported when measuring), so the
+Timing goes through ``splitkv.measure.timing.time_plan_us`` (imported when measuring), so the
 calibration measures exactly what the benchmark measures.
 """
 
@@ -151,13 +151,13 @@ def sweep_points(model: CostModel, quick: bool = False, seed: int = 0) -> list[S
 
 
 def measure(points, time_fn=None, progress=None, seed: int = 0, **timing) -> list[Measurement]:
-    """Time every point. ``time_fn(plan, page_table, **timing)`` defaults to the runtime's
-    ``time_plan_us``; ``progress(i, n, point, us)`` is called after each point. One page table
-    (pages scattered at random) per shape."""
-    from ..runtime.testing import scattered_page_table
+    """Time every point. ``time_fn(plan, page_table, **timing)`` defaults to
+    ``measure.timing.time_plan_us``; ``progress(i, n, point, us)`` is called after each point.
+    One page table (pages scattered at random) per shape."""
+    from ..testing import scattered_page_table
 
     if time_fn is None:
-        from ..runtime.timing import time_plan_us as time_fn
+        from ..measure.timing import time_plan_us as time_fn
     rng = np.random.default_rng(seed)
     shape, table = None, None
     out = []

@@ -117,7 +117,8 @@ def run(args) -> int:
     info = device_info()
     base = None
     if args.kv_dtype:
-        from ..planner.profiles import ProfileError, load_profile
+        from ..planner.profile_lookup import load_profile
+        from ..planner.profiles import ProfileError
 
         try:
             base = load_profile(path=args.base, device_name=info["name"],

@@ -175,7 +175,7 @@ def _cupy_lines(report: dict, found: list) -> None:
 
 
 def _driver() -> str:
-    from ..runtime.first_use import driver_version
+    from ..runtime import driver_version
 
     version = int(driver_version())
     if version == 0:
@@ -188,7 +188,7 @@ class _NoProbes:
     nothing: ``splitkv env`` reports, it does not measure."""
 
     def __init__(self):
-        from ..runtime.first_use import driver_version
+        from ..runtime import driver_version
 
         self.driver_version = driver_version()
 
@@ -204,8 +204,9 @@ def _profile(device) -> str:
     """The profile ``load_profile`` picks for the device (the reference device without one)
     and its origin: explicit, user cache, shipped, first-use or prior."""
     from ..planner.first_use import FIRST_USE_ENV, first_use_mode
+    from ..planner.profile_lookup import load_profile
     from ..planner.profiles import (PRIOR_ORIGIN, PROFILE_ENV, REFERENCE_DEVICE,
-                                    SHIPPED_ORIGIN_PREFIX, ProfileError, load_profile)
+                                    SHIPPED_ORIGIN_PREFIX, ProfileError)
 
     if device is None:
         name, num_sms, source = REFERENCE_DEVICE, None, None

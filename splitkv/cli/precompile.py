@@ -28,7 +28,7 @@ from . import cache as C
 
 def arch_list(text: str) -> list[int]:
     """--arch: one architecture or a comma-separated list (sm_90, 90 or 9.0 each)."""
-    from ..runtime.precompile import parse_arch
+    from ..runtime.precompile_jobs import parse_arch
 
     parts = [p for p in text.split(",")]
     if not all(p.strip() for p in parts):
@@ -77,8 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..runtime import nvrtc_available
     from ..runtime.cubin_cache import cubin_dir, nvrtc_build
-    from ..runtime.precompile import (Configuration, arch_properties, known_arches,
-                                      modules_for, precompile)
+    from ..runtime.precompile_jobs import (Configuration, arch_properties, known_arches,
+                                           modules_for, precompile)
 
     try:
         config = Configuration(*args.heads, args.head_dim, args.page_size, args.dtype,
@@ -163,7 +163,7 @@ def _current_gpu():
         ok, why = gpu_available()
         if not ok:
             return None, why
-        from ..runtime.features import device_properties
+        from ..runtime.device_features import device_properties
 
         return device_properties(), ""
     except Exception as exc:         # a broken install: no GPU to take an architecture from

@@ -10,7 +10,7 @@ docs.nvidia.com/cuda/cuda-programming-guide/05-appendices/compute-capabilities.h
 may opt in to the SM's shared memory less the 1 KiB the driver reserves a block, 163 KiB of
 164 on 8.0, 99 of 100 on 8.6, 8.9 and 12.0, 227 of 228 on 9.0 and 10.0 (CCCL's
 ``cuda::arch::traits`` give the same bytes). Clusters and programmatic dependent launch: 9.0
-and newer (the same guide), which the runtime asks of the device (``runtime.features``)."""
+and newer (the same guide), which the runtime asks of the device (``runtime.device_features``)."""
 
 from __future__ import annotations
 

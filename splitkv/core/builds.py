@@ -6,7 +6,7 @@ plain data (``DeviceProperties``) and what an experiment forces (``BuildForces``
 ``decode_build`` is the whole decision for a per-shape plan; ``shape_build``, ``plan_build``
 and ``graph_build`` are its steps, as a wrapper meets them (its shape at construction, then each
 plan, or a graph-stable wrapper's one fixed grid). The runtime compiles what they decide
-(``runtime.builds``), and the cost model counts the tiles they decide
+(``runtime.compiled_builds``), and the cost model counts the tiles they decide
 (``planner.features.build_tile_units``), so what runs and what was predicted cannot drift
 apart. Each default was measured on the H200 (docs/design/kernel.md)."""
 

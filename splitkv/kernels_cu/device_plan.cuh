@@ -10,10 +10,11 @@
 // and check both choose the same plans and write the same records; the GPU tests check the
 // kernel writes the same bytes.
 //
-// Defined before this file: by runtime/device_planner.py's header_defines, RECORD_PAGES and the
+// Defined before this file: by runtime/device_planner.py's header_defines, RECORD_PAGES, the
 // cost model's columns from planner/features.py's table (DEVICE_PLAN_NUM_FEATURES and
-// DEVICE_PLAN_FEATURES, see Scorer); by the includer, DEVICE_PLAN_HD (__device__ in
-// device_plan.cu, nothing in the host tests).
+// DEVICE_PLAN_FEATURES, see Scorer) and its rows from the same file's expressions
+// (DEVICE_PLAN_ROW_INPUTS, DEVICE_PLAN_ROW_MEMBERS, DEVICE_PLAN_ROWS, see FeatureRows); by the
+// includer, DEVICE_PLAN_HD (__device__ in device_plan.cu, nothing in the host tests).
 //
 // Integer statistics are sums and maxima of integers far below 2**53: exact in any order. The
 // float64 formulas must not be contracted into FMAs (NVRTC --fmad=false; the host compiler
@@ -72,7 +73,6 @@ struct DevicePlanParams {
   double* predicted_us;             // the chosen candidate's prediction
   double coef[NUM_FEATURES];        // the cost model's coefficients
   double unit[NUM_FEATURES];        // features.feature_constants' units
-  double lone_min_tokens;           // features.LONE_CTA_MIN_TOKENS
   double stream_ratio;              // features.stream_ratio_of(the model's bandwidth)
   int batch_size;
   int max_batch;
@@ -249,13 +249,20 @@ DEVICE_PLAN_HD inline void add_request(RowSums& s, const Row& row, int len, bool
   s.odd += r + (q & 1) * (kk - 2 * r);
 }
 
-// The rows of features.FEATURE_ROWS that the columns read, for one candidate row: a column
-// reading a row not here does not compile (DEVICE_PLAN_FEATURES names its members).
-struct FeatureRows {
-  double one, one_plus_split, split, split_x_max_splits, total_tokens, split_chunks,
-      crit_tokens, crit_tiles, waves, tail_tokens, clustered, lone_tokens, stream_tokens,
-      split_x_requests;
-};
+// The cost model's rows (features.ROW_EXPRESSIONS), written by runtime/device_planner.py from
+// the host's expressions: RowInputs holds what they read (a candidate row's statistics,
+// stats.STAT_NAMES, its 'clustered' row and the shape's constants), FeatureRows the rows the
+// columns read (DEVICE_PLAN_FEATURES names its members, so a column whose row the device does
+// not compute does not compile), and DEVICE_PLAN_ROWS computes them in NumPy's operations and
+// order.
+struct RowInputs { DEVICE_PLAN_ROW_INPUTS };
+struct FeatureRows { DEVICE_PLAN_ROW_MEMBERS };
+
+DEVICE_PLAN_HD inline FeatureRows feature_rows(const RowInputs& in) {
+  FeatureRows r;
+  DEVICE_PLAN_ROWS(in, r)
+  return r;
+}
 
 // Statistics of a row (stats.STAT_NAMES) and its predictions, as planner._score computes them:
 // features.row_features per row, then gather_features per (row, strategy) and a sequential
@@ -271,56 +278,38 @@ struct Scorer {
   DEVICE_PLAN_HD double predict(const Row& row, const RowSums& s, int strategy,
                                 double* num_chunks_out) const {
     const double ipc = (double)p->items_per_chunk;
-    const double num_chunks = (double)s.chunks;
-    double total_tiles = total_units;
-    double max_chunk_tokens = (double)s.largest_tokens;   // max(largest) * 64
-    double max_chunk_tiles = (double)s.max_m;
-    double odd = (double)s.odd;
-    const double max_splits = (double)s.max_k;
-    FeatureRows r;
-    r.split_chunks = (num_chunks + (double)s.min2) - 2.0 * (double)batch;
+    RowInputs in;
+    in.num_chunks = (double)s.chunks;
+    in.total_tokens = total;
+    in.total_tiles = total_units;
+    in.max_chunk_tokens = (double)s.largest_tokens;   // max(largest) * 64
+    in.max_chunk_tiles = (double)s.max_m;
+    in.max_splits = (double)s.max_k;
+    in.split_chunks = (in.num_chunks + (double)s.min2) - 2.0 * (double)batch;
+    in.odd_chunks = (double)s.odd;
     if (row.tiny) {        // every tiny chunk is one (partial) tile; an empty request has none
-      total_tiles = num_chunks - (double)num_empty;
-      max_chunk_tokens = dmin(row.divisor, max_len);
-      max_chunk_tiles = max_len > 0 ? 1.0 : 0.0;
-      odd = total_tiles;
+      in.total_tiles = in.num_chunks - (double)num_empty;
+      in.max_chunk_tokens = dmin(row.divisor, max_len);
+      in.max_chunk_tiles = max_len > 0 ? 1.0 : 0.0;
+      in.odd_chunks = in.total_tiles;
     }
-    *num_chunks_out = num_chunks;
+    *num_chunks_out = in.num_chunks;
     // features.count_build_tiles: where the row's build streams 128-token tiles, each chunk of
     // an odd number of tiles runs one more half, and the largest chunk's count rounds up to even
-    const int lone_grid = num_chunks * ipc <= (double)p->num_sms ? 1 : 0;
-    const int long_chunks = total >= p->long_chunk_tokens * num_chunks ? 1 : 0;
+    const int lone_grid = in.num_chunks * ipc <= (double)p->num_sms ? 1 : 0;
+    const int long_chunks = total >= p->long_chunk_tokens * in.num_chunks ? 1 : 0;
     const double extra = (double)(p->tile_units[2 * lone_grid + long_chunks] - 1);
     if (extra != 0.0) {
-      total_tiles += odd * extra;
-      max_chunk_tiles += fmod(max_chunk_tiles, 2.0) * extra;
+      in.total_tiles += in.odd_chunks * extra;
+      in.max_chunk_tiles += fmod(in.max_chunk_tiles, 2.0) * extra;
     }
-    // row_features
-    r.one = 1.0;
-    r.total_tokens = total;
-    r.one_plus_split = dmin(max_splits, 2.0);
-    r.split = r.one_plus_split - 1.0;
-    r.split_x_max_splits = r.split * max_splits;
-    r.split_x_requests = r.split * (double)batch;
-    const double items = num_chunks * ipc;
-    double crit_tokens = total * ipc, crit_tiles = total_tiles * ipc;
-    r.waves = ceil(items / (double)p->slots);
-    const double sm_waves = ceil(items / (double)p->num_sms);
-    // stream_tokens: max(rho L, W + rho max(0, L - W / min(items, slots))), W = crit_tokens here
-    const double rho = p->stream_ratio;
-    double stream = dmax(max_chunk_tokens - crit_tokens / dmin(items, (double)p->slots), 0.0);
-    r.stream_tokens = dmax(stream * rho + crit_tokens, rho * max_chunk_tokens);
-    crit_tokens /= items;
-    crit_tiles /= items;
-    r.tail_tokens = max_chunk_tokens - crit_tokens;
-    crit_tokens *= sm_waves;
-    crit_tiles *= sm_waves;
-    r.crit_tokens = dmax(crit_tokens, max_chunk_tokens);
-    r.crit_tiles = dmax(crit_tiles, max_chunk_tiles);
-    double lone = max_chunk_tokens >= p->lone_min_tokens ? 1.0 : 0.0;
-    lone *= sm_waves == 1.0 ? 1.0 : 0.0;
-    r.lone_tokens = lone * r.crit_tokens;
-    r.clustered = 0.0;     // clusters are off on a graph-stable grid
+    in.clustered = 0.0;    // clusters are off on a graph-stable grid
+    in.items_per_chunk = ipc;
+    in.slots = (double)p->slots;
+    in.num_sms = (double)p->num_sms;
+    in.stream_ratio = p->stream_ratio;
+    in.batch_size = (double)batch;
+    const FeatureRows r = feature_rows(in);
     // gather_features: each column is its row times its unit, 0 where the strategy does not
     // pay it, summed in column order. DEVICE_PLAN_FEATURES(X) holds X(column, row,
     // split_merge's row, the strategy that alone pays it or -1) for each column, in order.

@@ -7,7 +7,8 @@ any machine.
 from .cost_model import CostModel
 from .features import FEATURE_NAMES, plan_features
 from .planner import Candidate, choose_plan, rank_candidates
-from .profiles import Profile, ProfileError, load_profile, read_profile
+from .profile_lookup import load_profile
+from .profiles import Profile, ProfileError, read_profile
 
 __all__ = ["FEATURE_NAMES", "Candidate", "CostModel", "Profile", "ProfileError", "choose_plan",
            "load_profile", "plan_features", "rank_candidates", "read_profile"]

@@ -30,6 +30,8 @@ chunk exceeds the mean by.
 The columns are declared once, in ``FEATURES`` (name, row, unit, which strategies pay it);
 everything else is derived from that table: ``FEATURE_NAMES``, the gather index and scale, the
 units, and the planner on the device's columns (``runtime.device_planner.feature_table_source``).
+The rows they read are declared once too, as expressions (``ROW_EXPRESSIONS``), which both the
+host's NumPy and the device's C++ are compiled from.
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ from ..core.execution import MERGE_CLUSTER, clustered
 from ..core.builds import LONG_CHUNK_TOKENS, DeviceProperties, PlanGrid, decode_build, row_tiles_for
 from ..core.geometry import TILE_TOKENS, ctas_per_kv_head, rows_per_cta
 from ..core.validation import STRATEGIES
-from .stats import (ONE, S_COUNTS, S_LARGEST, S_MAX_CHUNK_TILES, S_MAX_CHUNK_TOKENS,
-                    S_MAX_SPLITS, S_NUM_CHUNKS, S_ODD_CHUNKS, S_TOTAL_TILES, S_TOTAL_TOKENS,
-                    STAT_NAMES, TWO, decomposition_stats, indices, rows_of)
+from .expressions import RowProgram, at_least_one, ceil, eq, ge, inputs, maximum, minimum
+from .stats import (ONE, S_MAX_CHUNK_TILES, S_MAX_CHUNK_TOKENS, S_MAX_SPLITS, S_NUM_CHUNKS,
+                    S_ODD_CHUNKS, S_TOTAL_TILES, S_TOTAL_TOKENS, STAT_NAMES,
+                    decomposition_stats, indices, rows_of)
 
 
 # The planner scores dozens of candidates on every decode step, several strategies per
@@ -58,20 +61,52 @@ from .stats import (ONE, S_COUNTS, S_LARGEST, S_MAX_CHUNK_TILES, S_MAX_CHUNK_TOK
 #                  strategy does not pay it (``strategy_scale``).
 # Each value is the same bits as the plain formulas (``waves``, ``critical_path``): the same
 # IEEE operations in the same order, and multiplying by 1 or 0 is exact.
-# Rows are addressed by name: the stats rows by ``stats``' S_ constants (they come first), the
-# others by the R_ constants below.
-FEATURE_ROWS = STAT_NAMES + ("one", "one_plus_split", "split", "split_x_max_splits",
-                             "crit_tokens", "crit_tiles", "waves", "sm_waves", "tail_tokens",
-                             "clustered", "lone_tokens", "stream_tokens", "split_x_requests")
-(R_ONE, R_ONE_PLUS_SPLIT, R_SPLIT, R_SPLIT_X_MAX_SPLITS, R_CRIT_TOKENS, R_SM_WAVES,
- R_TAIL_TOKENS, R_CLUSTERED, R_LONE_TOKENS, R_STREAM_TOKENS, R_SPLIT_X_REQUESTS) = indices(
-    FEATURE_ROWS, "one", "one_plus_split", "split", "split_x_max_splits", "crit_tokens",
-    "sm_waves", "tail_tokens", "clustered", "lone_tokens", "stream_tokens", "split_x_requests")
-# Rows that one call reads or fills together, in step with ``stats``' S_COUNTS (chunks, tokens,
-# tiles) and S_LARGEST (the largest chunk's tokens, tiles): the critical path's tokens and
-# tiles, and the two wave counts.
-R_CRIT = rows_of(FEATURE_ROWS, "crit_tokens", "crit_tiles")
-R_WAVES = rows_of(FEATURE_ROWS, "waves", "sm_waves")
+
+# Chunks from which a lone CTA's streaming rate, not its start-up, sets its time (lone_cta_us).
+LONE_CTA_MIN_TOKENS = 1024
+
+# The derived rows, each written once, as an expression (``expressions``) of a
+# decomposition's statistics, its 'clustered' row (filled by hand, ``execution.clustered``:
+# 0 on the device, whose grids have no clusters) and the call's constants. ``row_features``
+# computes them with NumPy, and the planner on the device with the C++ that
+# ``runtime.device_planner.row_table_source`` writes from the same expressions, operation for
+# operation, so both round alike. A new row is one entry of ROW_EXPRESSIONS (and the column
+# of FEATURES that reads it); a value named below and used twice is computed once.
+ROW_INPUTS = STAT_NAMES + ("clustered",)
+ROW_CONSTANTS = ("items_per_chunk", "slots", "num_sms", "stream_ratio", "batch_size")
+_s, _c = inputs(*ROW_INPUTS), inputs(*ROW_CONSTANTS)
+_items = _s.num_chunks * _c.items_per_chunk              # work items (CTAs)
+_tokens = _s.total_tokens * _c.items_per_chunk           # every CTA's tokens (W)
+_tiles = _s.total_tiles * _c.items_per_chunk
+_some_items = at_least_one(_items)                       # a divisor: 0 only with no chunk
+_sm_waves = ceil(_items / _c.num_sms)                    # waves(items, num_sms)
+_one_plus_split = minimum(_s.max_splits, 2.0)            # max_splits >= 1: 1 + (max_splits > 1)
+_split = _one_plus_split - 1.0
+_mean_tokens = _tokens / _some_items                     # the mean chunk's tokens
+_largest = _s.max_chunk_tokens                           # L, the largest chunk's tokens
+# critical_path per SM: max(largest, sm waves x mean)
+_crit_tokens = maximum(_mean_tokens * _sm_waves, _largest)
+ROW_EXPRESSIONS = {
+    "one": 1.0,
+    "one_plus_split": _one_plus_split,
+    "split": _split,
+    "split_x_max_splits": _split * _s.max_splits,
+    "split_x_requests": _split * _c.batch_size,
+    "waves": ceil(_items / _c.slots),                    # waves(items, slots)
+    "crit_tokens": _crit_tokens,
+    "crit_tiles": maximum(_tiles / _some_items * _sm_waves, _s.max_chunk_tiles),
+    "tail_tokens": _largest - _mean_tokens,              # largest - mean chunk
+    # max(rho L, W + rho max(0, L - W / min(items, slots))), rho = stream_ratio
+    "stream_tokens": maximum(
+        maximum(_largest - _tokens / minimum(_some_items, _c.slots), 0.0) * _c.stream_ratio
+        + _tokens, _c.stream_ratio * _largest),
+    # crit_tokens where one SM wave holds every item and the largest chunk is long
+    "lone_tokens": ge(_largest, float(LONE_CTA_MIN_TOKENS)) * eq(_sm_waves, 1.0) * _crit_tokens,
+}
+ROW_PROGRAM = RowProgram(ROW_EXPRESSIONS, ROW_INPUTS, ROW_CONSTANTS)
+# Rows are addressed by name: the stats rows by ``stats``' S_ constants (they come first).
+FEATURE_ROWS = ROW_PROGRAM.names
+R_CLUSTERED = FEATURE_ROWS.index("clustered")
 
 # What a row's count is multiplied by (``feature_constants`` computes them for one shape on
 # one machine): 'count' 1; 'token_*' one token of one kv head's K and V bytes at the device's
@@ -185,8 +220,6 @@ F_CLUSTER_MERGES, F_MERGE_GRID = indices(FEATURE_NAMES, "cluster_merges", "merge
 F_TICKET = rows_of(FEATURE_NAMES, *(f.name for f in FEATURES if f.ticket))
 # Dims of the merge kernel's rows one CTA merges: 128 threads of 4 dims (merge_grid).
 MERGE_DIMS_PER_CTA = 4 * 128
-# Chunks from which a lone CTA's streaming rate, not its start-up, sets its time (lone_cta_us).
-LONE_CTA_MIN_TOKENS = 1024
 # What one CTA alone streams, GB/s (stream_us): chosen on the H200 sweep alone, where the
 # held-out error was lowest (docs/design/cost-model.md; 50-70 fit alike).
 LONE_CTA_GBPS = 70.0
@@ -342,68 +375,29 @@ def feature_constants(num_qo_heads, num_kv_heads, head_dim, num_sms, ctas_per_sm
 
 
 def new_feature_rows(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """An uninitialised ``FEATURE_ROWS`` array of n decompositions, and its stats rows (a view
-    to fill before ``row_features``)."""
-    rows = np.empty((len(FEATURE_ROWS), n))
+    """An uninitialised ``FEATURE_ROWS`` array of n decompositions (and ``ROW_PROGRAM``'s
+    scratch rows past them), and its stats rows (a view to fill before ``row_features``)."""
+    rows = ROW_PROGRAM.new_rows(n)
     return rows, rows[:len(STAT_NAMES)]
 
 
 def row_features(rows, items_per_chunk, slots, num_sms, stream_ratio, some_items=False,
                  cluster_batch_size=0, batch_size=0) -> np.ndarray:
-    """Fill the derived rows of a ``new_feature_rows`` array from its stats; returns it.
-    Waves (start-ups) count per slot, the critical path per SM: ``critical_path`` with
-    ``num_sms`` for its slots. ``stream_ratio``: the device's bandwidth over a lone CTA's
-    (``stream_ratio_of``), for stream_us. ``some_items``: every column has at least one chunk
-    (the planner's rows), so the guard of the mean against 0 items can be skipped.
+    """Fill the derived rows of a ``new_feature_rows`` array from its stats
+    (``ROW_EXPRESSIONS``); returns it. ``stream_ratio``: the device's bandwidth over a lone
+    CTA's (``stream_ratio_of``), for stream_us. ``some_items``: every column has at least one
+    chunk (the planner's rows), so the guard of the mean against 0 items can be skipped.
     ``cluster_batch_size``: the batch size when the GPU has clusters and some row may use
     them, else 0 (the 'clustered' row is then 0). ``batch_size``: the requests of every
     column (the merge kernel's grid spans them all)."""
-    max_splits = rows[S_MAX_SPLITS]
-    rows[R_ONE] = 1.0
-    one_plus_split = rows[R_ONE_PLUS_SPLIT]
-    np.minimum(max_splits, TWO, out=one_plus_split)   # max_splits >= 1: 1 + (max_splits > 1)
-    np.subtract(one_plus_split, ONE, rows[R_SPLIT])
-    np.multiply(rows[R_SPLIT], max_splits, rows[R_SPLIT_X_MAX_SPLITS])
-    np.multiply(rows[R_SPLIT], _float_array(batch_size), rows[R_SPLIT_X_REQUESTS])
-    scaled = rows[S_COUNTS] * _float_array(items_per_chunk)
-    items, crit = scaled[0], scaled[1:]            # work items; their tokens and tiles
-    waves_rows = rows[R_WAVES]                     # waves(items, slots), waves(items, num_sms)
-    np.divide(items, _wave_slots(slots, num_sms), waves_rows)
-    np.ceil(waves_rows, waves_rows)
-    if not some_items:
-        np.maximum(items, 1.0, out=items)
-    # stream_tokens: max(rho L, W + rho max(0, L - W / min(items, slots))), W = crit[0] here
-    rho, largest = _float_array(stream_ratio), rows[S_MAX_CHUNK_TOKENS]
-    stream = rows[R_STREAM_TOKENS]
-    np.minimum(items, _float_array(slots), out=stream)
-    np.divide(crit[0], stream, out=stream)         # the largest CTA's share while full
-    np.subtract(largest, stream, out=stream)
-    np.maximum(stream, 0.0, out=stream)            # what it streams alone after
-    stream *= rho
-    stream += crit[0]
-    np.maximum(stream, rho * largest, out=stream)
-    # critical_path of tokens and tiles per SM: max(largest, sm waves * (total / max(items, 1)))
-    crit /= items                                  # the mean chunk's tokens and tiles
-    max_chunk_tokens = rows[S_MAX_CHUNK_TOKENS]
-    np.subtract(max_chunk_tokens, crit[0], rows[R_TAIL_TOKENS])   # largest - mean chunk
-    sm_waves = rows[R_SM_WAVES]
-    crit *= sm_waves
-    np.maximum(crit, rows[S_LARGEST], out=rows[R_CRIT])
     if cluster_batch_size:
-        clustered(rows[R_CLUSTERED], rows[S_NUM_CHUNKS], max_chunk_tokens, max_splits,
-                  cluster_batch_size, items_per_chunk)
+        clustered(rows[R_CLUSTERED], rows[S_NUM_CHUNKS], rows[S_MAX_CHUNK_TOKENS],
+                  rows[S_MAX_SPLITS], cluster_batch_size, items_per_chunk)
     else:
         rows[R_CLUSTERED] = 0.0
-    # lone_tokens: crit_tokens where one SM wave holds every item and the largest chunk is long
-    lone = rows[R_LONE_TOKENS]
-    np.greater_equal(max_chunk_tokens, _LONE_CTA_MIN_TOKENS, out=lone)
-    lone *= np.equal(sm_waves, ONE)
-    lone *= rows[R_CRIT_TOKENS]
-    return rows
-
-
-# A 0-d array rather than a Python number (see ``stats.ONE``).
-_LONE_CTA_MIN_TOKENS = np.array(float(LONE_CTA_MIN_TOKENS))
+    return ROW_PROGRAM.fill(rows, _float_array(items_per_chunk), _float_array(slots),
+                            _float_array(num_sms), _float_array(stream_ratio),
+                            _float_array(batch_size), some_items=some_items)
 
 
 def stream_ratio_of(bandwidth_gbps: float) -> float:
@@ -417,15 +411,6 @@ def _float_array(value) -> np.ndarray:
     array = np.array(float(value))
     array.setflags(write=False)
     return array
-
-
-@functools.lru_cache(maxsize=64)
-def _wave_slots(slots: int, num_sms: int) -> np.ndarray:
-    """[[slots], [num_sms]] as floats: one division gives both wave counts."""
-    column = np.array([[slots], [num_sms]], dtype=np.float64)
-    column.setflags(write=False)
-    return column
-
 
 
 def strategy_scale(units, strategy_code, n: int) -> np.ndarray:

@@ -2,12 +2,12 @@
 instead of a calibration sweep (docs/design/first-use.md says which probe prices which column).
 
 What is here is pure: the probe plans (``probe_cases``, built for the device's SM count and
-occupancy, so the runtime times exactly the plans the derivation computes features of), the
+occupancy, so the GPU times exactly the plans the derivation computes features of), the
 derivation of a ``Profile`` from the probes' timings and the device's properties
 (``derive_profile``), the cache of that profile per GPU name, driver and splitkv version, and
-the ``SPLITKV_FIRST_USE`` option. The timing itself is ``runtime.first_use``'s; it reaches
-``load_profile`` as a ``first_use`` source (``resolve``'s ``source``), so the planner imports
-nothing of the runtime.
+the ``SPLITKV_FIRST_USE`` option. The timing itself is ``measure.first_use_probes``'; it reaches
+``load_profile`` (``profile_lookup``) as a ``first_use`` source (``resolve``'s ``source``), so
+the planner imports nothing of the runtime or the measuring code.
 """
 
 from __future__ import annotations
@@ -346,7 +346,7 @@ _state = _State()
 def resolve(device_name: str, num_sms: int | None, source) -> Profile | None:
     """The first-use profile of this device, or None for the roofline prior.
 
-    ``source``: what can measure the device (``runtime.first_use.DeviceProbes``): its
+    ``source``: what can measure the device (``measure.first_use_probes.DeviceProbes``): its
     ``driver_version``, ``probe()`` -> ``ProbeResults``, ``calibrate()`` -> a calibrated
     ``Profile`` (written where ``load_profile`` finds calibrations). By ``first_use_mode()``:
     'off' -> None; 'probe' -> the cached model, else probe, derive, cache, and say so once

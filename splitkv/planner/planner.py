@@ -349,7 +349,8 @@ def _as_cost_model(profile) -> CostModel:
     or ``default_profile()``'s for None."""
     if isinstance(profile, CostModel):          # first: what the wrapper passes on every step
         return profile
-    from .profiles import Profile, default_profile, load_profile
+    from .profile_lookup import default_profile, load_profile
+    from .profiles import Profile
 
     if profile is None:
         profile = default_profile()

@@ -9,25 +9,13 @@ graph-stable fp8 wrapper's one captured grid runs, where per-shape plans of few 
 (``core.builds.plan_warps``).
 ``splitkv calibrate`` writes one to the user cache; a few ship with the package.
 
-``load_profile`` looks in this order and takes the first that answers:
-  1. the ``path`` argument;
-  2. ``$SPLITKV_PROFILE``;
-  3. the user cache: ``<cache>/profiles/<device>.yaml``, where ``<cache>`` is
-     ``$SPLITKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/splitkv``, else ``~/.cache/splitkv``;
-  4. the profiles shipped in ``splitkv/planner/profiles/``, matched by device name;
-  5. given a ``first_use`` source (the runtime passes one for its device), the first-use
-     model (``planner.first_use``): cached per GPU, driver and splitkv version under
-     ``<cache>/profiles/first-use/``, else probed in a few seconds and cached;
-     ``$SPLITKV_FIRST_USE`` = off skips this step, = calibrate runs the quick calibration
-     instead (docs/design/first-use.md);
-  6. a roofline prior computed from the SM count and a bandwidth guess, with a one-time
-     notice that suggests ``splitkv calibrate``; also where the probes fail.
-A broken or mismatched file named by 1 or 2 is an error (the user asked for it); one found in
-3, 4 or the first-use cache is skipped with one notice naming it (a WARNING record of the
-``splitkv`` logger, as is the prior's): no file on disk can stop planning. ``to_yaml`` seals
-the file (its first line: the byte count and SHA-256 of the rest), so one cut short is
-refused, not read with other coefficients; unsealed files (older, or written by hand) are read
-as they are. Nothing is read at import.
+Here: the ``Profile`` and every check of its fields, where profiles live (the user cache under
+``$SPLITKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/splitkv``, else ``~/.cache/splitkv``; the shipped
+ones in ``splitkv/planner/profiles/``), the roofline prior, and the one notice a process gives
+for each broken file skipped. Which profile planning uses, in which order, is
+``profile_lookup.load_profile``'s. ``to_yaml`` seals the file (its first line: the byte count
+and SHA-256 of the rest), so one cut short is refused, not read with other coefficients;
+unsealed files (older, or written by hand) are read as they are. Nothing is read at import.
 """
 
 from __future__ import annotations
@@ -232,7 +220,7 @@ class Profile:
     def with_kv_fp8(self, fp8: "Profile", graph_stable: bool = False) -> "Profile":
         """This profile with ``fp8`` (a fit over fp8 K/V of the same device) as its kv_fp8, or
         with ``graph_stable`` as its kv_fp8_graph_stable (a fit timed with 4-warp CTAs)."""
-        _check_device(fp8, self.device_name, self.num_sms)
+        check_device(fp8, self.device_name, self.num_sms)
         fit = {"coef": {k: float(fp8.coef[k]) for k in FEATURE_NAMES},
                "fit_error": fp8.fit_error, "heldout_error": fp8.heldout_error,
                "measured_bandwidth_gbps": fp8.measured_bandwidth_gbps, "date": fp8.date,
@@ -408,7 +396,9 @@ def read_profile(path) -> Profile:
     return parse_profile(read_bytes(path), str(path))
 
 
-def _check_device(profile: Profile, device_name, num_sms) -> None:
+def check_device(profile: Profile, device_name, num_sms) -> None:
+    """``ProfileError`` unless ``profile`` was made for this device name and SM count (either
+    None: not checked)."""
     if device_name is not None and device_slug(profile.device_name) != device_slug(device_name):
         raise ProfileError(f"profile {profile.origin}: made for {profile.device_name!r}, "
                            f"not {device_name!r}")
@@ -417,13 +407,13 @@ def _check_device(profile: Profile, device_name, num_sms) -> None:
                            f"device has {num_sms} (a MIG slice or another model?)")
 
 
-def _shipped_profile(slug: str) -> Profile | None:
+def shipped_profile(slug: str) -> Profile | None:
+    """The profile splitkv ships for the device of file stem ``slug``, or None."""
     ref = resources.files(__package__).joinpath("profiles", f"{slug}.yaml")
     return parse_profile(ref.read_bytes(), f"{SHIPPED_ORIGIN_PREFIX}{slug}.yaml") \
         if ref.is_file() else None
 
 
-_warned_prior: set = set()
 _warned_files: set = set()      # the notices about broken files given in this process
 
 
@@ -433,21 +423,6 @@ def warn_skipped(error: Exception, then: str) -> None:
     if (message := f"{error}; ignoring it and {then}") not in _warned_files:
         _warned_files.add(message)
         logger.warning(message)
-
-
-def _found(where: str, read, device_name: str, num_sms) -> Profile | None:
-    """``read()``'s profile (None: no file) if made for this device; else None with one notice
-    naming ``where`` and what is wrong: a file found on disk never stops planning."""
-    try:
-        profile = read()
-        if profile is not None:
-            _check_device(profile, device_name, num_sms)
-        return profile
-    except (OSError, ValueError, TypeError, KeyError) as e:   # and what no check foresaw
-        error = e if isinstance(e, ProfileError) else ProfileError(
-            f"profile {where}: cannot read it ({type(e).__name__}: {e})")
-    warn_skipped(error, "using the next profile found")
-    return None
 
 
 def prior_profile(device_name: str, num_sms: int | None = None,
@@ -461,68 +436,3 @@ def prior_profile(device_name: str, num_sms: int | None = None,
                    coef=roofline_prior(num_sms, bandwidth_gbps), splitkv_version=__version__,
                    source=PRIOR_SOURCE, sweep={"name": "none: roofline prior"},
                    origin=PRIOR_ORIGIN)
-
-
-def load_profile(path=None, device_name: str | None = None, num_sms: int | None = None,
-                 bandwidth_gbps: float | None = None, first_use=None) -> Profile:
-    """The profile to plan with (see the module docstring for the lookup order).
-
-    path: a profile file (str or os.PathLike), or None to look one up (an empty path is a
-        ValueError, not None).
-    device_name, num_sms: the device to plan for (the runtime passes ``device_info()``'s);
-        without them, the reference device ``NVIDIA H200``. Given, they are checked against
-        the profile found.
-    bandwidth_gbps: the bandwidth guess for the roofline prior, if it comes to that.
-    first_use: what can probe the device (``runtime.first_use.DeviceProbes``), for step 5;
-        None skips it (no device to measure). ``$SPLITKV_FIRST_USE`` is checked only then.
-    """
-    if path is not None and (not isinstance(path, (str, os.PathLike)) or not os.fspath(path)):
-        raise (ValueError if isinstance(path, (str, os.PathLike)) else TypeError)(
-            f"path: expected a profile file's path (str or os.PathLike), or None to look one "
-            f"up; got {type(path).__name__} {path!r:.80}")
-    if device_name is not None and (not isinstance(device_name, str) or not device_name):
-        raise ValueError(f"device_name: expected a GPU's name or None, got {device_name!r}")
-    check_machine(num_sms, None, bandwidth_gbps, optional=True)
-    for explicit, what in ((path, "path"), (os.environ.get(PROFILE_ENV), f"${PROFILE_ENV}")):
-        if explicit:
-            try:
-                profile = read_profile(explicit)
-                _check_device(profile, device_name, num_sms)
-            except ProfileError as e:
-                raise ProfileError(f"{e} (given by {what})") from None
-            return profile
-
-    name = device_name or REFERENCE_DEVICE
-    slug = device_slug(name)
-    cached = user_profile_path(name)
-    for where, read in ((cached, lambda: read_profile(cached) if cached.is_file() else None),
-                        (f"{SHIPPED_ORIGIN_PREFIX}{slug}.yaml", lambda: _shipped_profile(slug))):
-        profile = _found(where, read, name, num_sms)
-        if profile is not None:
-            return profile
-    if first_use is not None:
-        from .first_use import resolve
-
-        profile = resolve(name, num_sms, first_use)
-        if profile is not None:
-            return profile
-
-    key = (slug, num_sms)
-    if key not in _warned_prior:
-        _warned_prior.add(key)
-        logger.warning(f"splitkv has no calibrated profile for {name!r}"
-                       f"{f' with {num_sms} SMs' if num_sms else ''}; planning with a roofline "
-                       "prior. Run `splitkv calibrate` on this GPU for better plans.")
-    return prior_profile(name, num_sms, bandwidth_gbps)
-
-
-_default: dict = {}
-
-
-def default_profile() -> Profile:
-    """``load_profile()`` for the reference device, remembered (planning runs every step)."""
-    key = tuple(os.environ.get(k) for k in (PROFILE_ENV, CACHE_DIR_ENV, "XDG_CACHE_HOME"))
-    profile = _default.get(key)
-    if profile is None:
-        profile = _default[key] = load_profile()
-    return profile

@@ -1,5 +1,7 @@
 """The only package that touches CuPy and the GPU: compiles the CUDA sources with NVRTC,
-uploads plans, launches kernels, times them."""
+uploads plans, launches kernels. It runs, it does not measure: the timing routine and the
+first-use probes are ``splitkv.measure``'s, above it, which reach the device through the thin
+CuPy calls here (``cupy_timers``, ``probe_kernels``, ``cupy_arrays``)."""
 
 from __future__ import annotations
 
@@ -114,6 +116,14 @@ def _device_info(device_id: int) -> dict:
             "device_id": device_id}
 
 
+def driver_version() -> str:
+    """The CUDA driver's version (e.g. '12040'; '0' where no driver is installed): a new driver
+    may time differently."""
+    import cupy
+
+    return str(cupy.cuda.runtime.driverGetVersion())
+
+
 def device_info(device_id: int | None = None) -> dict:
     """Name, SM count, L2 bytes and compute capability of the current (or given) device."""
     import cupy
@@ -121,6 +131,5 @@ def device_info(device_id: int | None = None) -> dict:
     return _device_info(cupy.cuda.runtime.getDevice() if device_id is None else device_id)
 
 
-__all__ = ["INSTALL_HINT", "GPUUnavailableError", "cupy_build", "device_info", "gpu_available",
-           "nvrtc_available",
-           "require_gpu"]
+__all__ = ["INSTALL_HINT", "GPUUnavailableError", "cupy_build", "device_info", "driver_version",
+           "gpu_available", "nvrtc_available", "require_gpu"]

@@ -1,6 +1,7 @@
 """The CuPy array calls that code outside the runtime makes (the merge, the demo, the bench,
-context parallelism), so that only ``splitkv.runtime`` imports CuPy. CuPy is imported when a
-function runs, never at import: host code that only ever sees NumPy arrays works without it."""
+the measuring code's random data, context parallelism), so that only ``splitkv.runtime``
+imports CuPy. CuPy is imported when a function runs, never at import: host code that only ever
+sees NumPy arrays works without it."""
 
 from __future__ import annotations
 
@@ -26,6 +27,40 @@ def empty(shape, dtype):
     import cupy
 
     return cupy.empty(shape, dtype=dtype)
+
+
+def full(shape, value, dtype):
+    """A CuPy array of ``shape`` filled with ``value``."""
+    import cupy
+
+    return cupy.full(shape, value, dtype)
+
+
+def random_device_array_fast(shape, dtype: str, seed: int):
+    """Random normal values generated on the device, in 16-bit storage (float16, or bfloat16
+    as uint16 bits by truncation): benchmark-sized KV pools."""
+    import cupy
+
+    gen = cupy.random.default_rng(seed)
+    x = gen.standard_normal(shape, dtype=cupy.float32)
+    if dtype == "float16":
+        return x.astype(cupy.float16)
+    return (x.view(cupy.uint32) >> 16).astype(cupy.uint16)
+
+
+# The largest code of magnitude <= 8 in each fp8 format (8 = 2**3: exponent field 3 + bias).
+_FP8_CODE_OF_8 = {"float8_e4m3fn": 0x50, "float8_e5m2": 0x48}
+
+
+def random_fp8_codes(shape, kv_dtype: str, seed: int):
+    """Random finite fp8 codes of magnitude <= 8 (uint8, on the device): every code from 0 up
+    to that of 8, either sign, uniformly (so values spread over the format's exponents)."""
+    import cupy
+
+    gen = cupy.random.default_rng(seed)
+    codes = gen.integers(0, _FP8_CODE_OF_8[kv_dtype] + 1, shape, dtype=cupy.uint8)
+    signs = gen.integers(0, 2, shape, dtype=cupy.uint8) << 7
+    return codes | signs
 
 
 def zero_padded_rows(arr, rows: int):

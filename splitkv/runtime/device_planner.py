@@ -22,8 +22,10 @@ from ..core.execution import LAUNCH_ORDERS
 from ..core.validation import STRATEGIES
 from ..core.geometry import RECORD_PAGES, TILE_TOKENS, ctas_per_kv_head
 from ..planner.cost_model import CostModel
-from ..planner.features import (FEATURE_NAMES, FEATURES, LONE_CTA_MIN_TOKENS,
-                                build_tile_units, feature_constants, stream_ratio_of)
+from ..planner.expressions import cpp_statements, inputs
+from ..planner.features import (FEATURE_NAMES, FEATURES, ROW_CONSTANTS, ROW_EXPRESSIONS,
+                                ROW_INPUTS, build_tile_units, feature_constants,
+                                stream_ratio_of)
 from . import kernel_abi
 from .kernel_abi import CHUNK_RECORD
 from .kernel_source import NVRTC_OPTIONS, read_source
@@ -51,8 +53,7 @@ class DevicePlanParams(ctypes.Structure):
         ("page_table_entries", ctypes.c_int64), ("records", _POINTER),
         ("merge_indptr", _POINTER), ("scratch", _POINTER), ("state", _POINTER),
         ("predicted_us", _POINTER), ("coef", ctypes.c_double * _FEATURES),
-        ("unit", ctypes.c_double * _FEATURES), ("lone_min_tokens", ctypes.c_double),
-        ("stream_ratio", ctypes.c_double),
+        ("unit", ctypes.c_double * _FEATURES), ("stream_ratio", ctypes.c_double),
         ("batch_size", ctypes.c_int32), ("max_batch", ctypes.c_int32),
         ("max_chunks", ctypes.c_int32), ("items_per_chunk", ctypes.c_int32),
         ("slots", ctypes.c_int32), ("num_sms", ctypes.c_int32), ("page_size", ctypes.c_int32),
@@ -93,7 +94,6 @@ def plan_params(model: CostModel, *, num_qo_heads: int, num_kv_heads: int, head_
     p = DevicePlanParams()
     p.coef[:] = [float(c) for c in model.coef_]
     p.unit[:] = [float(u) for u in units[:, 0]]
-    p.lone_min_tokens = float(LONE_CTA_MIN_TOKENS)
     p.stream_ratio = stream_ratio_of(model.bandwidth_gbps)
     p.max_batch, p.max_chunks = max_batch, max_chunks
     p.items_per_chunk = num_kv_heads * ctas_per_kv_head(num_qo_heads // num_kv_heads)
@@ -121,8 +121,8 @@ def layout_checks() -> str:
     """static_asserts for device_plan.cu: ``DevicePlanParams`` and ``DevicePlanState`` are laid
     out as mirrored here, ``Record`` as ``ChunkRecord``, and the launch orders, strategies and
     merges are numbered as the host numbers them: a planner whose structs or constants differ
-    does not compile. (Its feature columns are written from the host's table:
-    ``feature_table_source``.)"""
+    does not compile. (Its feature columns and rows are written from the host's tables:
+    ``feature_table_source``, ``row_table_source``.)"""
     constants = {"LONGEST_CHUNKS": LAUNCH_ORDERS.index("longest_chunks"),
                  "LONGEST_REQUESTS": LAUNCH_ORDERS.index("longest_requests"),
                  **{code: STRATEGIES.index(name) for code, name in (
@@ -140,8 +140,8 @@ def feature_table_source() -> str:
     """The cost model's columns for device_plan.cuh, from ``planner.features.FEATURES``: their
     count, and ``DEVICE_PLAN_FEATURES(X)``, X(column, row, the row 'split_merge' reads, the
     code of the strategy that alone pays it or -1) for each column in order. The rows are
-    members of the header's FeatureRows, so a column whose row the device does not compute
-    does not compile."""
+    members of the header's FeatureRows (``row_table_source``), so a column whose row the
+    device does not compute does not compile."""
     lines = [f"#define DEVICE_PLAN_NUM_FEATURES {len(FEATURES)}",
              "#define DEVICE_PLAN_FEATURES(X) \\"]
     for i, f in enumerate(FEATURES):
@@ -151,10 +151,40 @@ def feature_table_source() -> str:
     return "\n".join(lines) + "\n\n"
 
 
-def header_defines() -> str:
+def row_members(expressions: dict | None = None) -> tuple[str, ...]:
+    """FeatureRows' members in order: the input rows some column reads (the statistics and
+    'clustered'), then every row of ``expressions`` (``ROW_EXPRESSIONS``)."""
+    expressions = ROW_EXPRESSIONS if expressions is None else expressions
+    read = {name for f in FEATURES for name in (f.row, f.split_merge_row) if name}
+    return tuple(name for name in ROW_INPUTS if name in read) + tuple(expressions)
+
+
+def row_table_source(expressions: dict | None = None) -> str:
+    """The cost model's rows for device_plan.cuh, from ``planner.features.ROW_EXPRESSIONS``
+    (or ``expressions``): ``DEVICE_PLAN_ROW_INPUTS`` and ``DEVICE_PLAN_ROW_MEMBERS``, the
+    members of its RowInputs (``ROW_INPUTS`` then ``ROW_CONSTANTS``, float64 each) and
+    FeatureRows (``row_members``), and ``DEVICE_PLAN_ROWS(in, r)``, the statements that compute
+    r's rows from in, one operation each in the order the host's NumPy runs them
+    (``expressions.cpp_statements``)."""
+    expressions = ROW_EXPRESSIONS if expressions is None else expressions
+    members = row_members(expressions)
+    row_inputs = vars(inputs(*ROW_INPUTS))
+    outputs = {name: row_inputs[name] for name in members if name in ROW_INPUTS}
+    outputs.update(expressions)
+    statements = cpp_statements(outputs, "in", "r")
+    lines = [f"#define DEVICE_PLAN_ROW_INPUTS double {', '.join(ROW_INPUTS + ROW_CONSTANTS)};",
+             f"#define DEVICE_PLAN_ROW_MEMBERS double {', '.join(members)};",
+             "#define DEVICE_PLAN_ROWS(in, r) \\"]
+    lines += [f"  {line} \\" for line in statements]
+    return "\n".join(lines) + "\n\n"
+
+
+def header_defines(expressions: dict | None = None) -> str:
     """What device_plan.cuh needs defined before it, but DEVICE_PLAN_HD: the record's page
-    slots and the cost model's columns."""
-    return f"#define RECORD_PAGES {RECORD_PAGES}\n" + feature_table_source()
+    slots, the cost model's columns and its rows (``expressions``: the rows of another table,
+    for tests)."""
+    return (f"#define RECORD_PAGES {RECORD_PAGES}\n" + feature_table_source()
+            + row_table_source(expressions))
 
 
 def source() -> str:

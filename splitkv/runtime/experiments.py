@@ -8,7 +8,7 @@ from functools import cached_property
 
 from ..core import validation as V
 from ..core.builds import BuildForces
-from .features import check_option
+from .device_features import check_option
 
 # Where a PDL partial kernel lets the next kernel launch: 'early', as soon as its CTAs read
 # their records; 'late', once every CTA finished streaming its chunk.
@@ -33,7 +33,7 @@ class DecodeExperiments(BuildForces):
         'late' (the default; neither wins everywhere, docs/design/kernel.md) or 'early'. Only
         with programmatic dependent launch (the wrapper's ``pdl``).
     pdl_spread: force whether a PDL launch pads its shared memory so that one CTA lands per SM
-        (True / False); None: ``features.spreads_one_per_sm`` decides.
+        (True / False); None: ``device_features.spreads_one_per_sm`` decides.
     q_in_smem: keep q's MMA fragments in shared memory, read back every tile, instead of in
         registers (the Q_SMEM build): at head_dim 256 they are 64 registers and the kernel
         spills without it (docs/design/kernel.md); None: the default

@@ -15,7 +15,7 @@ from ..core.plan import Plan
 from ..core.problem import PageTable
 from . import require_gpu
 from .arrays import as_cupy_stream
-from .builds import graph_kernels
+from .compiled_builds import graph_kernels
 from .params import LaunchGrid, sm_scale_log2, soft_cap_log2
 from .run_inputs import run_stream
 from .records import GraphPlanUpload, chunk_records, pages_fit_record, record_pages_needed
@@ -146,8 +146,8 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
 
     def _spreads(self, requests: int) -> bool:
         """Whether the grid built for ``requests`` places one CTA per SM under PDL (see
-        ``features.spreads_one_per_sm``): decided per grid, since its captured launch holds
-        it. Yes when even ``requests`` unsplit leave SMs idle, so that plans split to fill
+        ``device_features.spreads_one_per_sm``): decided per grid, since its captured launch
+        holds it. Yes when even ``requests`` unsplit leave SMs idle, so that plans split to fill
         them (and those split requests' CTAs, whatever else the grid holds, must not land two
         to an SM); no for larger batches, whose plans fill the SMs twice.
         Never for fp8 K/V: a lone fp8 CTA streams far below an SM's share, so two to an SM on

@@ -25,7 +25,7 @@ import ctypes
 import sys
 import threading
 
-from .features import spreads_one_per_sm
+from .device_features import spreads_one_per_sm
 from .kernel_abi import DecodeParams
 from .params import LaunchGrid, RunArguments, write_run_arguments
 

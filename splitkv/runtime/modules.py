@@ -70,7 +70,7 @@ def load_module(source: str, options, label: str):
 def get_decode_kernels(variant: DecodeVariant) -> DecodeKernels:
     import cupy
 
-    from .features import one_per_sm_shared_bytes
+    from .device_features import one_per_sm_shared_bytes
 
     device = cupy.cuda.runtime.getDevice()
     key = (device, variant)

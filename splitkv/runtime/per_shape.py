@@ -11,7 +11,7 @@ from ..core import validation as V
 from ..core.execution import MERGE_KERNEL, grid_order
 from ..core.geometry import MAX_HEADS_PER_CTA, ctas_per_kv_head
 from ..core.builds import row_tiles_for
-from .builds import per_shape_kernels
+from .compiled_builds import per_shape_kernels
 from .records import chunk_records, pages_fit_record, record_pages_needed
 
 
@@ -29,8 +29,8 @@ class PerShapePlan:
 
 def per_shape_plan(plan, page_table, *, shape, heads: int, variant, experiments, soft_cap: bool,
                    rows_array, unified_max: bool) -> PerShapePlan:
-    """Check the plan's grids against CUDA's limits, choose its build (``builds``) and write
-    its chunk records. ``shape``: the wrapper's ``run_inputs.DecodeShape``; ``heads``: the
+    """Check the plan's grids against CUDA's limits, choose its build (``compiled_builds``) and
+    write its chunk records. ``shape``: the wrapper's ``run_inputs.DecodeShape``; ``heads``: the
     kernels' query heads (with multi-token decode, virtual heads); ``rows_array``: the
     multi-token rows (None: one row a request)."""
     group = heads // shape.num_kv_heads     # with multi-token decode, q_len x the group

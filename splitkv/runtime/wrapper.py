@@ -1,5 +1,5 @@
 """Plan-then-run decode attention on the GPU: a facade that plans (``planner``), builds
-(``builds``), uploads (``records``), fills the kernels' argument (``params``) and launches
+(``compiled_builds``), uploads (``records``), fills the kernels' argument (``params``) and launches
 (``launch``), in the order ``streams`` keeps.
 
     wrapper = BatchDecodeWrapper(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
@@ -25,9 +25,9 @@ from ..core.layouts import check_kv_layout
 from ..core.plan import Plan
 from ..core.problem import DecodeProblem, PageTable
 from . import require_gpu
-from .builds import shape_variant
+from .compiled_builds import shape_variant
+from .device_features import check_option, sm90_option
 from .experiments import DecodeExperiments
-from .features import check_option, sm90_option
 from .kernel_source import DecodeVariant
 from .launch import DecodeLaunch, bind_decode_launch
 from .page_tables import plan_page_table
@@ -200,18 +200,21 @@ class BatchDecodeWrapper:
         else ``load_profile``'s answer for this device."""
         if self._resolved_profile is not None:
             return self._resolved_profile
-        from ..planner.profiles import Profile, load_profile
+        from ..planner.profile_lookup import load_profile
+        from ..planner.profiles import Profile
 
         if not isinstance(self._profile, Profile):
             # None, or a path the constructor read: loaded here to be checked against the device
+            from .._first_use_source import first_use_source
             from . import device_info
-            from .first_use import DeviceProbes
 
             require_gpu("BatchDecodeWrapper.profile")
             info = device_info()
-            # a device with no profile is probed once (cached), unless $SPLITKV_FIRST_USE=off
+            # a device with no profile is probed once (cached), unless $SPLITKV_FIRST_USE=off:
+            # by splitkv.measure's probes, which splitkv/__init__.py installs (the runtime
+            # never imports the measuring code)
             self._profile = load_profile(path=self._profile, device_name=info["name"],
-                                         num_sms=info["num_sms"], first_use=DeviceProbes())
+                                         num_sms=info["num_sms"], first_use=first_use_source())
         self._resolved_profile = self._profile
         return self._profile
 
@@ -318,7 +321,7 @@ class BatchDecodeWrapper:
         decode; a graph-stable wrapper's is its own); ``unified_max``: whether plans take it.
         Returns the number of decode builds, compiled now or earlier in this process."""
         require_gpu("BatchDecodeWrapper.warmup()")
-        from .builds import compile_reachable
+        from .compiled_builds import compile_reachable
 
         for name, value in (("logits_soft_cap", logits_soft_cap), ("unified_max", unified_max)):
             if not isinstance(value, bool):

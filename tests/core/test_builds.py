@@ -2,7 +2,8 @@
 of ``helpers.build_cases`` (shapes, K/V dtypes, page sizes, per-shape plans, graph-stable grids,
 experiments) on an H200 and on GPUs of less shared memory a block (A100, L40S), against the
 decisions recorded then (``helpers/data/build_decisions.json``); and the runtime's entry points
-(``runtime.builds``) compile exactly what the core decides. No GPU: the device is plain data."""
+(``runtime.compiled_builds``) compile exactly what the core decides. No GPU: the device is
+plain data."""
 
 from __future__ import annotations
 
@@ -114,9 +115,9 @@ def test_the_recorded_cases_meet_every_decision():
 
 @pytest.mark.parametrize("name", ["H200", "L40S"])
 def test_the_runtime_compiles_what_the_core_decides(name, monkeypatch):
-    """runtime.builds' entry points, with the device as plain data and the compile left out,
-    give the core's builds as ``DecodeVariant``s."""
-    from splitkv.runtime import builds as runtime_builds
+    """runtime.compiled_builds' entry points, with the device as plain data and the compile left
+    out, give the core's builds as ``DecodeVariant``s."""
+    from splitkv.runtime import compiled_builds as runtime_builds
     from splitkv.runtime.experiments import DecodeExperiments
     from splitkv.runtime.kernel_source import DecodeVariant
 

@@ -36,7 +36,8 @@ from splitkv.core import validation as V
 from splitkv.core.execution import LAUNCH_ORDERS
 from splitkv.core.geometry import TILE_TOKENS
 from splitkv.planner import choose_plan
-from splitkv.planner.profiles import load_profile, prior_profile
+from splitkv.planner.profile_lookup import load_profile
+from splitkv.planner.profiles import prior_profile
 
 EXAMPLES = int(os.environ.get("SPLITKV_FUZZ_EXAMPLES", "400"))
 FUZZ = settings(max_examples=EXAMPLES, derandomize="SPLITKV_FUZZ_RANDOM" not in os.environ,

@@ -14,7 +14,8 @@ from splitkv import (DecodeProblem, PageTable, execute_plan_cpu, plan_chunk_toke
                      plan_fixed_splits, plan_from_chunk_counts, reference_decode)
 from splitkv.core import validation as V
 from splitkv.planner import choose_plan
-from splitkv.planner.profiles import ProfileError, load_profile
+from splitkv.planner.profile_lookup import load_profile
+from splitkv.planner.profiles import ProfileError
 from helpers.batches import host_decode_inputs
 
 BIG = V.MAX_KV_LEN                  # the longest request there may be: 2**31 - 1 tokens

@@ -9,7 +9,7 @@ import pytest
 
 from splitkv import DecodeProblem, execute_plan_cpu, plan_fixed_splits, reference_decode
 from splitkv.planner import choose_plan
-from splitkv.planner.profiles import load_profile
+from splitkv.planner.profile_lookup import load_profile
 
 from helpers.batches import build_batch
 

@@ -30,7 +30,7 @@ from splitkv import reference_decode  # noqa: E402
 from splitkv.distributed import shard_page_table  # noqa: E402
 from splitkv.distributed.host_decode import HostDecode, storage_dtype  # noqa: E402
 from splitkv.distributed.states import merge_gathered, pack_state, store_output  # noqa: E402
-from splitkv.runtime.testing import float_to_bits  # noqa: E402
+from splitkv.measure.test_data import float_to_bits  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("gloo_worker.py")

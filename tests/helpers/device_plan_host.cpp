@@ -2,6 +2,7 @@
 // compare with the host planner (tests/helpers/device_plan_reference.py builds it with g++ and
 // -ffp-contract=off, so the float64 formulas round as NumPy's).
 #include <cmath>
+#include <cstring>
 
 #include "device_plan_defines.h"   // runtime/device_planner.py's header_defines()
 #define DEVICE_PLAN_HD
@@ -113,3 +114,14 @@ extern "C" void splitkv_plan_on_host(const device_plan::DevicePlanParams* p) {
   device_plan::plan_on_host(*p);
 }
 extern "C" int splitkv_plan_params_size() { return (int)sizeof(device_plan::DevicePlanParams); }
+
+// The cost model's rows of one candidate (FeatureRows' members in order) from its inputs
+// (RowInputs' in order), float64 each: what the tests compare with the host's NumPy rows.
+extern "C" void splitkv_feature_rows(const double* in, double* out) {
+  device_plan::RowInputs inputs;
+  std::memcpy(&inputs, in, sizeof inputs);
+  const device_plan::FeatureRows rows = device_plan::feature_rows(inputs);
+  std::memcpy(out, &rows, sizeof rows);
+}
+extern "C" int splitkv_row_inputs() { return (int)(sizeof(device_plan::RowInputs) / 8); }
+extern "C" int splitkv_row_members() { return (int)(sizeof(device_plan::FeatureRows) / 8); }

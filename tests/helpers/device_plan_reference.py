@@ -32,19 +32,20 @@ def compiler() -> str | None:
     return shutil.which("g++") or shutil.which("c++")
 
 
-_LIB = None
+_LIBS: dict = {}
 
 
-def host_library():
+def host_library(expressions: dict | None = None):
     """device_plan.cuh and its serial driver (device_plan_host.cpp) compiled for the host
-    (cached per source), as a ctypes library."""
-    global _LIB
-    if _LIB is not None:
-        return _LIB
+    (cached per source), as a ctypes library; ``expressions``: the cost model's rows of
+    another table than ``features.ROW_EXPRESSIONS`` (``header_defines``)."""
     files = {"device_plan.cuh": resources.files("splitkv.kernels_cu").joinpath(
                  "device_plan.cuh").read_text(),
-             "device_plan_defines.h": header_defines(), "driver.cpp": _DRIVER.read_text()}
+             "device_plan_defines.h": header_defines(expressions),
+             "driver.cpp": _DRIVER.read_text()}
     digest = hashlib.sha256("".join(files.values()).encode()).hexdigest()[:16]
+    if digest in _LIBS:
+        return _LIBS[digest]
     out = Path(tempfile.gettempdir()) / f"splitkv-device-plan-{digest}.so"
     if not out.exists():
         with tempfile.TemporaryDirectory() as tmp:
@@ -58,8 +59,22 @@ def host_library():
     lib = ctypes.CDLL(str(out))
     lib.splitkv_plan_on_host.argtypes = [ctypes.POINTER(DevicePlanParams)]
     lib.splitkv_plan_params_size.restype = ctypes.c_int
-    _LIB = lib
+    lib.splitkv_feature_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.splitkv_row_inputs.restype = lib.splitkv_row_members.restype = ctypes.c_int
+    _LIBS[digest] = lib
     return lib
+
+
+def device_rows(inputs: np.ndarray, expressions: dict | None = None) -> np.ndarray:
+    """The rows [members, n] the planner on the device computes (``feature_rows``, built
+    with g++) from inputs [RowInputs' members, n]: ``ROW_INPUTS`` then ``ROW_CONSTANTS``."""
+    lib = host_library(expressions)
+    inputs = np.ascontiguousarray(np.asarray(inputs, np.float64).T)
+    assert inputs.shape[1] == lib.splitkv_row_inputs(), inputs.shape
+    out = np.zeros((inputs.shape[0], lib.splitkv_row_members()))
+    for column, result in zip(inputs, out):
+        lib.splitkv_feature_rows(column.ctypes.data, result.ctypes.data)
+    return out.T
 
 
 @dataclass

@@ -57,7 +57,7 @@ def case_name(shape: str, how: tuple, opts: dict) -> str:
 
 
 def _inputs(shape: str):
-    from splitkv.runtime.testing import random_device_array, scattered_page_table
+    from splitkv.measure.test_data import random_device_array, scattered_page_table
 
     lens, hq, hk, d, page, dtype = SHAPES[shape]
     rng = np.random.default_rng(int.from_bytes(hashlib.sha256(shape.encode()).digest()[:4], "little"))

@@ -33,7 +33,7 @@ from splitkv.distributed.exchange_kernels import kernel_source
 from splitkv.distributed.groups import ExchangeGroup, as_group
 from splitkv.distributed.states import merge_gathered, pack_state, store_output
 from splitkv.core.reference import to_float64
-from splitkv.runtime.testing import float_to_bits
+from splitkv.measure.test_data import float_to_bits
 
 REPO = Path(__file__).resolve().parents[2]
 TOL = dict(rtol=1e-12, atol=1e-12)
@@ -485,7 +485,7 @@ def test_a_rank_that_raises_fails_every_rank(tmp_path):
         import cupy, numpy as np, torch, torch.distributed as dist
         from torch.distributed.elastic.multiprocessing.errors import record
         from splitkv.distributed import ContextParallelDecode
-        from splitkv.runtime.testing import random_device_array, scattered_page_table
+        from splitkv.measure.test_data import random_device_array, scattered_page_table
 
         @record
         def main():

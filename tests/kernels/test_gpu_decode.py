@@ -11,8 +11,8 @@ from splitkv.core.execution import grid_order
 from splitkv.core.plan import plan_chunk_tokens, plan_from_chunk_counts
 from splitkv.core.problem import DecodeProblem
 from splitkv.core.reference import to_float64
+from splitkv.measure.test_data import random_device_array, scattered_page_table
 from splitkv.runtime.experiments import DecodeExperiments
-from splitkv.runtime.testing import random_device_array, scattered_page_table
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")

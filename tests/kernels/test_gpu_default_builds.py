@@ -14,10 +14,10 @@ import pytest
 from splitkv import reference_decode
 from splitkv.core import fp8
 from splitkv.core.reference import to_float64
+from splitkv.measure.test_data import (assert_matches_reference, assert_paths_match_reference,
+                                       plan_and_run, plan_and_run_both, poisoned_output,
+                                       random_device_array, random_kv_caches, scattered_page_table)
 from splitkv.runtime.experiments import DecodeExperiments
-from splitkv.runtime.testing import (assert_matches_reference, assert_paths_match_reference,
-                                     plan_and_run, plan_and_run_both, poisoned_output,
-                                     random_device_array, random_kv_caches, scattered_page_table)
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")

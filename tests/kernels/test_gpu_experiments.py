@@ -15,10 +15,10 @@ import pytest
 
 from splitkv import DecodeProblem, plan_chunk_tokens, plan_from_chunk_counts, reference_decode
 from splitkv.core.reference import to_float64
+from splitkv.measure.test_data import (assert_matches_reference, assert_paths_match_reference,
+                                       plan_and_run, plan_and_run_both, random_device_array,
+                                       random_kv_caches, scattered_page_table)
 from splitkv.runtime.experiments import DecodeExperiments
-from splitkv.runtime.testing import (assert_matches_reference, assert_paths_match_reference,
-                                     plan_and_run, plan_and_run_both, random_device_array,
-                                     random_kv_caches, scattered_page_table)
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")

@@ -13,9 +13,9 @@ import pytest
 from splitkv import DecodeProblem, plan_from_chunk_counts, reference_decode
 from splitkv.core import unified_max as UM
 from splitkv.core.reference import to_float64
-from splitkv.runtime.testing import (assert_matches_reference, poisoned_output,
-                                     random_device_array, random_kv_caches,
-                                     scattered_page_table)
+from splitkv.measure.test_data import (assert_matches_reference, poisoned_output,
+                                       random_device_array, random_kv_caches,
+                                       scattered_page_table)
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
@@ -143,7 +143,7 @@ def test_inputs_built_to_break_phi_fall_back_and_stay_exact(dtype, kv_dtype, str
 
 
 def _bits(values, dtype):
-    from splitkv.runtime.testing import float_to_bits
+    from splitkv.measure.test_data import float_to_bits
 
     return float_to_bits(np.asarray(values, np.float32), dtype)
 

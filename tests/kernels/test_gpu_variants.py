@@ -12,8 +12,8 @@ import pytest
 
 from splitkv import reference_decode
 from splitkv.core.reference import to_float64
-from splitkv.runtime.testing import (assert_matches_reference, random_device_array,
-                                     random_kv_caches, scattered_page_table)
+from splitkv.measure.test_data import (assert_matches_reference, random_device_array,
+                                       random_kv_caches, scattered_page_table)
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")

@@ -10,7 +10,7 @@ import pytest
 
 from splitkv import reference_decode
 from splitkv.core.reference import to_float64
-from splitkv.runtime.testing import random_device_array, scattered_page_table
+from splitkv.measure.test_data import random_device_array, scattered_page_table
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")

@@ -9,7 +9,7 @@ pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
                     reason="CuPy is not installed (python3 -m pip install -e '.[cuda13]' or '.[cuda12]')")
 
 from splitkv.bench.bandwidth import PROBE_SHAPES  # noqa: E402
-from splitkv.runtime.bandwidth_probe import read_kernel_source  # noqa: E402
+from splitkv.runtime.probe_kernels import read_kernel_source  # noqa: E402
 from splitkv.runtime.kernel_source import compile_cubin, read_source  # noqa: E402
 
 

@@ -22,7 +22,8 @@ from splitkv.core.builds import PlanGrid, decode_build, row_tiles_for
 from splitkv.core.geometry import MAX_HEADS_PER_CTA, ctas_per_kv_head
 from splitkv.core.problem import DecodeProblem
 from splitkv.planner import choose_plan
-from splitkv.planner.profiles import PROFILE_ENV, load_profile
+from splitkv.planner.profile_lookup import load_profile
+from splitkv.planner.profiles import PROFILE_ENV
 from splitkv.runtime.workspace import workspace_size
 
 GPUS = sorted(GPU_SMS)

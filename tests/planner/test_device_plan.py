@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from splitkv.core.execution import LAUNCH_ORDERS
-from splitkv.planner.profiles import load_profile
+from splitkv.planner.profile_lookup import load_profile
 from splitkv.runtime.device_planner import DevicePlanParams, device_batch, plan_params, source
 from splitkv.runtime.records import idle_records
 from splitkv.testing import scattered_page_table

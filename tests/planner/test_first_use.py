@@ -10,14 +10,15 @@ import pytest
 
 from splitkv import DecodeProblem
 from splitkv.core.architectures import GPU_SMS, device_properties
-from splitkv.planner import choose_plan, first_use, profiles
+from splitkv.planner import choose_plan, first_use, profile_lookup, profiles
 from splitkv.planner.cost_model import CostModel
 from splitkv.planner.features import FEATURE_NAMES
 from splitkv.planner.first_use import (FIRST_USE_ENV, ProbeError, ProbeResults, cache_key,
                                        derive_profile, first_use_mode, first_use_path,
                                        probe_cases, probe_ctas_per_sm, probe_model,
                                        read_first_use, save_first_use)
-from splitkv.planner.profiles import PROFILE_ENV, Profile, load_profile, user_profile_dir
+from splitkv.planner.profile_lookup import load_profile
+from splitkv.planner.profiles import PROFILE_ENV, Profile, user_profile_dir
 
 # A made-up device model the probes are synthesised from: every free column non-zero, of
 # the size a decode kernel's costs could be, and no GPU's fit.
@@ -34,7 +35,7 @@ def clean(monkeypatch, tmp_path):
     monkeypatch.setenv(FIRST_USE_ENV, "probe")
     monkeypatch.delenv(profiles.CACHE_DIR_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(profiles, "_warned_prior", set())
+    monkeypatch.setattr(profile_lookup, "_warned_prior", set())
     monkeypatch.setattr(profiles, "_warned_files", set())
     monkeypatch.setattr(first_use, "_state", first_use._State())
 
@@ -200,8 +201,8 @@ def test_the_path_holds_no_reference_gpu_figure():
     """Nothing in the derivation reads the shipped profiles or the prior's guesses."""
     from pathlib import Path
 
-    runtime = Path(first_use.__file__).parents[1] / "runtime" / "first_use.py"
-    source = open(first_use.__file__).read() + runtime.read_text()
+    probes = Path(first_use.__file__).parents[1] / "measure" / "first_use_probes.py"
+    source = open(first_use.__file__).read() + probes.read_text()
     for word in ("roofline_prior", "guess_bandwidth", "REFERENCE_DEVICE", "nvidia-h200",
                  "4460", "LONE_CTA_GBPS"):
         assert word not in source, word

@@ -15,7 +15,8 @@ from splitkv.planner.features import FEATURE_NAMES, feature_constants, resident_
 from splitkv.planner.planner import (CHUNK_TOKENS, NO_SPLIT, NUM_SPLITS, TILE_TOKENS, TINY_CONTEXT,
                                      Candidate, chunk_token_candidates, wave_filling_chunk_tokens,
                                      wave_filling_splits)
-from splitkv.planner.profiles import default_profile, roofline_prior
+from splitkv.planner.profile_lookup import default_profile
+from splitkv.planner.profiles import roofline_prior
 
 RAGGED_B32 = [2623, 1653, 3648, 1041, 3200, 6690, 2792, 1711, 2317, 8665, 1207, 1927, 1989, 557,
               4407, 880, 7824, 2685, 1287, 438, 4244, 5400, 1889, 1276, 2444, 520, 3909, 4031, 611,

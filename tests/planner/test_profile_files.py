@@ -14,11 +14,12 @@ import pytest
 import yaml
 
 from splitkv import DecodeProblem
-from splitkv.planner import choose_plan, profile_files, profiles
+from splitkv.planner import choose_plan, profile_files, profile_lookup, profiles
 from splitkv.planner.cost_model import CostModel
+from splitkv.planner.profile_lookup import default_profile, load_profile
 from splitkv.planner.profiles import (CACHE_DIR_ENV, PROFILE_ENV, Profile, ProfileError,
-                                      default_profile, device_slug, load_profile, prior_profile,
-                                      read_profile, user_profile_path)
+                                      device_slug, prior_profile, read_profile,
+                                      user_profile_path)
 
 SHIPPED = "splitkv:nvidia-h200.yaml"
 PROBLEM = DecodeProblem(np.array([32768, 100]), 32, 8, 128, 16)
@@ -30,9 +31,9 @@ def clean_env(monkeypatch, tmp_path):
     monkeypatch.delenv(PROFILE_ENV, raising=False)
     monkeypatch.delenv(CACHE_DIR_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(profiles, "_warned_prior", set())
+    monkeypatch.setattr(profile_lookup, "_warned_prior", set())
     monkeypatch.setattr(profiles, "_warned_files", set())
-    monkeypatch.setattr(profiles, "_default", {})
+    monkeypatch.setattr(profile_lookup, "_default", {})
 
 
 def make_profile(launches=7.0, **changes):
@@ -342,7 +343,7 @@ def test_splitkv_cache_dir_moves_the_cache(tmp_path, monkeypatch):
     assert default_profile().origin == SHIPPED
     make_profile(launches=3.0).save(own / "profiles" / f"{device_slug('NVIDIA H200')}.yaml")
     assert load_profile().coef["launches"] == 3.0
-    monkeypatch.setattr(profiles, "_default", {})
+    monkeypatch.setattr(profile_lookup, "_default", {})
     assert default_profile().coef["launches"] == 3.0
     monkeypatch.setenv(CACHE_DIR_ENV, "")                   # empty: not set
     assert user_profile_path("NVIDIA H200") == \

@@ -11,10 +11,11 @@ import pytest
 import yaml
 
 from splitkv import DecodeProblem
-from splitkv.planner import choose_plan, profiles
+from splitkv.planner import choose_plan, profile_lookup, profiles
 from splitkv.planner.features import FEATURE_NAMES
-from splitkv.planner.profiles import (PROFILE_ENV, Profile, ProfileError, default_profile,
-                                      device_slug, load_profile, prior_profile, read_profile)
+from splitkv.planner.profile_lookup import default_profile, load_profile
+from splitkv.planner.profiles import (PROFILE_ENV, Profile, ProfileError, device_slug,
+                                      prior_profile, read_profile)
 
 
 @pytest.fixture(autouse=True)
@@ -23,9 +24,9 @@ def clean_env(monkeypatch, tmp_path):
     monkeypatch.delenv(PROFILE_ENV, raising=False)
     monkeypatch.delenv(profiles.CACHE_DIR_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(profiles, "_warned_prior", set())
+    monkeypatch.setattr(profile_lookup, "_warned_prior", set())
     monkeypatch.setattr(profiles, "_warned_files", set())
-    monkeypatch.setattr(profiles, "_default", {})
+    monkeypatch.setattr(profile_lookup, "_default", {})
 
 
 def make_profile(device="NVIDIA H200", num_sms=132, launches=7.0, source="calibrated"):

@@ -56,7 +56,7 @@ import sys
 import cupy
 import numpy as np
 from splitkv import BatchDecodeWrapper
-from splitkv.runtime.testing import random_device_array
+from splitkv.measure.test_data import random_device_array
 from splitkv.testing import scattered_page_table
 
 plan_stream, strategy = sys.argv[1], sys.argv[2]

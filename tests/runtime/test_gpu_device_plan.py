@@ -100,7 +100,7 @@ def test_one_graph_with_the_planner_replays_a_thousand_steps_bit_identically():
     new lengths, pages and queries. Each step's outputs equal, bit for bit, an eager run of the
     host planner's plan of the same batch; the device's choice is the host's."""
     from splitkv import BatchDecodeWrapper
-    from splitkv.runtime.testing import random_device_array
+    from splitkv.measure.test_data import random_device_array
 
     rng = np.random.default_rng(77)
     layers = [(random_device_array((POOL_PAGES, PAGE, HK, D), DTYPE, rng),
@@ -154,7 +154,7 @@ def test_eager_plan_then_run_sees_each_new_plan():
     """plan_on_device() and run() back to back with no graph, the plan changing every step:
     the first run after the planning kernel must not read its records early (PDL)."""
     from splitkv import BatchDecodeWrapper
-    from splitkv.runtime.testing import random_device_array
+    from splitkv.measure.test_data import random_device_array
 
     rng = np.random.default_rng(5)
     k = random_device_array((POOL_PAGES, PAGE, HK, D), DTYPE, rng)
@@ -186,7 +186,7 @@ def test_invalid_device_values_are_reported_not_read():
     """A negative length and a request with more pages than its row: planned as empty (nothing
     read past the table: the memcheck run covers this test), the first error reported."""
     from splitkv import BatchDecodeWrapper
-    from splitkv.runtime.testing import random_device_array
+    from splitkv.measure.test_data import random_device_array
 
     rng = np.random.default_rng(9)
     k = random_device_array((64, PAGE, HK, D), DTYPE, rng)

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from splitkv import reference_decode
 from splitkv.core.reference import to_float64
-from splitkv.runtime.testing import (assert_matches_reference, random_device_array,
-                                     scattered_page_table)
+from splitkv.measure.test_data import (assert_matches_reference, random_device_array,
+                                       scattered_page_table)
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")

@@ -53,7 +53,7 @@ FORCED = [dict(), dict(strategy="single"), dict(num_splits=5, strategy="split_me
 
 def test_one_graph_replays_a_thousand_changing_plans_bit_identically():
     from splitkv import BatchDecodeWrapper
-    from splitkv.runtime.testing import random_device_array
+    from splitkv.measure.test_data import random_device_array
 
     rng = np.random.default_rng(2024)
     k = random_device_array((POOL_PAGES, PAGE, HK, D), DTYPE, rng)
@@ -130,7 +130,7 @@ def test_runs_on_another_stream_are_ordered_with_the_next_plan():
     """plan() on one stream, many eager runs on another, the next plan() at once: every run
     reads the plan it was given (the next upload waits for them), as an ordinary wrapper's."""
     from splitkv import BatchDecodeWrapper
-    from splitkv.runtime.testing import random_device_array
+    from splitkv.measure.test_data import random_device_array
 
     rng = np.random.default_rng(3)
     k = random_device_array((POOL_PAGES, PAGE, HK, D), DTYPE, rng)
@@ -162,7 +162,7 @@ def test_each_batch_size_runs_the_grid_of_its_own_capacity():
     and device-planned, graphs per batch size replaying correctly side by side."""
     from splitkv import BatchDecodeWrapper, reference_decode
     from splitkv.core.reference import to_float64
-    from splitkv.runtime.testing import random_device_array
+    from splitkv.measure.test_data import random_device_array
 
     def stable(cap, **kw):
         return BatchDecodeWrapper(HQ, HK, D, PAGE, DTYPE, use_cuda_graph=True,

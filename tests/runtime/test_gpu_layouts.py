@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from splitkv.runtime.testing import random_device_array, scattered_page_table
+from splitkv.measure.test_data import random_device_array, scattered_page_table
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")

@@ -45,10 +45,10 @@ cupy.RawModule = counting_raw_module
 
 from splitkv import BatchDecodeWrapper, PageTable, reference_decode  # noqa: E402
 from splitkv.core.reference import to_float64  # noqa: E402
+from splitkv.measure.test_data import (assert_matches_reference, plan_and_run,  # noqa: E402
+                                       random_device_array, random_kv_caches,
+                                       scattered_page_table)
 from splitkv.runtime import modules  # noqa: E402
-from splitkv.runtime.testing import (assert_matches_reference, plan_and_run,  # noqa: E402
-                                     random_device_array, random_kv_caches,
-                                     scattered_page_table)
 
 mode, kv = sys.argv[1], sys.argv[2] or None
 rng = np.random.default_rng(0)

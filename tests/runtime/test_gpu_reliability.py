@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from splitkv.core import fp8
-from splitkv.runtime.testing import random_device_array, scattered_page_table
+from splitkv.measure.test_data import random_device_array, scattered_page_table
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
@@ -92,7 +92,7 @@ def test_the_bench_data_watch_finds_a_written_nan_and_where(kv_dtype):
     """``LayeredKV.non_finite`` (the bench's check before its error check): the random data as
     made is finite; a NaN (fp8: a NaN code; e5m2: an Inf code too) written into one layer, or
     into q, is found with its array and first index."""
-    from splitkv.runtime.timing import make_layers
+    from splitkv.measure.timing import make_layers
 
     pt, _ = scattered_page_table([300, 40], 16, np.random.default_rng(1))
     data = make_layers(pt, 8, 2, 64, "bfloat16", min_total_bytes=1 << 20, kv_dtype=kv_dtype)

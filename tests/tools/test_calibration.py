@@ -12,7 +12,7 @@ from splitkv.calibration.fit import decisions, fit_profile, split_heldout
 from splitkv.calibration.sweep import (MAX_KV_BYTES, candidate_plans, measure, sweep_points,
                                        sweep_shapes)
 from splitkv.cli import calibrate as calibrate_cli
-from splitkv.planner import CostModel, profiles
+from splitkv.planner import CostModel, profile_lookup, profiles
 from splitkv.planner.profiles import prior_profile, read_profile
 
 # The simulated GPU: unlike the prior the sweep is drawn under, in every parameter.
@@ -129,11 +129,11 @@ def test_calibrate_without_a_gpu_exits_2(monkeypatch, capsys):
 
 def test_calibrate_with_a_simulated_gpu(monkeypatch, tmp_path, capsys, fake_gpu):
     import splitkv.runtime
-    import splitkv.runtime.timing
+    import splitkv.measure.timing
 
     monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: (True, DEVICE["name"]))
     monkeypatch.setattr(splitkv.runtime, "device_info", lambda: dict(DEVICE))
-    monkeypatch.setattr(splitkv.runtime.timing, "time_plan_us", fake_gpu)
+    monkeypatch.setattr(splitkv.measure.timing, "time_plan_us", fake_gpu)
     out = tmp_path / "h200.yaml"
     assert run_calibrate(["--quick", "--plot", "--out", str(out)]) == 0
     text = capsys.readouterr().out
@@ -156,13 +156,13 @@ def test_calibrate_with_a_simulated_gpu(monkeypatch, tmp_path, capsys, fake_gpu)
 def simulated_gpu(monkeypatch, tmp_path, fake_gpu):
     """The simulated GPU behind the command, an empty user cache and no $SPLITKV_PROFILE."""
     import splitkv.runtime
-    import splitkv.runtime.timing
+    import splitkv.measure.timing
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv(profiles.PROFILE_ENV, raising=False)
     monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: (True, DEVICE["name"]))
     monkeypatch.setattr(splitkv.runtime, "device_info", lambda: dict(DEVICE))
-    monkeypatch.setattr(splitkv.runtime.timing, "time_plan_us", fake_gpu)
+    monkeypatch.setattr(splitkv.measure.timing, "time_plan_us", fake_gpu)
     return tmp_path / "cache" / "splitkv" / "profiles" / "nvidia-h200.yaml"
 
 
@@ -228,7 +228,7 @@ def test_a_calibration_cut_off_keeps_what_it_measured(monkeypatch, tmp_path, fak
     before its fit (here the simulated GPU fails at the 11th plan) leaves the 10 it timed, and
     read_measurements rebuilds their plans from it for a fit without the GPU."""
     import splitkv.runtime
-    import splitkv.runtime.timing
+    import splitkv.measure.timing
     from splitkv.calibration.sweep import read_measurements
 
     calls = []
@@ -241,7 +241,7 @@ def test_a_calibration_cut_off_keeps_what_it_measured(monkeypatch, tmp_path, fak
 
     monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: (True, DEVICE["name"]))
     monkeypatch.setattr(splitkv.runtime, "device_info", lambda: dict(DEVICE))
-    monkeypatch.setattr(splitkv.runtime.timing, "time_plan_us", failing)
+    monkeypatch.setattr(splitkv.measure.timing, "time_plan_us", failing)
     out = tmp_path / "h200.yaml"
     with pytest.raises(RuntimeError, match="the device went away"):
         run_calibrate(["--quick", "--out", str(out)])
@@ -257,15 +257,15 @@ def test_a_calibration_cut_off_keeps_what_it_measured(monkeypatch, tmp_path, fak
 
 def test_calibrate_writes_to_the_user_cache_by_default(monkeypatch, tmp_path, fake_gpu):
     import splitkv.runtime
-    import splitkv.runtime.timing
+    import splitkv.measure.timing
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(profiles.PROFILE_ENV, raising=False)
     monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: (True, DEVICE["name"]))
     monkeypatch.setattr(splitkv.runtime, "device_info", lambda: dict(DEVICE))
-    monkeypatch.setattr(splitkv.runtime.timing, "time_plan_us", fake_gpu)
+    monkeypatch.setattr(splitkv.measure.timing, "time_plan_us", fake_gpu)
     assert run_calibrate(["--quick"]) == 0
-    found = profiles.load_profile(device_name="NVIDIA H200", num_sms=132)
+    found = profile_lookup.load_profile(device_name="NVIDIA H200", num_sms=132)
     assert found.source == "calibrated"
     assert found.origin == str(tmp_path / "splitkv" / "profiles" / "nvidia-h200.yaml")
 
@@ -321,7 +321,7 @@ def rank_candidates_of(model):
 
 
 def test_median_host_us_warms_up_then_times_each_call():
-    from splitkv.runtime.timing import median_host_us
+    from splitkv.measure.timing import median_host_us
 
     calls = []
     us = median_host_us(lambda: calls.append(1), 7, warmup=3)
@@ -333,7 +333,7 @@ def test_calibrate_kv_dtype_adds_an_fp8_fit_to_the_base_profile(monkeypatch, tmp
     profile unchanged but for its kv_fp8 parameters, which fp8 caches then plan with; the
     fp8 measurements go to <name>.fp8.csv."""
     import splitkv.runtime
-    import splitkv.runtime.timing
+    import splitkv.measure.timing
 
     fp8_coef = dict(TRUE_COEF, kv_us=TRUE_COEF["kv_us"] / 2, crit_us=TRUE_COEF["crit_us"] / 2)
     truth = CostModel.from_coef(fp8_coef, clusters=True)
@@ -345,7 +345,7 @@ def test_calibrate_kv_dtype_adds_an_fp8_fit_to_the_base_profile(monkeypatch, tmp
 
     monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: (True, DEVICE["name"]))
     monkeypatch.setattr(splitkv.runtime, "device_info", lambda: dict(DEVICE))
-    monkeypatch.setattr(splitkv.runtime.timing, "time_plan_us", time_plan_us)
+    monkeypatch.setattr(splitkv.measure.timing, "time_plan_us", time_plan_us)
     base = prior_profile("NVIDIA H200", 132)
     base_path = base.save(tmp_path / "base.yaml")
     out = tmp_path / "with-fp8.yaml"
@@ -368,7 +368,7 @@ def test_calibrate_graph_stable_times_four_warps_and_fills_its_own_fit(monkeypat
     """`--kv-dtype ... --graph-stable` times every plan with 4-warp CTAs (what a graph-stable
     wrapper runs) and writes kv_fp8_graph_stable, leaving kv_fp8 as it was."""
     import splitkv.runtime
-    import splitkv.runtime.timing
+    import splitkv.measure.timing
 
     truth = CostModel.from_coef(dict(TRUE_COEF, waves=TRUE_COEF["waves"] * 2), clusters=True)
     seen = []
@@ -379,7 +379,7 @@ def test_calibrate_graph_stable_times_four_warps_and_fills_its_own_fit(monkeypat
 
     monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: (True, DEVICE["name"]))
     monkeypatch.setattr(splitkv.runtime, "device_info", lambda: dict(DEVICE))
-    monkeypatch.setattr(splitkv.runtime.timing, "time_plan_us", time_plan_us)
+    monkeypatch.setattr(splitkv.measure.timing, "time_plan_us", time_plan_us)
     base = prior_profile("NVIDIA H200", 132).with_kv_fp8(prior_profile("NVIDIA H200", 132))
     base_path = base.save(tmp_path / "base.yaml")
     out = tmp_path / "with-graph.yaml"

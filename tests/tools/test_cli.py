@@ -158,7 +158,7 @@ def test_plan_with_query_rows_and_fp8(capsys):
     the wrapper makes; --kv-dtype: the profile's fp8 fit and one-byte K/V."""
     from splitkv import DecodeProblem
     from splitkv.planner import choose_plan
-    from splitkv.planner.profiles import load_profile
+    from splitkv.planner.profile_lookup import load_profile
 
     assert cli.main(["plan", "--batch", "8", "--q-len", "4", "--kv-dtype", "fp8_e4m3"]) == 0
     out = capsys.readouterr().out

@@ -15,7 +15,8 @@ from splitkv import cli
 from splitkv.cli import cache as cache_cli
 from splitkv.cli import env as env_cli
 from splitkv.planner.first_use import FIRST_USE_ENV, ProbesDeferred, first_use_path
-from splitkv.planner.profiles import load_profile, prior_profile, user_profile_path
+from splitkv.planner.profile_lookup import load_profile
+from splitkv.planner.profiles import prior_profile, user_profile_path
 
 
 @pytest.fixture
@@ -166,7 +167,6 @@ def test_env_with_a_gpu_lists_cuda_and_the_devices(clean_env, monkeypatch, capsy
     """A simulated CuPy and GPU: the versions as CUDA numbers them, one line a device, the
     profile looked up for the device in use."""
     import splitkv.runtime
-    import splitkv.runtime.first_use
 
     fake = types.SimpleNamespace(__version__="14.2.0", __file__="/x/cupy/__init__.py",
                                  cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(
@@ -182,7 +182,7 @@ def test_env_with_a_gpu_lists_cuda_and_the_devices(clean_env, monkeypatch, capsy
     monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: (True, "NVIDIA H200"))
     monkeypatch.setattr(splitkv.runtime, "nvrtc_available", lambda: (True, "NVRTC 13.0"))
     monkeypatch.setattr(splitkv.runtime, "device_info", device_info)
-    monkeypatch.setattr(splitkv.runtime.first_use, "driver_version", lambda: "13000")
+    monkeypatch.setattr(splitkv.runtime, "driver_version", lambda: "13000")
     lines = env_lines(capsys)
     assert value(lines, "cupy") == "14.2.0 (/x/cupy)"
     assert value(lines, "cuda runtime") == "13.2 (CuPy's build)"

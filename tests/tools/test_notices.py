@@ -16,11 +16,11 @@ import pytest
 import splitkv
 from splitkv import cli
 from splitkv._log import caught_notices, logger
-from splitkv.planner import profiles
+from splitkv.planner import profile_lookup, profiles
 
 ROOT = Path(splitkv.__file__).resolve().parents[1]
 # a load_profile that gives the prior's notice (a device no profile is shipped for)
-PRIOR = ("from splitkv.planner.profiles import load_profile; "
+PRIOR = ("from splitkv.planner.profile_lookup import load_profile; "
          "load_profile(device_name='Acme GPU 9000', num_sms=40)")
 
 
@@ -29,7 +29,7 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.delenv(profiles.PROFILE_ENV, raising=False)
     monkeypatch.delenv(profiles.CACHE_DIR_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(profiles, "_warned_prior", set())
+    monkeypatch.setattr(profile_lookup, "_warned_prior", set())
     monkeypatch.setattr(profiles, "_warned_files", set())
 
 

@@ -1,7 +1,8 @@
 """What ``splitkv precompile`` compiles, without a GPU: for one wrapper configuration and one
-architecture, the modules its ``warmup()`` would compile there (``builds.reachable_variants``,
-and a graph-stable wrapper's planning kernel), each with the source, options and name the
-runtime looks it up by (``modules.load_module``), compiled into the cubin cache."""
+architecture, the modules its ``warmup()`` would compile there
+(``compiled_builds.reachable_variants``, and a graph-stable wrapper's planning kernel), each
+with the source, options and name the runtime looks it up by (``modules.load_module``),
+compiled into the cubin cache."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ..core import validation as V
 from ..core import variants as VA
 from ..core.architectures import ARCHITECTURES, architecture_properties
 from ..core.builds import DeviceProperties
-from .builds import reachable_variants, shape_variant
+from .compiled_builds import reachable_variants, shape_variant
 from .cubin_cache import precompile_module
 from .experiments import DecodeExperiments
 from .kernel_source import NVRTC_OPTIONS

@@ -1,9 +1,12 @@
-"""The one timing routine, shared by the benchmark and the calibration sweep.
+"""The one timing routine, shared by the benchmark, the calibration sweep and the first-use
+probes.
 
 Method: L layers of distinct KV buffers, together at least 1 GiB so
 each layer's KV comes from HBM and not L2; one CUDA graph runs one decode call per layer; the
 graph is replayed many times; time per call = elapsed / (replays x L), the median of 7 trials
-of at least 30 ms each, timed with CUDA events.
+of at least 30 ms each, timed with CUDA events. The CuPy calls (the events, the capture, the
+random arrays) are the runtime's (``runtime.cupy_timers``, ``runtime.cupy_arrays``); what is
+timed, how often and which statistic is kept is here.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 
 from ..core.plan import Plan
 from ..core.problem import PageTable
+from ..runtime.cupy_timers import capture_layers, cupy_timer, synchronize_device
 
 
 TRIALS = 7
@@ -47,54 +51,28 @@ def median_host_us(fn: Callable[[], object], repeats: int, *, warmup: int = 0,
     """Median host microseconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed
     ones. ``idle_device``: synchronize the GPU (untimed) before each call, as in a decode loop
     where the previous step's copies finished long ago."""
-    if idle_device:
-        import cupy
     for _ in range(warmup):
         fn()
     samples = np.empty(repeats)
     for i in range(repeats):
         if idle_device:
-            cupy.cuda.runtime.deviceSynchronize()
+            synchronize_device()
         t0 = time.perf_counter_ns()
         fn()
         samples[i] = time.perf_counter_ns() - t0
     return float(np.median(samples)) / 1e3
 
 
-def cupy_timer(launch: Callable[[], None], stream) -> Callable[[int], float]:
-    """``run_timed`` for ``median_us_per_call``: repeats ``launch()`` between CuPy events."""
-    import cupy
-
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-
-    def run_timed(n: int) -> float:
-        start.record(stream)
-        for _ in range(n):
-            launch()
-        end.record(stream)
-        end.synchronize()
-        return cupy.cuda.get_elapsed_time(start, end)
-
-    return run_timed
-
-
 def time_graph_us(launch_layer: Callable[[int, object], None], num_layers: int, *,
                   trials: int = TRIALS, min_trial_ms: float = MIN_TRIAL_MS, stream=None) -> float:
-    """Median microseconds per layer call of ``launch_layer(layer, stream)`` over graph replays."""
-    import cupy
-
-    stream = stream or cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        for layer in range(num_layers):      # eager warm-up: compiles, faults pages in
-            launch_layer(layer, stream)
-        stream.begin_capture()
-        for layer in range(num_layers):
-            launch_layer(layer, stream)
-        graph = stream.end_capture()
-        run_timed = cupy_timer(lambda: graph.launch(stream), stream)
-        one_ms = max(run_timed(1), 1e-3)
-        run_timed(math.ceil(WARMUP_MS / one_ms))
-        return median_us_per_call(run_timed, num_layers, trials=trials, min_trial_ms=min_trial_ms)
+    """Median microseconds per layer call of ``launch_layer(layer, stream)`` over replays of a
+    CUDA graph of all the layers (``runtime.cupy_timers.capture_layers``: each layer launched
+    once first), after ``WARMUP_MS`` of replays."""
+    replay, stream = capture_layers(launch_layer, num_layers, stream)
+    run_timed = cupy_timer(replay, stream)
+    one_ms = max(run_timed(1), 1e-3)
+    run_timed(math.ceil(WARMUP_MS / one_ms))
+    return median_us_per_call(run_timed, num_layers, trials=trials, min_trial_ms=min_trial_ms)
 
 
 def layers_for(bytes_per_layer: int, min_total_bytes: int = 1 << 30) -> int:
@@ -122,10 +100,11 @@ class LayeredKV:
         data is random and finite when made, so anything here was written by a kernel since
         (the bench checks this before its error check, so that an error that comes from data a
         kernel overwrote is reported as such)."""
-        import cupy
 
         def bad_16bit(a):                   # bfloat16 as uint16 bits, or float16
-            return ~cupy.isfinite(a) if a.dtype == np.float16 else (a & 0x7F80) == 0x7F80
+            if a.dtype == np.float16:        # exponent all ones: Inf or NaN
+                return (a.view(np.uint16) & 0x7C00) == 0x7C00
+            return (a & 0x7F80) == 0x7F80
 
         def bad_codes(a):
             if kv_dtype == "float8_e4m3fn":  # no infinities; NaN is S.1111.111
@@ -140,7 +119,7 @@ class LayeredKV:
         for name, mask in arrays:
             n = int(mask.sum())
             if n:
-                found[name] = (n, int(cupy.flatnonzero(mask.ravel())[0]))
+                found[name] = (n, int(mask.ravel().nonzero()[0][0]))
         return found
 
 
@@ -149,10 +128,8 @@ def make_layers(page_table: PageTable, num_qo_heads: int, num_kv_heads: int, hea
                 kv_dtype: str | None = None) -> LayeredKV:
     """``kv_dtype`` (an fp8 format): K and V are random fp8 codes of magnitude <= 8
     (``random_fp8_codes``), one byte each, so twice the layers hold the same bytes."""
-    import cupy
-
-    from .arrays import cupy_storage_dtype
-    from .testing import random_device_array_fast, random_fp8_codes
+    from ..runtime.arrays import cupy_storage_dtype
+    from ..runtime.cupy_arrays import empty, random_device_array_fast, random_fp8_codes
 
     num_pages = int(page_table.kv_indices.max()) + 1 if page_table.kv_indices.size else 1
     shape = (num_pages, page_table.page_size, num_kv_heads, head_dim)
@@ -166,7 +143,7 @@ def make_layers(page_table: PageTable, num_qo_heads: int, num_kv_heads: int, hea
         make = lambda i: random_device_array_fast(shape, dtype, i)    # noqa: E731
     ks = [make(seed + 1 + 2 * i) for i in range(layers)]
     vs = [make(seed + 2 + 2 * i) for i in range(layers)]
-    out = cupy.empty((batch, num_qo_heads, head_dim), dtype=cupy_storage_dtype(dtype))
+    out = empty((batch, num_qo_heads, head_dim), cupy_storage_dtype(dtype))
     return LayeredKV(q, ks, vs, out, num_pages)
 
 
@@ -202,7 +179,7 @@ def time_plan_us(plan: Plan, page_table: PageTable, *, min_total_bytes: int = 1 
     of one batch in a row (a calibration sweep) fills the memory once;
     ``release_cached_layers()`` frees them.
     """
-    from .wrapper import BatchDecodeWrapper
+    from ..runtime.wrapper import BatchDecodeWrapper
 
     p = plan.problem
     if data is None:

@@ -1,15 +1,20 @@
-"""Random decode batches on the GPU, shared by the GPU tests, the demo, the benchmark and the
-calibration sweep: pages scattered at random through a pool, fresh random values each time."""
+"""Random decode batches on the GPU and the checks the GPU tests make with them: pages
+scattered at random through a pool (``splitkv.testing``), fresh random values each time,
+outputs poisoned so that a row left unwritten shows, a wrapper's output against the float64
+reference. Shared by the GPU tests, the benchmarks and the examples; the CuPy calls are the
+runtime's (``runtime.cupy_arrays``)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ..core.bfloat16 import float32_to_bits
+from ..runtime.cupy_arrays import full, to_device
 from ..testing import scattered_page_table
 
-__all__ = ["float_to_bits", "plan_and_run", "poisoned_output", "random_device_array",
-           "random_device_array_fast", "random_kv_caches", "scattered_page_table"]
+__all__ = ["assert_matches_reference", "assert_paths_match_reference", "float_to_bits",
+           "plan_and_run", "plan_and_run_both", "poisoned_output", "random_device_array",
+           "random_kv_caches", "scattered_page_table"]
 
 
 def float_to_bits(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -22,10 +27,8 @@ def float_to_bits(x: np.ndarray, dtype: str) -> np.ndarray:
 
 def random_device_array(shape, dtype: str, rng: np.random.Generator, scale: float = 1.0):
     """A CuPy array of random normal values in 16-bit storage (bfloat16 as uint16 bits)."""
-    import cupy
-
     host = float_to_bits(rng.standard_normal(shape, dtype=np.float32) * scale, dtype)
-    return cupy.asarray(host)
+    return to_device(host)
 
 
 def random_kv_caches(shape, dtype: str, rng: np.random.Generator, kv_dtype=None):
@@ -39,51 +42,21 @@ def random_kv_caches(shape, dtype: str, rng: np.random.Generator, kv_dtype=None)
     return tuple(random_device_array(shape, dtype, rng).get() for _ in range(2))
 
 
-def random_device_array_fast(shape, dtype: str, seed: int):
-    """Large random arrays generated on the device (benchmark-sized KV pools)."""
-    import cupy
-
-    gen = cupy.random.default_rng(seed)
-    x = gen.standard_normal(shape, dtype=cupy.float32)
-    if dtype == "float16":
-        return x.astype(cupy.float16)
-    return (x.view(cupy.uint32) >> 16).astype(cupy.uint16)
-
-
-# The largest code of magnitude <= 8 in each fp8 format (8 = 2**3: exponent field 3 + bias).
-_FP8_CODE_OF_8 = {"float8_e4m3fn": 0x50, "float8_e5m2": 0x48}
-
-
-def random_fp8_codes(shape, kv_dtype: str, seed: int):
-    """Random finite fp8 codes of magnitude <= 8 (uint8, on the device): every code from 0 up
-    to that of 8, either sign, uniformly (so values spread over the format's exponents)."""
-    import cupy
-
-    gen = cupy.random.default_rng(seed)
-    codes = gen.integers(0, _FP8_CODE_OF_8[kv_dtype] + 1, shape, dtype=cupy.uint8)
-    signs = gen.integers(0, 2, shape, dtype=cupy.uint8) << 7
-    return codes | signs
-
-
 def poisoned_output(q):
     """A device output shaped like q, filled with NaN in q's storage (bfloat16 bits as uint16,
     or float16): a row the kernels leave unwritten shows as NaN."""
-    import cupy
-
     if q.dtype == np.float16:
-        return cupy.full(q.shape, np.nan, cupy.float16)
-    return cupy.full(q.shape, 0xFFFF, cupy.uint16)
+        return full(q.shape, np.nan, np.float16)
+    return full(q.shape, 0xFFFF, np.uint16)
 
 
 def plan_and_run(wrapper, page_table, q, k_cache, v_cache, **plan_kw):
     """``wrapper.plan(page_table, **plan_kw)`` then one run into poisoned outputs; returns
     (out, lse) on the host."""
-    import cupy
-
     wrapper.plan(page_table, **plan_kw)
     out = poisoned_output(q)
-    lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
-    wrapper.run(q, cupy.asarray(k_cache), cupy.asarray(v_cache), out=out, lse=lse)
+    lse = full(q.shape[:2], np.nan, np.float32)
+    wrapper.run(q, to_device(k_cache), to_device(v_cache), out=out, lse=lse)
     return out.get(), lse.get()
 
 
@@ -105,13 +78,11 @@ def assert_paths_match_reference(experiments, num_qo_heads: int, num_kv_heads: i
     planned on the host (single, split_merge, fused) and one planned on the device.
     ``check(wrapper)`` asserts which build ran. Two bf16 requests of 900 tokens; returns
     (page_table, q, k, v, the per-shape wrapper) for the caller's own cases."""
-    import cupy
-
     from ..core.plan import plan_from_chunk_counts
     from ..core.problem import DecodeProblem
     from ..core.reference import reference_decode, to_float64
-    from . import device_info
-    from .wrapper import BatchDecodeWrapper
+    from ..runtime import device_info
+    from ..runtime.wrapper import BatchDecodeWrapper
 
     hq, hk, d = num_qo_heads, num_kv_heads, head_dim
     pt, pages = scattered_page_table([900, 900], 16, rng)
@@ -135,11 +106,11 @@ def assert_paths_match_reference(experiments, num_qo_heads: int, num_kv_heads: i
             check(g)
         assert_matches_reference(to_float64(o), lse, ref_o, ref_lse, 1e-2, f"graph {strategy}")
     on_device = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", **graph)
-    on_device.plan_on_device(**{name: cupy.asarray(getattr(pt, name), dtype=cupy.int32)
+    on_device.plan_on_device(**{name: to_device(np.asarray(getattr(pt, name), dtype=np.int32))
                                 for name in ("kv_indptr", "kv_indices", "kv_last_page_len")})
     out = poisoned_output(q)
-    lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
-    on_device.run(q, cupy.asarray(k), cupy.asarray(v), out=out, lse=lse)
+    lse = full(q.shape[:2], np.nan, np.float32)
+    on_device.run(q, to_device(k), to_device(v), out=out, lse=lse)
     if check:
         check(on_device)
     assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse, 1e-2,

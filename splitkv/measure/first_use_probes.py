@@ -1,9 +1,14 @@
 """The first-use probes on the GPU: what ``planner.first_use`` derives a cost model from when a
 device has no profile (docs/design/first-use.md). Everything is timed with the one timing
-routine (``timing``): an empty kernel in a CUDA graph and launched alone, the streaming read
-at full occupancy and at one and two CTAs an SM (``bandwidth_probe``), and the decode plans of
-``planner.first_use.probe_cases`` run by a wrapper. 1.8 s on the H200 once compiled, 7.9 s
-with the kernels' first compiles where CuPy's cache does not hold them yet.
+routine (``measure.timing``): an empty kernel in a CUDA graph and launched alone
+(``runtime.probe_kernels``), the streaming read at full occupancy and at one and two CTAs an SM
+(``measure.bandwidth_probe``), and the decode plans of ``planner.first_use.probe_cases`` run by
+a wrapper. 1.8 s on the H200 once compiled, 7.9 s with the kernels' first compiles where CuPy's
+cache does not hold them yet.
+
+A wrapper reaches ``DeviceProbes`` without the runtime importing this package:
+``splitkv/__init__.py`` installs it as the first-use source a wrapper asks for
+(``splitkv._first_use_source``).
 """
 
 from __future__ import annotations
@@ -16,10 +21,8 @@ import numpy as np
 
 from ..planner.first_use import ProbeResults, ProbesDeferred, probe_cases, probe_ctas_per_sm
 from ..planner.profiles import ProfileError, read_profile, user_profile_path
-from . import device_info
+from ..runtime import device_info, driver_version
 
-EMPTY_KERNEL = "splitkv_first_use_empty"
-EMPTY_SOURCE = f'extern "C" __global__ void {EMPTY_KERNEL}() {{}}'
 # Kernels a graph of the empty-kernel probe holds: the graph's own launch spread thin, as the
 # timing routine's graphs of one decode call a layer do.
 EMPTY_LAYERS = 32
@@ -35,31 +38,20 @@ L2_MULTIPLE = 4
 MIN_PROBE_BYTES = 64 << 20
 
 
-def driver_version() -> str:
-    """The CUDA driver's version (e.g. '12040'): a new driver may time differently."""
-    import cupy
-
-    return str(cupy.cuda.runtime.driverGetVersion())
-
-
 def probe_bytes(l2_bytes: int) -> int:
     return max(MIN_PROBE_BYTES, L2_MULTIPLE * int(l2_bytes)) // 16 * 16
 
 
 def time_empty_kernel(trials: int, min_trial_ms: float) -> tuple[float, float]:
     """(microseconds an empty kernel takes inside a CUDA graph, launched alone)."""
-    import cupy
+    from ..runtime.cupy_timers import cupy_timer, current_stream
+    from ..runtime.probe_kernels import empty_kernel_launch
+    from .timing import median_us_per_call, time_graph_us
 
-    from .timing import cupy_timer, median_us_per_call, time_graph_us
-
-    kernel = cupy.RawKernel(EMPTY_SOURCE, EMPTY_KERNEL)
-
-    def launch():
-        kernel((1,), (32,), ())
-
+    launch = empty_kernel_launch()
     graph_us = time_graph_us(lambda layer, stream: launch(), EMPTY_LAYERS, trials=trials,
                              min_trial_ms=min_trial_ms)
-    stream = cupy.cuda.get_current_stream()
+    stream = current_stream()
     launch()
     eager_us = median_us_per_call(cupy_timer(launch, stream), trials=trials,
                                   min_trial_ms=min_trial_ms)
@@ -70,7 +62,7 @@ def time_cases(cases, min_total_bytes: int, trials: int, min_trial_ms: float,
                seed: int = 0) -> dict[str, float]:
     """Microseconds of each ``ProbeCase``'s plan, run by a wrapper on random K/V over a page
     table with its pages scattered; cases of one problem share their layers."""
-    from .testing import scattered_page_table
+    from ..testing import scattered_page_table
     from .timing import make_layers, time_plan_us
 
     rng = np.random.default_rng(seed)
@@ -90,8 +82,8 @@ def time_cases(cases, min_total_bytes: int, trials: int, min_trial_ms: float,
 def run_probes(trials: int = PROBE_TIMING["trials"],
                min_trial_ms: float = PROBE_TIMING["min_trial_ms"]) -> ProbeResults:
     """Time every first-use probe on the current device."""
+    from ..runtime.device_features import device_properties
     from .bandwidth_probe import read_gbps_by_shape
-    from .features import device_properties
 
     start = time.perf_counter()
     info = device_info()
@@ -119,7 +111,8 @@ def run_probes(trials: int = PROBE_TIMING["trials"],
 
 def run_quick_calibration(device_id: int, name: str):
     """``splitkv calibrate --quick`` on this device, in a child process (the calibration sits
-    above the runtime); its profile goes where ``load_profile`` finds calibrations. Returns it."""
+    above the measuring code); its profile goes where ``load_profile`` finds calibrations.
+    Returns it."""
     cmd = [sys.executable, "-m", "splitkv", "calibrate", "--quick", "--device", str(device_id)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     path = user_profile_path(name)
@@ -135,7 +128,8 @@ def run_quick_calibration(device_id: int, name: str):
 
 class DeviceProbes:
     """The current device as ``load_profile``'s ``first_use`` source
-    (``planner.first_use.resolve``)."""
+    (``planner.first_use.resolve``): what a wrapper's ``profile`` passes, through
+    ``splitkv._first_use_source``."""
 
     def __init__(self):
         self.info = device_info()
@@ -165,15 +159,7 @@ def refuse_inside_a_capture() -> None:
     """The probes synchronize to time kernels, which a CUDA graph capture forbids (and which
     would invalidate the caller's capture): under CuPy's or torch's capture they wait for a
     plan made outside one."""
-    import cupy
+    from ..runtime.cupy_timers import current_stream_capturing
 
-    try:
-        capturing = cupy.cuda.get_current_stream().is_capturing()
-    except cupy.cuda.runtime.CUDARuntimeError:
-        # the legacy default stream cannot be asked while another stream captures: so one does
-        capturing = True
-    torch = sys.modules.get("torch")
-    if not capturing and torch is not None and torch.cuda.is_available():
-        capturing = torch.cuda.is_current_stream_capturing()
-    if capturing:
+    if current_stream_capturing():
         raise ProbesDeferred("a CUDA graph is being captured on the current stream")

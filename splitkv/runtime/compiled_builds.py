@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from ..core.builds import PlanGrid, graph_build, plan_build, reachable_builds, shape_build
 from ..core.geometry import MAX_HEADS_PER_CTA
+from .device_features import device_properties
 from .experiments import DecodeExperiments
-from .features import device_properties
 from .kernel_source import DecodeVariant
 from .modules import get_decode_kernels
 

@@ -35,10 +35,14 @@ from splitkv.measure.first_use_probes import run_probes  # noqa: E402
 from splitkv.measure.timing import make_layers, time_plan_us  # noqa: E402
 from splitkv.planner import choose_plan, profile_lookup, profiles  # noqa: E402
 from splitkv.planner.first_use import derive_profile  # noqa: E402
+from splitkv.planner.kin import kin_of, kin_profile  # noqa: E402
 from splitkv.runtime import device_info  # noqa: E402
 from splitkv.testing import scattered_page_table  # noqa: E402
 
-PICKS = ("first_use", "shipped", "prior")
+# first_use: the probes' model; kin and kin_as_is: the shipped profile of another GPU of this
+# architecture, rescaled to this one's SMs and streaming read (what first use plans with on such
+# a GPU) and as it is
+PICKS = ("first_use", "kin", "kin_as_is", "shipped", "prior")
 
 
 def plan_key(plan):
@@ -88,6 +92,10 @@ def main():
     warm = run_probes()
     models["first_use"] = first.cost_model()
     models["prior"] = profiles.prior_profile(name, num_sms).cost_model()
+    kin = kin_of(name, int(info["cc"]))
+    if kin is not None:
+        models["kin"] = kin_profile(kin, name, num_sms, results.bandwidth_gbps).cost_model()
+        models["kin_as_is"] = kin.cost_model()
     print(f"probes: {results.seconds:.2f} s, {warm.seconds:.2f} s compiled "
           f"(phases {results.phase_seconds}, compiled {warm.phase_seconds}); bandwidth "
           f"{results.bandwidth_gbps:.0f} GB/s, empty kernel {results.empty_graph_us:.2f} us in "
@@ -136,7 +144,7 @@ def main():
               "probe_seconds_compiled": round(warm.seconds, 3), "probes": results.to_dict(),
               "probes_compiled": warm.to_dict(),
               "first_use_profile": first.to_dict()}
-    for who in ("shipped", "prior"):
+    for who in PICKS[1:]:
         result[who] = table(rows, who)
     for who in PICKS:
         t = result if who == "first_use" else result[who]

@@ -19,9 +19,10 @@ HQ, HK, D, PAGE = 32, 8, 128, 16
 @pytest.fixture
 def unknown_gpu(tmp_path, monkeypatch):
     """This GPU as one splitkv knows nothing of, with first-use probing on."""
-    from splitkv.planner import first_use, profile_lookup, profiles
+    from splitkv.planner import first_use, kin, profile_lookup, profiles
 
     monkeypatch.setattr(profile_lookup, "shipped_profile", lambda slug: None)
+    monkeypatch.setattr(kin, "shipped_profiles", lambda: [])   # no kin of its architecture
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(profiles.PROFILE_ENV, raising=False)
     monkeypatch.setenv(first_use.FIRST_USE_ENV, "probe")

@@ -9,6 +9,7 @@ kernel adds to a step's GPU time. Both graphs run the same plan (the test suite 
 The design and the numbers of record: docs/design/graph-stable.md.
 
     PYTHONPATH=$PWD python3 benchmarks/device_plan_cost.py [--cases b1_n8k,...] [--json out.json]
+        [--phases]
 """
 
 import argparse
@@ -26,6 +27,9 @@ from splitkv.testing import scattered_page_table
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--cases", default=None, help="standard case names (default: all + r256)")
 parser.add_argument("--json", default=None)
+parser.add_argument("--phases", action="store_true",
+                    help="also split the planning kernel's time by its steps (capacity = the "
+                         "batch and 256), from the build that stamps the SM clock")
 args = parser.parse_args()
 
 cases = select(args.cases) if args.cases else list(STANDARD_CASES)
@@ -101,6 +105,46 @@ for case in cases:
           flush=True)
     data = None                 # this case's layers freed before the next case's
     cupy.get_default_memory_pool().free_all_blocks()
+
+STEPS = ("requests", "candidates", "row sums", "cheapest", "chunks", "grid order", "records")
+
+
+def phase_us(case, capacity: int, repeats: int = 30) -> list[float]:
+    """Median microseconds of each planning step (``STEPS``), eager launches of the stamping
+    build of the planning kernel, for a graph-stable wrapper of ``capacity``."""
+    from splitkv.runtime.device_planner import phase_clocks
+
+    pt, _ = scattered_page_table(case.kv_lens, case.page_size, np.random.default_rng(0), 0)
+    batch, width = len(case.kv_lens), int(np.diff(pt.kv_indptr).max())
+    table = np.zeros((batch, width), np.int32)
+    for b in range(batch):
+        table[b, :pt.kv_indptr[b + 1] - pt.kv_indptr[b]] = \
+            pt.kv_indices[pt.kv_indptr[b]:pt.kv_indptr[b + 1]]
+    w = BatchDecodeWrapper(case.num_qo_heads, case.num_kv_heads, case.head_dim, case.page_size,
+                           "bfloat16", use_cuda_graph=True, max_batch_size=capacity,
+                           max_num_pages=capacity * width)
+    lens, table = cupy.asarray(np.asarray(case.kv_lens, np.int32)), cupy.asarray(table)
+    w.plan_on_device(seq_lens=lens, block_table=table)
+    planner = w._device_planner
+    planner.phases = True
+    planner.bind(planner.batch, planner.arrays)
+    mhz = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, 0) / 1e3
+    clocks = []
+    for _ in range(repeats):
+        w.plan_on_device(seq_lens=lens, block_table=table)
+        clocks.append(np.diff(phase_clocks()))
+    return [float(c) / mhz for c in np.median(np.array(clocks), axis=0)]
+
+
+if args.phases:
+    print(f"planning kernel steps, us at the SM clock (eager launches): {', '.join(STEPS)}")
+    for case in cases:
+        for capacity in sorted({len(case.kv_lens), 256}):
+            us = phase_us(case, capacity)
+            row = next(r for r in rows if r["case"] == case.name)
+            row[f"steps_us_capacity_{capacity}"] = {k: round(v, 2) for k, v in zip(STEPS, us)}
+            print(f"{case.name:>12} capacity {capacity:3d}: total {sum(us):6.2f} us | "
+                  + " ".join(f"{v:5.2f}" for v in us), flush=True)
 
 if args.json:
     with open(args.json, "w") as f:

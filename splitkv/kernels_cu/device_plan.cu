@@ -48,6 +48,17 @@ __device__ int block_exclusive_scan(int v, int* total) {
   return before + inclusive - v;
 }
 
+// With DEVICE_PLAN_PHASES defined (benchmarks/device_plan_cost.py --phases), thread 0
+// stamps the SM clock as each step below begins and at the end, into
+// device_plan_phases[0..7], so that the kernel's time splits by step; otherwise the
+// stamps compile to nothing.
+#ifdef DEVICE_PLAN_PHASES
+__device__ long long device_plan_phases[8];
+#define PLAN_PHASE(k) if (threadIdx.x == 0) device_plan_phases[k] = clock64();
+#else
+#define PLAN_PHASE(k)
+#endif
+
 extern "C" __global__ void __launch_bounds__(PLAN_THREADS, 1)
 plan_decode(const __grid_constant__ DevicePlanParams p) {
   __shared__ Candidates cands;
@@ -67,6 +78,7 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   if (tid == 0) misaligned = bad_rows = 0;
   __syncthreads();
 
+  PLAN_PHASE(0)
   // 1. the requests: lengths, errors, sums and maxima
   i64 tokens = 0, tiles = 0, pages = 0, longest = 0, empty = 0;
   for (int b = tid; b < n; b += PLAN_THREADS) {
@@ -105,10 +117,12 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   const i64 total = (i64)reduced[0], total_pages = (i64)reduced[2];
   const int max_len = (int)reduced[3], num_empty = (int)reduced[4];
 
+  PLAN_PHASE(1)
   // 2. the candidate rows
   if (tid == 0) enumerate_rows(cands, n, max_len, total, p.items_per_chunk, p.slots);
   __syncthreads();
 
+  PLAN_PHASE(2)
   // 3. each row's sums over the requests: one warp per row
   for (int r = warp; r < cands.num_rows; r += PLAN_WARPS) {
     RowSums s = {};
@@ -124,6 +138,7 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   }
   __syncthreads();
 
+  PLAN_PHASE(3)
   // 4. the cheapest candidate: one thread per (row, strategy) pair
   const int pairs = num_pairs(cands);
   if (tid < pairs) {
@@ -135,6 +150,7 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   __syncthreads();
   const Row row = cands.rows[best.row];
 
+  PLAN_PHASE(4)
   // 5. its chunks: counts per request, their prefix sum, then every chunk by its own thread
   const int per_thread = (n + PLAN_THREADS - 1) / PLAN_THREADS;
   const int lo = min(n, tid * per_thread), hi = min(n, lo + per_thread);
@@ -161,6 +177,7 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   if (!aligned) misaligned = 1;
   const int merge = merge_mode(best.strategy, num_chunks, n);
 
+  PLAN_PHASE(5)
   // 6. the grid order: a stable sort by decreasing key
   int* keys = sc.keys;
   for (int i = tid; i < num_chunks; i += PLAN_THREADS)
@@ -182,6 +199,7 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   }
   __syncthreads();
 
+  PLAN_PHASE(6)
   // 7. the records (one warp writes one, lane j its int j), idle records past them,
   // merge_indptr, the state
   const int record_pages = misaligned ? 0 : p.record_pages;
@@ -229,4 +247,8 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   for (int b = tid; b <= p.max_batch; b += PLAN_THREADS)
     p.merge_indptr[b] = merge != MERGE_KERNEL ? 0 : sc.offsets[b < n ? b : n];
   if (tid == 0) record_plan(p, st, best, row, num_chunks, merge);
+#ifdef DEVICE_PLAN_PHASES
+  __syncthreads();
+  PLAN_PHASE(7)
+#endif
 }

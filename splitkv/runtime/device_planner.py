@@ -187,8 +187,10 @@ def header_defines(expressions: dict | None = None) -> str:
             + row_table_source(expressions))
 
 
-def source() -> str:
-    return header_defines() + read_source("device_plan.cu") + layout_checks()
+def source(phases: bool = False) -> str:
+    """The planning kernel's whole source; ``phases``: with the step stamps (DEVICE_PLAN_PHASES)."""
+    return (("#define DEVICE_PLAN_PHASES\n" if phases else "") + header_defines()
+            + read_source("device_plan.cu") + layout_checks())
 
 
 @dataclass(frozen=True)
@@ -278,6 +280,8 @@ class DevicePlanner:
     """The planning kernel of one graph-stable wrapper: its argument, scratch and state on the
     device; ``launch`` enqueues it (capturable: no allocation, no host wait)."""
 
+    phases = False      # launch the build that stamps its steps (set, then bind again)
+
     def __init__(self, params: DevicePlanParams, batch: BatchArrays, arrays: list,
                  records_ptr: int, merge_indptr_ptr: int, stream, query_rows_ptr: int = 0,
                  max_q_len: int = 1):
@@ -328,7 +332,7 @@ class DevicePlanner:
         p.qo_indptr = batch.qo_indptr
         shared = 4 * scratch_ints(p.max_chunks, batch.batch_size)
         p.scratch_in_shared = int(shared <= MAX_SHARED_SCRATCH_BYTES)
-        self._launch = KernelLaunch(plan_kernel(), 1, PLAN_THREADS,
+        self._launch = KernelLaunch(plan_kernel(self.phases), 1, PLAN_THREADS,
                                     shared if p.scratch_in_shared else 0)
         self.batch, self.arrays = batch, arrays
 
@@ -382,13 +386,22 @@ class DevicePlanner:
 
 
 _KERNELS: dict[int, object] = {}
+_PHASE_KERNELS: dict[int, tuple] = {}     # device -> (module, kernel) built to stamp its steps
 
 
-def plan_kernel():
-    """The compiled planning kernel for the current device (cached)."""
+def plan_kernel(phases: bool = False):
+    """The compiled planning kernel for the current device (cached); ``phases``: the build that
+    stamps the SM clock at each step (``phase_clocks``), for measuring where its time goes."""
     import cupy
 
     device = cupy.cuda.runtime.getDevice()
+    if phases:
+        if device not in _PHASE_KERNELS:
+            module = cupy.RawModule(code=source(phases=True), options=PLAN_NVRTC_OPTIONS)
+            kernel = module.get_function("plan_decode")
+            kernel.max_dynamic_shared_size_bytes = MAX_SHARED_SCRATCH_BYTES
+            _PHASE_KERNELS[device] = (module, kernel)
+        return _PHASE_KERNELS[device][1]
     kernel = _KERNELS.get(device)
     if kernel is None:
         from .modules import PLANNER_LABEL, load_module
@@ -398,6 +411,17 @@ def plan_kernel():
         kernel.max_dynamic_shared_size_bytes = MAX_SHARED_SCRATCH_BYTES
         _KERNELS[device] = kernel
     return kernel
+
+
+def phase_clocks() -> np.ndarray:
+    """The SM clock at the start of the phase build's steps 1-7 and at its end (8 int64), as
+    its last launch on the current device stamped them (waits for the device)."""
+    import cupy
+
+    cupy.cuda.Device().synchronize()
+    module, _ = _PHASE_KERNELS[cupy.cuda.runtime.getDevice()]
+    stamps = module.get_global("device_plan_phases")
+    return cupy.ndarray((8,), np.int64, stamps).get()
 
 
 def _data_ptr(obj) -> int | None:

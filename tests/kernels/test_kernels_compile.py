@@ -162,6 +162,10 @@ def test_the_device_planners_structs_sit_where_its_mirror_writes_them():
     assert "X(15, split_x_requests, split_x_requests, 1) /* merge_grid */" in \
         device_planner.source()
     _ptx(device_planner.source(), "device_plan.cu")
+    # the build that stamps its steps' clocks (device_plan_cost.py --phases) compiles too, and
+    # only it holds the stamps
+    assert "device_plan_phases" in _ptx(device_planner.source(phases=True), "device_plan.cu")
+    assert "device_plan_phases" not in _ptx(device_planner.source(), "device_plan.cu")
 
 
 @pytest.mark.nvrtc

@@ -153,12 +153,15 @@ def test_bfloat16_ranks_stay_within_bfloat16_of_the_reference(batch, tmp_path):
 
 
 def test_a_rank_that_raises_ends_the_job_naming_it(batch, tmp_path):
+    """Rank 1 raises after planning; rank 0's all-gather then fails too. Which of the two
+    torchrun calls the root cause depends on which error file is stamped first, so the test
+    asks only that rank 1 is listed among the failures with its own message."""
     code, err, elapsed = torchrun(2, tmp_path, "raise")
     assert code != 0
     assert elapsed < 90, "the surviving rank was not stopped"
     assert "boom on rank 1" in err
-    root = err[err.index("Root Cause"):] if "Root Cause" in err else err
-    assert "rank      : 1" in root, err[-3000:]
+    report = err[err.index("Failures:"):] if "Failures:" in err else err
+    assert "rank      : 1" in report, err[-3000:]
 
 
 def test_a_rank_that_never_joins_times_out(batch, tmp_path):

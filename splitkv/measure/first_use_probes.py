@@ -3,8 +3,10 @@ device has no profile (docs/design/first-use.md). Everything is timed with the o
 routine (``measure.timing``): an empty kernel in a CUDA graph and launched alone
 (``runtime.probe_kernels``), the streaming read at full occupancy and at one and two CTAs an SM
 (``measure.bandwidth_probe``), and the decode plans of ``planner.first_use.probe_cases`` run by
-a wrapper. 1.8 s on the H200 once compiled, 7.9 s with the kernels' first compiles where CuPy's
-cache does not hold them yet.
+a wrapper. The decode plans' builds compile first, all at once over the CPU's cores, into
+splitkv's cache of compiled kernels (``compile_probe_builds``), where each wrapper then loads
+its build. 1.8 s on the H200 once compiled, 7.9 s with the kernels' first compiles (one after
+another) where no cache held them yet.
 
 A wrapper reaches ``DeviceProbes`` without the runtime importing this package:
 ``splitkv/__init__.py`` installs it as the first-use source a wrapper asks for
@@ -13,6 +15,7 @@ A wrapper reaches ``DeviceProbes`` without the runtime importing this package:
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -79,6 +82,49 @@ def time_cases(cases, min_total_bytes: int, trials: int, min_trial_ms: float,
     return out
 
 
+def probe_modules(cases, device) -> list[tuple[str, str, tuple, str]]:
+    """(label, source, options, arch) of each build the probe ``cases`` run on ``device`` (its
+    ``DeviceProperties``): the build a default wrapper's ``plan(plan=)`` picks for each, as
+    ``modules.load_module`` looks it up; one entry a build, in the cases' order."""
+    from ..runtime.compiled_builds import per_shape_variant, shape_variant
+    from ..runtime.experiments import DecodeExperiments
+    from ..runtime.kernel_source import NVRTC_OPTIONS
+    from ..runtime.per_shape import plan_grid_size
+
+    experiments, builds = DecodeExperiments(), {}
+    for case in cases:
+        # as a default wrapper runs it there (use_clusters=None: where the GPU has them)
+        plan = case.plan.with_execution(clusters=device.cc >= 90)
+        p = plan.problem
+        base = shape_variant(p.dtype, p.head_dim, p.num_qo_heads // p.num_kv_heads, p.page_size,
+                             None, experiments)
+        _, ctas, row_tiles = plan_grid_size(plan, p.num_qo_heads, p.num_kv_heads, experiments)
+        build = per_shape_variant(base, plan, ctas, row_tiles, page_size=p.page_size,
+                                  experiments=experiments, soft_cap=False, multi_token=False,
+                                  unified_max=False, device=device)
+        builds.setdefault(build, None)
+    return [(b.name, b.source(), NVRTC_OPTIONS, f"sm_{device.cc}") for b in builds]
+
+
+def compile_probe_builds(cases, device, workers: int | None = None) -> list[dict]:
+    """Compile the probes' builds at once, over ``workers`` threads (None: one a CPU core, at
+    most one a build), into splitkv's cache of compiled kernels, where the wrapper that times
+    each probe loads it instead of compiling one after another (NVRTC compiles without the
+    GIL). Those already there are not compiled again; a cache that cannot be written leaves
+    the compiles to the wrappers, with one notice. Returns ``precompile``'s records."""
+    from .._log import logger
+    from ..runtime.precompile_jobs import precompile
+
+    jobs = probe_modules(cases, device)
+    workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
+    try:
+        return precompile(jobs, workers=workers)
+    except OSError as exc:
+        logger.warning("first-use probes: could not write their compiled kernels to the cache "
+                       "(%s); each compiles when first run", exc)
+        return []
+
+
 def run_probes(trials: int = PROBE_TIMING["trials"],
                min_trial_ms: float = PROBE_TIMING["min_trial_ms"]) -> ProbeResults:
     """Time every first-use probe on the current device."""
@@ -89,17 +135,19 @@ def run_probes(trials: int = PROBE_TIMING["trials"],
     info = device_info()
     props = device_properties()
     nbytes = probe_bytes(info["l2_bytes"])
+    cases = probe_cases(props.num_sms, probe_ctas_per_sm(props))
     marks = [time.perf_counter()]
+    compile_probe_builds(cases, props)
+    marks.append(time.perf_counter())
     graph_us, eager_us = time_empty_kernel(trials, min_trial_ms)
     marks.append(time.perf_counter())
     read = read_gbps_by_shape(nbytes, trials, READ_FULL + READ_BY_SM)
     marks.append(time.perf_counter())
     full_keys = tuple(f"{c}x{t}x{lo}" for c, t, lo in READ_FULL)
-    cases = probe_cases(props.num_sms, probe_ctas_per_sm(props))
     decode = time_cases(cases, nbytes, trials, min_trial_ms)
     marks.append(time.perf_counter())
     phases = {name: round(b - a, 3) for name, a, b in
-              zip(("empty_kernel", "read", "decode"), marks, marks[1:])}
+              zip(("compile", "empty_kernel", "read", "decode"), marks, marks[1:])}
     return ProbeResults(device_name=info["name"], num_sms=props.num_sms, cc=props.cc,
                         shared_per_block_optin=props.shared_per_block_optin,
                         shared_per_sm=props.shared_per_sm, driver_version=driver_version(),

@@ -21,17 +21,28 @@ def shape_variant(dtype: str, head_dim: int, group_size: int, page_size: int, kv
                        experiments.build_forces, build_type=DecodeVariant)
 
 
+def per_shape_variant(base: DecodeVariant, plan, ctas: int, row_tiles: int, *, page_size: int,
+                      experiments: DecodeExperiments, soft_cap: bool, multi_token: bool,
+                      unified_max: bool, device) -> DecodeVariant:
+    """The build a per-shape ``plan`` of ``ctas`` CTAs runs on ``device`` (its
+    ``DeviceProperties``), not compiled (``core.builds.plan_build``; the K/V dtype and head_dim
+    are ``base``'s)."""
+    sizes = plan.chunk_end - plan.chunk_start
+    grid = PlanGrid(ctas, float(sizes.mean()) if sizes.size else 0.0, plan.cluster_size,
+                    row_tiles, soft_cap, multi_token, unified_max)
+    return plan_build(base, grid, page_size=page_size, device=device,
+                      forces=experiments.build_forces)
+
+
 def per_shape_kernels(base: DecodeVariant, plan, ctas: int, row_tiles: int, *, page_size: int,
                       experiments: DecodeExperiments, soft_cap: bool, multi_token: bool,
                       unified_max: bool):
     """The compiled kernels a per-shape ``plan`` of ``ctas`` CTAs runs on the current device
-    (``core.builds.plan_build``; the K/V dtype and head_dim are ``base``'s)."""
-    sizes = plan.chunk_end - plan.chunk_start
-    grid = PlanGrid(ctas, float(sizes.mean()) if sizes.size else 0.0, plan.cluster_size,
-                    row_tiles, soft_cap, multi_token, unified_max)
-    return get_decode_kernels(plan_build(base, grid, page_size=page_size,
-                                         device=device_properties(),
-                                         forces=experiments.build_forces))
+    (``per_shape_variant``)."""
+    return get_decode_kernels(per_shape_variant(
+        base, plan, ctas, row_tiles, page_size=page_size, experiments=experiments,
+        soft_cap=soft_cap, multi_token=multi_token, unified_max=unified_max,
+        device=device_properties()))
 
 
 def graph_kernels(base: DecodeVariant, experiments: DecodeExperiments, *, soft_cap: bool,

@@ -27,24 +27,30 @@ class PerShapePlan:
     extra: dict
 
 
+def plan_grid_size(plan, heads: int, num_kv_heads: int, experiments) -> tuple[int, int, int]:
+    """(CTAs a kv head, CTAs, MMA row tiles a CTA) of a per-shape
+    ``plan`` whose kernels see ``heads`` query heads (with multi-token decode, virtual heads)."""
+    group = heads // num_kv_heads          # with multi-token decode, q_len x the group
+    max_rows = experiments.rows_per_cta or MAX_HEADS_PER_CTA
+    per_kv_head = ctas_per_kv_head(group, max_rows)
+    return (per_kv_head, plan.num_work_items * per_kv_head,
+            row_tiles_for(min(group, max_rows)))
+
+
 def per_shape_plan(plan, page_table, *, shape, heads: int, variant, experiments, soft_cap: bool,
                    rows_array, unified_max: bool) -> PerShapePlan:
     """Check the plan's grids against CUDA's limits, choose its build (``compiled_builds``) and
     write its chunk records. ``shape``: the wrapper's ``run_inputs.DecodeShape``; ``heads``: the
     kernels' query heads (with multi-token decode, virtual heads); ``rows_array``: the
     multi-token rows (None: one row a request)."""
-    group = heads // shape.num_kv_heads     # with multi-token decode, q_len x the group
-    max_rows = experiments.rows_per_cta or MAX_HEADS_PER_CTA
-    per_kv_head = ctas_per_kv_head(group, max_rows)
-    ctas = plan.num_work_items * per_kv_head
+    per_kv_head, ctas, row_tiles = plan_grid_size(plan, heads, shape.num_kv_heads, experiments)
     V.check_grid_ctas("page_table", ctas, f"{plan.num_chunks} chunks x {shape.num_kv_heads} "
                       f"kv heads x {per_kv_head} CTAs a kv head")
     V.check_grid_ctas("page_table", -(-plan.problem.batch_size * heads * shape.head_dim
                                       // (4 * 128)),
                       "the merge kernel's: a thread per 4 dims of each request's heads")
     kernels = per_shape_kernels(
-        variant, plan, ctas, row_tiles_for(min(group, max_rows)), page_size=shape.page_size,
-        experiments=experiments,
+        variant, plan, ctas, row_tiles, page_size=shape.page_size, experiments=experiments,
         soft_cap=soft_cap, multi_token=rows_array is not None, unified_max=unified_max)
     stages, tile = kernels.variant.stages, kernels.variant.tile_tokens
     # a table kept on the device has no page ids on the host to carry

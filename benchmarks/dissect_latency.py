@@ -1,5 +1,5 @@
 """Where does a short decode call spend its time? Times the same plans with parts of the
-decode kernel cut out (builds with DecodeVariant.dissect set: the kernel's DISSECT cuts, one
+decode kernel cut out (builds with KernelBuild.dissect set: the kernel's DISSECT cuts, one
 bit a stage, kernel_source.DISSECT_CUTS), so the differences price each part:
 
   base       the kernel as shipped
@@ -43,7 +43,7 @@ from splitkv.core import execution
 from splitkv.runtime import kernel_source
 from splitkv.runtime.launch import KernelLaunch
 from splitkv.runtime.modules import get_decode_kernels
-from splitkv.runtime.kernel_source import DecodeVariant
+from splitkv.runtime.kernel_source import KernelBuild
 from splitkv.measure.timing import make_layers, time_wrapper_us
 from splitkv.testing import scattered_page_table
 
@@ -128,19 +128,19 @@ def main():
                 w = BatchDecodeWrapper(prob.num_qo_heads, prob.num_kv_heads, prob.head_dim,
                                        prob.page_size, prob.dtype, use_clusters=clusters,
                                        pdl=False)   # the probes cut plain launches
-                v = w.variant
+                v = w.base_build
                 cut = probe if clusters is False and probe != "base" else ""
-                w.variant = DecodeVariant(v.dtype, v.head_dim, v.row_tiles, v.stages,
+                w.base_build = KernelBuild(v.dtype, v.head_dim, v.row_tiles, v.stages,
                                           v.max_registers, dissect=cut)
                 with cluster_rule(probe):
                     w.plan(pt, plan=plan)
-                kernel = get_decode_kernels(replace(w.variant, cluster=w.cluster_size)).partial
+                kernel = get_decode_kernels(replace(w.base_build, cluster=w.cluster_size)).partial
                 if w.cluster_size:      # the kernel object is shared: set both every time
                     opt_in(kernel, spread=probe == "cluster_spread")
                 if probe == "cluster_1sm":    # (probes may change what the wrapper never does)
                     kernel.max_dynamic_shared_size_bytes = ONE_PER_SM_BYTES
                     launch = w._launch.partial
-                    w._launch.partial = KernelLaunch(kernel, launch.grid, w.variant.threads,
+                    w._launch.partial = KernelLaunch(kernel, launch.grid, w.base_build.threads,
                                                      ONE_PER_SM_BYTES)
                 times[probe] = time_wrapper_us(w, data, trials=5, min_trial_ms=10.0)
                 sizes[probe] = w.cluster_size

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from .execution import CLUSTER_SIZES
 from .fp8 import FP8_FORMATS
 from .geometry import MAX_HEADS_PER_CTA, RECORD_PAGES, WARPS_PER_CTA
+from .variants import PLAIN, KernelVariant
 
 # Pipeline depth in tiles by head_dim: about 64-96 KiB of K+V in flight per CTA, so two or
 # three CTAs fit on an SM. fp8 tiles are half the bytes: twice the tiles keeps the bytes in
@@ -87,7 +88,7 @@ def row_step(head_dim: int, row_tiles: int, kv_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class Build:
-    """One specialisation of decode.cu, as data (``runtime.kernel_source.DecodeVariant`` adds
+    """One specialisation of decode.cu, as data (``runtime.kernel_source.KernelBuild`` adds
     its source and name)."""
 
     dtype: str          # "float16" | "bfloat16"
@@ -99,9 +100,7 @@ class Build:
                         # and merge through distributed shared memory (sm_90+); 0 = no cluster
     kv_dtype: str = ""  # "" (K/V in dtype), or an fp8 format: K/V are fp8 codes (KV_FP8)
     num_warps: int = WARPS_PER_CTA   # NUM_WARPS: 4, or 8 (128-token tiles, lone CTAs)
-    soft_cap: int = 0   # 1: the build that applies the logits soft cap (SOFT_CAP)
-    multi_token: int = 0   # 1: multi-token decode, rows of (query row, head) (MULTI_TOKEN)
-    unified_max: int = 0   # 1: scores offset by a fixed phi, with the fallback (UNIFIED_MAX)
+    variant: KernelVariant = PLAIN   # the variant's hooks compiled in (soft cap, ...)
     q_in_smem: int = 0     # 1: q's MMA fragments in shared memory (Q_SMEM)
     pow2_pages: int = 0    # 1: the page walk shifts for 2**k pages (POW2_PAGES)
     tile_per_warp: int = 16   # tokens per tile per warp: 16, or 32 (TILE_N)
@@ -117,7 +116,9 @@ class Build:
             raise ValueError(f"tile_per_warp: expected 16 or 32, got {self.tile_per_warp}")
         if self.dim_split not in (1, 2):
             raise ValueError(f"dim_split: expected 1 or 2, got {self.dim_split}")
-        if self.dim_split > 1 and (self.kv_dtype or self.unified_max):
+        if not isinstance(self.variant, KernelVariant):
+            raise TypeError(f"variant: expected a KernelVariant, got {self.variant!r}")
+        if self.dim_split > 1 and (self.kv_dtype or self.variant.unified_max):
             raise ValueError("dim_split: 16-bit K/V and the running max only (fp8's V path and "
                              "the unified max's row check are per warp of all dims)")
         if self.num_warps < self.row_tiles * self.dim_split:
@@ -244,7 +245,7 @@ def default_occupancy(build, *, forced: bool):
     no experiment forced its stages or registers (``forced``), else ``build``."""
     if (forced or build.kv_dtype or build.head_dim != 64 or build.row_tiles != 1
             or build.num_warps != 4 or build.tile_per_warp != 16 or build.dim_split != 1
-            or build.unified_max):
+            or build.variant.unified_max):
         return build
     return replace(build, **FOUR_AN_SM)
 
@@ -285,7 +286,7 @@ def fitting_build(build, *, q_default: bool, warps_default: bool, shared_limit: 
         options += [replace(b, stages=n) for n in range(max(b.stages for b in options) - 1, 1, -1)
                     for b in options if b.stages > n]
     if (split_default and (warps_default or build.num_warps == 4) and not build.kv_dtype
-            and not build.unified_max and build.dim_split == 1 and build.row_tiles <= 2
+            and not build.variant.unified_max and build.dim_split == 1 and build.row_tiles <= 2
             and build.tile_per_warp == 16 and not stages):
         splits = [replace(b, num_warps=4, dim_split=2, stages=0) for b in options
                   if b.num_warps == build.num_warps and b.stages == build.stages]
@@ -298,7 +299,7 @@ def shape_build(dtype: str, head_dim: int, group_size: int, page_size: int, kv_d
                 forces: BuildForces = NO_FORCES, *, build_type=Build):
     """The build a wrapper's shape gives (before any plan): q's fragments in shared memory at
     head_dim 256, the page walk by shift for small 2**k pages, and what ``forces`` say.
-    ``build_type``: ``Build`` or a subclass of it (the runtime's ``DecodeVariant``), which the
+    ``build_type``: ``Build`` or a subclass of it (the runtime's ``KernelBuild``), which the
     later steps keep."""
     q_in_smem, pow2 = forces.q_in_smem, forces.pow2_pages
     if q_in_smem is None:
@@ -319,15 +320,13 @@ def shape_build(dtype: str, head_dim: int, group_size: int, page_size: int, kv_d
 class PlanGrid:
     """A per-shape plan as its build sees it: the CTAs of its grid, its chunks' mean tokens,
     its cluster size, the row tiles of a CTA (the rows a kv head computes, up to the CTA's
-    cap), and the options its call runs."""
+    cap), and the variant's hooks its call runs."""
 
     ctas: int
     mean_chunk_tokens: float = 0.0
     cluster_size: int = 0
     row_tiles: int = 1
-    soft_cap: bool = False
-    multi_token: bool = False
-    unified_max: bool = False
+    variant: KernelVariant = PLAIN
 
 
 def plan_build(base, grid: PlanGrid, *, page_size: int, device: DeviceProperties,
@@ -339,24 +338,22 @@ def plan_build(base, grid: PlanGrid, *, page_size: int, device: DeviceProperties
     forced_warps = forces.forced_warps
     warps = plan_warps(base.kv_dtype, grid.ctas, forced_warps, num_sms=device.num_sms,
                        row_tiles=grid.row_tiles, page_size=page_size, head_dim=base.head_dim,
-                       mean_chunk_tokens=grid.mean_chunk_tokens, multi_token=grid.multi_token)
+                       mean_chunk_tokens=grid.mean_chunk_tokens,
+                       multi_token=grid.variant.multi_token)
     tile_per_warp = forces.tile_per_warp or default_tile_per_warp(
-        base.kv_dtype, base.head_dim, warps, grid.row_tiles, grid.multi_token,
+        base.kv_dtype, base.head_dim, warps, grid.row_tiles, grid.variant.multi_token,
         forced=forces.stages is not None or forced_warps is not None)
-    return _settled(base, forces, device, grid.cluster_size, bool(grid.soft_cap), warps,
-                    grid.row_tiles, tile_per_warp, bool(grid.multi_token),
-                    bool(grid.unified_max))
+    return _settled(base, forces, device, grid.cluster_size, grid.variant, warps,
+                    grid.row_tiles, tile_per_warp)
 
 
 @functools.lru_cache(maxsize=256)
-def _settled(base, forces, device, cluster_size, soft_cap, warps, row_tiles, tile_per_warp,
-             multi_token, unified_max):
+def _settled(base, forces, device, cluster_size, variant, warps, row_tiles, tile_per_warp):
     """``plan_build`` past its cheap choices, once per distinct inputs: a decode loop meets a
     handful of builds, and replacing, checking occupancy and fit costs tens of microseconds."""
     build = default_occupancy(replace(
-        base, cluster=cluster_size, soft_cap=int(soft_cap), num_warps=warps,
-        stages=forces.stages or 0, row_tiles=row_tiles, tile_per_warp=tile_per_warp,
-        multi_token=int(multi_token), unified_max=int(unified_max)),
+        base, cluster=cluster_size, variant=variant, num_warps=warps,
+        stages=forces.stages or 0, row_tiles=row_tiles, tile_per_warp=tile_per_warp),
         forced=forces.forces_occupancy)
     return fitting_build(build, q_default=forces.q_in_smem is None,
                          warps_default=forces.forced_warps is None,
@@ -364,14 +361,14 @@ def _settled(base, forces, device, cluster_size, soft_cap, warps, row_tiles, til
                          split_default=forces.dim_split is None)
 
 
-def graph_build(base, *, soft_cap: bool, rows: int, max_q_len: int,
-                device: DeviceProperties, forces: BuildForces = NO_FORCES):
+def graph_build(base, *, variant: KernelVariant, rows: int, device: DeviceProperties,
+                forces: BuildForces = NO_FORCES):
     """The build of a graph-stable grid: no cluster, the wrapper's warps (4 unless forced: the
-    one captured grid serves every plan), the multi-token build for ``max_q_len`` > 1, row
-    tiles for ``rows`` (max_q_len x the group)."""
+    one captured grid serves every plan), the ``variant``'s hooks (multi-token where the
+    wrapper holds more than one query row a request), row tiles for ``rows`` (the query rows
+    a request x the group)."""
     return fitting_build(default_occupancy(replace(
-        base, soft_cap=int(soft_cap), multi_token=int(max_q_len > 1),
-        row_tiles=row_tiles_for(rows)), forced=forces.forces_occupancy),
+        base, variant=variant, row_tiles=row_tiles_for(rows)), forced=forces.forces_occupancy),
         q_default=forces.q_in_smem is None, warps_default=False,
         shared_limit=device.shared_per_block_optin, stages=forces.stages or 0,
         split_default=forces.dim_split is None)
@@ -397,8 +394,8 @@ def reachable_builds(base, *, device: DeviceProperties, page_size: int, group_si
     on or off (``soft_caps``), query rows a request up to ``max_q_len`` (multi-token decode),
     the unified max, clusters. A graph-stable wrapper runs ``graph_build`` only."""
     if graph_stable:
-        return frozenset(graph_build(base, soft_cap=cap, rows=group_size * max_q_len,
-                                     max_q_len=max_q_len, device=device, forces=forces)
+        return frozenset(graph_build(base, variant=KernelVariant(cap, max_q_len > 1),
+                                     rows=group_size * max_q_len, device=device, forces=forces)
                          for cap in soft_caps)
     found = set()
     # (query rows a request, multi-token): plans without qo_indptr, then those with it
@@ -409,8 +406,8 @@ def reachable_builds(base, *, device: DeviceProperties, page_size: int, group_si
             for cluster in (0, *CLUSTER_SIZES) if clusters else (0,):
                 for ctas in (1, device.num_sms + 1):
                     for mean_tokens in (0.0, float(LONG_CHUNK_TOKENS)):
-                        grid = PlanGrid(ctas, mean_tokens, cluster, row_tiles, cap,
-                                        multi_token, unified_max)
+                        grid = PlanGrid(ctas, mean_tokens, cluster, row_tiles,
+                                        KernelVariant(cap, multi_token, unified_max))
                         found.add(plan_build(base, grid, page_size=page_size, device=device,
                                              forces=forces))
     return frozenset(found)

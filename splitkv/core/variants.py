@@ -24,7 +24,8 @@ before the cap) makes that row and head NaN.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import numpy as np
 
@@ -45,6 +46,42 @@ class Variant:
     @property
     def plain(self) -> bool:
         return self.window_left < 0 and self.logits_soft_cap is None and self.sinks is None
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """The hooks a build of the decode kernel compiles in for a call's variant: one flag a
+    hook, a field of every ``core.builds.Build``. Their values (the cap, phi, the rows) are the
+    kernels' arguments, written at plan time. Each flag reaches decode.cu as the define of its
+    name upper-cased (decode_build.cuh turns it into a ``Build`` constant) and names the build
+    with its tag; a new hook is a field here, its tag, and its ``if constexpr`` in decode.cu."""
+
+    soft_cap: bool = False      # s -> cap * tanh(s / cap) on the scaled scores
+    multi_token: bool = False   # MMA rows of (query row, head), each row masked causally
+    unified_max: bool = False   # scores offset by a fixed phi, with the running max's fallback
+
+    TAGS: ClassVar[dict[str, str]] = {"soft_cap": "softcap", "multi_token": "mt",
+                                      "unified_max": "umax"}
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"{f.name}: expected True or False, got {value!r}")
+            object.__setattr__(self, f.name, bool(value))
+
+    @property
+    def defines(self) -> dict[str, int]:
+        """The -D macros of the hooks, in declaration order."""
+        return {f.name.upper(): int(getattr(self, f.name)) for f in fields(self)}
+
+    @property
+    def tags(self) -> str:
+        """The build name's part: ``_<tag>`` for each hook compiled in."""
+        return "".join(f"_{self.TAGS[f.name]}" for f in fields(self) if getattr(self, f.name))
+
+
+PLAIN = KernelVariant()
 
 
 def check_variant(num_qo_heads: int, window_left=-1, logits_soft_cap=None, sinks=None) -> Variant:

@@ -1,4 +1,4 @@
-// The decode kernels' build inputs: the -D macros DecodeVariant.defines passes
+// The decode kernels' build inputs: the -D macros KernelBuild.defines passes
 // (runtime/kernel_source.py), their defaults, and the checks on them, turned once into
 // compile-time values (Build). decode.cu reads the features only through Build, with
 // `if constexpr`; the shape macros (HEAD_DIM, ROW_TILES, STAGES, NUM_WARPS, WARPS_D, TILE_N,

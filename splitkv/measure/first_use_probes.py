@@ -86,7 +86,8 @@ def probe_modules(cases, device) -> list[tuple[str, str, tuple, str]]:
     """(label, source, options, arch) of each build the probe ``cases`` run on ``device`` (its
     ``DeviceProperties``): the build a default wrapper's ``plan(plan=)`` picks for each, as
     ``modules.load_module`` looks it up; one entry a build, in the cases' order."""
-    from ..runtime.compiled_builds import per_shape_variant, shape_variant
+    from ..core.variants import PLAIN
+    from ..runtime.compiled_builds import base_build, per_shape_build
     from ..runtime.experiments import DecodeExperiments
     from ..runtime.kernel_source import NVRTC_OPTIONS
     from ..runtime.per_shape import plan_grid_size
@@ -96,12 +97,11 @@ def probe_modules(cases, device) -> list[tuple[str, str, tuple, str]]:
         # as a default wrapper runs it there (use_clusters=None: where the GPU has them)
         plan = case.plan.with_execution(clusters=device.cc >= 90)
         p = plan.problem
-        base = shape_variant(p.dtype, p.head_dim, p.num_qo_heads // p.num_kv_heads, p.page_size,
+        base = base_build(p.dtype, p.head_dim, p.num_qo_heads // p.num_kv_heads, p.page_size,
                              None, experiments)
         _, ctas, row_tiles = plan_grid_size(plan, p.num_qo_heads, p.num_kv_heads, experiments)
-        build = per_shape_variant(base, plan, ctas, row_tiles, page_size=p.page_size,
-                                  experiments=experiments, soft_cap=False, multi_token=False,
-                                  unified_max=False, device=device)
+        build = per_shape_build(base, plan, ctas, row_tiles, page_size=p.page_size,
+                                experiments=experiments, variant=PLAIN, device=device)
         builds.setdefault(build, None)
     return [(b.name, b.source(), NVRTC_OPTIONS, f"sm_{device.cc}") for b in builds]
 

@@ -44,6 +44,7 @@ import numpy as np
 from ..core.execution import MERGE_CLUSTER, clustered
 from ..core.builds import LONG_CHUNK_TOKENS, DeviceProperties, PlanGrid, decode_build, row_tiles_for
 from ..core.geometry import TILE_TOKENS, ctas_per_kv_head, rows_per_cta
+from ..core.variants import KernelVariant
 from ..core.validation import STRATEGIES
 from .expressions import RowProgram, at_least_one, ceil, eq, ge, inputs, maximum, minimum
 from .stats import (ONE, S_MAX_CHUNK_TILES, S_MAX_CHUNK_TOKENS, S_MAX_SPLITS, S_NUM_CHUNKS,
@@ -263,7 +264,8 @@ def build_tile_units(tile_rule: str, num_qo_heads: int, num_kv_heads: int, head_
     device = DeviceProperties(num_sms)
     units = tuple(decode_build("bfloat16", head_dim, group, page_size, kv_dtype,
                                PlanGrid(ctas, mean, row_tiles=row_tiles,
-                                        multi_token=multi_token), device).tile_tokens
+                                        variant=KernelVariant(multi_token=multi_token)),
+                               device).tile_tokens
                   // TILE_TOKENS
                   for ctas in (num_sms + 1, num_sms) for mean in (0.0, LONG_CHUNK_TOKENS))
     if not set(units) <= {1, 2}:

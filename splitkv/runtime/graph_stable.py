@@ -13,6 +13,7 @@ from ..core.execution import grid_order
 from ..core.geometry import RECORD_PAGES, ctas_per_kv_head
 from ..core.plan import Plan
 from ..core.problem import PageTable
+from ..core.variants import PLAIN, KernelVariant
 from . import require_gpu
 from .arrays import as_cupy_stream
 from .compiled_builds import graph_kernels
@@ -67,7 +68,7 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
         V.check_grid_ctas("max_batch_size", -(-batch * self.num_qo_heads * self._max_q_len
                                               * self.head_dim // (4 * 128)),
                           "the merge kernel's: a thread per 4 dims of each request's heads")
-        self._launch_soft_cap = 0             # whether the bound launches are the cap's build
+        self._launch_variant = PLAIN          # the hooks of the bound launches' build
         self._chunks_given = chunks is not None   # one fixed grid, else a grid per batch size
         self._launches: dict = {}             # requests a grid is built for -> its DecodeLaunch
         self._grid_binding = None             # what binding a grid needs: kernels, buffers, ...
@@ -203,14 +204,14 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
     def _graph_kernels(self, soft_cap_log2: float):
         """A graph-stable wrapper's kernels: bound with its first plan (the captured launches
         hold them), so later plans keep that plan's soft cap on or off."""
-        soft_cap = int(soft_cap_log2 > 0)
-        if self._launch is not None and self._launch_soft_cap != soft_cap:
+        variant = KernelVariant(soft_cap=soft_cap_log2 > 0, multi_token=self._max_q_len > 1)
+        if self._launch is not None and self._launch_variant != variant:
             raise ValueError(f"logits_soft_cap: a graph-stable wrapper keeps its first plan's "
-                             f"soft cap {'on' if self._launch_soft_cap else 'off'} (its captured "
-                             "launches hold that kernel); its value may change")
-        self._launch_soft_cap = soft_cap
-        return graph_kernels(self.variant, self.experiments, soft_cap=soft_cap,
-                             rows=self.group_size * self._max_q_len, max_q_len=self._max_q_len)
+                             f"soft cap {'on' if self._launch_variant.soft_cap else 'off'} (its "
+                             "captured launches hold that kernel); its value may change")
+        self._launch_variant = variant
+        return graph_kernels(self.base_build, self.experiments, variant=variant,
+                             rows=self.group_size * self._max_q_len)
 
     def _upload_plan(self, chosen: Plan, page_table: PageTable, s, *, sm_scale_log2: float,
                      max_page: int, soft_cap_log2: float, rows_array, query_rows=None,
@@ -229,8 +230,8 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
                              f"{max_chunks if self._chunks_given else None}; pass max_chunks= "
                              "for one larger fixed grid)")
         kernels = self._graph_kernels(soft_cap_log2)
-        stages = kernels.variant.stages
-        tile = kernels.variant.tile_tokens
+        stages = kernels.build.stages
+        tile = kernels.build.tile_tokens
         may_carry_pages = record_pages_needed(self.page_size, stages, tile) <= RECORD_PAGES
         in_record = pages_fit_record(chosen, self.page_size, stages, tile)
         # the merge kernel always runs: rows past the batch, and every row of a plan that has
@@ -365,14 +366,14 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
         from .device_planner import DevicePlanner, plan_params
 
         max_batch, max_chunks = self._capacity[0], self.max_chunks
-        stages = kernels.variant.stages
+        stages = kernels.build.stages
         model = self.profile.cost_model(self.kv_dtype, graph_stable=True).with_clusters(False)
         heads = self.num_qo_heads * self._max_q_len   # virtual heads with max_q_len > 1
         params = plan_params(model, num_qo_heads=heads,
                              num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                              page_size=self.page_size, stages=stages, max_batch=max_batch,
                              max_chunks=max_chunks, launch_order=self.launch_order,
-                             tile_tokens=kernels.variant.tile_tokens)
+                             tile_tokens=kernels.build.tile_tokens)
         multi = self._max_q_len > 1
         upload = GraphPlanUpload(max_chunks, 0, max_batch, query_rows=multi)
         self._workspace.ensure_size(max_chunks * heads,

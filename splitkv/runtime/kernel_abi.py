@@ -4,7 +4,7 @@
 ``DecodeParams`` is a ctypes structure: one per plan, its address is the one kernel argument of
 both kernels (``launch.KernelLaunch``). ``CHUNK_RECORD`` is a NumPy structured dtype: the plan's
 records are an array of it (``records.chunk_records``). ``layout_checks()`` turns both mirrors into
-C++ ``static_assert``s on every field's offset, size and kind, which ``DecodeVariant.source()``
+C++ ``static_assert``s on every field's offset, size and kind, which ``KernelBuild.source()``
 appends to decode.cu: a kernel whose structs differ from these mirrors does not compile. Needs
 neither CuPy nor a GPU.
 """

@@ -43,7 +43,7 @@ def read_source(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class DecodeVariant(Build):
+class KernelBuild(Build):
     """One compiled specialisation of decode.cu: a ``core.builds.Build`` (what the build rules
     decide) with its defines, name and source."""
 
@@ -56,8 +56,8 @@ class DecodeVariant(Build):
                              f"got {self.dissect!r}")
 
     @classmethod
-    def of(cls, build: Build) -> "DecodeVariant":
-        """``build`` as a variant to compile (itself where it is one)."""
+    def of(cls, build: Build) -> "KernelBuild":
+        """``build`` with its source, to compile (itself where it is one)."""
         if isinstance(build, cls):
             return build
         return cls(**{f.name: getattr(build, f.name) for f in fields(Build)})
@@ -68,8 +68,7 @@ class DecodeVariant(Build):
                 "ROW_TILES": self.row_tiles, "STAGES": self.stages, "NUM_WARPS": self.num_warps,
                 "MAX_REGISTERS": self.max_registers, "CLUSTER": self.cluster,
                 "RECORD_PAGES": RECORD_PAGES, "KV_FP8": KV_FP8_CODES.get(self.kv_dtype, 0),
-                "SOFT_CAP": self.soft_cap, "MULTI_TOKEN": self.multi_token,
-                "UNIFIED_MAX": self.unified_max, "Q_SMEM": self.q_in_smem,
+                **self.variant.defines, "Q_SMEM": self.q_in_smem,
                 "POW2_PAGES": self.pow2_pages,
                 # only where it is not the kernel's default, so the default builds' sources
                 # (and so their cached binaries) stay the same
@@ -83,9 +82,7 @@ class DecodeVariant(Build):
         cluster = f"_c{self.cluster}" if self.cluster else ""
         kv = f"_kv_{self.kv_dtype.split('_')[1]}" if self.kv_dtype else ""
         kv += f"_w{self.num_warps}" if self.num_warps != WARPS_PER_CTA else ""
-        kv += "_softcap" if self.soft_cap else ""
-        kv += "_mt" if self.multi_token else ""
-        kv += "_umax" if self.unified_max else ""
+        kv += self.variant.tags
         kv += "_qsmem" if self.q_in_smem else ""
         kv += "_pow2" if self.pow2_pages else ""
         kv += f"_t{self.tile_tokens}" if self.tile_per_warp != 16 else ""
@@ -101,14 +98,14 @@ class DecodeVariant(Build):
         return header + read_source("decode.cu") + layout_checks()
 
 
-def all_variants() -> list[DecodeVariant]:
-    return [DecodeVariant(dt, d, rt) for dt in ("float16", "bfloat16") for d in (64, 128, 256)
+def all_builds() -> list[KernelBuild]:
+    return [KernelBuild(dt, d, rt) for dt in ("float16", "bfloat16") for d in (64, 128, 256)
             for rt in (1, 2, 4)]
 
 
-def fp8_variants() -> list[DecodeVariant]:
-    """Every fp8-KV variant (both formats), as CI compiles them."""
-    return [DecodeVariant(v.dtype, v.head_dim, v.row_tiles, kv_dtype=f) for v in all_variants()
+def fp8_builds() -> list[KernelBuild]:
+    """Every fp8-KV build of all_builds (both formats), as CI compiles them."""
+    return [KernelBuild(v.dtype, v.head_dim, v.row_tiles, kv_dtype=f) for v in all_builds()
             for f in KV_FP8_CODES]
 
 

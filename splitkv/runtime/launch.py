@@ -178,16 +178,16 @@ def bind_decode_launch(kernels, params: DecodeParams, grid: LaunchGrid, *, num_k
     so; also without PDL for a device-planned grid) and, with ``grid.merge``, the merge kernel
     (one thread per (request, qo head, 4 dims); compact_merge: per split request's)."""
     ctas = grid.num_chunks * num_kv_heads * grid.per_kv_head
-    shared = kernels.variant.shared_bytes
+    shared = kernels.build.shared_bytes
     if spread is None:
         spread = spreads_one_per_sm(ctas, grid.cluster_size)
     if pdl and spread:
         shared = kernels.one_per_sm_shared_bytes
-    threads = kernels.variant.threads
+    threads = kernels.build.threads
     partial = KernelLaunch(kernels.partial, ctas, threads, shared, pdl=pdl)
     plain = None
     if pdl and grid.device_planned:
-        plain = KernelLaunch(kernels.partial, ctas, threads, kernels.variant.shared_bytes)
+        plain = KernelLaunch(kernels.partial, ctas, threads, kernels.build.shared_bytes)
     merge = None
     if grid.merge:
         requests = params.num_split_requests or grid.batch_size

@@ -1,4 +1,4 @@
-"""Compiled kernels, cached per (device, variant) in this process and shared by every wrapper:
+"""Compiled kernels, cached per (device, build) in this process and shared by every wrapper:
 nothing about them changes after they are loaded. A module comes from splitkv's cache of
 precompiled CUBINs where ``splitkv precompile`` put it there (``cubin_cache``), else from NVRTC
 through CuPy (whose own disk cache may hold it); ``module_origins`` counts each, so a test can
@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from .kernel_source import NVRTC_OPTIONS, DecodeVariant
+from .kernel_source import NVRTC_OPTIONS, KernelBuild
 
 CUBIN, NVRTC = "cubin", "nvrtc"      # where a module came from
 PLANNER_LABEL = "device_plan"        # the planning kernel's name in the cubin cache
@@ -19,7 +19,7 @@ PLANNER_LABEL = "device_plan"        # the planning kernel's name in the cubin c
 
 @dataclass(frozen=True)
 class DecodeKernels:
-    variant: DecodeVariant
+    build: KernelBuild
     partial: object      # cupy.RawKernel decode_partial
     merge: object        # cupy.RawKernel merge_partials
     one_per_sm_shared_bytes: int   # dynamic shared memory that places one partial CTA per SM
@@ -27,7 +27,7 @@ class DecodeKernels:
     origin: str = NVRTC            # CUBIN: splitkv's precompiled file; NVRTC: compiled by CuPy
 
 
-_CACHE: dict[tuple[int, DecodeVariant], DecodeKernels] = {}
+_CACHE: dict[tuple[int, KernelBuild], DecodeKernels] = {}
 _ORIGINS: Counter = Counter()
 _ORIGINS_LOCK = threading.Lock()
 
@@ -67,32 +67,32 @@ def load_module(source: str, options, label: str):
     return module, origin
 
 
-def get_decode_kernels(variant: DecodeVariant) -> DecodeKernels:
+def get_decode_kernels(build: KernelBuild) -> DecodeKernels:
     import cupy
 
     from .device_features import one_per_sm_shared_bytes
 
     device = cupy.cuda.runtime.getDevice()
-    key = (device, variant)
+    key = (device, build)
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
     t0 = time.perf_counter()
-    module, origin = load_module(variant.source(), NVRTC_OPTIONS, variant.name)
+    module, origin = load_module(build.source(), NVRTC_OPTIONS, build.name)
     partial = module.get_function("decode_partial")
     merge = module.get_function("merge_partials")
     # The opt-in covers both sizes a launch may ask for, set once here: a launch never changes
     # an attribute of the kernel every wrapper shares.
-    spread = one_per_sm_shared_bytes(variant.shared_bytes)
+    spread = one_per_sm_shared_bytes(build.shared_bytes)
     limit = cupy.cuda.runtime.deviceGetAttribute(
         cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device)
-    if variant.shared_bytes + partial.shared_size_bytes > limit:
-        raise RuntimeError(f"{variant.name}: needs {variant.shared_bytes:,} bytes of shared "
+    if build.shared_bytes + partial.shared_size_bytes > limit:
+        raise RuntimeError(f"{build.name}: needs {build.shared_bytes:,} bytes of shared "
                            f"memory per block, this GPU allows {limit:,} (e.g. fp8 K/V at "
                            f"head_dim 256 fits an H100/H200, not an A100)")
-    partial.max_dynamic_shared_size_bytes = min(max(variant.shared_bytes, spread),
+    partial.max_dynamic_shared_size_bytes = min(max(build.shared_bytes, spread),
                                                 limit - partial.shared_size_bytes)
-    kernels = DecodeKernels(variant, partial, merge, spread, time.perf_counter() - t0, origin)
+    kernels = DecodeKernels(build, partial, merge, spread, time.perf_counter() - t0, origin)
     _CACHE[key] = kernels
     return kernels
 

@@ -11,6 +11,7 @@ from ..core import validation as V
 from ..core.execution import MERGE_KERNEL, grid_order
 from ..core.geometry import MAX_HEADS_PER_CTA, ctas_per_kv_head
 from ..core.builds import row_tiles_for
+from ..core.variants import KernelVariant
 from .compiled_builds import per_shape_kernels
 from .records import chunk_records, pages_fit_record, record_pages_needed
 
@@ -37,22 +38,25 @@ def plan_grid_size(plan, heads: int, num_kv_heads: int, experiments) -> tuple[in
             row_tiles_for(min(group, max_rows)))
 
 
-def per_shape_plan(plan, page_table, *, shape, heads: int, variant, experiments, soft_cap: bool,
-                   rows_array, unified_max: bool) -> PerShapePlan:
-    """Check the plan's grids against CUDA's limits, choose its build (``compiled_builds``) and
-    write its chunk records. ``shape``: the wrapper's ``run_inputs.DecodeShape``; ``heads``: the
-    kernels' query heads (with multi-token decode, virtual heads); ``rows_array``: the
-    multi-token rows (None: one row a request)."""
+def per_shape_plan(plan, page_table, *, shape, heads: int, base, experiments,
+                   variant: KernelVariant, rows_array) -> PerShapePlan:
+    """Check the plan's grids against CUDA's limits, choose its build (``compiled_builds``:
+    the wrapper's ``base`` build with ``variant``'s hooks) and write its chunk records.
+    ``shape``: the wrapper's ``run_inputs.DecodeShape``; ``heads``: the kernels' query heads
+    (with multi-token decode, virtual heads); ``rows_array``: the multi-token rows (None: one
+    row a request; given exactly where ``variant.multi_token``)."""
+    if variant.multi_token != (rows_array is not None):
+        raise ValueError("rows_array: a multi-token plan's rows, given exactly where the "
+                         f"variant is multi-token (variant={variant})")
     per_kv_head, ctas, row_tiles = plan_grid_size(plan, heads, shape.num_kv_heads, experiments)
     V.check_grid_ctas("page_table", ctas, f"{plan.num_chunks} chunks x {shape.num_kv_heads} "
                       f"kv heads x {per_kv_head} CTAs a kv head")
     V.check_grid_ctas("page_table", -(-plan.problem.batch_size * heads * shape.head_dim
                                       // (4 * 128)),
                       "the merge kernel's: a thread per 4 dims of each request's heads")
-    kernels = per_shape_kernels(
-        variant, plan, ctas, row_tiles, page_size=shape.page_size, experiments=experiments,
-        soft_cap=soft_cap, multi_token=rows_array is not None, unified_max=unified_max)
-    stages, tile = kernels.variant.stages, kernels.variant.tile_tokens
+    kernels = per_shape_kernels(base, plan, ctas, row_tiles, page_size=shape.page_size,
+                                experiments=experiments, variant=variant)
+    stages, tile = kernels.build.stages, kernels.build.tile_tokens
     # a table kept on the device has no page ids on the host to carry
     in_record = (page_table.kv_indices is not None
                  and pages_fit_record(plan, shape.page_size, stages, tile))

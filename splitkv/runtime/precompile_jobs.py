@@ -1,6 +1,6 @@
 """What ``splitkv precompile`` compiles, without a GPU: for one wrapper configuration and one
 architecture, the modules its ``warmup()`` would compile there
-(``compiled_builds.reachable_variants``, and a graph-stable wrapper's planning kernel), each
+(``compiled_builds.reachable_kernel_builds``, and a graph-stable wrapper's planning kernel), each
 with the source, options and name the runtime looks it up by (``modules.load_module``),
 compiled into the cubin cache."""
 
@@ -15,7 +15,7 @@ from ..core import validation as V
 from ..core import variants as VA
 from ..core.architectures import ARCHITECTURES, architecture_properties
 from ..core.builds import DeviceProperties
-from .compiled_builds import reachable_variants, shape_variant
+from .compiled_builds import reachable_kernel_builds, base_build
 from .cubin_cache import precompile_module
 from .experiments import DecodeExperiments
 from .kernel_source import NVRTC_OPTIONS
@@ -109,10 +109,10 @@ def modules_for(config: Configuration, device: DeviceProperties) -> list[tuple[s
     """(label, source, options) of each module a wrapper of ``config`` compiles in ``warmup()``
     on ``device``, as ``modules.load_module`` is given them; sorted by label."""
     experiments = DecodeExperiments()
-    base = shape_variant(config.dtype, config.head_dim, config.num_qo_heads // config.num_kv_heads,
+    base = base_build(config.dtype, config.head_dim, config.num_qo_heads // config.num_kv_heads,
                          config.page_size, config.kv_dtype, experiments)
     clusters = device.cc >= 90 if config.clusters is None else config.clusters
-    builds = reachable_variants(
+    builds = reachable_kernel_builds(
         base, experiments, device=device, page_size=config.page_size,
         group_size=config.num_qo_heads // config.num_kv_heads,
         soft_caps=(False, True) if config.soft_cap else (False,), max_q_len=config.max_q_len,

@@ -24,11 +24,12 @@ from ..core.geometry import ctas_per_kv_head
 from ..core.layouts import check_kv_layout
 from ..core.plan import Plan
 from ..core.problem import DecodeProblem, PageTable
+from ..core.variants import KernelVariant
 from . import require_gpu
-from .compiled_builds import shape_variant
+from .compiled_builds import base_build
 from .device_features import check_option, sm90_option
 from .experiments import DecodeExperiments
-from .kernel_source import DecodeVariant
+from .kernel_source import KernelBuild
 from .launch import DecodeLaunch, bind_decode_launch
 from .page_tables import plan_page_table
 from .params import LaunchGrid, decode_params, sm_scale_log2, soft_cap_log2, unified_max_log2
@@ -110,7 +111,7 @@ class BatchDecodeWrapper:
         self._shape = DecodeShape(self.num_qo_heads, self.num_kv_heads, self.head_dim,
                                   self.page_size, self.dtype, self.kv_dtype, self.kv_layout)
         self._device_id = None                # the device of the plan, once planned
-        self.variant = shape_variant(self.dtype, self.head_dim, self.group_size, self.page_size,
+        self.base_build = base_build(self.dtype, self.head_dim, self.group_size, self.page_size,
                                      self.kv_dtype, experiments)
         if experiments.rows_per_cta and use_cuda_graph:
             raise ValueError("experiments: rows_per_cta is for per-shape wrappers (a graph-stable "
@@ -127,7 +128,7 @@ class BatchDecodeWrapper:
         self._resolved_profile = None         # the Profile, once read and checked for the device
         self._plan: Plan | None = None
         self._launch: DecodeLaunch | None = None
-        self._bound_variant: DecodeVariant | None = None   # the variant _bind() launched
+        self._bound_build: KernelBuild | None = None   # the build _bind() launched
         self._query_rows = None               # the current plan's multi-token rows, if any
         self._upload = PlanUpload()
         self._workspace = Workspace(self.head_dim, workspace_buffer)
@@ -178,11 +179,11 @@ class BatchDecodeWrapper:
         return self._workspace.nbytes
 
     @property
-    def kernel_variant(self) -> DecodeVariant | None:
+    def kernel_build(self) -> KernelBuild | None:
         """The build the current plan's partial kernel runs (its warps, stages, cluster size):
         a per-shape plan whose CTAs are one per SM or fewer runs 8 warps where 4 are
         issue-bound (``core.builds.plan_warps``); None before a plan."""
-        return self._bound_variant if self._launch is not None else None
+        return self._bound_build if self._launch is not None else None
 
     @property
     def pdl_active(self) -> bool:
@@ -333,7 +334,7 @@ class BatchDecodeWrapper:
         rows = self._warmup_rows(max_q_len)
         self.profile            # noqa: B018  (resolved, probed where the GPU has no profile)
         count = compile_reachable(
-            self.variant, self.experiments, page_size=self.page_size,
+            self.base_build, self.experiments, page_size=self.page_size,
             group_size=self.group_size, soft_caps=(False, True) if logits_soft_cap else (False,),
             max_q_len=rows, unified_max=unified_max, clusters=self._clusters(),
             graph_stable=self.use_cuda_graph)
@@ -399,10 +400,11 @@ class BatchDecodeWrapper:
         workspace, and the launches of its grid."""
         import cupy
 
+        variant = KernelVariant(soft_cap=soft_cap_log2 > 0, multi_token=rows_array is not None,
+                                unified_max=phi is not None)
         built = per_shape_plan(chosen, page_table, shape=self._shape, heads=heads,
-                               variant=self.variant, experiments=self.experiments,
-                               soft_cap=soft_cap_log2 > 0, rows_array=rows_array,
-                               unified_max=phi is not None)
+                               base=self.base_build, experiments=self.experiments,
+                               variant=variant, rows_array=rows_array)
         kernels, per_kv_head, in_record = built.kernels, built.per_kv_head, built.pages_in_record
         meta = self._upload.upload(built.records, page_table, chosen, s, built.extra)
         if page_table.kv_indices is None:             # the caller's table, read in place
@@ -435,7 +437,7 @@ class BatchDecodeWrapper:
         spread = grid.spread if grid.spread is not None else self.experiments.pdl_spread
         launch = bind_decode_launch(kernels, params, grid, num_kv_heads=self.num_kv_heads,
                                     head_dim=self.head_dim, pdl=pdl, spread=spread)
-        self._bound_variant = kernels.variant
+        self._bound_build = kernels.build
         return launch
 
     def unified_max_fallbacks(self) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from splitkv.core import builds
+from splitkv.core.variants import KernelVariant
 from splitkv.core.builds import (H200, Build, BuildForces, DeviceProperties, PlanGrid,
                                  decode_build, graph_build, row_tiles_for, shape_build)
 
@@ -41,8 +42,8 @@ def plan_grid(case: dict) -> PlanGrid:
     rows a CTA (the rows_per_cta experiment's cap)."""
     rows = min(case["group_size"] * case["q_len"], case["experiments"].get("rows_per_cta", 64))
     return PlanGrid(case["ctas"], float(np.mean(case["chunk_tokens"])), case["cluster_size"],
-                    row_tiles_for(rows), case["soft_cap"], case["q_len"] > 1,
-                    case["unified_max"])
+                    row_tiles_for(rows),
+                    KernelVariant(case["soft_cap"], case["q_len"] > 1, case["unified_max"]))
 
 
 def decided(make, case: dict) -> str:
@@ -53,7 +54,14 @@ def decided(make, case: dict) -> str:
         return "ValueError"
     assert (build.dtype, build.head_dim, build.kv_dtype) == (
         case["dtype"], case["head_dim"], case["kv_dtype"])
-    return ",".join(str(getattr(build, name)) for name in RECORDED["fields"])
+    return ",".join(recorded_value(build, name) for name in RECORDED["fields"])
+
+
+def recorded_value(build, name: str) -> str:
+    """A field of ``build`` as the record writes it (a variant's hook as 0 or 1)."""
+    if name in KernelVariant.TAGS:
+        return str(int(getattr(build.variant, name)))
+    return str(getattr(build, name))
 
 
 def recorded(kind: str, name: str) -> list[str]:
@@ -84,8 +92,8 @@ def test_graph_stable_grids_get_the_builds_the_runtime_chose(name):
         forces = forces_of(c)
         base = shape_build(c["dtype"], c["head_dim"], c["group_size"], c["page_size"],
                            c["kv_dtype"], forces)
-        return graph_build(base, soft_cap=c["soft_cap"], rows=c["group_size"] * c["max_q_len"],
-                           max_q_len=c["max_q_len"], device=dev, forces=forces)
+        return graph_build(base, variant=KernelVariant(c["soft_cap"], c["max_q_len"] > 1),
+                           rows=c["group_size"] * c["max_q_len"], device=dev, forces=forces)
 
     got = [decided(lambda: make(c), c) for c in cases]
     want = recorded("graph", name)
@@ -116,15 +124,15 @@ def test_the_recorded_cases_meet_every_decision():
 @pytest.mark.parametrize("name", ["H200", "L40S"])
 def test_the_runtime_compiles_what_the_core_decides(name, monkeypatch):
     """runtime.compiled_builds' entry points, with the device as plain data and the compile left
-    out, give the core's builds as ``DecodeVariant``s."""
+    out, give the core's builds as ``KernelBuild``s."""
     from splitkv.runtime import compiled_builds as runtime_builds
     from splitkv.runtime.experiments import DecodeExperiments
-    from splitkv.runtime.kernel_source import DecodeVariant
+    from splitkv.runtime.kernel_source import KernelBuild
 
     dev = device(name)
     monkeypatch.setattr(runtime_builds, "device_properties", lambda: dev)
     monkeypatch.setattr(runtime_builds, "get_decode_kernels",
-                        lambda variant: SimpleNamespace(variant=variant))
+                        lambda build: SimpleNamespace(build=build))
     for c in plan_cases(name)[:400]:
         ex = DecodeExperiments(**c["experiments"])
         try:
@@ -132,7 +140,7 @@ def test_the_runtime_compiles_what_the_core_decides(name, monkeypatch):
                                 c["kv_dtype"], plan_grid(c), dev, forces_of(c))
         except ValueError:
             continue
-        base = runtime_builds.shape_variant(c["dtype"], c["head_dim"], c["group_size"],
+        base = runtime_builds.base_build(c["dtype"], c["head_dim"], c["group_size"],
                                             c["page_size"], c["kv_dtype"] or None, ex)
         grid = plan_grid(c)
         plan = SimpleNamespace(chunk_start=np.zeros(len(c["chunk_tokens"]), np.int64),
@@ -140,18 +148,17 @@ def test_the_runtime_compiles_what_the_core_decides(name, monkeypatch):
                                cluster_size=c["cluster_size"])
         got = runtime_builds.per_shape_kernels(
             base, plan, grid.ctas, grid.row_tiles, page_size=c["page_size"], experiments=ex,
-            soft_cap=grid.soft_cap, multi_token=grid.multi_token,
-            unified_max=grid.unified_max).variant
-        assert isinstance(got, DecodeVariant) and got == DecodeVariant.of(want), c
+            variant=grid.variant).build
+        assert isinstance(got, KernelBuild) and got == KernelBuild.of(want), c
 
 
 def test_a_build_becomes_a_variant_field_for_field():
     build = Build("float16", 128, 2, kv_dtype="float8_e5m2", num_warps=8, pow2_pages=1)
-    from splitkv.runtime.kernel_source import DecodeVariant
+    from splitkv.runtime.kernel_source import KernelBuild
 
-    variant = DecodeVariant.of(build)
+    variant = KernelBuild.of(build)
     assert all(getattr(variant, f.name) == getattr(build, f.name) for f in fields(Build))
-    assert DecodeVariant.of(variant) is variant
+    assert KernelBuild.of(variant) is variant
     assert variant.name == "decode_float16_d128_r32_s3_kv_e5m2_w8_pow2"
 
 
@@ -215,7 +222,7 @@ def test_occupancy_and_tile_defaults_follow_the_shape():
                   Build("bfloat16", 64, 1, kv_dtype="float8_e4m3fn"),
                   Build("bfloat16", 64, 1, num_warps=8),
                   Build("bfloat16", 64, 1, tile_per_warp=32),
-                  Build("bfloat16", 64, 1, unified_max=1)):
+                  Build("bfloat16", 64, 1, variant=KernelVariant(unified_max=True))):
         assert builds.default_occupancy(other, forced=False) is other, other
     tile = builds.default_tile_per_warp
     assert tile("float8_e4m3fn", 128, 4, 1, False) == 32
@@ -266,7 +273,7 @@ def test_head_dim_256_gives_way_to_fewer_stages_and_the_split_on_99_kib():
     assert fit(plain, stages=2) is plain
     assert builds.fitting_build(plain, q_default=True, warps_default=True,
                                 shared_limit=101376) is plain        # the split not allowed
-    umax = replace(plain, unified_max=1)
+    umax = replace(plain, variant=KernelVariant(unified_max=True))
     assert fit(umax) is umax
     # through the decision, for a GPU's properties: sm_120 splits, the H200 keeps its default
     from splitkv.core.architectures import device_properties
@@ -306,4 +313,4 @@ def test_a_graph_stable_wrapper_reaches_one_build_a_soft_cap_setting():
     base = shape_build("bfloat16", 128, 4, 16, "")
     both = builds.reachable_builds(base, device=H200, page_size=16, group_size=4,
                                    soft_caps=(False, True), graph_stable=True)
-    assert len(both) == 2 and {b.soft_cap for b in both} == {0, 1}
+    assert len(both) == 2 and {b.variant.soft_cap for b in both} == {False, True}

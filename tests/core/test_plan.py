@@ -190,18 +190,18 @@ def test_inconsistent_hand_built_plans_are_refused(arrays, name):
 def test_cluster_variant_names_and_shared_memory():
     import pytest
 
-    from splitkv.runtime.kernel_source import DecodeVariant
+    from splitkv.runtime.kernel_source import KernelBuild
 
-    plain = DecodeVariant("bfloat16", 128, 1)
-    clustered = DecodeVariant("bfloat16", 128, 1, cluster=8)
+    plain = KernelBuild("bfloat16", 128, 1)
+    clustered = KernelBuild("bfloat16", 128, 1, cluster=8)
     assert clustered.name == plain.name + "_c8" and clustered.defines["CLUSTER"] == 8
     # d128: 3 stages of 64 tokens of K and V, and the record's 24 page ids
     assert plain.shared_bytes == clustered.shared_bytes == 3 * 64 * 128 * 2 * 2 + 24 * 4
     # d256 with 64 rows: the combine buffers (4 warps x 16 rows x (256 + 2) floats) and the
     # CTA's partial state (64 rows x (256 + 1) floats) outgrow the pipeline
-    assert DecodeVariant("float16", 256, 4, cluster=2).shared_bytes == 4 * 16 * 258 * 4 + 64 * 257 * 4
+    assert KernelBuild("float16", 256, 4, cluster=2).shared_bytes == 4 * 16 * 258 * 4 + 64 * 257 * 4
     with pytest.raises(ValueError, match="cluster"):
-        DecodeVariant("bfloat16", 128, 1, cluster=16)
+        KernelBuild("bfloat16", 128, 1, cluster=16)
 
 
 def test_chunk_records_carry_each_chunks_first_pages():

@@ -253,7 +253,7 @@ def test_wrapper_options_are_checked():
             DecodeExperiments(**bad)
     w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16",
                            experiments=DecodeExperiments(stages=2, max_registers=168))
-    assert (w.variant.stages, w.variant.max_registers) == (2, 168)
+    assert (w.base_build.stages, w.base_build.max_registers) == (2, 168)
 
 
 def test_graph_stable_capacity_is_checked():
@@ -300,8 +300,8 @@ def test_the_warps_experiment_is_checked_and_reaches_the_variant():
     from splitkv.runtime.wrapper import BatchDecodeWrapper
 
     w = BatchDecodeWrapper(8, 2, 128, 16, experiments=DecodeExperiments(warps=8))
-    assert w.variant.num_warps == 8 and w.variant.tile_tokens == 128
-    assert BatchDecodeWrapper(8, 2, 128, 16).variant.num_warps == 4
+    assert w.base_build.num_warps == 8 and w.base_build.tile_tokens == 128
+    assert BatchDecodeWrapper(8, 2, 128, 16).base_build.num_warps == 4
     assert record_pages_needed(16, 3, 128) == 24 and record_pages_needed(16, 3) == 12
     with pytest.raises(ValueError, match="warps: expected 4 or 8"):
         DecodeExperiments(warps=6)
@@ -353,7 +353,7 @@ def test_the_pow2_pages_experiment_refuses_other_page_sizes():
     with pytest.raises(TypeError, match="^pow2_pages: expected None, True or False"):
         DecodeExperiments(pow2_pages=1)
     assert BatchDecodeWrapper(32, 8, 128, 1, "bfloat16", experiments=DecodeExperiments(
-        pow2_pages=True)).variant.pow2_pages == 1
+        pow2_pages=True)).base_build.pow2_pages == 1
 
 
 def test_the_rows_per_cta_experiment_takes_16_32_or_64_on_per_shape_wrappers():
@@ -388,7 +388,7 @@ def test_dim_split_is_1_or_2_and_16_bit_only():
         with pytest.raises(ValueError, match="dim_split: expected 1 or 2"):
             DecodeExperiments(dim_split=bad)
     w = BatchDecodeWrapper(16, 8, 256, 16, "bfloat16", experiments=DecodeExperiments(dim_split=2))
-    assert (w.variant.num_warps, w.variant.dim_split, w.variant.tile_tokens) == (8, 2, 64)
+    assert (w.base_build.num_warps, w.base_build.dim_split, w.base_build.tile_tokens) == (8, 2, 64)
     with pytest.raises(ValueError, match="^dim_split: 16-bit K/V"):
         BatchDecodeWrapper(16, 8, 256, 16, "bfloat16", kv_dtype="float8_e4m3fn",
                            experiments=DecodeExperiments(dim_split=2))

@@ -161,3 +161,22 @@ def test_bad_variant_arguments_are_named(rng):
     plan = plan_fixed_splits(b.problem, 2, "fused")
     with pytest.raises(ValueError, match="sinks"):
         execute_plan_cpu(plan, *args, sinks=[1.0])
+
+
+def test_a_kernel_variant_is_one_value_that_names_its_defines_and_tags():
+    """A build's hooks: one frozen value whose fields give the kernel's defines (the name
+    upper-cased, every hook, in order) and the build name's tags (the hooks compiled in)."""
+    from splitkv.core.builds import Build
+    from splitkv.core.variants import PLAIN, KernelVariant
+
+    both = KernelVariant(soft_cap=True, unified_max=True)
+    assert both.defines == {"SOFT_CAP": 1, "MULTI_TOKEN": 0, "UNIFIED_MAX": 1}
+    assert both.tags == "_softcap_umax" and PLAIN.tags == ""
+    same = KernelVariant(True, False, True)
+    assert both == same and hash(both) == hash(same)
+    assert set(KernelVariant.TAGS) == {name.lower() for name in PLAIN.defines}   # a tag a hook
+    with pytest.raises(TypeError, match="soft_cap: expected True or False, got 1"):
+        KernelVariant(soft_cap=1)
+    with pytest.raises(TypeError, match="variant: expected a KernelVariant"):
+        Build("bfloat16", 128, 1, variant=True)
+    assert Build("bfloat16", 128, 1).variant is PLAIN

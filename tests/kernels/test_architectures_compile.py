@@ -17,6 +17,7 @@ import pytest
 
 from splitkv.core.architectures import ARCHITECTURES, architecture_properties
 from splitkv.core.builds import PlanGrid, decode_build, graph_build, row_tiles_for, shape_build
+from splitkv.core.variants import KernelVariant
 
 GROUPS = (1, 4, 8, 16, 32)
 PAGES = (1, 16, 64)
@@ -31,9 +32,10 @@ def _grids(num_sms: int, clusters: bool, group: int) -> list[PlanGrid]:
     return [PlanGrid(4 * num_sms, 512.0, row_tiles=rt), PlanGrid(8, 8192.0, row_tiles=rt),
             PlanGrid(8, 512.0, row_tiles=rt),
             PlanGrid(32, 512.0, 2 if clusters else 0, rt),
-            PlanGrid(16, 1024.0, 8 if clusters else 0, rt, soft_cap=True),
-            PlanGrid(8, 4096.0, row_tiles=rt, unified_max=True),
-            PlanGrid(4 * num_sms, 512.0, row_tiles=row_tiles_for(2 * group), multi_token=True)]
+            PlanGrid(16, 1024.0, 8 if clusters else 0, rt, KernelVariant(soft_cap=True)),
+            PlanGrid(8, 4096.0, row_tiles=rt, variant=KernelVariant(unified_max=True)),
+            PlanGrid(4 * num_sms, 512.0, row_tiles=row_tiles_for(2 * group),
+                     variant=KernelVariant(multi_token=True))]
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,8 +51,8 @@ def builds_for(cc: int) -> tuple:
             found.setdefault(build, None)
         base = shape_build(dtype, d, g, page, kv)
         for q_len in (1, 2):
-            found.setdefault(graph_build(base, soft_cap=q_len > 1, rows=g * q_len,
-                                         max_q_len=q_len, device=dev), None)
+            found.setdefault(graph_build(base, variant=KernelVariant(q_len > 1, q_len > 1),
+                                         rows=g * q_len, device=dev), None)
     return tuple(found)
 
 
@@ -60,7 +62,7 @@ def over_99_kib_by_design(build) -> bool:
     KiB), or 16-bit with the unified max, whose row check cannot split the head dim. The
     runtime refuses these by name (runtime.modules: "needs N bytes of shared memory")."""
     return build.head_dim == 256 and (build.row_tiles == 4
-                                      or (not build.kv_dtype and build.unified_max))
+                                      or (not build.kv_dtype and build.variant.unified_max))
 
 
 @pytest.mark.parametrize("cc", sorted(ARCHITECTURES))
@@ -90,7 +92,7 @@ def _traits(b) -> set:
     single = {("dtype", b.dtype), ("kv", b.kv_dtype), ("d", b.head_dim), ("rt", b.row_tiles),
               ("warps", b.num_warps), ("tile", b.tile_tokens), ("split", b.dim_split),
               ("q", b.q_in_smem), ("pow2", b.pow2_pages), ("cluster", b.cluster),
-              ("cap", b.soft_cap), ("mt", b.multi_token), ("umax", b.unified_max),
+              ("cap", b.variant.soft_cap), ("mt", b.variant.multi_token), ("umax", b.variant.unified_max),
               ("regs", b.max_registers), ("stages", b.stages)}
     return single | {("kv,d", b.kv_dtype, b.head_dim), ("d,warps", b.head_dim, b.num_warps),
                      ("d,split", b.head_dim, b.dim_split)}
@@ -121,11 +123,11 @@ _SMEM = re.compile(r"Compiling entry function '(\w+)'.*?Used (\d+) registers(?:.
                          ids=[f"sm_{cc}-{i}" for i, (cc, _) in enumerate(SAMPLE)])
 def test_the_sampled_builds_compile_for_their_architecture(cc, build):
     from conftest import REGISTER_REPORT
-    from splitkv.runtime.kernel_source import DecodeVariant, compile_cubin
+    from splitkv.runtime.kernel_source import KernelBuild, compile_cubin
     from test_kernels_compile import resource_report
 
     arch = ARCHITECTURES[cc]
-    variant = DecodeVariant.of(build)
+    variant = KernelBuild.of(build)
     cubin, log = compile_cubin(variant.source(), arch.arch, variant.name, verbose=True)
     assert cubin[:4] == b"\x7fELF"
     report = resource_report(log)

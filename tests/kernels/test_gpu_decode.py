@@ -303,9 +303,9 @@ def test_experiment_knobs_and_spread_share_no_kernel_state():
     pt, q, k, v = make_case(rng, [900, 3000], 32, 8, 128, 16, "bfloat16")
     ref_o, _ = reference_decode(q.get(), k.get(), v.get(), pt)
     base = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16")
-    kernels = get_decode_kernels(base.variant)
+    kernels = get_decode_kernels(base.base_build)
     opt_in = kernels.partial.max_dynamic_shared_size_bytes
-    assert opt_in >= kernels.one_per_sm_shared_bytes >= kernels.variant.shared_bytes
+    assert opt_in >= kernels.one_per_sm_shared_bytes >= kernels.build.shared_bytes
     _, o_base, _ = run_checked(base, pt, q, k, v, "bfloat16", num_splits=4, strategy="fused")
     for experiments in (DecodeExperiments(pdl_spread=True), DecodeExperiments(pdl_spread=False),
                         DecodeExperiments(pdl_trigger="early", pdl_spread=True),

@@ -28,7 +28,7 @@ PLANS = [("single", 1), ("split_merge", 3), ("fused", 4)]
 
 
 def four_an_sm(w) -> bool:
-    v = w.kernel_variant
+    v = w.kernel_build
     return (v.stages, v.max_registers) == (3, 128)
 
 
@@ -46,8 +46,8 @@ def test_head_dim_64_runs_four_an_sm_with_the_four_stage_builds_bits(hq, hk, pag
     for strategy, n in PLANS:
         o, lse = plan_and_run_both(four_stages, shipped, pt, q, k, v, f"{strategy}/{n}",
                                    strategy=strategy, num_splits=n)
-        assert four_an_sm(shipped) == one_row_tile, shipped.kernel_variant.name
-        assert four_stages.kernel_variant.stages == 4 and not four_an_sm(four_stages)
+        assert four_an_sm(shipped) == one_row_tile, shipped.kernel_build.name
+        assert four_stages.kernel_build.stages == 4 and not four_an_sm(four_stages)
         assert_matches_reference(to_float64(o), lse, ref_o, ref_lse, 1e-2, f"{strategy}/{n}")
 
 
@@ -56,11 +56,11 @@ def test_head_dim_64s_other_paths_run_four_an_sm():
     from splitkv.runtime import device_info
 
     def check(w):
-        assert four_an_sm(w), w.kernel_variant.name
+        assert four_an_sm(w), w.kernel_build.name
 
     *_, w = assert_paths_match_reference(None, 32, 8, 64, np.random.default_rng(5), check)
     if int(device_info()["cc"]) >= 90:          # its last plan: fused/4 merged in a cluster
-        assert w.kernel_variant.cluster == 4
+        assert w.kernel_build.cluster == 4
         check(w)
 
 
@@ -76,7 +76,7 @@ def test_forced_stages_or_warps_give_up_the_fp8_long_tiles():
         w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", kv_dtype="float8_e4m3fn",
                                experiments=experiments)
         plan_and_run(w, pt, q, k, v, strategy="single")
-        assert w.kernel_variant.tile_per_warp == 16, (experiments, w.kernel_variant.name)
+        assert w.kernel_build.tile_per_warp == 16, (experiments, w.kernel_build.name)
 
 
 def test_the_unified_max_keeps_the_compilers_registers_at_head_dim_64():
@@ -87,7 +87,7 @@ def test_the_unified_max_keeps_the_compilers_registers_at_head_dim_64():
     ref_o, ref_lse = reference_decode(q.get(), k, v, pt)
     w = BatchDecodeWrapper(32, 8, 64, 16, "bfloat16")
     o, lse = plan_and_run(w, pt, q, k, v, strategy="split_merge", num_splits=3, unified_max=8.0)
-    assert w.kernel_variant.max_registers == 0 and w.kernel_variant.unified_max
+    assert w.kernel_build.max_registers == 0 and w.kernel_build.variant.unified_max
     assert_matches_reference(to_float64(o), lse, ref_o, ref_lse, 1e-2, "unified max")
 
 
@@ -103,7 +103,7 @@ def test_fp8_head_dim_128_runs_long_tiles_past_one_cta_an_sm(kv_dtype):
     # 42 requests x 8 kv heads: 336 CTAs or more, past the 132 SMs
     for strategy, n in PLANS:
         o, lse = plan_and_run(w, pt, q, k, v, strategy=strategy, num_splits=n)
-        variant = w.kernel_variant
+        variant = w.kernel_build
         assert (variant.num_warps, variant.tile_tokens, variant.stages) == (4, 128, 3), variant
         assert_matches_reference(to_float64(o), lse, ref_o, ref_lse, 2e-2, f"{strategy}/{n}")
     # one request: 8 CTAs, one an SM: 8 warps of 64-token tiles
@@ -112,13 +112,13 @@ def test_fp8_head_dim_128_runs_long_tiles_past_one_cta_an_sm(kv_dtype):
     k1, v1 = random_kv_caches((one[1], 16, 8, 128), "bfloat16", rng, kv_dtype)
     ref_o, ref_lse = reference_decode(q1.get(), k1, v1, one[0], kv_dtype=kv_dtype)
     o, lse = plan_and_run(w, one[0], q1, k1, v1, strategy="split_merge", num_splits=4)
-    assert (w.kernel_variant.num_warps, w.kernel_variant.tile_tokens) == (8, 128)
+    assert (w.kernel_build.num_warps, w.kernel_build.tile_tokens) == (8, 128)
     assert_matches_reference(to_float64(o), lse, ref_o, ref_lse, 2e-2, "lone grid")
     # forced 16-token tiles keep them
     w16 = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", kv_dtype=kv_dtype,
                              experiments=DecodeExperiments(tile_per_warp=16))
     plan_and_run(w16, pt, q, k, v, strategy="single")
-    assert w16.kernel_variant.tile_tokens == 64
+    assert w16.kernel_build.tile_tokens == 64
 
 
 def test_fp8_plans_choose_their_warps_and_stay_exact():
@@ -148,7 +148,7 @@ def test_fp8_plans_choose_their_warps_and_stay_exact():
                                     experiments=DecodeExperiments(warps=4))
         for w, want in ((per_shape, warps), (stable, 4), (forced, 4)):
             plan = w.plan(pt, num_splits=n, strategy=strategy)
-            assert w.kernel_variant.num_warps == want, (plan, w.use_cuda_graph)
+            assert w.kernel_build.num_warps == want, (plan, w.use_cuda_graph)
             out = cupy.full(q.shape, 0xFFFF, cupy.uint16)
             w.run(q, kd, vd, out=out)
             o = to_float64(out.get())
@@ -174,7 +174,7 @@ def test_sixteen_bit_lone_ctas_choose_their_warps_and_stay_exact(hq, hk, page, l
     w = BatchDecodeWrapper(hq, hk, d, page, "bfloat16")
     for strategy, n in (("single", 1), ("split_merge", 2)):
         plan = w.plan(pt, num_splits=n, strategy=strategy)
-        assert w.kernel_variant.num_warps == warps, plan
+        assert w.kernel_build.num_warps == warps, plan
         out = poisoned_output(q)
         lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
         w.run(q, cupy.asarray(k), cupy.asarray(v), out=out, lse=lse)

@@ -107,7 +107,7 @@ def case_id(row) -> str:
 
 
 def assert_build(wrapper, build: dict, what: str) -> None:
-    variant = wrapper.kernel_variant
+    variant = wrapper.kernel_build
     got = {name: getattr(variant, name) for name in build}
     assert got == build, f"{what}: ran {variant.name}"
 
@@ -161,7 +161,7 @@ def test_q_in_shared_memory_under_multi_token_rows_and_the_unified_max(row):
     qm = random_device_array((7, hq, d), dtype, rng)
     for qx, extra in ((qm, {"qo_indptr": np.array([0, 3, 4, 5, 7])}), (q, {"unified_max": -60.0})):
         plan_and_run_both(plain, smem, pt, qx, k, v, str(extra), **extra)
-        assert smem.kernel_variant.q_in_smem == 1
+        assert smem.kernel_build.q_in_smem == 1
     assert smem.unified_max_fallbacks() > 0
 
 
@@ -183,7 +183,7 @@ def test_q_in_shared_memory_under_the_cluster_merge():
     for n in (2, 4):
         plan = plan_from_chunk_counts(problem, [n, n], "fused")
         plan_and_run_both(plain, smem, pt, q, k, v, f"cluster {n}", plan=plan)
-        assert smem.cluster_size == n and smem.kernel_variant.q_in_smem == 1
+        assert smem.cluster_size == n and smem.kernel_build.q_in_smem == 1
 
 
 @pytest.mark.parametrize("knob, hq, hk, d, field_name, cap_and_sinks", [
@@ -227,7 +227,7 @@ def test_more_ctas_a_kv_head_under_multi_token_rows():
     qo_indptr = np.array([0, 2, 3, 4, 6])
     qm = random_device_array((6, hq, d), "bfloat16", rng)
     out, lse = plan_and_run(w, pt, qm, k, v, qo_indptr=qo_indptr, strategy="fused", num_splits=3)
-    assert w.kernel_variant.rows == 16
+    assert w.kernel_build.rows == 16
     ref_o, ref_lse = reference_decode(qm.get(), k, v, pt, qo_indptr=qo_indptr)
     assert_matches_reference(to_float64(out), lse, ref_o, ref_lse, 1e-2, "rows, multi-token")
 
@@ -256,7 +256,7 @@ def test_the_compact_merge_gives_the_whole_batch_merges_bits(kv_dtype, chunk):
     compact = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", kv_dtype=kv_dtype,
                                  experiments=COMPACT)
     o2, l2 = plan_and_run_both(whole, compact, pt, q, k, v, f"chunks of {chunk}", plan=plan)
-    threads = compact.kernel_variant.threads
+    threads = compact.kernel_build.threads
     assert merge_ctas(compact) == -(-split * hq * (d // 4) // threads)
     assert merge_ctas(whole) == -(-len(lens) * hq * (d // 4) // threads)
     ref_o, ref_lse = reference_decode(q.get(), k, v, pt, kv_dtype=kv_dtype)

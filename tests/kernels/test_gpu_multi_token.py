@@ -40,7 +40,7 @@ def check(w, pt, qo_indptr, q, k, v, kv_dtype=None, cap=None, sinks=None, window
                                       sinks=None if sinks is None else sinks.astype(np.float64))
     plan = w.plan(pt, qo_indptr=qo_indptr, logits_soft_cap=cap, window_left=window,
                   **{k_: v_ for k_, v_ in plan_kw.items() if v_ is not None})
-    assert w.kernel_variant.multi_token == 1
+    assert w.kernel_build.variant.multi_token == 1
     out = cupy.full(q.shape, 0xFFFF, cupy.uint16)     # poisoned: NaN
     lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
     w.run(q, cupy.asarray(k), cupy.asarray(v), out=out, lse=lse,
@@ -91,11 +91,11 @@ def test_one_row_each_is_the_plain_decode_and_plans_switch_back():
     pt, qo_indptr, q, k, v = make(rng, [900, 40], [1, 1], 32, 8, 128)
     w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16")
     w.plan(pt, qo_indptr=qo_indptr)
-    assert w.kernel_variant.multi_token == 0
+    assert w.kernel_build.variant.multi_token == 0
     pt2, qo2, q2, k2, v2 = make(rng, [900, 40], [3, 2], 32, 8, 128)
     check(w, pt2, qo2, q2, k2, v2)
     w.plan(pt)
-    assert w.kernel_variant.multi_token == 0
+    assert w.kernel_build.variant.multi_token == 0
     out = w.run(q, cupy.asarray(k), cupy.asarray(v))
     ref, _ = reference_decode(q.get(), k, v, pt)
     err = np.linalg.norm(to_float64(out.get()) - ref) / np.linalg.norm(ref)

@@ -40,7 +40,7 @@ def run(w, pt, q, k, v, phi, kv_dtype=None, heads_checked=None, **plan_kw):
     item is not diluted by the batch); returns (plan, the CTAs that fell back, the host's
     prediction of them)."""
     plan = w.plan(pt, unified_max=phi, **plan_kw)
-    assert w.kernel_variant.unified_max == 1
+    assert w.kernel_build.variant.unified_max == 1
     out = poisoned_output(q)
     lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
     w.run(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), out=out, lse=lse)
@@ -82,7 +82,7 @@ def test_realistic_scores_run_without_fallback_on_every_strategy(dtype, kv_dtype
     # the planner's own plan, then a plain plan: the plain build again, nothing counted
     run(w, pt, q, k, v, phi, kv_dtype)
     w.plan(pt)
-    assert w.kernel_variant.unified_max == 0 and w.unified_max_fallbacks() == 0
+    assert w.kernel_build.variant.unified_max == 0 and w.unified_max_fallbacks() == 0
 
 
 def test_the_cluster_merge_under_the_unified_max():
@@ -177,7 +177,7 @@ def test_multi_token_rows_soft_cap_and_sinks_under_the_unified_max():
     for strategy, n in PLANS[:3]:
         w.plan(pt, qo_indptr=qo_indptr, logits_soft_cap=6.0, unified_max=phi,
                strategy=strategy, num_splits=n)
-        assert w.kernel_variant.unified_max == 1 and w.kernel_variant.multi_token == 1
+        assert w.kernel_build.variant.unified_max == 1 and w.kernel_build.variant.multi_token == 1
         out = poisoned_output(q)
         lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
         w.run(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), out=out, lse=lse,
@@ -215,7 +215,7 @@ def test_two_row_tiles_and_a_request_with_only_its_sink():
     w = BatchDecodeWrapper(hq, hk, D, 16, "bfloat16")
     for strategy, n in PLANS[1:3]:
         plan, fell_back, predicted = run(w, pt, q, k, v, phi, strategy=strategy, num_splits=n)
-        assert w.kernel_variant.row_tiles == 2 and fell_back == predicted == 0
+        assert w.kernel_build.row_tiles == 2 and fell_back == predicted == 0
         plan, fell_back, predicted = run(w, pt, q, k, v, phi + 80, strategy=strategy,
                                          num_splits=n)
         assert fell_back == predicted == int((plan.chunk_end > plan.chunk_start).sum()) * hk

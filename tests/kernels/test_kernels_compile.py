@@ -15,16 +15,17 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc",
                             reason="CuPy is not installed (python3 -m pip install -e '.[cuda13]' or '.[cuda12]')")
 
 from conftest import REGISTER_REPORT  # noqa: E402
+from splitkv.core.variants import KernelVariant  # noqa: E402
 from splitkv.runtime import kernel_abi  # noqa: E402
-from splitkv.runtime.kernel_source import (DecodeVariant, all_variants,  # noqa: E402
-                                           compile_cubin, compile_ptx, fp8_variants, read_source)
+from splitkv.runtime.kernel_source import (KernelBuild, all_builds,  # noqa: E402
+                                           compile_cubin, compile_ptx, fp8_builds, read_source)
 
 # The cluster-merge variants build for sm_90 only; a sample covers every cluster size, dtype,
 # head dim and row-tile count.
-CLUSTER_SAMPLE = [DecodeVariant("bfloat16", 128, 1, cluster=c) for c in (2, 4, 8)] + [
-    DecodeVariant("float16", 64, 2, cluster=8), DecodeVariant("float16", 256, 4, cluster=2)]
+CLUSTER_SAMPLE = [KernelBuild("bfloat16", 128, 1, cluster=c) for c in (2, 4, 8)] + [
+    KernelBuild("float16", 64, 2, cluster=8), KernelBuild("float16", 256, 4, cluster=2)]
 
-MAIN_VARIANTS = {DecodeVariant(dt, d, ht) for dt in ("float16", "bfloat16") for d in (64, 128)
+MAIN_VARIANTS = {KernelBuild(dt, d, ht) for dt in ("float16", "bfloat16") for d in (64, 128)
                  for ht in (1, 2)}
 _FUNC = re.compile(r"Function properties for (\w+)\s*\n.*?(\d+) bytes spill stores.*?\n.*?Used (\d+) registers",
                    re.S)
@@ -37,7 +38,7 @@ def resource_report(log: str) -> dict[str, tuple[int, int]]:
 
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", all_builds(), ids=lambda v: v.name)
 def test_variant_compiles(variant, arch):
     cubin, log = compile_cubin(variant.source(), arch, variant.name, verbose=True)
     assert cubin[:4] == b"\x7fELF"
@@ -52,19 +53,19 @@ def test_variant_compiles(variant, arch):
 
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("variant", fp8_variants(), ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", fp8_builds(), ids=lambda v: v.name)
 def test_fp8_variant_compiles(variant, arch):
     """Every fp8-KV variant (both formats): the byte tiles and the widening in registers build
     for sm_80 (bit arithmetic, no fp8 instructions) and sm_90; the main shapes do not spill."""
     cubin, log = compile_cubin(variant.source(), arch, variant.name, verbose=True)
     assert cubin[:4] == b"\x7fELF"
     report = resource_report(log)
-    if DecodeVariant(variant.dtype, variant.head_dim, variant.row_tiles) in MAIN_VARIANTS:
+    if KernelBuild(variant.dtype, variant.head_dim, variant.row_tiles) in MAIN_VARIANTS:
         assert report["decode_partial"][1] == 0, f"{variant.name} spills registers on {arch}"
 
 
 @pytest.mark.nvrtc
-@pytest.mark.parametrize("variant", [DecodeVariant(dt, 128, 1, kv_dtype=f)
+@pytest.mark.parametrize("variant", [KernelBuild(dt, 128, 1, kv_dtype=f)
                                      for dt in ("bfloat16", "float16")
                                      for f in ("float8_e4m3fn", "float8_e5m2")],
                          ids=lambda v: v.name)
@@ -85,11 +86,11 @@ def test_fp8_variants_keep_the_bytes_in_flight():
     """fp8 tiles are half the bytes, so the default fp8 variant takes twice the stages: the
     same shared memory (so the same CTAs per SM) as the 16-bit kernel."""
     for d in (64, 128, 256):
-        plain, fp8 = DecodeVariant("bfloat16", d, 1), DecodeVariant("bfloat16", d, 1, kv_dtype="float8_e4m3fn")
+        plain, fp8 = KernelBuild("bfloat16", d, 1), KernelBuild("bfloat16", d, 1, kv_dtype="float8_e4m3fn")
         assert fp8.stages >= plain.stages
         assert fp8.shared_bytes <= plain.shared_bytes
-    assert DecodeVariant("bfloat16", 128, 1, kv_dtype="float8_e5m2").stages == 6
-    assert DecodeVariant("bfloat16", 128, 1, stages=3, kv_dtype="float8_e5m2").stages == 3
+    assert KernelBuild("bfloat16", 128, 1, kv_dtype="float8_e5m2").stages == 6
+    assert KernelBuild("bfloat16", 128, 1, stages=3, kv_dtype="float8_e5m2").stages == 3
 
 
 @pytest.mark.nvrtc
@@ -138,7 +139,7 @@ def _device_plan_header() -> str:
 def test_every_field_of_the_kernel_structs_sits_where_the_mirror_writes_it():
     """kernel_abi.offset_probe stores each field's offset; the PTX says where
     decode_params.cuh puts every field."""
-    ptx = _ptx(_params_source(DecodeVariant("bfloat16", 128, 1).defines) + kernel_abi.offset_probe(),
+    ptx = _ptx(_params_source(KernelBuild("bfloat16", 128, 1).defines) + kernel_abi.offset_probe(),
                "abi_offsets.cu")
     fields = kernel_abi.fields()
     assert _probed_offsets(ptx, len(fields)) == [f[2] for f in fields]
@@ -195,7 +196,7 @@ def test_a_device_planner_mirror_that_differs_does_not_compile(monkeypatch):
 def test_a_mirror_that_differs_does_not_compile(monkeypatch):
     """The layout checks every variant's source carries fail on a field of the wrong size or
     kind, or one the kernel does not have."""
-    base = _params_source(DecodeVariant("float16", 64, 1).defines)
+    base = _params_source(KernelBuild("float16", 64, 1).defines)
     _ptx(base + kernel_abi.layout_checks(), "checks.cu")          # the real mirror compiles
     real = kernel_abi.fields()
     wrong = [
@@ -238,18 +239,18 @@ def test_decode_params_fill_by_name():
 
 
 @pytest.mark.nvrtc
-@pytest.mark.parametrize("variant", [DecodeVariant("bfloat16", 128, 1, num_warps=8),
-                                     DecodeVariant("bfloat16", 128, 2, num_warps=8),
-                                     DecodeVariant("float16", 128, 4, num_warps=8),
-                                     DecodeVariant("bfloat16", 64, 1, num_warps=8),
-                                     DecodeVariant("bfloat16", 128, 1, kv_dtype="float8_e4m3fn",
+@pytest.mark.parametrize("variant", [KernelBuild("bfloat16", 128, 1, num_warps=8),
+                                     KernelBuild("bfloat16", 128, 2, num_warps=8),
+                                     KernelBuild("float16", 128, 4, num_warps=8),
+                                     KernelBuild("bfloat16", 64, 1, num_warps=8),
+                                     KernelBuild("bfloat16", 128, 1, kv_dtype="float8_e4m3fn",
                                                    num_warps=8),
-                                     DecodeVariant("float16", 64, 4, kv_dtype="float8_e5m2",
+                                     KernelBuild("float16", 64, 4, kv_dtype="float8_e5m2",
                                                    num_warps=8),
-                                     DecodeVariant("bfloat16", 128, 1, cluster=8,
+                                     KernelBuild("bfloat16", 128, 1, cluster=8,
                                                    kv_dtype="float8_e4m3fn", num_warps=8),
-                                     DecodeVariant("bfloat16", 128, 4, kv_dtype="float8_e4m3fn",
-                                                   num_warps=8, soft_cap=1)],
+                                     KernelBuild("bfloat16", 128, 4, kv_dtype="float8_e4m3fn",
+                                                   num_warps=8, variant=KernelVariant(soft_cap=True))],
                          ids=lambda v: v.name)
 def test_eight_warp_experiment_compiles(variant):
     """8 warps (lone fp8 CTAs by default, and lone 16-bit CTAs with two row tiles or pages
@@ -267,7 +268,7 @@ def test_eight_warp_experiment_compiles(variant):
 
 
 @pytest.mark.nvrtc
-@pytest.mark.parametrize("variant", [DecodeVariant(dt, 128, rt, kv_dtype=kv, soft_cap=1)
+@pytest.mark.parametrize("variant", [KernelBuild(dt, 128, rt, kv_dtype=kv, variant=KernelVariant(soft_cap=True))
                                      for dt, rt, kv in (("bfloat16", 1, ""), ("float16", 2, ""),
                                                         ("bfloat16", 1, "float8_e4m3fn"))],
                          ids=lambda v: v.name)
@@ -277,16 +278,16 @@ def test_soft_cap_builds_are_their_own(variant):
     cubin, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
     assert resource_report(log)["decode_partial"][1] == 0, log
     assert variant.name.endswith("_softcap") and variant.defines["SOFT_CAP"] == 1
-    assert replace(variant, soft_cap=0).defines["SOFT_CAP"] == 0
+    assert with_hook(variant, "soft_cap", False).defines["SOFT_CAP"] == 0
 
 
 @pytest.mark.nvrtc
-@pytest.mark.parametrize("variant", [DecodeVariant("bfloat16", 128, 1, multi_token=1),
-                                     DecodeVariant("float16", 64, 4, multi_token=1, cluster=4),
-                                     DecodeVariant("bfloat16", 128, 2, multi_token=1,
-                                                   kv_dtype="float8_e4m3fn", soft_cap=1),
-                                     DecodeVariant("bfloat16", 128, 1, multi_token=1,
-                                                   kv_dtype="float8_e5m2", num_warps=8)],
+@pytest.mark.parametrize("variant", [KernelBuild("bfloat16", 128, 1, variant=KernelVariant(multi_token=True)),
+                                     KernelBuild("float16", 64, 4, cluster=4, variant=KernelVariant(multi_token=True)),
+                                     KernelBuild("bfloat16", 128, 2,
+                                                   kv_dtype="float8_e4m3fn", variant=KernelVariant(multi_token=True, soft_cap=True)),
+                                     KernelBuild("bfloat16", 128, 1,
+                                                   kv_dtype="float8_e5m2", num_warps=8, variant=KernelVariant(multi_token=True))],
                          ids=lambda v: v.name)
 def test_multi_token_builds_are_their_own(variant):
     """plan(qo_indptr=) runs a MULTI_TOKEN build (rows of query row x head, a causal end a
@@ -295,7 +296,7 @@ def test_multi_token_builds_are_their_own(variant):
     cubin, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
     assert resource_report(log)["decode_partial"][1] == 0, log
     assert variant.name.endswith("_mt") and variant.defines["MULTI_TOKEN"] == 1
-    plain = replace(variant, multi_token=0)
+    plain = with_hook(variant, "multi_token", False)
     assert plain.defines["MULTI_TOKEN"] == 0 and "_mt" not in plain.name
 
 
@@ -305,7 +306,7 @@ def test_q_in_shared_memory_ends_the_head_dim_256_spill(kv_dtype):
     """At head_dim 256 with 16 rows the register build spills (q's fragments are 64 registers
     beside O's 128); the Q_SMEM experiment keeps them in shared memory and does not. The plain
     build is unchanged by the option's existence (its name and defines say so)."""
-    regs = DecodeVariant("bfloat16", 256, 1, kv_dtype=kv_dtype)
+    regs = KernelBuild("bfloat16", 256, 1, kv_dtype=kv_dtype)
     smem = replace(regs, q_in_smem=1)
     spills = {v.name: resource_report(compile_cubin(v.source(), "sm_90", v.name,
                                                     verbose=True)[1])["decode_partial"][1]
@@ -318,22 +319,22 @@ def test_q_in_shared_memory_ends_the_head_dim_256_spill(kv_dtype):
 # Options with a build of their own: (field, define, name suffix), then variants that carry it.
 OPTION_BUILDS = [
     ("unified_max", "UNIFIED_MAX", "_umax",
-     [DecodeVariant("bfloat16", 128, 1, unified_max=1),
-      DecodeVariant("float16", 64, 2, unified_max=1, cluster=4),
-      DecodeVariant("bfloat16", 128, 1, unified_max=1, kv_dtype="float8_e4m3fn"),
-      DecodeVariant("bfloat16", 128, 1, unified_max=1, kv_dtype="float8_e5m2", num_warps=8),
-      DecodeVariant("bfloat16", 128, 2, unified_max=1, multi_token=1, soft_cap=1)]),
+     [KernelBuild("bfloat16", 128, 1, variant=KernelVariant(unified_max=True)),
+      KernelBuild("float16", 64, 2, cluster=4, variant=KernelVariant(unified_max=True)),
+      KernelBuild("bfloat16", 128, 1, kv_dtype="float8_e4m3fn", variant=KernelVariant(unified_max=True)),
+      KernelBuild("bfloat16", 128, 1, kv_dtype="float8_e5m2", num_warps=8, variant=KernelVariant(unified_max=True)),
+      KernelBuild("bfloat16", 128, 2, variant=KernelVariant(unified_max=True, multi_token=True, soft_cap=True))]),
     ("pow2_pages", "POW2_PAGES", "_pow2",
-     [DecodeVariant("bfloat16", 128, 1, pow2_pages=1),
-      DecodeVariant("float16", 64, 2, pow2_pages=1, cluster=4),
-      DecodeVariant("bfloat16", 128, 1, pow2_pages=1, kv_dtype="float8_e4m3fn", multi_token=1)]),
+     [KernelBuild("bfloat16", 128, 1, pow2_pages=1),
+      KernelBuild("float16", 64, 2, pow2_pages=1, cluster=4),
+      KernelBuild("bfloat16", 128, 1, pow2_pages=1, kv_dtype="float8_e4m3fn", variant=KernelVariant(multi_token=True))]),
 ]
 
 
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("field,define,suffix,variant",
                          [(f, d, x, v) for f, d, x, vs in OPTION_BUILDS for v in vs],
-                         ids=lambda p: p.name if isinstance(p, DecodeVariant) else None)
+                         ids=lambda p: p.name if isinstance(p, KernelBuild) else None)
 def test_option_builds_are_their_own(field, define, suffix, variant):
     """plan(unified_max=) runs a UNIFIED_MAX build (a fixed offset, the band check and the
     running-max fallback pass); the POW2_PAGES experiment walks 2**k pages by shift and mask.
@@ -342,15 +343,31 @@ def test_option_builds_are_their_own(field, define, suffix, variant):
     cubin, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
     assert resource_report(log)["decode_partial"][1] == 0, log
     assert variant.name.endswith(suffix) and variant.defines[define] == 1
-    plain = replace(variant, **{field: 0})
+    plain = (with_hook(variant, field, False) if field in KernelVariant.TAGS
+             else replace(variant, **{field: 0}))
     assert plain.defines[define] == 0 and suffix not in plain.name
 
 
-def default_build(head_dim: int, row_tiles: int, **fields) -> DecodeVariant:
+def with_hook(build: KernelBuild, name: str, on: bool) -> KernelBuild:
+    """``build`` with its variant's hook ``name`` on or off."""
+    return replace(build, variant=replace(build.variant, **{name: on}))
+
+
+def hooks(**flags) -> dict:
+    """A build's fields for a variant with these hooks on."""
+    return {"variant": KernelVariant(**flags)}
+
+
+def fields_id(fields: dict) -> str:
+    names = [fields["variant"].tags.strip("_") if k == "variant" else k for k in fields]
+    return "_".join(names) or "plain"
+
+
+def default_build(head_dim: int, row_tiles: int, **fields) -> KernelBuild:
     """The 16-bit build a plan of ``head_dim`` and ``row_tiles`` runs by default (4 warps)."""
     from splitkv.core.builds import default_occupancy, default_q_in_smem
 
-    return default_occupancy(DecodeVariant("bfloat16", head_dim, row_tiles,
+    return default_occupancy(KernelBuild("bfloat16", head_dim, row_tiles,
                                            q_in_smem=int(default_q_in_smem(head_dim)), **fields),
                              forced=False)
 
@@ -376,44 +393,42 @@ def test_the_cost_models_residency_is_what_the_default_builds_hold(head_dim, row
 
 
 @pytest.mark.nvrtc
-@pytest.mark.parametrize("fields", [{}, {"soft_cap": 1}, {"multi_token": 1}, {"cluster": 2},
-                                    {"cluster": 8}, {"pow2_pages": 1}, {"unified_max": 1}],
-                         ids=lambda f: "_".join(f) or "plain")
+@pytest.mark.parametrize("fields", [{}, hooks(soft_cap=True), hooks(multi_token=True),
+                                    {"cluster": 2}, {"cluster": 8}, {"pow2_pages": 1},
+                                    hooks(unified_max=True)], ids=fields_id)
 def test_the_four_an_sm_default_does_not_spill(fields):
     """core.builds.default_occupancy: head_dim 64's one-row-tile builds under the 128-register cap,
     with every feature a plan may add, spill nothing (the unified max, which would spill 16
     bytes, keeps the compiler's registers)."""
     variant = default_build(64, 1, **fields)
-    assert (variant.max_registers == 128) == (not fields.get("unified_max"))
+    assert (variant.max_registers == 128) == (not variant.variant.unified_max)
     _, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
     assert resource_report(log)["decode_partial"][1] == 0, variant.name
 
 
 @pytest.mark.nvrtc
-@pytest.mark.parametrize("fields", [{}, {"soft_cap": 1}, {"cluster": 2}, {"pow2_pages": 1},
-                                    {"unified_max": 1}],
-                         ids=lambda f: "_".join(f) or "plain")
+@pytest.mark.parametrize("fields", [{}, hooks(soft_cap=True), {"cluster": 2}, {"pow2_pages": 1},
+                                    hooks(unified_max=True)], ids=fields_id)
 def test_the_fp8_long_tile_default_does_not_spill(fields):
     """core.builds.default_tile_per_warp: fp8 head_dim 128's 128-token tiles at 4 warps (one row
     tile) spill nothing with the features a per-shape plan may add."""
     from splitkv.core.builds import default_tile_per_warp
 
     assert default_tile_per_warp("float8_e4m3fn", 128, 4, 1, False) == 32
-    variant = DecodeVariant("bfloat16", 128, 1, kv_dtype="float8_e4m3fn", tile_per_warp=32,
+    variant = KernelBuild("bfloat16", 128, 1, kv_dtype="float8_e4m3fn", tile_per_warp=32,
                             **fields)
     _, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
     assert resource_report(log)["decode_partial"][1] == 0, variant.name
 
 
 @pytest.mark.nvrtc
-@pytest.mark.parametrize("variant", [DecodeVariant("bfloat16", 64, 1, tile_per_warp=32),
-                                     DecodeVariant("float16", 64, 2, tile_per_warp=32),
-                                     DecodeVariant("bfloat16", 128, 1, kv_dtype="float8_e4m3fn",
+@pytest.mark.parametrize("variant", [KernelBuild("bfloat16", 64, 1, tile_per_warp=32),
+                                     KernelBuild("float16", 64, 2, tile_per_warp=32),
+                                     KernelBuild("bfloat16", 128, 1, kv_dtype="float8_e4m3fn",
                                                    tile_per_warp=32),
-                                     DecodeVariant("bfloat16", 128, 1, kv_dtype="float8_e5m2",
+                                     KernelBuild("bfloat16", 128, 1, kv_dtype="float8_e5m2",
                                                    tile_per_warp=32, cluster=4),
-                                     DecodeVariant("bfloat16", 64, 1, tile_per_warp=32,
-                                                   multi_token=1, soft_cap=1)],
+                                     KernelBuild("bfloat16", 64, 1, tile_per_warp=32, variant=KernelVariant(multi_token=True, soft_cap=True))],
                          ids=lambda v: v.name)
 def test_tiles_of_32_tokens_a_warp_compile(variant):
     """The tile_per_warp=32 experiment (TILE_N = 32 x warps): 128-token tiles at 4 warps, half
@@ -431,11 +446,11 @@ def test_tiles_of_32_tokens_a_warp_compile(variant):
 
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("variant", [
-    DecodeVariant("bfloat16", 256, 1, num_warps=8, dim_split=2),
-    DecodeVariant("bfloat16", 256, 1, num_warps=8, dim_split=2, q_in_smem=1),
-    DecodeVariant("float16", 256, 2, num_warps=8, dim_split=2, cluster=4),
-    DecodeVariant("bfloat16", 256, 1, num_warps=8, dim_split=2, multi_token=1, soft_cap=1),
-    DecodeVariant("bfloat16", 128, 1, num_warps=8, dim_split=2)], ids=lambda v: v.name)
+    KernelBuild("bfloat16", 256, 1, num_warps=8, dim_split=2),
+    KernelBuild("bfloat16", 256, 1, num_warps=8, dim_split=2, q_in_smem=1),
+    KernelBuild("float16", 256, 2, num_warps=8, dim_split=2, cluster=4),
+    KernelBuild("bfloat16", 256, 1, num_warps=8, dim_split=2, variant=KernelVariant(multi_token=True, soft_cap=True)),
+    KernelBuild("bfloat16", 128, 1, num_warps=8, dim_split=2)], ids=lambda v: v.name)
 def test_the_head_dim_split_between_warp_pairs_compiles(variant):
     """The dim_split experiment (WARPS_D = 2): 8 warps keep 64-token tiles, so head_dim 256
     fits two stages in 128 KiB, with half of O's registers a warp and no spills up to two row
@@ -447,7 +462,7 @@ def test_the_head_dim_split_between_warp_pairs_compiles(variant):
     assert "_dsplit2" in variant.name and "WARPS_D" not in replace(variant, dim_split=1).defines
     if variant.head_dim == 256 and not variant.q_in_smem:
         assert variant.shared_bytes <= 131 * 1024
-    for bad in ({"kv_dtype": "float8_e4m3fn"}, {"unified_max": 1}):
+    for bad in ({"kv_dtype": "float8_e4m3fn"}, hooks(unified_max=True)):
         with pytest.raises(ValueError, match="^dim_split: 16-bit K/V and the running max"):
             replace(variant, **bad)
     with pytest.raises(ValueError, match="dim_split: expected 1 or 2"):
@@ -457,13 +472,13 @@ def test_the_head_dim_split_between_warp_pairs_compiles(variant):
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_dissect_cuts_build(head_dim):
-    """benchmarks/dissect_latency.py times builds with stages cut out (DecodeVariant.dissect, the
+    """benchmarks/dissect_latency.py times builds with stages cut out (KernelBuild.dissect, the
     kernel's DISSECT bits): each builds, and differs from the full kernel where its cut is (the
     K/V copies read nothing, the page lookups, the ticket merge, either kernel at once); a
     real build carries no DISSECT define."""
     from splitkv.runtime.kernel_source import DISSECT_CUTS
 
-    base = DecodeVariant("bfloat16", head_dim, 1)
+    base = KernelBuild("bfloat16", head_dim, 1)
     assert "DISSECT" not in base.defines
     full = _ptx(base.source(), base.name)
     for cut in DISSECT_CUTS:

@@ -162,6 +162,7 @@ def test_the_tiles_a_rule_counts_are_the_builds_the_runtime_compiles():
     chunks' length does not matter to fp8. '' reads no build. Against the builds themselves,
     for every head_dim, group and grid on either side of one CTA an SM."""
     from splitkv.core.builds import DeviceProperties, PlanGrid, decode_build, row_tiles_for
+    from splitkv.core.variants import KernelVariant
     from splitkv.core.geometry import rows_per_cta
     from splitkv.planner.features import PLAIN_TILES, build_tile_units
 
@@ -176,7 +177,7 @@ def test_the_tiles_a_rule_counts_are_the_builds_the_runtime_compiles():
                 units = build_tile_units(rule, 2 * group, 2, head_dim, 16, 132)
                 for ctas, lone in ((133, 0), (5000, 0), (132, 1), (1, 1)):
                     grid = PlanGrid(ctas, 512.0, row_tiles=row_tiles_for(rows_per_cta(group)),
-                                    multi_token=multi_token)
+                                    variant=KernelVariant(multi_token=multi_token))
                     build = decode_build("bfloat16", head_dim, group, 16, "float8_e5m2", grid,
                                          DeviceProperties(132))
                     assert 64 * units[2 * lone] == build.tile_tokens, (head_dim, group, ctas)

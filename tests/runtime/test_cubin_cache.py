@@ -16,14 +16,14 @@ import pytest
 
 from splitkv.runtime import cubin_cache as CC
 from splitkv.runtime import modules
-from splitkv.runtime.kernel_source import NVRTC_OPTIONS, DecodeVariant
+from splitkv.runtime.kernel_source import NVRTC_OPTIONS, KernelBuild
 
 TINY = 'extern "C" __global__ void tiny(int *x) { x[0] = 1; }\n'
 
 
 def test_a_name_changes_with_the_source_options_arch_and_nvrtc():
-    variant = DecodeVariant("bfloat16", 128, 1)
-    other = DecodeVariant("bfloat16", 128, 2)
+    variant = KernelBuild("bfloat16", 128, 1)
+    other = KernelBuild("bfloat16", 128, 2)
     args = (variant.name, variant.source(), NVRTC_OPTIONS, "sm_90")
     name = CC.cubin_name(*args, nvrtc="13.0")
     assert name == CC.cubin_name(*args, nvrtc="13.0")                   # the same module: found
@@ -113,8 +113,8 @@ def test_a_precompiled_cubin_is_the_binary_cupy_compiles(monkeypatch, tmp_path):
     monkeypatch.setattr(compiler, "_get_arch_for_options_for_nvrtc",
                         lambda arch=None: ("-arch=sm_90", "cubin"))
     assert "-ftz=true" in CC.CUPY_ADDED_OPTIONS
-    for variant in (DecodeVariant("bfloat16", 64, 1),
-                    DecodeVariant("float16", 128, 2, kv_dtype="float8_e4m3fn")):
+    for variant in (KernelBuild("bfloat16", 64, 1),
+                    KernelBuild("float16", 128, 2, kv_dtype="float8_e4m3fn")):
         theirs, _ = compiler._compile_using_nvrtc_no_warning(
             variant.source(), (*NVRTC_OPTIONS, "-ftz=true"), "90", "kernel.cu")
         record = CC.precompile_module(variant.name, variant.source(), NVRTC_OPTIONS, "sm_90",

@@ -45,7 +45,7 @@ def test_the_kernel_writes_the_host_planners_records(seed):
             "kv_indptr", "kv_last_page_len", "kv_indices")
         w.plan_on_device(**dict(zip(names, dev)))
         state = w.device_plan_state()
-        assert w.kernel_variant.stages == STAGES[d]       # the records' pages follow the stages
+        assert w.kernel_build.stages == STAGES[d]       # the records' pages follow the stages
         records, merge_indptr = w._device_planner.written()
         model = w.profile.cost_model(graph_stable=True)       # the model plan_on_device has
         plan, want, want_indptr = expected(table, model, num_qo_heads=hq,

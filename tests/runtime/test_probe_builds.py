@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from splitkv.core.architectures import ARCHITECTURES, architecture_properties
+from splitkv.core.variants import PLAIN
 from splitkv.measure import first_use_probes as FP
 from splitkv.planner.first_use import probe_cases, probe_ctas_per_sm
 from splitkv.runtime import compiled_builds
@@ -33,7 +34,7 @@ def test_the_probe_builds_are_the_ones_each_probes_wrapper_picks(cc, monkeypatch
     device, cases = cases_for(cc)
     monkeypatch.setattr(compiled_builds, "device_properties", lambda: device)
     monkeypatch.setattr(compiled_builds, "get_decode_kernels",
-                        lambda variant: SimpleNamespace(variant=variant))
+                        lambda build: SimpleNamespace(build=build))
     rng = np.random.default_rng(0)
     picked = []
     for case in cases:
@@ -42,14 +43,13 @@ def test_the_probe_builds_are_the_ones_each_probes_wrapper_picks(cc, monkeypatch
         shape = DecodeShape(p.num_qo_heads, p.num_kv_heads, p.head_dim, p.page_size, p.dtype,
                             None, "NHD")
         experiments = DecodeExperiments()
-        base = compiled_builds.shape_variant(p.dtype, p.head_dim, p.group_size, p.page_size,
-                                             None, experiments)
+        base = compiled_builds.base_build(p.dtype, p.head_dim, p.group_size, p.page_size,
+                                          None, experiments)
         # what BatchDecodeWrapper.plan(plan=) does with the plan on this GPU, then its build
         run = case.plan.with_execution(clusters=cc >= 90)
-        built = per_shape_plan(run, table, shape=shape, heads=p.num_qo_heads, variant=base,
-                               experiments=experiments, soft_cap=False, rows_array=None,
-                               unified_max=False)
-        picked.append(built.kernels.variant)
+        built = per_shape_plan(run, table, shape=shape, heads=p.num_qo_heads, base=base,
+                               experiments=experiments, variant=PLAIN, rows_array=None)
+        picked.append(built.kernels.build)
     jobs = FP.probe_modules(cases, device)
     assert [job[0] for job in jobs] == [v.name for v in dict.fromkeys(picked)]
     assert all(job[1] == v.source() and job[2] == NVRTC_OPTIONS and job[3] == f"sm_{cc}"

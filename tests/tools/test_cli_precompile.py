@@ -15,7 +15,7 @@ from splitkv.cli import precompile as precompile_cli
 from splitkv.core.architectures import architecture_properties
 from splitkv.core.builds import reachable_builds, shape_build
 from splitkv.runtime import cubin_cache as CC
-from splitkv.runtime.kernel_source import NVRTC_OPTIONS, DecodeVariant
+from splitkv.runtime.kernel_source import NVRTC_OPTIONS, KernelBuild
 
 # a configuration of two builds (the soft cap on and off; head_dim 64, no clusters): seconds
 SMALL = ["--head-dim", "64", "--no-clusters", "--soft-cap"]
@@ -31,7 +31,7 @@ def cache(monkeypatch, tmp_path):
 def expected_names(arch_cc: int, head_dim: int, soft_caps, clusters: bool) -> set[str]:
     """The files of the builds a 32/8 bfloat16 wrapper with pages of 16 warms up on a GPU of
     ``arch_cc``, as ``BatchDecodeWrapper.warmup`` asks ``core.builds`` for them."""
-    base = shape_build("bfloat16", head_dim, 4, 16, None, build_type=DecodeVariant)
+    base = shape_build("bfloat16", head_dim, 4, 16, None, build_type=KernelBuild)
     builds = reachable_builds(base, device=architecture_properties(arch_cc), page_size=16,
                               group_size=4, soft_caps=soft_caps, clusters=clusters)
     return {CC.cubin_name(b.name, b.source(), NVRTC_OPTIONS, f"sm_{arch_cc}") for b in builds}

@@ -25,14 +25,16 @@ def bits_as(array, dtype: str):
 
 def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_scale=None, *,
                      kv_dtype=None, k_scale=None, v_scale=None, window_left: int | None = None,
-                     logits_soft_cap=None, qo_indptr=None, kv_layout: str = "NHD"):
+                     logits_soft_cap=None, qo_indptr=None, kv_layout: str = "NHD",
+                     attention_chunk_size: int | None = None):
     """Partial states, float64: (partial_o [num_chunks, num_qo_heads, head_dim],
     partial_lse [num_chunks, num_qo_heads]); with ``qo_indptr``, one per query row of the
     chunk's request: [num_chunks, max q_len, ...] (rows past a request's q_len stay empty).
     ``window_left``: None runs the plan's window (its problem's ``window_left``, -1: none); a
     value must be the plan's, except that a plan without a window may run any (it covers
     every token, and each query masks its own window); query rows of a windowed plan
-    (``qo_indptr``) give theirs, which the plan was made to cover."""
+    (``qo_indptr``) give theirs, which the plan was made to cover. ``attention_chunk_size``:
+    None runs the plan's; a value must be the plan's (one query row a request)."""
     V.check_instance("plan", plan, Plan)
     V.check_instance("page_table", page_table, PageTable)
     p = plan.problem
@@ -47,6 +49,13 @@ def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
     sm_scale = V.check_sm_scale(sm_scale, p.head_dim)
     variant = VA.check_variant(p.num_qo_heads, -1 if window_left is None else window_left,
                                logits_soft_cap)
+    if attention_chunk_size is not None:
+        chunk = VA.check_chunk_size(attention_chunk_size)
+        if chunk != p.attention_chunk_size:
+            raise ValueError(f"attention_chunk_size: the plan was made for "
+                             f"attention_chunk_size={p.attention_chunk_size}, this call has "
+                             f"{chunk}; leave it out to run the plan's")
+    VA.refuse_chunks_with_rows(p.attention_chunk_size, rows.max_q_len)
     if p.windowed and rows.max_q_len > 1:
         # several rows: the plan covers every row's window and each row masks its own, as the
         # GPU's multi-token build does
@@ -59,7 +68,8 @@ def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
                              f"{variant.window_left} need a plan that covers window_left={need} "
                              f"(variants.covering_window_left); the plan covers "
                              f"{p.window_left}")
-    elif p.windowed:    # a plan over windows: its chunks are the window, as on the GPU
+    elif p.windowed:    # a plan over windows (or chunks): its chunks are what is seen, as on
+        # the GPU
         if window_left is not None and variant.window_left != p.window_left:
             raise ValueError(f"window_left: the plan was made for window_left={p.window_left}, "
                              f"this call has {variant.window_left}"
@@ -117,12 +127,14 @@ def merge_partials(plan: Plan, partial_o: np.ndarray, partial_lse: np.ndarray, *
 
 def execute_plan_cpu(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_scale=None, *,
                      kv_dtype=None, k_scale=None, v_scale=None, window_left: int | None = None,
-                     logits_soft_cap=None, sinks=None, qo_indptr=None, kv_layout: str = "NHD"):
+                     logits_soft_cap=None, sinks=None, qo_indptr=None, kv_layout: str = "NHD",
+                     attention_chunk_size: int | None = None):
     """Run ``plan`` on the host. q: [batch, num_qo_heads, head_dim]; k_cache, v_cache:
     [num_pages, page_size, num_kv_heads, head_dim] (NHD), any float dtype (computed in float64),
     or fp8 with ``kv_dtype`` and the scales as ``reference_decode`` takes them; the variants
-    (``window_left``, ``logits_soft_cap``, ``sinks``, ``qo_indptr``) as ``core.variants``
-    defines them (``window_left`` None: the plan's window; see ``compute_partials``); K/V as
+    (``window_left``, ``logits_soft_cap``, ``sinks``, ``qo_indptr``, ``attention_chunk_size``)
+    as ``core.variants`` defines them (``window_left`` and ``attention_chunk_size`` None: the
+    plan's; see ``compute_partials``); K/V as
     two arrays, a pair or a combined array, NHD or HND (``core.layouts``).
     Returns (out [batch, num_qo_heads, head_dim], lse [batch, num_qo_heads]),
     float64, with a row per query row instead of per request under ``qo_indptr``.
@@ -138,5 +150,6 @@ def execute_plan_cpu(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
                                               kv_dtype=kv_dtype, k_scale=k_scale,
                                               v_scale=v_scale, window_left=window_left,
                                               logits_soft_cap=logits_soft_cap,
-                                              qo_indptr=qo_indptr, kv_layout=kv_layout)
+                                              qo_indptr=qo_indptr, kv_layout=kv_layout,
+                                              attention_chunk_size=attention_chunk_size)
     return merge_partials(plan, partial_o, partial_lse, qo_indptr=qo_indptr, sinks=sinks)

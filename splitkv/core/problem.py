@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import validation as V
+from .variants import read_begin
 
 
 def _own(array: np.ndarray, given) -> np.ndarray:
@@ -197,18 +198,18 @@ class PageLengths:
 
 
 _SHAPE_FIELDS = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "dtype",
-                 "window_left")
+                 "window_left", "attention_chunk_size")
 _CHECKED_SHAPES: dict = {}        # (type, value) of each shape field -> the checked values
 
 
 def _checked_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
-                   window_left) -> tuple:
+                   window_left, attention_chunk_size) -> tuple:
     """The shape fields of a ``DecodeProblem``, checked (``_SHAPE_FIELDS`` order). A decode loop
     plans one shape on every step, so a shape that passed is remembered, keyed by each value's
     type too (True == 1, but a bool is no head count)."""
     key = (type(num_qo_heads), num_qo_heads, type(num_kv_heads), num_kv_heads, type(head_dim),
            head_dim, type(page_size), page_size, type(dtype), dtype, type(window_left),
-           window_left)
+           window_left, type(attention_chunk_size), attention_chunk_size)
     try:
         return _CHECKED_SHAPES[key]
     except TypeError:                   # unhashable: checked every time
@@ -218,7 +219,9 @@ def _checked_shape(num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
     hq, hk = V.check_heads(num_qo_heads, num_kv_heads)
     checked = (hq, hk, V.check_head_dim(head_dim), V.check_page_size(page_size),
                V.check_dtype("dtype", dtype),
-               V.check_int("window_left", window_left, -1, V.MAX_KV_LEN, "MAX_KV_LEN"))
+               V.check_int("window_left", window_left, -1, V.MAX_KV_LEN, "MAX_KV_LEN"),
+               V.check_int("attention_chunk_size", attention_chunk_size, 0, V.MAX_KV_LEN,
+                           "MAX_KV_LEN"))
     if key is not None:
         if len(_CHECKED_SHAPES) >= 1024:
             _CHECKED_SHAPES.clear()
@@ -232,7 +235,9 @@ class DecodeProblem:
 
     window_left: a sliding window (``core.variants``): the query, at each request's last
     position, sees only its last window_left + 1 tokens; a plan then covers just those
-    (``kv_begin`` .. ``kv_lens``), so its cost follows the window. -1: no window."""
+    (``kv_begin`` .. ``kv_lens``), so its cost follows the window. -1: no window.
+    attention_chunk_size: chunked local attention (``core.variants``): the query sees only the
+    keys of its own chunk of that many tokens, and a plan covers just those; 0: none."""
 
     kv_lens: np.ndarray
     num_qo_heads: int
@@ -241,6 +246,7 @@ class DecodeProblem:
     page_size: int
     dtype: str = "bfloat16"
     window_left: int = -1
+    attention_chunk_size: int = 0
 
     def __post_init__(self):
         lens = V.host_int_array("kv_lens", self.kv_lens, 1)
@@ -252,11 +258,11 @@ class DecodeProblem:
 
     def _check_shapes(self) -> None:
         checked = _checked_shape(self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                                 self.page_size, self.dtype, self.window_left)
+                                 self.page_size, self.dtype, self.window_left,
+                                 self.attention_chunk_size)
         self.__dict__.update(zip(_SHAPE_FIELDS, checked))
-        window = checked[-1]
-        if window >= 0:
-            begin = np.maximum(self.kv_lens - 1 - window, 0)
+        begin = read_begin(self.kv_lens, *checked[-2:])
+        if begin is not None:
             begin.setflags(write=False)
             read = self.kv_lens - begin
             read.setflags(write=False)
@@ -267,7 +273,8 @@ class DecodeProblem:
 
     @classmethod
     def from_page_table(cls, page_table: PageTable, num_qo_heads: int, num_kv_heads: int,
-                        head_dim: int, dtype="bfloat16", window_left: int = -1) -> "DecodeProblem":
+                        head_dim: int, dtype="bfloat16", window_left: int = -1,
+                        attention_chunk_size: int = 0) -> "DecodeProblem":
         """The problem of a page table. Its lengths are shared, not copied or checked again:
         the table already holds them checked and read-only (plan() runs on every step)."""
         V.check_instance("page_table", page_table, (PageTable, PageLengths), "a PageTable")
@@ -275,7 +282,8 @@ class DecodeProblem:
         problem.__dict__.update(kv_lens=page_table.kv_lens, num_qo_heads=num_qo_heads,
                                 num_kv_heads=num_kv_heads, head_dim=head_dim,
                                 page_size=page_table.page_size, dtype=dtype,
-                                window_left=window_left)
+                                window_left=window_left,
+                                attention_chunk_size=attention_chunk_size)
         problem._check_shapes()
         return problem
 
@@ -289,7 +297,7 @@ class DecodeProblem:
 
     @property
     def kv_begin(self) -> np.ndarray:
-        """[batch] each request's first token a call reads (0 without a window)."""
+        """[batch] each request's first token a call reads (0 without a window or chunks)."""
         if self._kv_begin is None:
             return np.zeros(self.batch_size, np.int64)
         return self._kv_begin
@@ -316,4 +324,6 @@ class DecodeProblem:
             lens_s = f"[{lens.size} requests, {lens.min()}..{lens.max()}, mean {lens.mean():.0f}]"
         return (f"DecodeProblem(kv_lens={lens_s}, heads={self.num_qo_heads}/{self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, page_size={self.page_size}, dtype={self.dtype}"
-                + (f", window_left={self.window_left})" if self.windowed else ")"))
+                + (f", window_left={self.window_left}" if self.window_left >= 0 else "")
+                + (f", attention_chunk_size={self.attention_chunk_size}"
+                   if self.attention_chunk_size else "") + ")")

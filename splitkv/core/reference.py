@@ -81,7 +81,7 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float,
 def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float | None = None,
                      *, kv_dtype=None, k_scale=None, v_scale=None, window_left: int = -1,
                      logits_soft_cap: float | None = None, sinks=None, qo_indptr=None,
-                     kv_layout: str = "NHD"):
+                     kv_layout: str = "NHD", attention_chunk_size: int = 0):
     """Decode attention over a paged cache, in float64.
 
     q: [batch, num_qo_heads, head_dim]; k_cache, v_cache: [num_pages, page_size, num_kv_heads,
@@ -91,8 +91,9 @@ def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float
     omitted); dequantized exactly. ``k_scale``, ``v_scale``: K = stored value x k_scale, one
     value per tensor or one per kv head (default 1), for any cache dtype.
     ``window_left``, ``logits_soft_cap``, ``sinks``, ``qo_indptr`` (multi-token decode: q is
-    then [qo_indptr[-1], num_qo_heads, head_dim] and so are the outputs): ``core.variants``
-    says what each means. ``v_cache=None``: ``k_cache`` is a (k, v) pair or one combined
+    then [qo_indptr[-1], num_qo_heads, head_dim] and so are the outputs),
+    ``attention_chunk_size``: ``core.variants`` says what each means (the reference takes
+    every combination, several query rows in chunks too). ``v_cache=None``: ``k_cache`` is a (k, v) pair or one combined
     array, and ``kv_layout`` 'NHD' or 'HND' (``core.layouts``).
     Returns (out [batch, num_qo_heads, head_dim] float64,
     lse [batch, num_qo_heads] float64, natural log of sum(exp(sm_scale * q.k))).
@@ -109,7 +110,8 @@ def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float
                                          page_table.page_size, page_table.kv_indices,
                                          kv_dtype=fmt)
     sm_scale = V.check_sm_scale(sm_scale, d)
-    variant = VA.check_variant(hq, window_left, logits_soft_cap, sinks)
+    variant = VA.check_variant(hq, window_left, logits_soft_cap, sinks,
+                               attention_chunk_size=attention_chunk_size)
     q64 = to_float64(q)
     k64, v64 = kv_to_float64(k_cache, v_cache, hk, fmt, k_scale, v_scale)
     g = hq // hk
@@ -122,7 +124,8 @@ def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float
         kv_len = int(page_table.kv_lens[b])
         for j in range(int(rows.count[b])):
             r = int(rows.first[b]) + j
-            lo, hi = VA.visible(rows.position(b, j, kv_len), kv_len, variant.window_left)
+            lo, hi = VA.visible(rows.position(b, j, kv_len), kv_len, variant.window_left,
+                                variant.attention_chunk_size)
             seen = slots[lo:hi]
             for h in range(hk):
                 heads = slice(h * g, (h + 1) * g)

@@ -4,6 +4,10 @@ with the names FlashInfer and vLLM users know:
 
 - ``window_left`` (sliding window, Mistral / Gemma / gpt-oss): a query at position p sees KV
   positions p - window_left .. p; -1 (the default): no window.
+- ``attention_chunk_size`` (chunked local attention, Llama 4): a query at position p sees only
+  the keys of its own chunk, positions (p // C) * C .. p; 0 (the default): none. With a
+  window too, the later of the two starts. One query row a request (multi-token rows across a
+  chunk boundary would need a start a row, which the kernels do not hold).
 - ``logits_soft_cap`` (Gemma-2): each score s = sm_scale * q.k becomes cap * tanh(s / cap)
   before the softmax; None or 0: no cap.
 - ``sinks`` (gpt-oss): one logit per query head (natural-log units, like the scaled scores)
@@ -42,10 +46,12 @@ class Variant:
     window_left: int = -1
     logits_soft_cap: float | None = None
     sinks: np.ndarray | None = None           # [num_qo_heads] float64
+    attention_chunk_size: int = 0
 
     @property
     def plain(self) -> bool:
-        return self.window_left < 0 and self.logits_soft_cap is None and self.sinks is None
+        return (self.window_left < 0 and self.logits_soft_cap is None and self.sinks is None
+                and not self.attention_chunk_size)
 
 
 @dataclass(frozen=True)
@@ -84,8 +90,18 @@ class KernelVariant:
 PLAIN = KernelVariant()
 
 
-def check_variant(num_qo_heads: int, window_left=-1, logits_soft_cap=None, sinks=None) -> Variant:
+def check_chunk_size(attention_chunk_size) -> int:
+    """``attention_chunk_size`` checked: 0 or None (no chunks), else the tokens a chunk."""
+    if attention_chunk_size is None:
+        return 0
+    return V.check_int("attention_chunk_size", attention_chunk_size, 0, V.MAX_KV_LEN,
+                       "MAX_KV_LEN")
+
+
+def check_variant(num_qo_heads: int, window_left=-1, logits_soft_cap=None, sinks=None, *,
+                  attention_chunk_size=0) -> Variant:
     window_left = V.check_int("window_left", window_left, -1, V.MAX_KV_LEN, "MAX_KV_LEN")
+    chunk = check_chunk_size(attention_chunk_size)
     if logits_soft_cap is not None:
         if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap,
                                                                   (int, float, np.number)):
@@ -111,7 +127,16 @@ def check_variant(num_qo_heads: int, window_left=-1, logits_soft_cap=None, sinks
             raise ValueError("sinks: expected values that are not NaN or +inf (-inf: no sink "
                              "for that head)")
         sinks = values
-    return Variant(window_left, logits_soft_cap, sinks)
+    return Variant(window_left, logits_soft_cap, sinks, chunk)
+
+
+def refuse_chunks_with_rows(attention_chunk_size: int, max_q_len: int) -> None:
+    """Chunked attention takes one query row a request: the plans and kernels hold one start a
+    request (a window's moves with each row, a chunk's does not)."""
+    if attention_chunk_size and max_q_len > 1:
+        raise ValueError(f"attention_chunk_size: {attention_chunk_size} with {max_q_len} query "
+                         "rows a request (qo_indptr / max_q_len); chunked attention takes one "
+                         "query row a request")
 
 
 @dataclass(frozen=True)
@@ -191,11 +216,26 @@ def covering_window_left(window_left: int, max_q_len: int) -> int:
     return -1 if window_left < 0 else min(window_left + max_q_len - 1, V.MAX_KV_LEN)
 
 
-def visible(position: int, kv_len: int, window_left: int) -> tuple[int, int]:
+def visible(position: int, kv_len: int, window_left: int,
+            attention_chunk_size: int = 0) -> tuple[int, int]:
     """The KV positions a query at ``position`` sees: [lo, hi)."""
     hi = min(position + 1, kv_len)
     lo = 0 if window_left < 0 else max(0, position - window_left)
+    if attention_chunk_size and position >= 0:
+        lo = max(lo, position // attention_chunk_size * attention_chunk_size)
     return lo, max(lo, hi)
+
+
+def read_begin(kv_lens: np.ndarray, window_left: int, attention_chunk_size: int):
+    """[batch] the first token each request's last position sees (its window's or its
+    chunk's, the later), or None where every request reads all its tokens."""
+    if window_left < 0 and not attention_chunk_size:
+        return None
+    last = np.maximum(kv_lens - 1, 0)
+    begin = np.zeros_like(kv_lens) if window_left < 0 else np.maximum(last - window_left, 0)
+    if attention_chunk_size:
+        begin = np.maximum(begin, last // attention_chunk_size * attention_chunk_size)
+    return begin
 
 
 def cap_scores(s: np.ndarray, cap: float | None) -> np.ndarray:

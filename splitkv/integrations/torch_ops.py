@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from splitkv.core.fp8 import fp8_format
+from splitkv.core.variants import check_chunk_size
 
 LAYOUTS = ("block_table", "indptr")
 
@@ -41,7 +42,8 @@ class DecodeSession:
 
     def __init__(self, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype, layout: str, capacity: int, width: int, sm_scale: float,
-                 logits_soft_cap: float | None = None, window_left: int = -1, kv_dtype=None):
+                 logits_soft_cap: float | None = None, window_left: int = -1, kv_dtype=None,
+                 attention_chunk_size: int = 0):
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
         if layout == "indptr" and page_size != 1:
@@ -60,6 +62,7 @@ class DecodeSession:
         self.capacity, self.width, self.sm_scale = capacity, width, float(sm_scale)
         self.logits_soft_cap = logits_soft_cap or None
         self.window_left = -1 if window_left is None else int(window_left)
+        self.attention_chunk_size = check_chunk_size(attention_chunk_size)   # 0: none
         self.kv_dtype = fp8_format("kv_dtype", kv_dtype)   # None: K/V in ``dtype``
         self.buffers: dict[str, torch.Tensor] | None = None
         self.wrapper = None           # the GPU wrapper, made at the first plan on a CUDA device
@@ -157,7 +160,7 @@ class DecodeSession:
                      "kv_last_page_len": b["kv_last_page_len"][:rows]}
         self._gpu_wrapper().plan_on_device(
             **batch, sm_scale=self.sm_scale, logits_soft_cap=self.logits_soft_cap,
-            window_left=self.window_left)
+            window_left=self.window_left, attention_chunk_size=self.attention_chunk_size)
 
     def _run_gpu(self, q, k_cache, v_cache, sinks, k_scale, v_scale):
         if sinks is not None:
@@ -198,7 +201,7 @@ class DecodeSession:
         out, _ = reference_decode(
             q64, k_host, v_host, self.page_table, self.sm_scale, kv_dtype=self.kv_dtype,
             k_scale=k_scale, v_scale=v_scale, window_left=self.window_left,
-            logits_soft_cap=self.logits_soft_cap,
+            logits_soft_cap=self.logits_soft_cap, attention_chunk_size=self.attention_chunk_size,
             sinks=None if sinks is None else sinks.detach().double().numpy())
         return torch.from_numpy(out[:rows]).to(q.dtype)
 

@@ -96,6 +96,9 @@ struct DevicePlanParams {
   // (variants.covering_window_left), and rows_window_left the rows' own, for query_rows.
   int window_left;
   int rows_window_left;
+  // Chunked local attention (DecodeProblem's attention_chunk_size): each request's plan
+  // covers the tokens of its last position's chunk (0: none; one query row a request).
+  int attention_chunk_size;
   // The tiles the model counts (features.build_tile_units): 64-token tiles in one tile of the
   // plan's build, for grids that give some SM two CTAs (short chunks, then chunks of a mean
   // of long_chunk_tokens or more) and for lone grids (the same two); all 1: 64-token tiles.
@@ -412,9 +415,15 @@ DEVICE_PLAN_HD inline void clear_query_rows(const DevicePlanParams& p, int b) {
   p.query_rows[4 * (i64)b + 1] = 0;
 }
 
-// The tokens a call reads of a request of `len` (DecodeProblem.read_lens): its window's, or all.
+// The tokens a call reads of a request of `len` (DecodeProblem.read_lens): its window's, or
+// its last position's chunk's (the fewer), or all.
 DEVICE_PLAN_HD inline int read_len(const DevicePlanParams& p, int len) {
-  return p.window_left >= 0 && len > p.window_left + 1 ? p.window_left + 1 : len;
+  int read = p.window_left >= 0 && len > p.window_left + 1 ? p.window_left + 1 : len;
+  if (p.attention_chunk_size > 0 && len > 0) {
+    const int in_chunk = (len - 1) % p.attention_chunk_size + 1;
+    read = in_chunk < read ? in_chunk : read;
+  }
+  return read;
 }
 
 // The chunks of one request under the chosen row: count and units (its length in align units).

@@ -61,6 +61,7 @@ class DevicePlanParams(ctypes.Structure):
         ("scratch_in_shared", ctypes.c_int32), ("qo_indptr", _POINTER),
         ("query_rows", _POINTER), ("max_q_len", ctypes.c_int32),
         ("window_left", ctypes.c_int32), ("rows_window_left", ctypes.c_int32),
+        ("attention_chunk_size", ctypes.c_int32),
         ("tile_units", ctypes.c_int32 * 4), ("long_chunk_tokens", ctypes.c_double),
     ]
 
@@ -103,6 +104,7 @@ def plan_params(model: CostModel, *, num_qo_heads: int, num_kv_heads: int, head_
     p.record_pages = needed if needed <= RECORD_PAGES else 0
     p.launch_order = LAUNCH_ORDERS.index(launch_order)
     p.window_left = p.rows_window_left = -1
+    p.attention_chunk_size = 0
     p.tile_units[:] = build_tile_units(model.tile_rule, num_qo_heads, num_kv_heads, head_dim,
                                        page_size, model.num_sms)
     p.long_chunk_tokens = float(LONG_CHUNK_TOKENS)

@@ -268,7 +268,8 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
     def plan_on_device(self, *, seq_lens=None, block_table=None, kv_indptr=None,
                        kv_indices=None, kv_last_page_len=None, sm_scale: float | None = None,
                        stream=None, logits_soft_cap: float | None = None,
-                       qo_indptr=None, window_left: int | None = None) -> None:
+                       qo_indptr=None, window_left: int | None = None,
+                       attention_chunk_size: int | None = None) -> None:
         """Plan on the GPU (graph-stable wrappers): enqueue the planning kernel on ``stream``.
         When it runs, it reads the batch from these device int32 arrays, chooses the plan with
         the same cost model as ``plan()`` (the same plan, bit for bit: tests/planner/test_device_plan.py)
@@ -293,7 +294,8 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
         entry leaves every output of the batch unwritten (past it, rows may overlap), and the
         error is kept likewise.
         ``window_left``: as in ``plan()`` (each row its own window); a captured graph holds the
-        window of its capture (the planning kernel's argument).
+        window of its capture (the planning kernel's argument). ``attention_chunk_size``: as in
+        ``plan()`` (one query row a request), held by a captured graph likewise.
         """
         require_gpu("BatchDecodeWrapper.plan_on_device()")
         import cupy
@@ -304,6 +306,8 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
         if qo_indptr is not None and self._max_q_len == 1:
             raise ValueError("qo_indptr: this graph-stable wrapper's captured launch holds one "
                              "query row a request; make it with max_q_len= for more")
+        chunk = VA.check_chunk_size(attention_chunk_size)
+        VA.refuse_chunks_with_rows(chunk, self._max_q_len)
         inputs = (seq_lens, block_table, kv_indptr, kv_indices, kv_last_page_len, qo_indptr)
         s = run_stream(stream, *inputs)           # torch tensors: torch's current stream
         soft_cap = soft_cap_log2(logits_soft_cap)
@@ -317,6 +321,7 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
         self._streams.before_plan(s, follow_runs=not s.is_capturing())
         window = -1 if window_left is None else V.check_int(
             "window_left", window_left, -1, V.MAX_KV_LEN, "MAX_KV_LEN")
+        planner.params.attention_chunk_size = chunk
         planner.params.rows_window_left = window
         planner.params.window_left = (VA.covering_window_left(window, self._max_q_len)
                                       if self._max_q_len > 1 else window)

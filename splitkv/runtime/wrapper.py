@@ -224,7 +224,8 @@ class BatchDecodeWrapper:
              num_splits: int | None = None, strategy: str | None = None,
              plan: Plan | None = None, sm_scale: float | None = None, stream=None,
              window_left: int | None = None, logits_soft_cap: float | None = None,
-             qo_indptr=None, unified_max: float | None = None) -> Plan:
+             qo_indptr=None, unified_max: float | None = None,
+             attention_chunk_size: int | None = None) -> Plan:
         """Choose and upload the decomposition for this batch (host work plus one upload);
         returns the plan as it runs. docs/api.md has every argument and error.
 
@@ -240,7 +241,8 @@ class BatchDecodeWrapper:
         ``qo_indptr`` (multi-token decode: 1 to 16 query rows a request, causal among
         themselves; run()'s q has qo_indptr[-1] rows), ``unified_max`` (FlashDecoding++'s phi:
         scores offset by phi, a CTA leaving its band falls back to the running max; per-shape
-        wrappers only).
+        wrappers only), ``attention_chunk_size`` (chunked local attention: each query sees the
+        keys of its own chunk; the plan covers only those; one query row a request).
         """
         require_gpu("BatchDecodeWrapper.plan()")
         self._check_plans_on_host()
@@ -262,6 +264,8 @@ class BatchDecodeWrapper:
         # query rows a request the kernels are sized for: a graph-stable wrapper's captured
         # launch holds its capacity's, whatever the plan
         rows = self._kernel_rows(query_rows)
+        chunk = VA.check_chunk_size(attention_chunk_size)
+        VA.refuse_chunks_with_rows(chunk, rows)
         heads = self.num_qo_heads * rows
         if heads > V.MAX_HEADS:
             raise ValueError(f"qo_indptr: {rows} query rows x {self.num_qo_heads} heads exceed "
@@ -280,14 +284,16 @@ class BatchDecodeWrapper:
             V.check_instance("plan", plan, Plan)
             V.check_plan_for_table(plan, page_table, num_qo_heads=self.num_qo_heads,
                                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                                   dtype=self.dtype, window_left=window_left)
+                                   dtype=self.dtype, window_left=window_left,
+                                   attention_chunk_size=(None if attention_chunk_size is None
+                                                         else chunk))
             chosen = plan.with_execution(clusters=clusters, launch_order=self.launch_order)
         else:
             from ..planner import choose_plan
 
             problem = DecodeProblem.from_page_table(
                 page_table, heads, self.num_kv_heads, self.head_dim, self.dtype,
-                window_left=plan_window)
+                window_left=plan_window, attention_chunk_size=chunk)
             model = self.profile.cost_model(self.kv_dtype, graph_stable=self.use_cuda_graph)
             if not clusters:                     # predict the ticket merge that will run
                 model = model.with_clusters(False)

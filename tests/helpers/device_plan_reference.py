@@ -160,11 +160,13 @@ class HostRun:
 
 
 def expected(page_table: PageTable, model, *, num_qo_heads, num_kv_heads, head_dim, stages,
-             max_batch, max_chunks, launch_order, dtype="bfloat16", window_left=-1):
+             max_batch, max_chunks, launch_order, dtype="bfloat16", window_left=-1,
+             attention_chunk_size=0):
     """(plan, records [plan's chunks], merge_indptr [max_batch + 1]) as a graph-stable wrapper's
     ``plan()`` uploads them (``window_left``: the plan's, a covering one with query rows)."""
     problem = DecodeProblem.from_page_table(page_table, num_qo_heads, num_kv_heads, head_dim,
-                                            dtype, window_left=window_left)
+                                            dtype, window_left=window_left,
+                                            attention_chunk_size=attention_chunk_size)
     plan = choose_plan(problem, model.with_clusters(False), launch_order=launch_order,
                        max_chunks=max_chunks)
     in_record = pages_fit_record(plan, page_table.page_size, stages)

@@ -6,6 +6,7 @@ reference (the op's CPU path). Run against transformers 5.17 and the newest rele
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -153,6 +154,34 @@ def test_a_session_names_what_it_refuses():
         s.plan([lens, table], 3)
     with pytest.raises(ValueError, match="handle"):
         torch_ops.get_session(-5)
+
+
+def test_a_session_with_chunked_attention_decodes_each_requests_last_chunk():
+    """DecodeSession(attention_chunk_size=) on the CPU path: the float64 reference over each
+    request's last chunk (what the GPU path plans on the device)."""
+    from splitkv import PageTable, reference_decode
+
+    s = torch_ops.DecodeSession(num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                                dtype=torch.float32, layout="block_table", capacity=3, width=4,
+                                sm_scale=0.125, attention_chunk_size=20)
+    lens = torch.tensor([40, 21, 7], dtype=torch.int32)
+    table = torch.tensor([[0, 1, 2, -1], [3, 4, -1, -1], [5, -1, -1, -1]], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 4, 64, generator=gen)
+    k, v = (torch.randn(6, 16, 2, 64, generator=gen) for _ in range(2))
+    s.plan([lens, table], 3)
+    out = s.run(q, k, v, None)
+    pt = PageTable.from_block_table(table.clamp(min=0).numpy(), lens.numpy(), 16)
+    want, _ = reference_decode(q.double().numpy(), k.double().numpy(), v.double().numpy(), pt,
+                               0.125, attention_chunk_size=20)
+    np.testing.assert_allclose(out.double().numpy(), want, rtol=1e-5, atol=1e-5)
+    whole, _ = reference_decode(q.double().numpy(), k.double().numpy(), v.double().numpy(), pt,
+                                0.125)
+    assert not np.allclose(want[0], whole[0])          # 40 tokens: its chunk is its last 20
+    with pytest.raises(ValueError, match="attention_chunk_size"):
+        torch_ops.DecodeSession(num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                                dtype=torch.float32, layout="block_table", capacity=2, width=4,
+                                sm_scale=0.1, attention_chunk_size=-3)
 
 
 # sequences longer than the sliding window (16) and the page (16); one finishes early

@@ -386,6 +386,43 @@ def test_plan_on_device_checks_qo_indptr_on_the_host():
     assert device_batch(**ok)[0].qo_indptr == 0
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_chunked_attention_plans_match_the_host_planners(seed):
+    """attention_chunk_size on the device: each request's chunks cover the tokens of its last
+    position's chunk (with a window too, the later start), as DecodeProblem plans them."""
+    rng = np.random.default_rng(200 + seed)
+    for trial in range(30):
+        hq, hk, d = SHAPES[trial % len(SHAPES)]
+        lens = random_lengths(rng, trial % 5)
+        chunk = int(rng.choice([1, 64, 1000, 8192]))
+        window = int(rng.choice([-1, -1, 0, 500, 4095]))
+        page = int(rng.choice([1, 16, 64]))
+        max_batch = lens.size + int(rng.integers(0, 3))
+        launch_order = LAUNCH_ORDERS[trial % 3]
+        params = plan_params(MODEL, num_qo_heads=hq, num_kv_heads=hk, head_dim=d,
+                             page_size=page, stages=STAGES[d], max_batch=max_batch,
+                             max_chunks=4096, launch_order=launch_order)
+        params.window_left = params.rows_window_left = window
+        params.attention_chunk_size = chunk
+        run = HostRun(params, 1)
+        table, _ = scattered_page_table(lens, page, rng, 2)
+        layout = ("flashinfer", "block_table")[trial % 2]
+        arrays = layout_arrays(table, layout, rng)
+        got = run.plan(layout, arrays, None)
+        plan, want, merge_indptr = expected(table, MODEL, num_qo_heads=hq, num_kv_heads=hk,
+                                            head_dim=d, stages=STAGES[d], max_batch=max_batch,
+                                            max_chunks=4096, launch_order=launch_order,
+                                            window_left=window, attention_chunk_size=chunk)
+        assert np.all(plan.chunk_start >= plan.problem.kv_begin[plan.chunk_request])
+        n = plan.num_chunks
+        have, want = comparable_records(got.records[:n], want, table, layout, arrays)
+        what = f"trial {trial}: chunk {chunk}, window {window}, page {page}, {layout}"
+        assert got.state["error"] == 0 and got.state["num_chunks"] == n, what
+        assert got.predicted_us == plan.predicted_us, what
+        assert records_equal(have, want), what
+        assert np.array_equal(got.merge_indptr, merge_indptr), what
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_windowed_plans_match_the_host_planners(seed):
     """window_left on the device: each request's chunks cover its window, moved to the

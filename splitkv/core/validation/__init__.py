@@ -384,7 +384,7 @@ def check_fp8_scale(name: str, scale, kv_dtype) -> float | None:
 
 def check_plan_for_table(plan, page_table, *, num_qo_heads: int | None = None,
                          num_kv_heads: int | None = None, head_dim: int | None = None,
-                         dtype: str | None = None, window_left: int | None = None) -> None:
+                         dtype=None, window_left=None, attention_chunk_size=None) -> None:
     """A plan is only valid for the lengths (and, where given, the shapes) it was made for."""
     p = plan.problem
     if p.page_size != page_table.page_size:
@@ -398,9 +398,11 @@ def check_plan_for_table(plan, page_table, *, num_qo_heads: int | None = None,
         raise ValueError(f"page_table: its request lengths differ from the ones the plan was "
                          f"made for (request {first}: {int(page_table.kv_lens[first])} tokens, "
                          f"the plan's {int(p.kv_lens[first])})")
-    if window_left is not None and window_left != p.window_left:
-        raise ValueError(f"window_left: the plan was made for window_left={p.window_left}, this "
-                         f"call has {window_left}")
+    for name, given, made in (("window_left", window_left, p.window_left),
+                              ("attention_chunk_size", attention_chunk_size,
+                               p.attention_chunk_size)):
+        if given is not None and given != made:
+            raise ValueError(f"{name}: the plan was made for {name}={made}, this call has {given}")
     for name, want, have in (("num_qo_heads", num_qo_heads, p.num_qo_heads),
                              ("num_kv_heads", num_kv_heads, p.num_kv_heads),
                              ("head_dim", head_dim, p.head_dim), ("dtype", dtype, p.dtype)):

@@ -62,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "warmup(max_q_len=N), or a graph-stable wrapper's max_q_len)")
     parser.add_argument("--unified-max", action="store_true",
                         help="plans may take unified_max (per-shape wrappers)")
+    parser.add_argument("--alibi", action="store_true",
+                        help="plans may take alibi_slopes (per-shape wrappers)")
     parser.add_argument("--graph-stable", action="store_true",
                         help="a graph-stable wrapper (use_cuda_graph=True): its fixed grid's "
                              "builds and the planning kernel")
@@ -84,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         config = Configuration(*args.heads, args.head_dim, args.page_size, args.dtype,
                                args.kv_dtype, soft_cap=args.soft_cap, max_q_len=args.max_q_len,
                                unified_max=args.unified_max, graph_stable=args.graph_stable,
-                               clusters=False if args.no_clusters else None)
+                               clusters=False if args.no_clusters else None, alibi=args.alibi)
     except (TypeError, ValueError) as exc:
         return A.refuse("precompile", f"--{_option(exc)}: {_after_name(exc)}")
     current, why = _current_gpu()

@@ -386,13 +386,14 @@ def decode_build(dtype: str, head_dim: int, group_size: int, page_size: int, kv_
 def reachable_builds(base, *, device: DeviceProperties, page_size: int, group_size: int,
                      soft_caps=(False,), max_q_len: int = 1, unified_max: bool = False,
                      clusters: bool = False, rows_per_cta: int = MAX_HEADS_PER_CTA,
-                     graph_stable: bool = False, forces: BuildForces = NO_FORCES) -> frozenset:
+                     graph_stable: bool = False, forces: BuildForces = NO_FORCES,
+                     alibi: bool = False) -> frozenset:
     """Every build a wrapper of ``base``'s shape can run on ``device``: what ``warmup()``
     compiles so that no plan compiles in serving. ``plan_build`` reads a grid only through
     thresholds (CTAs past the SMs, chunks past ``LONG_CHUNK_TOKENS``), so one grid on each side
     of each stands for all; the rest are the options a wrapper's plans may take: the soft cap
     on or off (``soft_caps``), query rows a request up to ``max_q_len`` (multi-token decode),
-    the unified max, clusters. A graph-stable wrapper runs ``graph_build`` only."""
+    the unified max, ALiBi, clusters. A graph-stable wrapper runs ``graph_build`` only."""
     if graph_stable:
         return frozenset(graph_build(base, variant=KernelVariant(cap, max_q_len > 1),
                                      rows=group_size * max_q_len, device=device, forces=forces)
@@ -407,7 +408,7 @@ def reachable_builds(base, *, device: DeviceProperties, page_size: int, group_si
                 for ctas in (1, device.num_sms + 1):
                     for mean_tokens in (0.0, float(LONG_CHUNK_TOKENS)):
                         grid = PlanGrid(ctas, mean_tokens, cluster, row_tiles,
-                                        KernelVariant(cap, multi_token, unified_max))
+                                        KernelVariant(cap, multi_token, unified_max, alibi))
                         found.add(plan_build(base, grid, page_size=page_size, device=device,
                                              forces=forces))
     return frozenset(found)

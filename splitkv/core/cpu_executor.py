@@ -26,7 +26,7 @@ def bits_as(array, dtype: str):
 def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_scale=None, *,
                      kv_dtype=None, k_scale=None, v_scale=None, window_left: int | None = None,
                      logits_soft_cap=None, qo_indptr=None, kv_layout: str = "NHD",
-                     attention_chunk_size: int | None = None):
+                     attention_chunk_size: int | None = None, alibi_slopes=None):
     """Partial states, float64: (partial_o [num_chunks, num_qo_heads, head_dim],
     partial_lse [num_chunks, num_qo_heads]); with ``qo_indptr``, one per query row of the
     chunk's request: [num_chunks, max q_len, ...] (rows past a request's q_len stay empty).
@@ -48,7 +48,8 @@ def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
     q, k_cache, v_cache = (bits_as(a, p.dtype) for a in (q, k_cache, v_cache))
     sm_scale = V.check_sm_scale(sm_scale, p.head_dim)
     variant = VA.check_variant(p.num_qo_heads, -1 if window_left is None else window_left,
-                               logits_soft_cap)
+                               logits_soft_cap, alibi_slopes=alibi_slopes)
+    slopes = variant.alibi_slopes
     if attention_chunk_size is not None:
         chunk = VA.check_chunk_size(attention_chunk_size)
         if chunk != p.attention_chunk_size:
@@ -77,7 +78,7 @@ def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
                              "out to run the plan's window")
         # no mask: the chunks alone say what is read (a plan that read more would be wrong here
         # as it would be on the GPU, whose kernels mask nothing before a chunk)
-        variant = VA.Variant(-1, variant.logits_soft_cap)
+        variant = VA.Variant(-1, variant.logits_soft_cap, alibi_slopes=slopes)
     q64 = to_float64(q)
     k64, v64 = kv_to_float64(k_cache, v_cache, p.num_kv_heads, fmt, k_scale, v_scale)
     g, hk, d = p.group_size, p.num_kv_heads, p.head_dim
@@ -93,14 +94,17 @@ def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
         slots, kv_len = slots_by_request[b], int(p.kv_lens[b])
         begin, end = int(plan.chunk_start[c]), int(plan.chunk_end[c])
         for j in range(int(rows.count[b])):
-            lo, hi = VA.visible(rows.position(b, j, kv_len), kv_len, variant.window_left)
-            seen = slots[max(begin, lo):max(min(end, hi), max(begin, lo))]
+            position = rows.position(b, j, kv_len)
+            lo, hi = VA.visible(position, kv_len, variant.window_left)
+            first, last = max(begin, lo), max(min(end, hi), max(begin, lo))
+            seen = slots[first:last]
+            bias = VA.alibi_bias(slopes, range(first, last), position)
             r = int(rows.first[b]) + j
             for h in range(hk):
                 heads = slice(h * g, (h + 1) * g)
                 partial_o[c, j, heads], partial_lse[c, j, heads] = attend(
                     q64[r, heads], k_flat[seen, h], v_flat[seen, h], sm_scale,
-                    variant.logits_soft_cap)
+                    variant.logits_soft_cap, None if bias is None else bias[heads])
     if qo_indptr is None:
         return partial_o[:, 0], partial_lse[:, 0]
     return partial_o, partial_lse
@@ -128,12 +132,12 @@ def merge_partials(plan: Plan, partial_o: np.ndarray, partial_lse: np.ndarray, *
 def execute_plan_cpu(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_scale=None, *,
                      kv_dtype=None, k_scale=None, v_scale=None, window_left: int | None = None,
                      logits_soft_cap=None, sinks=None, qo_indptr=None, kv_layout: str = "NHD",
-                     attention_chunk_size: int | None = None):
+                     attention_chunk_size: int | None = None, alibi_slopes=None):
     """Run ``plan`` on the host. q: [batch, num_qo_heads, head_dim]; k_cache, v_cache:
     [num_pages, page_size, num_kv_heads, head_dim] (NHD), any float dtype (computed in float64),
     or fp8 with ``kv_dtype`` and the scales as ``reference_decode`` takes them; the variants
-    (``window_left``, ``logits_soft_cap``, ``sinks``, ``qo_indptr``, ``attention_chunk_size``)
-    as ``core.variants`` defines them (``window_left`` and ``attention_chunk_size`` None: the
+    (``window_left``, ``logits_soft_cap``, ``sinks``, ``qo_indptr``, ``attention_chunk_size``,
+    ``alibi_slopes``) as ``core.variants`` defines them (``window_left`` and ``attention_chunk_size`` None: the
     plan's; see ``compute_partials``); K/V as
     two arrays, a pair or a combined array, NHD or HND (``core.layouts``).
     Returns (out [batch, num_qo_heads, head_dim], lse [batch, num_qo_heads]),
@@ -151,5 +155,6 @@ def execute_plan_cpu(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
                                               v_scale=v_scale, window_left=window_left,
                                               logits_soft_cap=logits_soft_cap,
                                               qo_indptr=qo_indptr, kv_layout=kv_layout,
-                                              attention_chunk_size=attention_chunk_size)
+                                              attention_chunk_size=attention_chunk_size,
+                                              alibi_slopes=alibi_slopes)
     return merge_partials(plan, partial_o, partial_lse, qo_indptr=qo_indptr, sinks=sinks)

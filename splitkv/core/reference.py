@@ -53,13 +53,14 @@ def kv_to_float64(k_cache, v_cache, num_kv_heads: int, kv_format, k_scale=None,
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float,
-           soft_cap: float | None = None):
+           soft_cap: float | None = None, bias: np.ndarray | None = None):
     """One request, one kv head group. q: [G, D]; k, v: [N, D]. Returns (o [G, D], lse [G]).
 
     No keys (N = 0): zeros and -inf. A query row with a non-finite score (NaN, +inf or -inf:
     NaN or Inf in q or K, or a product past the float64 range) gets NaN for its whole output
     and its LSE. A NaN or Inf in V reaches the output components it is summed into (IEEE).
     ``soft_cap``: scores become cap * tanh(score / cap) (the rule above reads the raw score).
+    ``bias`` [G, N]: added to the scaled scores before the cap (ALiBi's, ``variants.alibi_bias``).
     """
     if k.shape[0] == 0:
         return np.zeros_like(q), np.full(q.shape[0], -np.inf)
@@ -68,6 +69,8 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float,
         bad = ~np.isfinite(s).all(axis=1)
         if bad.any():    # computed on zero scores (no inf - inf), then set to NaN
             s[bad] = 0
+        if bias is not None:
+            s = s + bias
         s = VA.cap_scores(s, soft_cap)
         m = s.max(axis=1, keepdims=True)
         p = np.exp(s - m)
@@ -81,7 +84,7 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float,
 def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float | None = None,
                      *, kv_dtype=None, k_scale=None, v_scale=None, window_left: int = -1,
                      logits_soft_cap: float | None = None, sinks=None, qo_indptr=None,
-                     kv_layout: str = "NHD", attention_chunk_size: int = 0):
+                     kv_layout: str = "NHD", attention_chunk_size: int = 0, alibi_slopes=None):
     """Decode attention over a paged cache, in float64.
 
     q: [batch, num_qo_heads, head_dim]; k_cache, v_cache: [num_pages, page_size, num_kv_heads,
@@ -92,8 +95,8 @@ def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float
     value per tensor or one per kv head (default 1), for any cache dtype.
     ``window_left``, ``logits_soft_cap``, ``sinks``, ``qo_indptr`` (multi-token decode: q is
     then [qo_indptr[-1], num_qo_heads, head_dim] and so are the outputs),
-    ``attention_chunk_size``: ``core.variants`` says what each means (the reference takes
-    every combination, several query rows in chunks too). ``v_cache=None``: ``k_cache`` is a (k, v) pair or one combined
+    ``attention_chunk_size``, ``alibi_slopes``: ``core.variants`` says what each means (the
+    reference takes every combination, several query rows in chunks too). ``v_cache=None``: ``k_cache`` is a (k, v) pair or one combined
     array, and ``kv_layout`` 'NHD' or 'HND' (``core.layouts``).
     Returns (out [batch, num_qo_heads, head_dim] float64,
     lse [batch, num_qo_heads] float64, natural log of sum(exp(sm_scale * q.k))).
@@ -111,7 +114,8 @@ def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float
                                          kv_dtype=fmt)
     sm_scale = V.check_sm_scale(sm_scale, d)
     variant = VA.check_variant(hq, window_left, logits_soft_cap, sinks,
-                               attention_chunk_size=attention_chunk_size)
+                               attention_chunk_size=attention_chunk_size,
+                               alibi_slopes=alibi_slopes)
     q64 = to_float64(q)
     k64, v64 = kv_to_float64(k_cache, v_cache, hk, fmt, k_scale, v_scale)
     g = hq // hk
@@ -124,12 +128,14 @@ def reference_decode(q, k_cache, v_cache, page_table: PageTable, sm_scale: float
         kv_len = int(page_table.kv_lens[b])
         for j in range(int(rows.count[b])):
             r = int(rows.first[b]) + j
-            lo, hi = VA.visible(rows.position(b, j, kv_len), kv_len, variant.window_left,
+            position = rows.position(b, j, kv_len)
+            lo, hi = VA.visible(position, kv_len, variant.window_left,
                                 variant.attention_chunk_size)
             seen = slots[lo:hi]
+            bias = VA.alibi_bias(variant.alibi_slopes, range(lo, hi), position)
             for h in range(hk):
                 heads = slice(h * g, (h + 1) * g)
-                out[r, heads], lse[r, heads] = attend(q64[r, heads], k_flat[seen, h],
-                                                      v_flat[seen, h], sm_scale,
-                                                      variant.logits_soft_cap)
+                out[r, heads], lse[r, heads] = attend(
+                    q64[r, heads], k_flat[seen, h], v_flat[seen, h], sm_scale,
+                    variant.logits_soft_cap, None if bias is None else bias[heads])
     return VA.add_sinks(out, lse, variant.sinks)

@@ -10,6 +10,10 @@ with the names FlashInfer and vLLM users know:
   chunk boundary would need a start a row, which the kernels do not hold).
 - ``logits_soft_cap`` (Gemma-2): each score s = sm_scale * q.k becomes cap * tanh(s / cap)
   before the softmax; None or 0: no cap.
+- ``alibi_slopes`` (ALiBi, BLOOM / MPT; FlashInfer's ``pos_encoding_mode="ALIBI"``): one slope
+  m_h per query head; a query at position p adds m_h * (j - p) to its scaled score of key j
+  (natural-log units), before the soft cap. None: no bias. ``alibi_slopes(num_heads)`` gives
+  the paper's slopes.
 - ``sinks`` (gpt-oss): one logit per query head (natural-log units, like the scaled scores)
   that joins the softmax denominator and contributes no value: o = sum_i exp(s_i) v_i /
   (sum_i exp(s_i) + exp(sink)). The returned LSE includes the sink (log of that denominator),
@@ -47,11 +51,12 @@ class Variant:
     logits_soft_cap: float | None = None
     sinks: np.ndarray | None = None           # [num_qo_heads] float64
     attention_chunk_size: int = 0
+    alibi_slopes: np.ndarray | None = None    # [num_qo_heads] float64
 
     @property
     def plain(self) -> bool:
         return (self.window_left < 0 and self.logits_soft_cap is None and self.sinks is None
-                and not self.attention_chunk_size)
+                and not self.attention_chunk_size and self.alibi_slopes is None)
 
 
 @dataclass(frozen=True)
@@ -65,9 +70,10 @@ class KernelVariant:
     soft_cap: bool = False      # s -> cap * tanh(s / cap) on the scaled scores
     multi_token: bool = False   # MMA rows of (query row, head), each row masked causally
     unified_max: bool = False   # scores offset by a fixed phi, with the running max's fallback
+    alibi: bool = False         # s + m_h * (j - p) before the max (per-head slopes)
 
     TAGS: ClassVar[dict[str, str]] = {"soft_cap": "softcap", "multi_token": "mt",
-                                      "unified_max": "umax"}
+                                      "unified_max": "umax", "alibi": "alibi"}
 
     def __post_init__(self):
         for f in fields(self):
@@ -98,8 +104,55 @@ def check_chunk_size(attention_chunk_size) -> int:
                        "MAX_KV_LEN")
 
 
+def per_head_values(name: str, values, num_qo_heads: int) -> np.ndarray:
+    """``values`` (host or CuPy) as float64 [num_qo_heads], or an error naming ``name``."""
+    if hasattr(values, "get"):
+        values = values.get()
+    try:
+        out = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected {num_qo_heads} numbers (one per query head), got "
+                        f"{type(values).__name__}") from None
+    if out.shape != (num_qo_heads,):
+        raise ValueError(f"{name}: expected shape [{num_qo_heads}] (one per query head), got "
+                         f"{list(out.shape)}")
+    return out
+
+
+def check_alibi_slopes(num_qo_heads: int, alibi_slopes) -> np.ndarray | None:
+    """ALiBi's slopes checked: None, or [num_qo_heads] finite numbers."""
+    if alibi_slopes is None:
+        return None
+    slopes = per_head_values("alibi_slopes", alibi_slopes, num_qo_heads)
+    if not np.all(np.isfinite(slopes)):
+        raise ValueError("alibi_slopes: expected finite values (0: no bias for that head)")
+    return slopes
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """The ALiBi paper's slopes for ``num_heads`` heads: for n = 2**k heads, 2**(-8 i / n) for
+    head i = 1..n; otherwise those of the largest power of two below, then every other slope
+    of twice that many."""
+    import math
+
+    n = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-8.0 / n)
+    slopes = [base ** i for i in range(1, n + 1)]
+    if n < num_heads:
+        extra = 2.0 ** (-4.0 / n)
+        slopes += [extra ** i for i in range(1, 2 * (num_heads - n), 2)]
+    return np.array(slopes, dtype=np.float64)
+
+
+def alibi_bias(slopes: np.ndarray | None, positions, query_position: int):
+    """[heads, keys] bias m_h * (j - p) of keys at ``positions`` for a query at p; None: 0."""
+    if slopes is None:
+        return None
+    return slopes[:, None] * (np.asarray(positions, np.float64)[None, :] - query_position)
+
+
 def check_variant(num_qo_heads: int, window_left=-1, logits_soft_cap=None, sinks=None, *,
-                  attention_chunk_size=0) -> Variant:
+                  attention_chunk_size=0, alibi_slopes=None) -> Variant:
     window_left = V.check_int("window_left", window_left, -1, V.MAX_KV_LEN, "MAX_KV_LEN")
     chunk = check_chunk_size(attention_chunk_size)
     if logits_soft_cap is not None:
@@ -113,21 +166,13 @@ def check_variant(num_qo_heads: int, window_left=-1, logits_soft_cap=None, sinks
                              f"{logits_soft_cap!r}")
         logits_soft_cap = cap if cap > 0 else None
     if sinks is not None:
-        if hasattr(sinks, "get"):
-            sinks = sinks.get()
-        try:
-            values = np.asarray(sinks, dtype=np.float64)
-        except (TypeError, ValueError):
-            raise TypeError(f"sinks: expected {num_qo_heads} numbers (one per query head), got "
-                            f"{type(sinks).__name__}") from None
-        if values.shape != (num_qo_heads,):
-            raise ValueError(f"sinks: expected shape [{num_qo_heads}] (one per query head), got "
-                             f"{list(values.shape)}")
+        values = per_head_values("sinks", sinks, num_qo_heads)
         if np.any(np.isnan(values)) or np.any(values == np.inf):
             raise ValueError("sinks: expected values that are not NaN or +inf (-inf: no sink "
                              "for that head)")
         sinks = values
-    return Variant(window_left, logits_soft_cap, sinks, chunk)
+    return Variant(window_left, logits_soft_cap, sinks, chunk,
+                   check_alibi_slopes(num_qo_heads, alibi_slopes))
 
 
 def refuse_chunks_with_rows(attention_chunk_size: int, max_q_len: int) -> None:

@@ -660,6 +660,8 @@ struct QTile {
   const u16* row[2];       // this lane's rows g and g + 8 of q; null: rows past the group
   const u16* rows;         // the plain build's: the CTA's first row of q
   float score_scale[2];    // rows g and g + 8's
+  float alibi_slope[2];    // ALIBI: rows g and g + 8's slope x log2(e) (0: no query head)
+  int alibi_position[2];   //   and their query's position in the request
   u32 smem;                // Q_SMEM: this lane's fragments in shared memory
 
   // k-step ks's A fragment: from the registers, or read back from shared memory (Q_SMEM)
@@ -696,6 +698,10 @@ __device__ __forceinline__ bool query_rows(const DecodeParams& params, const Wor
       const int j = (w.head0 - w.kvh * w.group + row) / params.q_group;   // its query row
       mask.row_end[r] = min(tok_end, causal_start + j);
       mask.row_lo[r] = window < 0 ? 0 : causal_start - 1 + j - window;
+      if constexpr (Build::alibi) {
+        q.alibi_slope[r] = qr < 0 ? 0.f : __ldg(params.alibi_slopes_log2 + qr % num_heads);
+        q.alibi_position[r] = causal_start - 1 + j;
+      }
     }
     mask.mask_from = min(tok_end, causal_start);
     mask.mask_below = window < 0 ? 0 : req_rows.z - 1 - window;
@@ -704,6 +710,16 @@ __device__ __forceinline__ bool query_rows(const DecodeParams& params, const Wor
     q.row[0] = r0 < w.rows_valid ? q.rows + r0 * HEAD_DIM : nullptr;
     q.row[1] = r1 < w.rows_valid ? q.rows + r1 * HEAD_DIM : nullptr;
     mask.mask_from = tok_end;
+    if constexpr (Build::alibi) {       // one query, at the request's last position
+      const int position = request_rows(params, req).z - 1;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = r ? r1 : r0;
+        q.alibi_slope[r] = row < w.rows_valid ? __ldg(params.alibi_slopes_log2 + w.head0 + row)
+                                              : 0.f;
+        q.alibi_position[r] = position;
+      }
+    }
   }
   return true;
 }
@@ -834,11 +850,12 @@ __device__ __forceinline__ void qk_tile(float (&s)[SUBTILES][2][4], const QTile&
   }
 }
 
-// The logits of a tile, in base 2: scaled, NaN for a non-finite raw score, masked to -inf where
-// the mask says (masked: a tile that may hold tokens a row does not see), and each row's max.
-// Rows g + 8 only where they hold a query head (upper).
+// The logits of a tile, in base 2: scaled, NaN for a non-finite raw score, with ALIBI the
+// row's bias slope x (token - query position) (before the max: it is not monotonic in the
+// score), masked to -inf where the mask says (masked: a tile that may hold tokens a row does
+// not see), and each row's max. Rows g + 8 only where they hold a query head (upper).
 __device__ __forceinline__ void scale_scores(float (&s)[SUBTILES][2][4], float (&tile_max)[2],
-                                             const float (&row_score_scale)[2], const Mask& mask,
+                                             const QTile& q, const Mask& mask,
                                              int tile_tok0, int warp_n, int t, bool masked,
                                              bool upper) {
 #pragma unroll
@@ -847,14 +864,15 @@ __device__ __forceinline__ void scale_scores(float (&s)[SUBTILES][2][4], float (
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < (upper ? 4 : 2); ++e) {
-        float v = s[st][nt][e] * row_score_scale[e >> 1];
+        float v = s[st][nt][e] * q.score_scale[e >> 1];
         // a raw score of -inf (an Inf in q or K, or past float's range) is non-finite, so
         // NaN, as the host paths have it; only the mask below makes -inf
         v = v == SPLITKV_NEG_INF ? __int_as_float(0x7fc00000) : v;
-        if (masked) {
-          const int tok = tile_tok0 + warp_n * TOK_PER_WARP + st * 16 + nt * 8 + 2 * t + (e & 1);
-          v = mask.visible(tok, e >> 1) ? v : SPLITKV_NEG_INF;
+        const int tok = tile_tok0 + warp_n * TOK_PER_WARP + st * 16 + nt * 8 + 2 * t + (e & 1);
+        if constexpr (Build::alibi) {
+          v += q.alibi_slope[e >> 1] * (float)(tok - q.alibi_position[e >> 1]);
         }
+        if (masked) v = mask.visible(tok, e >> 1) ? v : SPLITKV_NEG_INF;
         s[st][nt][e] = v;
         tile_max[e >> 1] = fmaxf(tile_max[e >> 1], v);
       }
@@ -1011,11 +1029,11 @@ __device__ __forceinline__ void stream_pass(const DecodeParams& params, KvPipeli
     // Online softmax over the tile, in base 2; masked tokens get -inf.
     float tile_max[2] = {SPLITKV_NEG_INF, SPLITKV_NEG_INF};
     if (mask.partial_tile(tile_tok0)) {
-      if (upper_rows) scale_scores(s, tile_max, q.score_scale, mask, tile_tok0, role.warp_n, role.t, true, true);
-      else scale_scores(s, tile_max, q.score_scale, mask, tile_tok0, role.warp_n, role.t, true, false);
+      if (upper_rows) scale_scores(s, tile_max, q, mask, tile_tok0, role.warp_n, role.t, true, true);
+      else scale_scores(s, tile_max, q, mask, tile_tok0, role.warp_n, role.t, true, false);
     } else {
-      if (upper_rows) scale_scores(s, tile_max, q.score_scale, mask, tile_tok0, role.warp_n, role.t, false, true);
-      else scale_scores(s, tile_max, q.score_scale, mask, tile_tok0, role.warp_n, role.t, false, false);
+      if (upper_rows) scale_scores(s, tile_max, q, mask, tile_tok0, role.warp_n, role.t, false, true);
+      else scale_scores(s, tile_max, q, mask, tile_tok0, role.warp_n, role.t, false, false);
     }
     transform_logits(params, s, tile_max, upper_rows);
     float m_use[2] = {phi, phi};

@@ -22,6 +22,9 @@
 #ifndef UNIFIED_MAX
 #define UNIFIED_MAX 0
 #endif
+#ifndef ALIBI
+#define ALIBI 0           // 1: ALiBi's per-head linear bias on the scaled scores
+#endif
 #ifndef Q_SMEM
 #define Q_SMEM 0
 #endif
@@ -84,6 +87,7 @@ struct Build {
     soft_cap = SOFT_CAP != 0,
     multi_token = MULTI_TOKEN != 0,
     unified_max = UNIFIED_MAX != 0,
+    alibi = ALIBI != 0,
     q_in_smem = Q_SMEM != 0,
     pow2_pages = POW2_PAGES != 0,
     cluster = CLUSTER > 1 ? CLUSTER : 1,   // CTAs a cluster (1: no cluster)

@@ -117,4 +117,8 @@ struct DecodeParams {
   // elements: num_qo_heads x HEAD_DIM when q is contiguous, more when it is a slice of a fused
   // QKV projection (its heads stay HEAD_DIM apart).
   i64 q_stride;
+  // ALiBi (the ALIBI build; unused otherwise): one slope per query head times log2(e); a query
+  // row at position p adds slope x (j - p) to its score of token j. Each request's p comes from
+  // query_rows (its KV length less its rows after), which the ALIBI build always has.
+  const float* alibi_slopes_log2;
 };

@@ -54,7 +54,8 @@ def graph_kernels(base: KernelBuild, experiments: DecodeExperiments, *, variant:
 
 def reachable_kernel_builds(base: KernelBuild, experiments: DecodeExperiments, *, device,
                             page_size: int, group_size: int, soft_caps, max_q_len: int,
-                            unified_max: bool, clusters: bool, graph_stable: bool) -> frozenset:
+                            unified_max: bool, clusters: bool, graph_stable: bool,
+                            alibi: bool = False) -> frozenset:
     """Every build a wrapper of ``base``'s shape can run on ``device`` with these options
     (``core.builds.reachable_builds``): what ``warmup()`` compiles, and ``splitkv precompile``
     without the GPU."""
@@ -62,12 +63,13 @@ def reachable_kernel_builds(base: KernelBuild, experiments: DecodeExperiments, *
                             soft_caps=soft_caps, max_q_len=max_q_len, unified_max=unified_max,
                             clusters=clusters,
                             rows_per_cta=experiments.rows_per_cta or MAX_HEADS_PER_CTA,
-                            graph_stable=graph_stable, forces=experiments.build_forces)
+                            graph_stable=graph_stable, forces=experiments.build_forces,
+                            alibi=alibi)
 
 
 def compile_reachable(base: KernelBuild, experiments: DecodeExperiments, *, page_size: int,
                       group_size: int, soft_caps, max_q_len: int, unified_max: bool,
-                      clusters: bool, graph_stable: bool) -> int:
+                      clusters: bool, graph_stable: bool, alibi: bool = False) -> int:
     """Compile, on the current device, every build a wrapper of ``base``'s shape can run with
     these options (``reachable_kernel_builds``); returns how many (compiled now or before, in
     this process)."""
@@ -75,7 +77,7 @@ def compile_reachable(base: KernelBuild, experiments: DecodeExperiments, *, page
                                     page_size=page_size, group_size=group_size,
                                     soft_caps=soft_caps, max_q_len=max_q_len,
                                     unified_max=unified_max, clusters=clusters,
-                                    graph_stable=graph_stable)
+                                    graph_stable=graph_stable, alibi=alibi)
     for build in found:
         get_decode_kernels(build)
     return len(found)

@@ -61,6 +61,7 @@ class DecodeParams(ctypes.Structure):
         ("split_requests", _POINTER),
         ("num_split_requests", ctypes.c_int),
         ("q_stride", ctypes.c_int64),
+        ("alibi_slopes_log2", _POINTER),
     ]
 
 

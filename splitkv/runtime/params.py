@@ -78,8 +78,8 @@ def decode_params(meta: dict, workspace, grid: LaunchGrid, *, num_kv_heads: int,
                   q_group: int, sm_scale_log2: float, pdl_early_trigger: bool,
                   unified_max_log2: float = 0.0, unified_fallbacks: int = 0) -> DecodeParams:
     """A plan's DecodeParams, all but the tensors: ``meta``, the device pointers of its
-    records, page table and merge_indptr (and of multi-token rows and compact merge's split
-    requests, when it has them); ``workspace``, the partials and ticket counters."""
+    records, page table and merge_indptr (and of multi-token rows, compact merge's split
+    requests and ALiBi's slopes, when it has them); ``workspace``, the partials and ticket counters."""
     params = DecodeParams(
         kv_indices=meta["kv_indices"], records=meta["records"],
         merge_indptr=meta["merge_indptr"], partial_o=workspace.partial_o.data.ptr,
@@ -91,7 +91,8 @@ def decode_params(meta: dict, workspace, grid: LaunchGrid, *, num_kv_heads: int,
         pdl_early_trigger=int(pdl_early_trigger),
         query_rows=meta.get("query_rows", 0), q_group=q_group,
         split_requests=meta.get("split_requests", 0),
-        num_split_requests=int(meta.get("num_split_requests", 0)))
+        num_split_requests=int(meta.get("num_split_requests", 0)),
+        alibi_slopes_log2=meta.get("alibi_slopes_log2", 0))
     if unified_fallbacks:
         params.unified_max_log2 = unified_max_log2
         params.unified_fallbacks = unified_fallbacks

@@ -43,11 +43,12 @@ def per_shape_plan(plan, page_table, *, shape, heads: int, base, experiments,
     """Check the plan's grids against CUDA's limits, choose its build (``compiled_builds``:
     the wrapper's ``base`` build with ``variant``'s hooks) and write its chunk records.
     ``shape``: the wrapper's ``run_inputs.DecodeShape``; ``heads``: the kernels' query heads
-    (with multi-token decode, virtual heads); ``rows_array``: the multi-token rows (None: one
-    row a request; given exactly where ``variant.multi_token``)."""
-    if variant.multi_token != (rows_array is not None):
-        raise ValueError("rows_array: a multi-token plan's rows, given exactly where the "
-                         f"variant is multi-token (variant={variant})")
+    (with multi-token decode, virtual heads); ``rows_array``: each request's query rows
+    (``records.query_rows_array``), given exactly where the build reads them: multi-token
+    decode, or ALiBi (each query's position)."""
+    if (variant.multi_token or variant.alibi) != (rows_array is not None):
+        raise ValueError("rows_array: the requests' query rows, given exactly where the "
+                         f"variant reads them (variant={variant})")
     per_kv_head, ctas, row_tiles = plan_grid_size(plan, heads, shape.num_kv_heads, experiments)
     V.check_grid_ctas("page_table", ctas, f"{plan.num_chunks} chunks x {shape.num_kv_heads} "
                       f"kv heads x {per_kv_head} CTAs a kv head")

@@ -39,6 +39,7 @@ class Configuration:
     unified_max: bool = False
     graph_stable: bool = False
     clusters: bool | None = None
+    alibi: bool = False              # warmup(alibi=True): plans take alibi_slopes
 
     def __post_init__(self):
         qo, kv = V.check_heads(self.num_qo_heads, self.num_kv_heads)
@@ -51,7 +52,7 @@ class Configuration:
                                             "MAX_Q_LEN")}
         for name, value in checked.items():
             object.__setattr__(self, name, value)
-        for name in ("soft_cap", "unified_max", "graph_stable"):
+        for name in ("soft_cap", "unified_max", "graph_stable", "alibi"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected True or False, got {getattr(self, name)!r}")
         if self.clusters is not None and not isinstance(self.clusters, bool):
@@ -59,9 +60,10 @@ class Configuration:
         if self.num_qo_heads * self.max_q_len > V.MAX_HEADS:
             raise ValueError(f"max_q_len: {self.max_q_len} query rows x {self.num_qo_heads} "
                              f"heads exceed MAX_HEADS={V.MAX_HEADS} rows a kv head can hold")
-        if self.unified_max and self.graph_stable:
-            raise ValueError("unified_max: graph-stable wrappers do not take it (their plans "
-                             "refuse it)")
+        for name in ("unified_max", "alibi"):
+            if getattr(self, name) and self.graph_stable:
+                raise ValueError(f"{name}: graph-stable wrappers do not take it (their plans "
+                                 "refuse it)")
 
     def describe(self) -> str:
         text = (f"{self.num_qo_heads}/{self.num_kv_heads} heads, head_dim {self.head_dim}, "
@@ -70,6 +72,7 @@ class Configuration:
         text += ", with and without the soft cap" if self.soft_cap else ""
         text += f", up to {self.max_q_len} query rows" if self.max_q_len > 1 else ""
         text += ", unified max" if self.unified_max else ""
+        text += ", ALiBi" if self.alibi else ""
         text += ", graph-stable" if self.graph_stable else ""
         text += ", no clusters" if self.clusters is False else ""
         return text
@@ -117,7 +120,7 @@ def modules_for(config: Configuration, device: DeviceProperties) -> list[tuple[s
         group_size=config.num_qo_heads // config.num_kv_heads,
         soft_caps=(False, True) if config.soft_cap else (False,), max_q_len=config.max_q_len,
         unified_max=config.unified_max, clusters=clusters,
-        graph_stable=config.graph_stable)
+        graph_stable=config.graph_stable, alibi=config.alibi)
     found = [(b.name, b.source(), NVRTC_OPTIONS) for b in builds]
     if config.graph_stable:
         from .device_planner import PLAN_NVRTC_OPTIONS, source

@@ -225,7 +225,7 @@ class BatchDecodeWrapper:
              plan: Plan | None = None, sm_scale: float | None = None, stream=None,
              window_left: int | None = None, logits_soft_cap: float | None = None,
              qo_indptr=None, unified_max: float | None = None,
-             attention_chunk_size: int | None = None) -> Plan:
+             attention_chunk_size: int | None = None, alibi_slopes=None) -> Plan:
         """Choose and upload the decomposition for this batch (host work plus one upload);
         returns the plan as it runs. docs/api.md has every argument and error.
 
@@ -242,7 +242,9 @@ class BatchDecodeWrapper:
         themselves; run()'s q has qo_indptr[-1] rows), ``unified_max`` (FlashDecoding++'s phi:
         scores offset by phi, a CTA leaving its band falls back to the running max; per-shape
         wrappers only), ``attention_chunk_size`` (chunked local attention: each query sees the
-        keys of its own chunk; the plan covers only those; one query row a request).
+        keys of its own chunk; the plan covers only those; one query row a request),
+        ``alibi_slopes`` (ALiBi: [num_qo_heads] slopes, host or CuPy; a build of its own;
+        per-shape wrappers only).
         """
         require_gpu("BatchDecodeWrapper.plan()")
         self._check_plans_on_host()
@@ -254,6 +256,11 @@ class BatchDecodeWrapper:
         s = run_stream(stream, *layout.values(), qo_indptr)   # torch's with torch tensors
         soft_cap = soft_cap_log2(logits_soft_cap)
         phi = UM.check_unified_max(unified_max)
+        slopes = VA.check_alibi_slopes(self.num_qo_heads, alibi_slopes)
+        if slopes is not None and self.use_cuda_graph:
+            raise ValueError("alibi_slopes: graph-stable wrappers do not take it yet (their "
+                             "planning kernel writes no query positions); use a per-shape "
+                             "wrapper")
         if phi is not None and self.use_cuda_graph:
             raise ValueError("unified_max: graph-stable wrappers do not take it yet (their "
                              "captured launch holds one build); use a per-shape wrapper")
@@ -307,43 +314,49 @@ class BatchDecodeWrapper:
             raise ValueError("page_table: page indices must be < 2**31")
 
         self._streams.before_plan(s)   # runs on other streams may still read the buffers
-        rows_array = (None if query_rows is None
-                      else query_rows_array(query_rows, page_table.kv_lens, window))
+        read_rows = query_rows        # the rows the build reads: ALiBi, each query's position
+        if read_rows is None and slopes is not None:
+            read_rows = VA.query_rows(None, page_table.kv_lens)
+        rows_array = (None if read_rows is None
+                      else query_rows_array(read_rows, page_table.kv_lens, window))
         self._upload_plan(chosen, page_table, s, sm_scale_log2=scale_log2, max_page=max_page,
                           soft_cap_log2=soft_cap, rows_array=rows_array, query_rows=query_rows,
-                          phi=phi, heads=heads)
+                          phi=phi, heads=heads, alibi=slopes)
         self._streams.plan_stream = s
         self._plan, self._max_page = chosen, max_page
         self._logits_soft_cap_log2 = soft_cap
         return chosen
 
     def warmup(self, *, logits_soft_cap: bool = False, max_q_len: int | None = None,
-               unified_max: bool = False) -> int:
+               unified_max: bool = False, alibi: bool = False) -> int:
         """Do before serving what the first plans would otherwise do in the middle of it:
         resolve the cost model (a GPU with no profile is probed here), compile every build
         this wrapper's plans can run on the current device, and, for a graph-stable wrapper,
         the planning kernel. After it no ``plan()`` or ``plan_on_device()`` with these options
         compiles. ``logits_soft_cap``: whether plans will take a soft cap (the builds with and
         without it are compiled); ``max_q_len``: the most query rows a request (multi-token
-        decode; a graph-stable wrapper's is its own); ``unified_max``: whether plans take it.
+        decode; a graph-stable wrapper's is its own); ``unified_max``, ``alibi``: whether plans
+        take it (``plan(alibi_slopes=)``).
         Returns the number of decode builds, compiled now or earlier in this process."""
         require_gpu("BatchDecodeWrapper.warmup()")
         from .compiled_builds import compile_reachable
 
-        for name, value in (("logits_soft_cap", logits_soft_cap), ("unified_max", unified_max)):
+        for name, value in (("logits_soft_cap", logits_soft_cap), ("unified_max", unified_max),
+                            ("alibi", alibi)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name}: expected True or False (whether plans will take "
                                 f"it), got {value!r}")
-        if unified_max and self.use_cuda_graph:
-            raise ValueError("unified_max: graph-stable wrappers do not take it (their plans "
-                             "refuse it)")
+        for name, value in (("unified_max", unified_max), ("alibi", alibi)):
+            if value and self.use_cuda_graph:
+                raise ValueError(f"{name}: graph-stable wrappers do not take it (their plans "
+                                 "refuse it)")
         rows = self._warmup_rows(max_q_len)
         self.profile            # noqa: B018  (resolved, probed where the GPU has no profile)
         count = compile_reachable(
             self.base_build, self.experiments, page_size=self.page_size,
             group_size=self.group_size, soft_caps=(False, True) if logits_soft_cap else (False,),
             max_q_len=rows, unified_max=unified_max, clusters=self._clusters(),
-            graph_stable=self.use_cuda_graph)
+            graph_stable=self.use_cuda_graph, alibi=alibi)
         self._warm_planner()
         return count
 
@@ -401,16 +414,18 @@ class BatchDecodeWrapper:
 
     def _upload_plan(self, chosen: Plan, page_table: PageTable, s, *, sm_scale_log2: float,
                      max_page: int, soft_cap_log2: float, rows_array, query_rows, phi,
-                     heads: int) -> None:
+                     heads: int, alibi=None) -> None:
         """plan() of a per-shape wrapper: the plan's build, its records and the one upload, the
         workspace, and the launches of its grid."""
         import cupy
 
-        variant = KernelVariant(soft_cap=soft_cap_log2 > 0, multi_token=rows_array is not None,
-                                unified_max=phi is not None)
+        variant = KernelVariant(soft_cap=soft_cap_log2 > 0, multi_token=heads > self.num_qo_heads,
+                                unified_max=phi is not None, alibi=alibi is not None)
         built = per_shape_plan(chosen, page_table, shape=self._shape, heads=heads,
                                base=self.base_build, experiments=self.experiments,
                                variant=variant, rows_array=rows_array)
+        if alibi is not None:       # float32 slope x log2(e) a head, riding the plan's upload
+            built.extra["alibi_slopes_log2"] = (alibi * UM.LOG2E).astype("float32").view("int32")
         kernels, per_kv_head, in_record = built.kernels, built.per_kv_head, built.pages_in_record
         meta = self._upload.upload(built.records, page_table, chosen, s, built.extra)
         if page_table.kv_indices is None:             # the caller's table, read in place

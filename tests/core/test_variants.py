@@ -170,9 +170,9 @@ def test_a_kernel_variant_is_one_value_that_names_its_defines_and_tags():
     from splitkv.core.variants import PLAIN, KernelVariant
 
     both = KernelVariant(soft_cap=True, unified_max=True)
-    assert both.defines == {"SOFT_CAP": 1, "MULTI_TOKEN": 0, "UNIFIED_MAX": 1}
+    assert both.defines == {"SOFT_CAP": 1, "MULTI_TOKEN": 0, "UNIFIED_MAX": 1, "ALIBI": 0}
     assert both.tags == "_softcap_umax" and PLAIN.tags == ""
-    same = KernelVariant(True, False, True)
+    same = KernelVariant(True, False, True, False)
     assert both == same and hash(both) == hash(same)
     assert set(KernelVariant.TAGS) == {name.lower() for name in PLAIN.defines}   # a tag a hook
     with pytest.raises(TypeError, match="soft_cap: expected True or False, got 1"):

@@ -1,7 +1,7 @@
 """Logits soft cap (``plan(logits_soft_cap=)``) and attention sinks (``run(sinks=)``) on the GPU,
 against the float64 reference (``core.variants``): every strategy (the cluster merge and
 graph-stable wrappers too), with fp8 K/V and a sliding window, the sink counted once whatever the
-plan splits and included in the LSE."""
+plan splits and included in the LSE. ALiBi (``plan(alibi_slopes=)``) likewise, with the others."""
 
 from __future__ import annotations
 
@@ -148,3 +148,62 @@ def test_a_nan_or_infinite_sink_makes_its_head_nan(bad):
         rest[5] = False
         assert rel_err(o[:, rest], good_o[:, rest]) < 1e-2, strategy
 
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
+@pytest.mark.parametrize("hq,hk,d", [(32, 8, 128), (8, 8, 64), (12, 4, 256)])
+def test_alibi_on_every_strategy_with_the_other_variants(kv_dtype, hq, hk, d):
+    """plan(alibi_slopes=): each row's bias slope x (token - query position) before the max,
+    against the reference, alone and with the soft cap, a window, chunks, sinks and several
+    query rows, on every strategy; the slopes of the paper and random ones of both signs."""
+    from splitkv.core.variants import alibi_slopes
+
+    rng = np.random.default_rng(zlib.crc32(f"alibi{kv_dtype}{hq}{d}".encode()))
+    pt, q, k, v = make(rng, hq, hk, d, "bfloat16", kv_dtype)
+    for slopes in (alibi_slopes(hq), rng.uniform(-0.05, 0.05, hq)):
+        for extra in ({}, {"logits_soft_cap": 8.0}, {"window_left": 300},
+                      {"attention_chunk_size": 512}):
+            ref_o, ref_lse = reference_decode(q.get(), k, v, pt, kv_dtype=kv_dtype,
+                                              alibi_slopes=slopes, **extra)
+            for strategy, splits in PLANS:
+                w = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", kv_dtype=kv_dtype)
+                plan = w.plan(pt, alibi_slopes=slopes, num_splits=splits, strategy=strategy,
+                              **extra)
+                assert w.kernel_build.variant.alibi
+                out = cupy.empty(q.shape, cupy.uint16)
+                out.fill(0xFFFF)
+                lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
+                w.run(q, cupy.asarray(k), cupy.asarray(v), out=out, lse=lse)
+                cupy.cuda.runtime.deviceSynchronize()
+                assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse,
+                                         TOL["bfloat16"], f"{plan}, alibi, {extra}")
+    # several query rows a request, each at its own position
+    qo_indptr = np.array([0, 1, 3, 7, 8, 12])
+    q_rows = random_device_array((12, hq, d), "bfloat16", rng)
+    slopes = alibi_slopes(hq)
+    ref_o, ref_lse = reference_decode(q_rows.get(), k, v, pt, kv_dtype=kv_dtype,
+                                      qo_indptr=qo_indptr, alibi_slopes=slopes)
+    w = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", kv_dtype=kv_dtype)
+    w.plan(pt, qo_indptr=qo_indptr, alibi_slopes=slopes)
+    out, lse = w.run(q_rows, cupy.asarray(k), cupy.asarray(v), return_lse=True)
+    cupy.cuda.runtime.deviceSynchronize()
+    assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse, TOL["bfloat16"],
+                             "alibi, multi-token rows")
+
+
+def test_alibi_slopes_of_zero_are_the_plain_answer_and_graph_stable_refuses_them():
+    rng = np.random.default_rng(5)
+    pt, q, k, v = make(rng, 32, 8, 128, "bfloat16")
+    k, v = cupy.asarray(k), cupy.asarray(v)
+    w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16")
+    w.plan(pt, num_splits=3, strategy="split_merge")
+    plain = w.run(q, k, v, return_lse=True)
+    w.plan(pt, num_splits=3, strategy="split_merge", alibi_slopes=np.zeros(32))
+    zero = w.run(q, k, v, return_lse=True)
+    cupy.cuda.runtime.deviceSynchronize()
+    np.testing.assert_array_equal(zero[0].get(), plain[0].get())
+    np.testing.assert_array_equal(zero[1].get(), plain[1].get())
+    g = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", use_cuda_graph=True, max_batch_size=8,
+                           max_num_pages=pt.kv_indices.size)
+    with pytest.raises(ValueError, match="alibi_slopes: graph-stable wrappers do not take it"):
+        g.plan(pt, alibi_slopes=np.zeros(32))

@@ -324,10 +324,22 @@ OPTION_BUILDS = [
       KernelBuild("bfloat16", 128, 1, kv_dtype="float8_e4m3fn", variant=KernelVariant(unified_max=True)),
       KernelBuild("bfloat16", 128, 1, kv_dtype="float8_e5m2", num_warps=8, variant=KernelVariant(unified_max=True)),
       KernelBuild("bfloat16", 128, 2, variant=KernelVariant(unified_max=True, multi_token=True, soft_cap=True))]),
+    ("alibi", "ALIBI", "_alibi",
+     [KernelBuild("bfloat16", 128, 1, variant=KernelVariant(alibi=True)),
+      KernelBuild("float16", 64, 4, variant=KernelVariant(alibi=True), cluster=4),
+      KernelBuild("bfloat16", 256, 1, variant=KernelVariant(alibi=True), q_in_smem=1),
+      KernelBuild("bfloat16", 128, 1, variant=KernelVariant(alibi=True), kv_dtype="float8_e4m3fn",
+                  num_warps=8),
+      KernelBuild("bfloat16", 128, 1, variant=KernelVariant(alibi=True), kv_dtype="float8_e5m2",
+                  tile_per_warp=32),
+      KernelBuild("bfloat16", 128, 2, variant=KernelVariant(alibi=True, multi_token=True,
+                                                            soft_cap=True)),
+      KernelBuild("bfloat16", 128, 1, variant=KernelVariant(alibi=True, unified_max=True))]),
     ("pow2_pages", "POW2_PAGES", "_pow2",
      [KernelBuild("bfloat16", 128, 1, pow2_pages=1),
       KernelBuild("float16", 64, 2, pow2_pages=1, cluster=4),
-      KernelBuild("bfloat16", 128, 1, pow2_pages=1, kv_dtype="float8_e4m3fn", variant=KernelVariant(multi_token=True))]),
+      KernelBuild("bfloat16", 128, 1, pow2_pages=1, kv_dtype="float8_e4m3fn",
+                  variant=KernelVariant(multi_token=True))]),
 ]
 
 
@@ -337,12 +349,13 @@ OPTION_BUILDS = [
                          ids=lambda p: p.name if isinstance(p, KernelBuild) else None)
 def test_option_builds_are_their_own(field, define, suffix, variant):
     """plan(unified_max=) runs a UNIFIED_MAX build (a fixed offset, the band check and the
-    running-max fallback pass); the POW2_PAGES experiment walks 2**k pages by shift and mask.
+    running-max fallback pass); plan(alibi_slopes=) an ALIBI build (each row's linear bias on
+    its scores, before the max); the POW2_PAGES experiment walks 2**k pages by shift and mask.
     Each builds without spills with clusters, fp8, 8 warps, multi-token rows and the soft cap
     where listed; its defines and name say which it is, and the plain build has none of it."""
     cubin, log = compile_cubin(variant.source(), "sm_90", variant.name, verbose=True)
     assert resource_report(log)["decode_partial"][1] == 0, log
-    assert variant.name.endswith(suffix) and variant.defines[define] == 1
+    assert suffix + "_" in variant.name + "_" and variant.defines[define] == 1
     plain = (with_hook(variant, field, False) if field in KernelVariant.TAGS
              else replace(variant, **{field: 0}))
     assert plain.defines[define] == 0 and suffix not in plain.name
@@ -395,7 +408,7 @@ def test_the_cost_models_residency_is_what_the_default_builds_hold(head_dim, row
 @pytest.mark.nvrtc
 @pytest.mark.parametrize("fields", [{}, hooks(soft_cap=True), hooks(multi_token=True),
                                     {"cluster": 2}, {"cluster": 8}, {"pow2_pages": 1},
-                                    hooks(unified_max=True)], ids=fields_id)
+                                    hooks(unified_max=True), hooks(alibi=True)], ids=fields_id)
 def test_the_four_an_sm_default_does_not_spill(fields):
     """core.builds.default_occupancy: head_dim 64's one-row-tile builds under the 128-register cap,
     with every feature a plan may add, spill nothing (the unified max, which would spill 16

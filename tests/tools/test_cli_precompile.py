@@ -163,3 +163,18 @@ def test_a_failed_compile_or_write_is_one_line_and_exit_1(cache, monkeypatch, ca
     out, err = capsys.readouterr()
     assert out == "" and err == ("splitkv precompile: NVRTC failed to compile tiny.cu for "
                                  "sm_90: NVRTC_ERROR\n")
+
+
+def test_alibi_plans_warm_up_their_own_builds_too(cache, capsys):
+    """--alibi (warmup(alibi=True): the wrapper's plans take alibi_slopes): the builds of the
+    same grids, each with ALiBi; refused with --graph-stable (graph-stable wrappers do not
+    take alibi_slopes)."""
+    assert cli.main(["precompile", "--arch", "sm_90", "--dry-run", "--json", "--head-dim", "64",
+                     "--no-clusters", "--alibi"]) == 0
+    labels = {m["label"] for m in json.loads(capsys.readouterr().out)["modules"]}
+    plain = {name.split(".")[0] for name in expected_names(90, 64, (False,), clusters=False)}
+    assert all("_alibi" in label for label in labels)
+    assert {label.replace("_alibi", "") for label in labels} == plain
+    assert cli.main(["precompile", "--arch", "sm_90", "--dry-run", "--alibi",
+                     "--graph-stable"]) == 2
+    assert "alibi: graph-stable wrappers do not take it" in capsys.readouterr().err

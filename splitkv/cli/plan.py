@@ -5,6 +5,7 @@ default.
     splitkv plan --batch 8 --kv-len 8192 --heads 32/8 --head-dim 128 --page-size 16
     splitkv plan --lens 100,2000,30000 --profile my-gpu.yaml --top 8
     splitkv plan --kv-len 131072 --window-left 4095        # a sliding window: its tokens only
+    splitkv plan --kv-len 131072 --attention-chunk-size 8192   # chunked attention: the last chunk
     splitkv plan --batch 8 --q-len 4 --kv-dtype fp8_e4m3   # 4 query rows a request, fp8 K/V
 """
 
@@ -38,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window-left", type=A.int_range(-1, V.MAX_KV_LEN), default=-1,
                         metavar="N", help="sliding window: each query sees its last N + 1 tokens "
                                           "and the plan covers only those (default -1: none)")
+    parser.add_argument("--attention-chunk-size", type=A.int_range(0, V.MAX_KV_LEN), default=0,
+                        metavar="N", help="chunked local attention: each query sees the keys of "
+                                          "its own chunk of N tokens and the plan covers only "
+                                          "those (default 0: none; one query row a request)")
     parser.add_argument("--q-len", type=A.int_range(1, MAX_Q_LEN), default=1, metavar="N",
                         help=f"query rows a request (multi-token decode, 1 to {MAX_Q_LEN}; "
                              "default 1): the kernel computes N x the query heads a kv head")
@@ -88,12 +93,16 @@ def run(args) -> int:
     # row's window (as BatchDecodeWrapper.plan plans them)
     window = (covering_window_left(args.window_left, args.q_len) if args.q_len > 1
               else args.window_left)
-    read = lens if window < 0 else np.minimum(lens, window + 1)
+    read = DecodeProblem(lens, 1, 1, 64, 1, window_left=window,
+                         attention_chunk_size=args.attention_chunk_size).read_lens
     chunks = _forced_chunks(read, args.num_splits) if args.num_splits else 0
     if chunks > MAX_CHUNKS:
         return A.refuse("plan", f"--num-splits {args.num_splits}: the plan would have "
                                 f"{chunks:,} chunks; the command line plans at most {MAX_CHUNKS:,}")
     try:
+        if args.attention_chunk_size and args.q_len > 1:
+            raise ValueError(f"--attention-chunk-size {args.attention_chunk_size} with --q-len "
+                             f"{args.q_len}: chunked attention takes one query row a request")
         if args.heads[0] * args.q_len > V.MAX_HEADS:
             raise ValueError(f"--q-len {args.q_len}: {args.q_len} x {args.heads[0]} query heads "
                              f"= {args.heads[0] * args.q_len:,} exceed MAX_HEADS={V.MAX_HEADS:,}")
@@ -102,7 +111,8 @@ def run(args) -> int:
                              f"({int(lens.min())}) than query rows; its new tokens are the last "
                              "q_len of its KV")
         problem = DecodeProblem(lens, args.heads[0] * args.q_len, args.heads[1],
-                                args.head_dim, args.page_size, window_left=window)
+                                args.head_dim, args.page_size, window_left=window,
+                                attention_chunk_size=args.attention_chunk_size)
         with caught_notices() as caught:
             profile = load_profile(args.profile, device_name=args.device_name,
                                    num_sms=args.num_sms)

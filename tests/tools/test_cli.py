@@ -153,6 +153,21 @@ def test_plan_with_a_window_plans_only_its_tokens(capsys):
     assert predicted(windowed) == predicted(plain)
 
 
+def test_plan_with_attention_chunks_plans_only_the_last_chunk(capsys):
+    from splitkv import cli
+
+    assert cli.main(["plan", "--kv-len", "131072", "--attention-chunk-size", "8192"]) == 0
+    chunked = capsys.readouterr().out
+    assert "attention_chunk_size=8192" in chunked and "32.0 MiB of K and V" in chunked
+    assert cli.main(["plan", "--kv-len", "8192"]) == 0
+    plain = capsys.readouterr().out
+    predicted = lambda out: [l for l in out.splitlines() if l.startswith("predicted:")][0]  # noqa: E731
+    assert predicted(chunked) == predicted(plain)
+    assert cli.main(["plan", "--attention-chunk-size", "64", "--q-len", "2"]) == 2
+    assert capsys.readouterr().err == ("splitkv plan: --attention-chunk-size 64 with --q-len 2: "
+                                       "chunked attention takes one query row a request\n")
+
+
 def test_plan_with_query_rows_and_fp8(capsys):
     """--q-len: the kernel's rows are q_len x the heads (the problem counts them), the same plan
     the wrapper makes; --kv-dtype: the profile's fp8 fit and one-byte K/V."""
@@ -197,6 +212,8 @@ BAD_ARGUMENTS = [
     # (argv, what the one line on stderr says)
     (["plan", "--batch", "-1"], "argument --batch: expected an integer from 1 to 1,048,576, got -1"),
     (["plan", "--window-left", "-2"], "argument --window-left: expected an integer from -1"),
+    (["plan", "--attention-chunk-size", "-3"],
+     "argument --attention-chunk-size: expected an integer from 0"),
     (["bench", "--kv-dtype", "int8"], "argument --kv-dtype: expected an fp8 format "
                                       "(float8_e4m3fn, float8_e5m2, or e4m3, e5m2, fp8, "
                                       "fp8_e4m3, fp8_e5m2), got 'int8'"),

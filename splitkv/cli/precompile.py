@@ -105,14 +105,14 @@ def run(args: argparse.Namespace) -> int:
     supported = nvrtc_archs()
     jobs, devices = [], {}
     for cc in arches:
+        try:                      # splitkv's architectures first: NVRTC compiles for more
+            devices[cc] = arch_properties(cc, current)
+        except ValueError as exc:
+            return A.refuse("precompile", exc)
         if supported and cc not in supported:
             return A.refuse("precompile", f"--arch: {nvrtc} compiles for "
                                           f"{', '.join(f'sm_{a}' for a in supported)}; got "
                                           f"sm_{cc}")
-        try:
-            devices[cc] = arch_properties(cc, current)
-        except ValueError as exc:
-            return A.refuse("precompile", exc)
         jobs += [(*module, f"sm_{cc}") for module in modules_for(config, devices[cc])]
     folder = cubin_dir()
     t0 = time.perf_counter()

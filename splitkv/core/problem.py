@@ -257,9 +257,9 @@ class DecodeProblem:
         self._check_shapes()
 
     def _check_shapes(self) -> None:
+        chunk = 0 if self.attention_chunk_size is None else self.attention_chunk_size
         checked = _checked_shape(self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                                 self.page_size, self.dtype, self.window_left,
-                                 self.attention_chunk_size)
+                                 self.page_size, self.dtype, self.window_left, chunk)
         self.__dict__.update(zip(_SHAPE_FIELDS, checked))
         begin = read_begin(self.kv_lens, *checked[-2:])
         if begin is not None:

@@ -108,11 +108,11 @@ def per_head_values(name: str, values, num_qo_heads: int) -> np.ndarray:
     """``values`` (host or CuPy) as float64 [num_qo_heads], or an error naming ``name``."""
     if hasattr(values, "get"):
         values = values.get()
-    try:
-        out = np.asarray(values, dtype=np.float64)
-    except (TypeError, ValueError):
+    given = np.asarray(values)
+    if given.dtype.kind not in "iuf":        # no bools, complex, strings or objects
         raise TypeError(f"{name}: expected {num_qo_heads} numbers (one per query head), got "
-                        f"{type(values).__name__}") from None
+                        f"{type(values).__name__} of {given.dtype}")
+    out = given.astype(np.float64)
     if out.shape != (num_qo_heads,):
         raise ValueError(f"{name}: expected shape [{num_qo_heads}] (one per query head), got "
                          f"{list(out.shape)}")
@@ -135,6 +135,7 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     of twice that many."""
     import math
 
+    num_heads = V.check_int("num_heads", num_heads, 1, V.MAX_HEADS, "MAX_HEADS")
     n = 2 ** math.floor(math.log2(num_heads))
     base = 2.0 ** (-8.0 / n)
     slopes = [base ** i for i in range(1, n + 1)]

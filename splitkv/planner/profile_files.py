@@ -94,8 +94,17 @@ def read_document(data: bytes, origin: str):
         return yaml.safe_load(text)
     except (yaml.YAMLError, ValueError, TypeError, OverflowError, RecursionError) as e:
         # a ValueError: an impossible date (2026-13-45); a RecursionError: a deep nesting
-        raise bad("not valid YAML (" + ("nested too deep" if isinstance(e, RecursionError)
-                                        else f"{type(e).__name__}: {e}") + ")") from None
+        raise bad(f"not valid YAML ({yaml_problem(e)})") from None
+
+
+def yaml_problem(e: Exception) -> str:
+    """What a YAML parse failed on, in one line: where and what (PyYAML's marks are 0-based)."""
+    if isinstance(e, RecursionError):
+        return "nested too deep"
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+    if mark is not None and problem:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def record_problem(data) -> str | None:

@@ -71,13 +71,14 @@ def load_profile(path=None, device_name: str | None = None, num_sms: int | None 
     if device_name is not None and (not isinstance(device_name, str) or not device_name):
         raise ValueError(f"device_name: expected a GPU's name or None, got {device_name!r}")
     check_machine(num_sms, None, bandwidth_gbps, optional=True)
-    for explicit, what in ((path, "path"), (os.environ.get(PROFILE_ENV), f"${PROFILE_ENV}")):
+    for explicit, what in ((path, "the path given"),
+                           (os.environ.get(PROFILE_ENV), f"${PROFILE_ENV}")):
         if explicit:
             try:
                 profile = read_profile(explicit)
                 check_device(profile, device_name, num_sms)
             except ProfileError as e:
-                raise ProfileError(f"{e} (given by {what})") from None
+                raise ProfileError(f"{e} (named by {what})") from None
             return profile
 
     name = device_name or REFERENCE_DEVICE

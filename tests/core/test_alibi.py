@@ -22,6 +22,10 @@ def test_the_papers_slopes():
     np.testing.assert_allclose(twelve[:8], 2.0 ** -np.arange(1, 9))
     np.testing.assert_allclose(twelve[8:], 2.0 ** -(np.arange(1, 8, 2) / 2))
     assert VA.alibi_slopes(1).tolist() == [2.0 ** -8]
+    for bad, error in ((0, ValueError), (-1, ValueError), (2.0, TypeError), (True, TypeError),
+                       (None, TypeError), ("8", TypeError)):
+        with pytest.raises(error, match="num_heads: expected an integer"):
+            VA.alibi_slopes(bad)
 
 
 def test_the_reference_adds_the_bias_to_the_scaled_scores(rng):
@@ -90,6 +94,9 @@ def test_multi_token_rows_each_take_their_own_position(rng):
     ("slopes", TypeError, "alibi_slopes: expected 8 numbers"),
     (np.array([np.nan] + [0.1] * (HQ - 1)), ValueError, "alibi_slopes: expected finite"),
     (np.array([np.inf] + [0.1] * (HQ - 1)), ValueError, "alibi_slopes: expected finite"),
+    (np.ones(HQ, complex), TypeError, "alibi_slopes: expected 8 numbers .* of complex128"),
+    (np.ones(HQ, bool), TypeError, "alibi_slopes: expected 8 numbers .* of bool"),
+    (np.array([None] * HQ), TypeError, "alibi_slopes: expected 8 numbers .* of object"),
 ])
 def test_bad_slopes_are_named(rng, slopes, error, match):
     b = build_batch(rng, [30], num_qo_heads=HQ, num_kv_heads=HK, head_dim=D)

@@ -55,6 +55,8 @@ def test_a_chunked_plan_covers_only_the_last_positions_chunk():
                          attention_chunk_size=8192)
     np.testing.assert_array_equal(both.kv_begin, [131072 - 4096, 8192, 0])
     assert "attention_chunk_size=8192" in repr(problem)
+    none = DecodeProblem([100], 32, 8, 128, 16, attention_chunk_size=None)    # None: no chunks
+    assert none.attention_chunk_size == 0 and not none.windowed
     plan = plan_fixed_splits(problem, 4, "split_merge", align=64)
     for b in range(problem.batch_size):
         chunks = slice(plan.merge_indptr[b], plan.merge_indptr[b + 1])

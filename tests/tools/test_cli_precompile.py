@@ -137,13 +137,26 @@ def test_without_nvrtc_it_says_so_in_one_line(cache, monkeypatch, capsys):
 @pytest.mark.parametrize("arch, message", [
     ("sm_75", "--arch: expected one of sm_80, sm_86, sm_89, sm_90, sm_100, sm_120 (or this "
               "machine's GPU's), got sm_75"),
-    ("sm_30", "sm_30"),           # NVRTC compiles for none so old: it says for which it does
+    ("sm_87", "--arch: expected one of sm_80, "),   # NVRTC compiles for it; splitkv has no limits
+    ("sm_1000", "--arch: expected one of sm_80, "),
+    ("sm_30", "--arch: expected one of sm_80, "),
 ])
 def test_an_architecture_without_its_limits_or_compiler_is_refused(arch, message, cache, capsys):
+    """splitkv's own architectures are the list a refusal gives (NVRTC compiles for more)."""
     assert cli.main(["precompile", "--arch", arch]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
     assert err.startswith("splitkv precompile: --arch: ") and message in err, err
+
+
+@pytest.mark.nvrtc
+def test_an_architecture_this_nvrtc_cannot_compile_for_is_refused(cache, monkeypatch, capsys):
+    monkeypatch.setattr("splitkv.runtime.kernel_source.nvrtc_archs", lambda: [75, 80, 86])
+    assert cli.main(["precompile", "--arch", "sm_90"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("splitkv precompile: --arch: NVRTC ") and err.endswith(
+        "compiles for sm_75, sm_80, sm_86; got sm_90\n"), err
 
 
 @pytest.mark.nvrtc

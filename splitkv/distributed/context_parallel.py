@@ -94,12 +94,16 @@ class ContextParallelDecode:
         ranks if not, rather than leaving the all-gather to hang."""
         V.check_instance("page_table", page_table, PageTable)
         # Positions are the request's: a rank's shard ends wherever its tokens end, so a
-        # causal end or a window measured from it would be wrong.
-        for name in ("qo_indptr", "window_left"):
-            if plan_kwargs.get(name) not in (None, -1):
+        # causal end, a window, a chunk or ALiBi's distance measured from it would be wrong.
+        for name, none in (("qo_indptr", None), ("window_left", -1),
+                           ("attention_chunk_size", 0), ("alibi_slopes", None)):
+            value = plan_kwargs.get(name)
+            if value is not None and (none is None or isinstance(value, (list, tuple))
+                                      or np.ndim(value) or value != none):
                 raise ValueError(f"{name}: context-parallel decode takes one query row a "
-                                 "request and no window (positions are the whole KV's, which "
-                                 "a rank's shard does not hold)")
+                                 "request, no window, no attention chunks and no ALiBi "
+                                 "(positions are the whole KV's, which a rank's shard does not "
+                                 "hold)")
         sizes = self.group.gather_host([page_table.batch_size], stream)[:, 0].astype(int)
         if (sizes != sizes[0]).any():
             raise ValueError(f"page_table: the ranks' batch sizes differ ({sizes.tolist()}); "

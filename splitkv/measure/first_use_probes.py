@@ -110,18 +110,35 @@ def compile_probe_builds(cases, device, workers: int | None = None) -> list[dict
     """Compile the probes' builds at once, over ``workers`` threads (None: one a CPU core, at
     most one a build), into splitkv's cache of compiled kernels, where the wrapper that times
     each probe loads it instead of compiling one after another (NVRTC compiles without the
-    GIL). Those already there are not compiled again; a cache that cannot be written leaves
-    the compiles to the wrappers, with one notice. Returns ``precompile``'s records."""
+    GIL). Those already there are not compiled again. Where this cannot be done (a cache that
+    cannot be written, or an NVRTC that has no CUBIN target for this GPU, where CuPy compiles
+    for the nearest it has), the wrappers compile as they go: one notice for a cache that
+    cannot be written or a failed compile, none for a GPU past NVRTC. Returns
+    ``precompile``'s records ([] where nothing was compiled here)."""
     from .._log import logger
+    from ..runtime.cubin_cache import cubin_dir
+    from ..runtime.kernel_source import nvrtc_archs
     from ..runtime.precompile_jobs import precompile
 
+    supported = nvrtc_archs()
+    if supported and device.cc not in supported:
+        return []
+    folder = cubin_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(f"{folder} is not writable")
+    except OSError as exc:
+        logger.warning("first-use probes: splitkv's kernel cache cannot be written (%s); each "
+                       "probe compiles its build when first run", exc)
+        return []
     jobs = probe_modules(cases, device)
     workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
     try:
-        return precompile(jobs, workers=workers)
-    except OSError as exc:
-        logger.warning("first-use probes: could not write their compiled kernels to the cache "
-                       "(%s); each compiles when first run", exc)
+        return precompile(jobs, folder, workers=workers)
+    except (OSError, RuntimeError) as exc:     # a write, or NVRTC, failed: the wrappers retry
+        logger.warning("first-use probes: compiling their builds ahead failed (%s); each "
+                       "compiles when first run", str(exc).splitlines()[0] if str(exc) else exc)
         return []
 
 

@@ -336,7 +336,7 @@ class BatchDecodeWrapper:
         compiles. ``logits_soft_cap``: whether plans will take a soft cap (the builds with and
         without it are compiled); ``max_q_len``: the most query rows a request (multi-token
         decode; a graph-stable wrapper's is its own); ``unified_max``, ``alibi``: whether plans
-        take it (``plan(alibi_slopes=)``).
+        take it (``plan(alibi_slopes=)``): its builds in place of those without.
         Returns the number of decode builds, compiled now or earlier in this process."""
         require_gpu("BatchDecodeWrapper.warmup()")
         from .compiled_builds import compile_reachable

@@ -304,6 +304,11 @@ def test_cpu_path_refuses_by_name(make_batch):
         cp.plan(bt.page_table, unified_max=1.0)
     with pytest.raises(ValueError, match="qo_indptr: context-parallel decode takes one query row"):
         cp.plan(bt.page_table, qo_indptr=[0, 1, 2])
+    # positions measured from a rank's shard would be wrong: refused, arrays too
+    for name, value in (("qo_indptr", np.array([0, 1, 2])), ("window_left", 100),
+                        ("attention_chunk_size", 64), ("alibi_slopes", np.ones(4))):
+        with pytest.raises(ValueError, match=f"{name}: context-parallel decode takes one query"):
+            cp.plan(bt.page_table, **{name: value})
     with pytest.raises(ValueError, match="page_table: page_size 8, expected 16"):
         cp.plan(PageTable.from_block_table([[0], [1]], [5, 3], 8))
     cp.plan(bt.page_table)

@@ -58,17 +58,49 @@ def test_the_probe_builds_are_the_ones_each_probes_wrapper_picks(cc, monkeypatch
         assert any(v.cluster == 4 for v in picked)
 
 
-def test_an_unwritable_cache_leaves_the_compiles_to_the_wrappers(monkeypatch, caplog):
+def never(*args, **kwargs):
+    raise AssertionError("nothing should be compiled ahead")
+
+
+def notices(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "splitkv"]
+
+
+def test_an_unwritable_cache_leaves_the_compiles_to_the_wrappers(monkeypatch, caplog, tmp_path):
+    """The folder is tried before anything compiles: one notice, and nothing compiled twice."""
     device, cases = cases_for(90)
-
-    def refuse(jobs, workers=1):
-        raise PermissionError(13, "Permission denied", "/read-only/kernels")
-
-    monkeypatch.setattr("splitkv.runtime.precompile_jobs.precompile", refuse)
+    (tmp_path / "a-file").write_text("not a folder")
+    monkeypatch.setenv("SPLITKV_CACHE_DIR", str(tmp_path / "a-file"))
+    monkeypatch.setattr("splitkv.runtime.precompile_jobs.precompile", never)
     with caplog.at_level(logging.WARNING, logger="splitkv"):
         assert FP.compile_probe_builds(cases, device) == []
-    notes = [r.getMessage() for r in caplog.records if r.name == "splitkv"]
-    assert len(notes) == 1 and "/read-only/kernels" in notes[0], notes
+    notes = notices(caplog)
+    assert len(notes) == 1 and "kernel cache cannot be written" in notes[0], notes
+
+
+def test_a_failed_compile_leaves_the_compiles_to_the_wrappers(monkeypatch, caplog, tmp_path):
+    device, cases = cases_for(90)
+    monkeypatch.setenv("SPLITKV_CACHE_DIR", str(tmp_path))
+
+    def broken(jobs, folder=None, workers=1):
+        raise RuntimeError("NVRTC failed to compile decode.cu for sm_90: NVRTC_ERROR\nthe log")
+
+    monkeypatch.setattr("splitkv.runtime.precompile_jobs.precompile", broken)
+    with caplog.at_level(logging.WARNING, logger="splitkv"):
+        assert FP.compile_probe_builds(cases, device) == []
+    notes = notices(caplog)
+    assert len(notes) == 1 and "NVRTC_ERROR" in notes[0] and "the log" not in notes[0], notes
+
+
+def test_a_gpu_this_nvrtc_has_no_target_for_compiles_as_it_goes(monkeypatch, caplog, tmp_path):
+    """An NVRTC older than the GPU: CuPy's own compiles take the nearest target; no notice."""
+    device, cases = cases_for(120)
+    monkeypatch.setenv("SPLITKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("splitkv.runtime.kernel_source.nvrtc_archs", lambda: (75, 80, 90))
+    monkeypatch.setattr("splitkv.runtime.precompile_jobs.precompile", never)
+    with caplog.at_level(logging.WARNING, logger="splitkv"):
+        assert FP.compile_probe_builds(cases, device) == []
+    assert notices(caplog) == []
 
 
 @pytest.mark.nvrtc

@@ -178,6 +178,7 @@ def test_a_failed_compile_or_write_is_one_line_and_exit_1(cache, monkeypatch, ca
                                  "sm_90: NVRTC_ERROR\n")
 
 
+@pytest.mark.nvrtc
 def test_alibi_plans_warm_up_their_own_builds_too(cache, capsys):
     """--alibi (warmup(alibi=True): the wrapper's plans take alibi_slopes): the builds of the
     same grids, each with ALiBi; refused with --graph-stable (graph-stable wrappers do not

@@ -10,7 +10,7 @@ with the names FlashInfer and vLLM users know:
   chunk boundary would need a start a row, which the kernels do not hold).
 - ``logits_soft_cap`` (Gemma-2): each score s = sm_scale * q.k becomes cap * tanh(s / cap)
   before the softmax; None or 0: no cap.
-- ``alibi_slopes`` (ALiBi, BLOOM / MPT; FlashInfer's ``pos_encoding_mode="ALIBI"``): one slope
+- ``alibi_slopes`` (ALiBi, Press et al.: BLOOM, MPT; vLLM's ``alibi_slopes``): one slope
   m_h per query head; a query at position p adds m_h * (j - p) to its scaled score of key j
   (natural-log units), before the soft cap. None: no bias. ``alibi_slopes(num_heads)`` gives
   the paper's slopes.

@@ -82,8 +82,10 @@ def select(names: str | None) -> list[Case]:
     by_name = {c.name: c for c in STANDARD_CASES + CLASS_CASES}
     unknown = [n for n in wanted if n not in by_name and n not in CASE_GROUPS]
     if unknown or not wanted:
-        raise ValueError(f"--cases: unknown case(s) {unknown or [names]}; known: groups "
-                         f"{sorted(CASE_GROUPS)} and cases {sorted(by_name)}")
+        shown = ", ".join(repr(n) for n in unknown) if unknown else repr(names)
+        raise ValueError(f"--cases: unknown case(s) {shown}; known: groups "
+                         f"{', '.join(sorted(CASE_GROUPS))} and cases "
+                         f"{', '.join(sorted(by_name))}")
     out = []
     for n in wanted:
         for case in CASE_GROUPS.get(n, [by_name.get(n)]):

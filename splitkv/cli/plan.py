@@ -20,7 +20,7 @@ import numpy as np
 from .._log import caught_notices
 from ..core import validation as V
 from ..core.geometry import TILE_TOKENS
-from ..core.variants import MAX_Q_LEN, covering_window_left
+from ..core.variants import MAX_Q_LEN, covering_window_left, read_begin
 from . import args as A
 
 
@@ -93,8 +93,8 @@ def run(args) -> int:
     # row's window (as BatchDecodeWrapper.plan plans them)
     window = (covering_window_left(args.window_left, args.q_len) if args.q_len > 1
               else args.window_left)
-    read = DecodeProblem(lens, 1, 1, 64, 1, window_left=window,
-                         attention_chunk_size=args.attention_chunk_size).read_lens
+    begin = read_begin(lens, window, args.attention_chunk_size)
+    read = lens if begin is None else lens - begin
     chunks = _forced_chunks(read, args.num_splits) if args.num_splits else 0
     if chunks > MAX_CHUNKS:
         return A.refuse("plan", f"--num-splits {args.num_splits}: the plan would have "

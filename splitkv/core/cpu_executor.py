@@ -38,7 +38,8 @@ def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
     V.check_instance("plan", plan, Plan)
     V.check_instance("page_table", page_table, PageTable)
     p = plan.problem
-    V.check_plan_for_table(plan, page_table)
+    V.check_plan_for_table(plan, page_table, attention_chunk_size=(
+        None if attention_chunk_size is None else VA.check_chunk_size(attention_chunk_size)))
     k_cache, v_cache = (L.as_nhd(a, kv_layout) for a in L.split_kv(k_cache, v_cache))
     fmt = kv_format(k_cache, kv_dtype)
     rows = VA.query_rows(qo_indptr, p.kv_lens)
@@ -50,12 +51,6 @@ def compute_partials(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
     variant = VA.check_variant(p.num_qo_heads, -1 if window_left is None else window_left,
                                logits_soft_cap, alibi_slopes=alibi_slopes)
     slopes = variant.alibi_slopes
-    if attention_chunk_size is not None:
-        chunk = VA.check_chunk_size(attention_chunk_size)
-        if chunk != p.attention_chunk_size:
-            raise ValueError(f"attention_chunk_size: the plan was made for "
-                             f"attention_chunk_size={p.attention_chunk_size}, this call has "
-                             f"{chunk}; leave it out to run the plan's")
     VA.refuse_chunks_with_rows(p.attention_chunk_size, rows.max_q_len)
     if p.windowed and rows.max_q_len > 1:
         # several rows: the plan covers every row's window and each row masks its own, as the
@@ -137,8 +132,8 @@ def execute_plan_cpu(plan: Plan, q, k_cache, v_cache, page_table: PageTable, sm_
     [num_pages, page_size, num_kv_heads, head_dim] (NHD), any float dtype (computed in float64),
     or fp8 with ``kv_dtype`` and the scales as ``reference_decode`` takes them; the variants
     (``window_left``, ``logits_soft_cap``, ``sinks``, ``qo_indptr``, ``attention_chunk_size``,
-    ``alibi_slopes``) as ``core.variants`` defines them (``window_left`` and ``attention_chunk_size`` None: the
-    plan's; see ``compute_partials``); K/V as
+    ``alibi_slopes``) as ``core.variants`` defines them (``window_left`` and
+    ``attention_chunk_size`` None: the plan's; see ``compute_partials``); K/V as
     two arrays, a pair or a combined array, NHD or HND (``core.layouts``).
     Returns (out [batch, num_qo_heads, head_dim], lse [batch, num_qo_heads]),
     float64, with a row per query row instead of per request under ``qo_indptr``.

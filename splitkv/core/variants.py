@@ -32,6 +32,7 @@ before the cap) makes that row and head NaN.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
@@ -133,8 +134,6 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     """The ALiBi paper's slopes for ``num_heads`` heads: for n = 2**k heads, 2**(-8 i / n) for
     head i = 1..n; otherwise those of the largest power of two below, then every other slope
     of twice that many."""
-    import math
-
     num_heads = V.check_int("num_heads", num_heads, 1, V.MAX_HEADS, "MAX_HEADS")
     n = 2 ** math.floor(math.log2(num_heads))
     base = 2.0 ** (-8.0 / n)

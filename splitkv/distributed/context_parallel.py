@@ -95,11 +95,10 @@ class ContextParallelDecode:
         V.check_instance("page_table", page_table, PageTable)
         # Positions are the request's: a rank's shard ends wherever its tokens end, so a
         # causal end, a window, a chunk or ALiBi's distance measured from it would be wrong.
-        for name, none in (("qo_indptr", None), ("window_left", -1),
-                           ("attention_chunk_size", 0), ("alibi_slopes", None)):
+        for name, off in (("qo_indptr", None), ("window_left", -1),
+                          ("attention_chunk_size", 0), ("alibi_slopes", None)):
             value = plan_kwargs.get(name)
-            if value is not None and (none is None or isinstance(value, (list, tuple))
-                                      or np.ndim(value) or value != none):
+            if value is not None and not (np.ndim(value) == 0 and value == off):
                 raise ValueError(f"{name}: context-parallel decode takes one query row a "
                                  "request, no window, no attention chunks and no ALiBi "
                                  "(positions are the whole KV's, which a rank's shard does not "

@@ -36,12 +36,17 @@ def make(rng, hq, hk, d, dtype, kv_dtype=None, scale=1.0):
     return pt, q, k, v
 
 
-def run_and_check(w, pt, q, k, v, dtype, kv_dtype, cap, sinks, window_left=None, **plan_kw):
+def run_and_check(w, pt, q, k, v, dtype, kv_dtype, cap, sinks, window_left=None, variant=None,
+                  **plan_kw):
+    """Plan (``plan_kw``: the split) and run into poisoned outputs, against the reference;
+    ``variant``: more of plan()'s variant arguments, the reference's too."""
+    variant = variant or {}
     ref_o, ref_lse = reference_decode(q.get(), k, v, pt, kv_dtype=kv_dtype,
                                       window_left=-1 if window_left is None else window_left,
                                       logits_soft_cap=cap,
-                                      sinks=None if sinks is None else sinks.astype(np.float64))
-    plan = w.plan(pt, logits_soft_cap=cap, window_left=window_left, **plan_kw)
+                                      sinks=None if sinks is None else sinks.astype(np.float64),
+                                      **variant)
+    plan = w.plan(pt, logits_soft_cap=cap, window_left=window_left, **variant, **plan_kw)
     out = cupy.empty(q.shape, cupy.float16 if dtype == "float16" else cupy.uint16)
     out.view(cupy.uint16).fill(0xFFFF)            # poisoned: NaN in both 16-bit types
     lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
@@ -49,7 +54,7 @@ def run_and_check(w, pt, q, k, v, dtype, kv_dtype, cap, sinks, window_left=None,
           sinks=None if sinks is None else cupy.asarray(sinks))
     cupy.cuda.runtime.deviceSynchronize()
     assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse, TOL[dtype],
-                             f"{plan}, cap {cap}, sinks {sinks is not None}")
+                             f"{plan}, cap {cap}, sinks {sinks is not None}, {list(variant)}")
     return plan
 
 
@@ -161,22 +166,15 @@ def test_alibi_on_every_strategy_with_the_other_variants(kv_dtype, hq, hk, d):
     rng = np.random.default_rng(zlib.crc32(f"alibi{kv_dtype}{hq}{d}".encode()))
     pt, q, k, v = make(rng, hq, hk, d, "bfloat16", kv_dtype)
     for slopes in (alibi_slopes(hq), rng.uniform(-0.05, 0.05, hq)):
-        for extra in ({}, {"logits_soft_cap": 8.0}, {"window_left": 300},
-                      {"attention_chunk_size": 512}):
-            ref_o, ref_lse = reference_decode(q.get(), k, v, pt, kv_dtype=kv_dtype,
-                                              alibi_slopes=slopes, **extra)
+        # (soft cap, window, chunks) beside the slopes
+        for cap, window, chunk in ((None, None, 0), (8.0, None, 0), (None, 300, 0),
+                                   (None, None, 512)):
             for strategy, splits in PLANS:
                 w = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", kv_dtype=kv_dtype)
-                plan = w.plan(pt, alibi_slopes=slopes, num_splits=splits, strategy=strategy,
-                              **extra)
+                run_and_check(w, pt, q, k, v, "bfloat16", kv_dtype, cap, None, window,
+                              variant={"alibi_slopes": slopes, "attention_chunk_size": chunk},
+                              num_splits=splits, strategy=strategy)
                 assert w.kernel_build.variant.alibi
-                out = cupy.empty(q.shape, cupy.uint16)
-                out.fill(0xFFFF)
-                lse = cupy.full(q.shape[:2], np.nan, cupy.float32)
-                w.run(q, cupy.asarray(k), cupy.asarray(v), out=out, lse=lse)
-                cupy.cuda.runtime.deviceSynchronize()
-                assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse,
-                                         TOL["bfloat16"], f"{plan}, alibi, {extra}")
     # several query rows a request, each at its own position
     qo_indptr = np.array([0, 1, 3, 7, 8, 12])
     q_rows = random_device_array((12, hq, d), "bfloat16", rng)

@@ -22,16 +22,16 @@ def rel_err(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-@pytest.mark.parametrize("window_left", [0, 63, 1000, 4095])
-@pytest.mark.parametrize("page", [1, 16])
-def test_windowed_plans_match_the_windowed_reference(window_left, page):
-    rng = np.random.default_rng(window_left + page)
-    lens = [1, 70, 3000, 0, 9000, 4096, 4097]
+def plans_match_the_reference(lens, page: int, rng, **variant) -> list:
+    """Every strategy, and a graph-stable wrapper, planned with ``variant`` (plan()'s window
+    and chunk arguments) give the reference's answer; the graph-stable plan made on the device
+    gives the same bits. Returns the plans."""
     pt, num_pages = scattered_page_table(lens, page, rng)
     q = random_device_array((len(lens), 32, 128), "bfloat16", rng)
     k = random_device_array((num_pages, page, 8, 128), "bfloat16", rng)
     v = random_device_array((num_pages, page, 8, 128), "bfloat16", rng)
-    ref_o, ref_lse = reference_decode(q.get(), k.get(), v.get(), pt, window_left=window_left)
+    ref_o, ref_lse = reference_decode(q.get(), k.get(), v.get(), pt, **variant)
+    plans = []
     for options, plan_kw in (({}, dict(strategy="single")),
                              ({}, dict(num_splits=3, strategy="split_merge")),
                              ({}, dict(num_splits=4, strategy="fused")),
@@ -39,58 +39,16 @@ def test_windowed_plans_match_the_windowed_reference(window_left, page):
                              (dict(use_cuda_graph=True, max_batch_size=len(lens),
                                    max_num_pages=pt.kv_indices.size), {})):
         w = BatchDecodeWrapper(32, 8, 128, page, "bfloat16", **options)
-        plan = w.plan(pt, window_left=window_left, **plan_kw)
-        out, lse = w.run(q, k, v, return_lse=True)
-        cupy.cuda.runtime.deviceSynchronize()
-        err = rel_err(to_float64(out.get()), ref_o)
-        assert err < 1e-2, f"rel err {err:.2e} for {plan}"
-        finite = np.isfinite(ref_lse)
-        np.testing.assert_allclose(lse.get()[finite], ref_lse[finite], rtol=2e-3, atol=2e-3)
-        if options:                  # the same window planned on the device: the same bits
-            d = BatchDecodeWrapper(32, 8, 128, page, "bfloat16", **options)
-            d.plan_on_device(kv_indptr=cupy.asarray(pt.kv_indptr, cupy.int32),
-                             kv_indices=cupy.asarray(pt.kv_indices, cupy.int32),
-                             kv_last_page_len=cupy.asarray(pt.kv_last_page_len, cupy.int32),
-                             window_left=window_left)
-            out_d, lse_d = d.run(q, k, v, return_lse=True)
-            cupy.cuda.runtime.deviceSynchronize()
-            state = d.device_plan_state()
-            assert state["error"] is None and state["num_chunks"] == plan.num_chunks, state
-            np.testing.assert_array_equal(out_d.get(), out.get())
-            np.testing.assert_array_equal(lse_d.get(), lse.get())
-
-
-@pytest.mark.parametrize("chunk,window_left", [(8192, -1), (1000, -1), (64, -1), (1000, 300)])
-def test_chunked_attention_plans_match_the_chunked_reference(chunk, window_left):
-    """``plan(attention_chunk_size=)`` (Llama 4's chunked local attention): the plan covers
-    each request's last chunk (with a window, the later start), and the kernels, which read a
-    chunk's token range, give the chunked reference; planned on the device, the same bits."""
-    rng = np.random.default_rng(chunk + window_left)
-    lens = [1, 70, 8192, 8193, 0, 9000, 20000, 1000, 1001]
-    pt, num_pages = scattered_page_table(lens, 16, rng)
-    q = random_device_array((len(lens), 32, 128), "bfloat16", rng)
-    k = random_device_array((num_pages, 16, 8, 128), "bfloat16", rng)
-    v = random_device_array((num_pages, 16, 8, 128), "bfloat16", rng)
-    ref_o, ref_lse = reference_decode(q.get(), k.get(), v.get(), pt, window_left=window_left,
-                                      attention_chunk_size=chunk)
-    variant = dict(window_left=window_left, attention_chunk_size=chunk)
-    for options, plan_kw in (({}, dict(strategy="single")),
-                             ({}, dict(num_splits=3, strategy="split_merge")),
-                             ({}, dict(num_splits=4, strategy="fused")),
-                             ({}, {}),
-                             (dict(use_cuda_graph=True, max_batch_size=len(lens),
-                                   max_num_pages=pt.kv_indices.size), {})):
-        w = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", **options)
         plan = w.plan(pt, **variant, **plan_kw)
-        assert plan.problem.attention_chunk_size == chunk
+        plans.append(plan)
         out, lse = w.run(q, k, v, return_lse=True)
         cupy.cuda.runtime.deviceSynchronize()
         err = rel_err(to_float64(out.get()), ref_o)
         assert err < 1e-2, f"rel err {err:.2e} for {plan}"
         finite = np.isfinite(ref_lse)
         np.testing.assert_allclose(lse.get()[finite], ref_lse[finite], rtol=2e-3, atol=2e-3)
-        if options:
-            d = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", **options)
+        if options:                  # the same variant planned on the device: the same bits
+            d = BatchDecodeWrapper(32, 8, 128, page, "bfloat16", **options)
             d.plan_on_device(kv_indptr=cupy.asarray(pt.kv_indptr, cupy.int32),
                              kv_indices=cupy.asarray(pt.kv_indices, cupy.int32),
                              kv_last_page_len=cupy.asarray(pt.kv_last_page_len, cupy.int32),
@@ -101,6 +59,26 @@ def test_chunked_attention_plans_match_the_chunked_reference(chunk, window_left)
             assert state["error"] is None and state["num_chunks"] == plan.num_chunks, state
             np.testing.assert_array_equal(out_d.get(), out.get())
             np.testing.assert_array_equal(lse_d.get(), lse.get())
+    return plans
+
+
+@pytest.mark.parametrize("window_left", [0, 63, 1000, 4095])
+@pytest.mark.parametrize("page", [1, 16])
+def test_windowed_plans_match_the_windowed_reference(window_left, page):
+    plans_match_the_reference([1, 70, 3000, 0, 9000, 4096, 4097], page,
+                              np.random.default_rng(window_left + page), window_left=window_left)
+
+
+@pytest.mark.parametrize("chunk,window_left", [(8192, -1), (1000, -1), (64, -1), (1000, 300)])
+def test_chunked_attention_plans_match_the_chunked_reference(chunk, window_left):
+    """``plan(attention_chunk_size=)`` (Llama 4's chunked local attention): the plan covers
+    each request's last chunk (with a window, the later start), and the kernels, which read a
+    chunk's token range, give the chunked reference; planned on the device, the same bits."""
+    lens = [1, 70, 8192, 8193, 0, 9000, 20000, 1000, 1001]
+    plans = plans_match_the_reference(lens, 16, np.random.default_rng(chunk + window_left),
+                                      window_left=window_left, attention_chunk_size=chunk)
+    assert all(plan.problem.attention_chunk_size == chunk for plan in plans)
+    pt, _ = scattered_page_table(lens, 16, np.random.default_rng(0))
     with pytest.raises(ValueError, match="chunked attention takes one query row a request"):
         BatchDecodeWrapper(32, 8, 128, 16, "bfloat16").plan(
             pt, qo_indptr=np.array([0, 1, 2, 4, 5, 6, 7, 8, 9, 10]), attention_chunk_size=chunk)

@@ -386,6 +386,17 @@ def test_plan_on_device_checks_qo_indptr_on_the_host():
     assert device_batch(**ok)[0].qo_indptr == 0
 
 
+def assert_the_host_plan(got, plan, want, merge_indptr, table, layout, arrays, what):
+    """The planning kernel's run ``got`` wrote the host plan: its chunk count, prediction,
+    records (``want``, the host's) and merge_indptr."""
+    n = plan.num_chunks
+    have, want = comparable_records(got.records[:n], want, table, layout, arrays)
+    assert got.state["error"] == 0 and got.state["num_chunks"] == n, what
+    assert got.predicted_us == plan.predicted_us, what
+    assert records_equal(have, want), what
+    assert np.array_equal(got.merge_indptr, merge_indptr), what
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_chunked_attention_plans_match_the_host_planners(seed):
     """attention_chunk_size on the device: each request's chunks cover the tokens of its last
@@ -414,13 +425,9 @@ def test_chunked_attention_plans_match_the_host_planners(seed):
                                             max_chunks=4096, launch_order=launch_order,
                                             window_left=window, attention_chunk_size=chunk)
         assert np.all(plan.chunk_start >= plan.problem.kv_begin[plan.chunk_request])
-        n = plan.num_chunks
-        have, want = comparable_records(got.records[:n], want, table, layout, arrays)
-        what = f"trial {trial}: chunk {chunk}, window {window}, page {page}, {layout}"
-        assert got.state["error"] == 0 and got.state["num_chunks"] == n, what
-        assert got.predicted_us == plan.predicted_us, what
-        assert records_equal(have, want), what
-        assert np.array_equal(got.merge_indptr, merge_indptr), what
+        assert_the_host_plan(got, plan, want, merge_indptr, table, layout, arrays,
+                             f"trial {trial}: chunk {chunk}, window {window}, page {page}, "
+                             f"{layout}")
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -457,13 +464,8 @@ def test_windowed_plans_match_the_host_planners(seed):
                                             head_dim=d, stages=STAGES[d], max_batch=max_batch,
                                             max_chunks=4096, launch_order=launch_order,
                                             window_left=covering)
-        n = plan.num_chunks
-        have, want = comparable_records(got.records[:n], want, table, layout, arrays)
         what = f"trial {trial}: window {window}, q {max_q}, page {page}, {layout}"
-        assert got.state["error"] == 0 and got.state["num_chunks"] == n, what
-        assert got.predicted_us == plan.predicted_us, what
-        assert records_equal(have, want), what
-        assert np.array_equal(got.merge_indptr, merge_indptr), what
+        assert_the_host_plan(got, plan, want, merge_indptr, table, layout, arrays, what)
         if max_q > 1:
             rows = query_rows_array(VA.query_rows(qo_indptr, table.kv_lens), table.kv_lens,
                                     window)

@@ -141,27 +141,32 @@ def test_bench_markdown_table_says_when_kv_is_fp8():
     assert lines[4].endswith("| <=peer |")
 
 
-def test_plan_with_a_window_plans_only_its_tokens(capsys):
+def plan_output(capsys, *argv) -> str:
+    """What ``splitkv plan`` with ``argv`` prints (it must succeed)."""
     from splitkv import cli
 
-    assert cli.main(["plan", "--kv-len", "131072", "--window-left", "4095"]) == 0
-    windowed = capsys.readouterr().out
+    assert cli.main(["plan", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def predicted(out: str) -> str:
+    """The ``predicted:`` line of ``splitkv plan``'s output."""
+    return next(line for line in out.splitlines() if line.startswith("predicted:"))
+
+
+def test_plan_with_a_window_plans_only_its_tokens(capsys):
+    windowed = plan_output(capsys, "--kv-len", "131072", "--window-left", "4095")
     assert "window_left=4095" in windowed and "16.0 MiB of K and V" in windowed
-    assert cli.main(["plan", "--kv-len", "4096"]) == 0
-    plain = capsys.readouterr().out
-    predicted = lambda out: [l for l in out.splitlines() if l.startswith("predicted:")][0]  # noqa: E731
+    plain = plan_output(capsys, "--kv-len", "4096")
     assert predicted(windowed) == predicted(plain)
 
 
 def test_plan_with_attention_chunks_plans_only_the_last_chunk(capsys):
     from splitkv import cli
 
-    assert cli.main(["plan", "--kv-len", "131072", "--attention-chunk-size", "8192"]) == 0
-    chunked = capsys.readouterr().out
+    chunked = plan_output(capsys, "--kv-len", "131072", "--attention-chunk-size", "8192")
     assert "attention_chunk_size=8192" in chunked and "32.0 MiB of K and V" in chunked
-    assert cli.main(["plan", "--kv-len", "8192"]) == 0
-    plain = capsys.readouterr().out
-    predicted = lambda out: [l for l in out.splitlines() if l.startswith("predicted:")][0]  # noqa: E731
+    plain = plan_output(capsys, "--kv-len", "8192")
     assert predicted(chunked) == predicted(plain)
     assert cli.main(["plan", "--attention-chunk-size", "64", "--q-len", "2"]) == 2
     assert capsys.readouterr().err == ("splitkv plan: --attention-chunk-size 64 with --q-len 2: "

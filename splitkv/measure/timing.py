@@ -144,6 +144,8 @@ def make_layers(page_table: PageTable, num_qo_heads: int, num_kv_heads: int, hea
     ks = [make(seed + 1 + 2 * i) for i in range(layers)]
     vs = [make(seed + 2 + 2 * i) for i in range(layers)]
     out = empty((batch, num_qo_heads, head_dim), cupy_storage_dtype(dtype))
+    # filled on the current stream: the timed runs go on others, so the data is there first
+    synchronize_device()
     return LayeredKV(q, ks, vs, out, num_pages)
 
 

@@ -242,7 +242,7 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
             merge_indptr[batch + 1:] = chosen.merge_indptr[-1]
         heads = self.num_qo_heads * self._max_q_len
         if self._graph_upload is None:
-            upload = GraphPlanUpload(max_chunks, max_pages, max_batch,
+            upload = GraphPlanUpload(max_chunks, max_pages, max_batch, s,
                                      query_rows=self._max_q_len > 1)
             self._workspace.ensure_size(max_chunks * heads,
                                         max_batch * self.num_kv_heads * self.ctas_per_kv_head, s)
@@ -380,7 +380,7 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
                              max_chunks=max_chunks, launch_order=self.launch_order,
                              tile_tokens=kernels.build.tile_tokens)
         multi = self._max_q_len > 1
-        upload = GraphPlanUpload(max_chunks, 0, max_batch, query_rows=multi)
+        upload = GraphPlanUpload(max_chunks, 0, max_batch, s, query_rows=multi)
         self._workspace.ensure_size(max_chunks * heads,
                                     max_batch * self.num_kv_heads * self.ctas_per_kv_head, s)
         planner = DevicePlanner(params, batch, arrays, upload.pointers["records"],

@@ -10,7 +10,7 @@ from ..core.geometry import RECORD_PAGES, TILE_TOKENS
 from ..core.plan import Plan
 from ..core.problem import PageLengths, PageTable
 from .kernel_abi import CHUNK_RECORD, IDLE_REQUEST, RECORD_HAS_PAGES, RECORD_TICKET_MERGE
-
+from .streams import stream_pool_array
 
 _PAGE_STEPS = np.arange(RECORD_PAGES)[:, None]      # first_pages' offsets from the first
 
@@ -105,7 +105,8 @@ class PlanUpload:
     """The device copy of each plan's records, page table and merge_indptr. Both buffers keep
     their capacity across plans; before the pinned one is rewritten, the previous copy out of it
     must have finished (a host wait on that small copy only): the caller records ``ready`` on the
-    stream once the plan's uploads are enqueued (a run on another stream waits on it too)."""
+    stream once the plan's uploads are enqueued (a run on another stream waits on it too).
+    The device buffer comes from the plan stream's pool (``streams.stream_pool_array``)."""
 
     def __init__(self):
         self._capacity = 0          # int32 elements
@@ -129,7 +130,8 @@ class PlanUpload:
         if total > self._capacity:
             self._capacity = max(total, 2 * self._capacity)
             self._host = cupy.cuda.alloc_pinned_memory(self._capacity * 4)
-            self._device = cupy.empty(self._capacity, dtype=np.int32)
+            self._device = stream_pool_array(self._capacity, np.int32, stream,
+                                             replaces=self._device)
             self.ready = cupy.cuda.Event(disable_timing=True)
         else:
             self.ready.synchronize()
@@ -154,7 +156,7 @@ class GraphPlanUpload:
     host buffer is rewritten, the copy out of it two plans ago must have finished (a host wait
     on that small copy only)."""
 
-    def __init__(self, max_chunks: int, max_num_pages: int, max_batch_size: int,
+    def __init__(self, max_chunks: int, max_num_pages: int, max_batch_size: int, stream,
                  query_rows: bool = False):
         import cupy
 
@@ -166,7 +168,7 @@ class GraphPlanUpload:
                          "kv_indices": max_num_pages}
         self._sizes = [-(-max(1, n) // 4) * 4 for n in self.capacity.values()]
         total = int(sum(self._sizes))
-        self._device = cupy.empty(total, dtype=np.int32)
+        self._device = stream_pool_array(total, np.int32, stream)
         self._hosts = [cupy.cuda.alloc_pinned_memory(total * 4) for _ in range(2)]
         # the event after each host buffer's copy, and whether it was ever recorded
         self._copied = [cupy.cuda.Event(disable_timing=True) for _ in range(2)]

@@ -95,3 +95,22 @@ class PlanStreams:
         counters) and plans rewrite the records, so a run on another stream than the last use's
         waits for it. Not inside a capture (as above): the replay's order is the caller's."""
         return self.chain.use(s) if not s.is_capturing() else _NO_CHAIN
+
+
+def stream_pool_array(size: int, dtype, stream, replaces=None):
+    """An uninitialised device array from ``stream``'s part of CuPy's pool.
+
+    CuPy's pool hands a freed block again only to allocations made for the stream it was
+    freed from, without waiting for that stream's work still in flight: a buffer made on the
+    current stream but written on another one (the plan's copy, a run) can be a block that a
+    kernel queued on the current stream (a caller's random fill, say) writes after the copy
+    landed, and a run then reads garbage page indices. A block taken for ``stream`` is ordered
+    after everything enqueued there before. ``replaces``: the buffer this one supersedes, which
+    runs on other streams may still read; the device is waited for before it is let go (a
+    regrowth: rare)."""
+    import cupy
+
+    if replaces is not None:
+        cupy.cuda.runtime.deviceSynchronize()
+    with stream:
+        return cupy.empty(size, dtype=dtype)

@@ -10,6 +10,7 @@ import numpy as np
 from ..core import validation as V
 from ..core.geometry import ctas_per_kv_head
 from ..core.plan import Plan
+from .streams import stream_pool_array
 
 _ALIGN = 256          # each part on its own 256-byte boundary (16 is what the kernels need)
 
@@ -89,11 +90,16 @@ class Workspace:
             return
         import cupy
 
+        # from ``stream``'s pool, as the plan's upload (``streams.stream_pool_array``)
         if rows > self._rows:
-            self.partial_o = cupy.empty(rows * self.head_dim, dtype=np.float32)
-            self.partial_lse = cupy.empty(rows, dtype=np.float32)
+            old = self.partial_o if self._rows else None
+            self.partial_o = stream_pool_array(rows * self.head_dim, np.float32, stream,
+                                               replaces=old)
+            self.partial_lse = stream_pool_array(rows, np.float32, stream)
             self._rows = rows
         if counters > self._counters:
+            if self._counters:      # the old counters may still be read by a run
+                cupy.cuda.runtime.deviceSynchronize()
             # Zeroed once: a fused run leaves every ticket counter at 0 again (atomicInc wraps
             # on the last arrival), so later plans need no fill (a launch per plan() call).
             with stream:

@@ -2,7 +2,8 @@
 correct; one wrapper's run() called from two threads at once, with different inputs and a
 fused (ticket) plan, is correct (its runs share the workspace, so runs on two streams are
 ordered one after the other: ``records.StreamChain``); runs on two other streams are both
-followed by the next plan's upload; run() with
+followed by the next plan's upload; a plan made while the current stream still writes
+memory it just freed takes none of it for its buffers; run() with
 its outputs given allocates nothing, and the wrapper reports the workspace it holds; a K/V
 pool past 2**31 elements, read near its end, gives the reference's answer; 1,000 random
 ragged batches (every strategy the planner picks, the variants mixed in) all match the
@@ -113,6 +114,31 @@ def test_the_next_plan_follows_runs_on_two_other_streams():
     w.plan(small[0], stream=plan_stream)
     check(o_a, lse_a, big[4], "the run on stream A")
     check(o_b, lse_b, big[4], "the run on stream B")
+
+
+@pytest.mark.parametrize("graph_stable", [False, True], ids=["per-shape", "graph-stable"])
+def test_a_plan_while_the_current_stream_still_writes_blocks_it_freed(graph_stable):
+    """A caller fills large random arrays on the current stream and drops the temporaries
+    (benchmark data, a model's weights), then plans and runs on a non-blocking stream at once:
+    the wrapper's buffers (records, page table, partials) must not be blocks those queued
+    kernels still write, or the run reads garbage page indices (an illegal address)."""
+    rng = np.random.default_rng(5)
+    pt, q, k, v, ref = batch(rng, [32768])
+    s = cupy.cuda.Stream(non_blocking=True)
+    kw = dict(use_cuda_graph=True, max_batch_size=1,
+              max_num_pages=pt.kv_indices.size) if graph_stable else {}
+    BatchDecodeWrapper(HQ, HK, D, 16, "bfloat16", **kw).plan(pt, stream=s)  # the build, compiled
+    for trial in range(3):
+        out, lse = poisoned(q)
+        cupy.get_default_memory_pool().free_all_blocks()
+        for i in range(8):       # ~3 GiB written on the current stream, freed as queued
+            x = cupy.random.default_rng(i).standard_normal(1 << 26, dtype=cupy.float32)
+            y = (x.view(cupy.uint32) >> 16).astype(cupy.uint16)
+            del x, y
+        w = BatchDecodeWrapper(HQ, HK, D, 16, "bfloat16", **kw)
+        w.plan(pt, stream=s)
+        w.run(q, k, v, out=out, lse=lse, stream=s)
+        check(out, lse, ref, f"trial {trial}")
 
 
 def test_run_with_outputs_given_allocates_nothing():

@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unified-max", action="store_true",
                         help="plans may take unified_max (per-shape wrappers)")
     parser.add_argument("--alibi", action="store_true",
-                        help="plans may take alibi_slopes (per-shape wrappers)")
+                        help="plans may take alibi_slopes")
     parser.add_argument("--graph-stable", action="store_true",
                         help="a graph-stable wrapper (use_cuda_graph=True): its fixed grid's "
                              "builds and the planning kernel")

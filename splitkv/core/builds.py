@@ -395,7 +395,7 @@ def reachable_builds(base, *, device: DeviceProperties, page_size: int, group_si
     on or off (``soft_caps``), query rows a request up to ``max_q_len`` (multi-token decode),
     the unified max, ALiBi, clusters. A graph-stable wrapper runs ``graph_build`` only."""
     if graph_stable:
-        return frozenset(graph_build(base, variant=KernelVariant(cap, max_q_len > 1),
+        return frozenset(graph_build(base, variant=KernelVariant(cap, max_q_len > 1, alibi=alibi),
                                      rows=group_size * max_q_len, device=device, forces=forces)
                          for cap in soft_caps)
     found = set()

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from splitkv.core.fp8 import fp8_format
-from splitkv.core.variants import check_chunk_size
+from splitkv.core.variants import check_alibi_slopes, check_chunk_size
 
 LAYOUTS = ("block_table", "indptr")
 
@@ -43,7 +43,7 @@ class DecodeSession:
     def __init__(self, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype, layout: str, capacity: int, width: int, sm_scale: float,
                  logits_soft_cap: float | None = None, window_left: int = -1, kv_dtype=None,
-                 attention_chunk_size: int = 0):
+                 attention_chunk_size: int = 0, alibi_slopes=None):
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
         if layout == "indptr" and page_size != 1:
@@ -64,6 +64,10 @@ class DecodeSession:
         self.window_left = -1 if window_left is None else int(window_left)
         self.attention_chunk_size = check_chunk_size(attention_chunk_size)   # 0: none
         self.kv_dtype = fp8_format("kv_dtype", kv_dtype)   # None: K/V in ``dtype``
+        # ALiBi: one slope a query head (a list, NumPy or a torch tensor), kept on the host
+        if isinstance(alibi_slopes, torch.Tensor):
+            alibi_slopes = alibi_slopes.detach().to("cpu", torch.float64).numpy()
+        self.alibi_slopes = check_alibi_slopes(num_qo_heads, alibi_slopes)
         self.buffers: dict[str, torch.Tensor] | None = None
         self.wrapper = None           # the GPU wrapper, made at the first plan on a CUDA device
         self.page_table = None        # the CPU path's plan
@@ -136,7 +140,8 @@ class DecodeSession:
         """Compile, before serving, every build these plans can run on the current CUDA device,
         and the planning kernel (``BatchDecodeWrapper.warmup``); returns the number of decode
         builds."""
-        return self._gpu_wrapper().warmup(logits_soft_cap=self.logits_soft_cap is not None)
+        return self._gpu_wrapper().warmup(logits_soft_cap=self.logits_soft_cap is not None,
+                                          alibi=self.alibi_slopes is not None)
 
     def _gpu_wrapper(self):
         if self.wrapper is None:
@@ -160,7 +165,8 @@ class DecodeSession:
                      "kv_last_page_len": b["kv_last_page_len"][:rows]}
         self._gpu_wrapper().plan_on_device(
             **batch, sm_scale=self.sm_scale, logits_soft_cap=self.logits_soft_cap,
-            window_left=self.window_left, attention_chunk_size=self.attention_chunk_size)
+            window_left=self.window_left, attention_chunk_size=self.attention_chunk_size,
+            alibi_slopes=self.alibi_slopes)
 
     def _run_gpu(self, q, k_cache, v_cache, sinks, k_scale, v_scale):
         if sinks is not None:
@@ -202,6 +208,7 @@ class DecodeSession:
             q64, k_host, v_host, self.page_table, self.sm_scale, kv_dtype=self.kv_dtype,
             k_scale=k_scale, v_scale=v_scale, window_left=self.window_left,
             logits_soft_cap=self.logits_soft_cap, attention_chunk_size=self.attention_chunk_size,
+            alibi_slopes=self.alibi_slopes,
             sinks=None if sinks is None else sinks.detach().double().numpy())
         return torch.from_numpy(out[:rows]).to(q.dtype)
 

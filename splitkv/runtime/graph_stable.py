@@ -19,7 +19,8 @@ from .arrays import as_cupy_stream
 from .compiled_builds import graph_kernels
 from .params import LaunchGrid, sm_scale_log2, soft_cap_log2
 from .run_inputs import run_stream
-from .records import GraphPlanUpload, chunk_records, pages_fit_record, record_pages_needed
+from .records import (GraphPlanUpload, alibi_bits, chunk_records, pages_fit_record,
+                      record_pages_needed)
 from .wrapper import BatchDecodeWrapper
 
 
@@ -76,6 +77,10 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
         self._graph_pool_pages: int | None = None    # pages of the K/V pool a run was given
         self._device_planner = None           # plan_on_device()'s kernel, once bound
         self._device_plan_ready = None        # the event after the last eager plan_on_device()
+        self._alibi_given = None              # plan_on_device()'s last alibi_slopes, as given
+        self._alibi_given_checked = None      # (checked)
+        self._alibi_bits = None               # the slopes in the device buffer (int32 bits)
+        self._alibi_written = None            # the checked slopes those bits were written for
 
     def _warmup_rows(self, max_q_len) -> int:
         """A graph-stable wrapper's builds are sized for its own max_q_len."""
@@ -201,21 +206,26 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
             raise ValueError(f"page_table: page index {max_page} is past the K/V pool of "
                              f"{self._graph_pool_pages} pages that run() was given")
 
-    def _graph_kernels(self, soft_cap_log2: float):
+    def _graph_kernels(self, soft_cap_log2: float, alibi: bool = False):
         """A graph-stable wrapper's kernels: bound with its first plan (the captured launches
-        hold them), so later plans keep that plan's soft cap on or off."""
-        variant = KernelVariant(soft_cap=soft_cap_log2 > 0, multi_token=self._max_q_len > 1)
+        hold them), so later plans keep that plan's soft cap, and ALiBi, on or off."""
+        variant = KernelVariant(soft_cap=soft_cap_log2 > 0, multi_token=self._max_q_len > 1,
+                                alibi=alibi)
         if self._launch is not None and self._launch_variant != variant:
-            raise ValueError(f"logits_soft_cap: a graph-stable wrapper keeps its first plan's "
-                             f"soft cap {'on' if self._launch_variant.soft_cap else 'off'} (its "
-                             "captured launches hold that kernel); its value may change")
+            bound = self._launch_variant
+            name, on = (("logits_soft_cap", bound.soft_cap) if bound.soft_cap != variant.soft_cap
+                        else ("alibi_slopes", bound.alibi))
+            raise ValueError(f"{name}: a graph-stable wrapper keeps its first plan's "
+                             f"{'soft cap' if name == 'logits_soft_cap' else 'ALiBi'} "
+                             f"{'on' if on else 'off'} (its captured launches hold that "
+                             "kernel); its values may change")
         self._launch_variant = variant
         return graph_kernels(self.base_build, self.experiments, variant=variant,
                              rows=self.group_size * self._max_q_len)
 
     def _upload_plan(self, chosen: Plan, page_table: PageTable, s, *, sm_scale_log2: float,
                      max_page: int, soft_cap_log2: float, rows_array, query_rows=None,
-                     **_) -> None:
+                     alibi=None, **_) -> None:
         """plan() of a graph-stable wrapper: the records written straight into a pinned buffer
         whose rest of the capacity holds idle records, uploaded into the fixed buffers; the
         launches are built once, for the capacity."""
@@ -229,7 +239,7 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
                              f"grid that runs a batch of {batch} (max_chunks="
                              f"{max_chunks if self._chunks_given else None}; pass max_chunks= "
                              "for one larger fixed grid)")
-        kernels = self._graph_kernels(soft_cap_log2)
+        kernels = self._graph_kernels(soft_cap_log2, alibi is not None)
         stages = kernels.build.stages
         tile = kernels.build.tile_tokens
         may_carry_pages = record_pages_needed(self.page_size, stages, tile) <= RECORD_PAGES
@@ -243,7 +253,7 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
         heads = self.num_qo_heads * self._max_q_len
         if self._graph_upload is None:
             upload = GraphPlanUpload(max_chunks, max_pages, max_batch, s,
-                                     query_rows=self._max_q_len > 1)
+                                     **self._upload_parts(alibi is not None))
             self._workspace.ensure_size(max_chunks * heads,
                                         max_batch * self.num_kv_heads * self.ctas_per_kv_head, s)
             self._grid_binding = (kernels, upload.pointers, may_carry_pages, False, sm_scale_log2)
@@ -261,7 +271,8 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
             full[:, 3] = -1
             full[:batch] = rows_array
             rows_array = full
-        self._graph_upload.upload(page_table.kv_indices, merge_indptr, s, query_rows=rows_array)
+        self._graph_upload.upload(page_table.kv_indices, merge_indptr, s, query_rows=rows_array,
+                                  alibi_bits=None if alibi is None else alibi_bits(alibi))
         self._pages_in_record = in_record
         self._query_rows = query_rows
 
@@ -269,7 +280,7 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
                        kv_indices=None, kv_last_page_len=None, sm_scale: float | None = None,
                        stream=None, logits_soft_cap: float | None = None,
                        qo_indptr=None, window_left: int | None = None,
-                       attention_chunk_size: int | None = None) -> None:
+                       attention_chunk_size: int | None = None, alibi_slopes=None) -> None:
         """Plan on the GPU (graph-stable wrappers): enqueue the planning kernel on ``stream``.
         When it runs, it reads the batch from these device int32 arrays, chooses the plan with
         the same cost model as ``plan()`` (the same plan, bit for bit: tests/planner/test_device_plan.py)
@@ -296,6 +307,10 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
         ``window_left``: as in ``plan()`` (each row its own window); a captured graph holds the
         window of its capture (the planning kernel's argument). ``attention_chunk_size``: as in
         ``plan()`` (one query row a request), held by a captured graph likewise.
+        ``alibi_slopes``: as in ``plan()``; ALiBi stays on or off as the first call had it, and
+        the slopes are copied into the wrapper's buffer when they change, which a capture
+        cannot do. The same array object again costs nothing (a decode loop's path) and is
+        read as it was when first given: pass a new array for new slopes.
         """
         require_gpu("BatchDecodeWrapper.plan_on_device()")
         import cupy
@@ -311,7 +326,9 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
         inputs = (seq_lens, block_table, kv_indptr, kv_indices, kv_last_page_len, qo_indptr)
         s = run_stream(stream, *inputs)           # torch tensors: torch's current stream
         soft_cap = soft_cap_log2(logits_soft_cap)
-        kernels = self._graph_kernels(soft_cap)   # the cap's build, or the refusal to switch
+        slopes = self._device_alibi(alibi_slopes)
+        # the build of the cap and ALiBi, or the refusal to switch
+        kernels = self._graph_kernels(soft_cap, slopes is not None)
         planner = self._device_planner
         # the very arrays of the first call (a decode loop's path) were checked then
         if planner is None or not planner.same_inputs(inputs, sm_scale):
@@ -319,6 +336,7 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
             planner = self._device_planner
         # runs elsewhere may still read the records
         self._streams.before_plan(s, follow_runs=not s.is_capturing())
+        self._write_alibi(slopes, s)
         window = -1 if window_left is None else V.check_int(
             "window_left", window_left, -1, V.MAX_KV_LEN, "MAX_KV_LEN")
         planner.params.attention_chunk_size = chunk
@@ -333,6 +351,37 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
             self._device_plan_ready = self._device_plan_ready or cupy.cuda.Event(
                 disable_timing=True)
             self._device_plan_ready.record(s)
+
+    def _upload_parts(self, alibi: bool) -> dict:
+        """The fixed buffers' optional parts: query rows for a multi-token grid or ALiBi (each
+        request's position), and ALiBi's slopes."""
+        return {"query_rows": self._max_q_len > 1 or alibi,
+                "alibi_heads": self.num_qo_heads if alibi else 0}
+
+    def _device_alibi(self, alibi_slopes):
+        """plan_on_device()'s slopes, checked (float64 [num_qo_heads]) or None; the array given
+        last time, given again, is taken as it was then."""
+        if alibi_slopes is None:
+            return None
+        if alibi_slopes is self._alibi_given:
+            return self._alibi_given_checked
+        slopes = VA.check_alibi_slopes(self.num_qo_heads, alibi_slopes)
+        self._alibi_given, self._alibi_given_checked = alibi_slopes, slopes
+        return slopes
+
+    def _write_alibi(self, slopes, s) -> None:
+        """Copy the slopes into the wrapper's buffer when they differ from those there."""
+        if slopes is None or slopes is self._alibi_written:
+            return
+        bits = alibi_bits(slopes)
+        if self._alibi_bits is None or not np.array_equal(bits, self._alibi_bits):
+            if s.is_capturing():
+                raise ValueError("alibi_slopes: new slopes are copied into the wrapper's "
+                                 "buffer, which a capture cannot hold; call plan_on_device() "
+                                 "with them once before capturing")
+            self._graph_upload.write_alibi(bits, s)
+            self._alibi_bits = bits
+        self._alibi_written = slopes
 
     def _check_device_plan_inputs(self, inputs, sm_scale, s, kernels) -> None:
         """plan_on_device()'s checks of its arguments; binds the planner on the first call."""
@@ -379,13 +428,15 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
                              page_size=self.page_size, stages=stages, max_batch=max_batch,
                              max_chunks=max_chunks, launch_order=self.launch_order,
                              tile_tokens=kernels.build.tile_tokens)
-        multi = self._max_q_len > 1
-        upload = GraphPlanUpload(max_chunks, 0, max_batch, s, query_rows=multi)
+        parts = self._upload_parts(kernels.build.variant.alibi)
+        upload = GraphPlanUpload(max_chunks, 0, max_batch, s, **parts)
         self._workspace.ensure_size(max_chunks * heads,
                                     max_batch * self.num_kv_heads * self.ctas_per_kv_head, s)
+        # the planning kernel writes the rows (ALiBi's: each request's position) where they
+        # are read
         planner = DevicePlanner(params, batch, arrays, upload.pointers["records"],
                                 upload.pointers["merge_indptr"], s,
-                                query_rows_ptr=upload.pointers["query_rows"] if multi else 0,
+                                query_rows_ptr=upload.pointers.get("query_rows", 0),
                                 max_q_len=self._max_q_len)
         planner.bind(batch, arrays, max_chunks=self.max_chunks_for(batch.batch_size))
         meta = dict(upload.pointers, kv_indices=batch.pointers[3])

@@ -60,10 +60,9 @@ class Configuration:
         if self.num_qo_heads * self.max_q_len > V.MAX_HEADS:
             raise ValueError(f"max_q_len: {self.max_q_len} query rows x {self.num_qo_heads} "
                              f"heads exceed MAX_HEADS={V.MAX_HEADS} rows a kv head can hold")
-        for name in ("unified_max", "alibi"):
-            if getattr(self, name) and self.graph_stable:
-                raise ValueError(f"{name}: graph-stable wrappers do not take it (their plans "
-                                 "refuse it)")
+        if self.unified_max and self.graph_stable:
+            raise ValueError("unified_max: graph-stable wrappers do not take it (their plans "
+                             "refuse it)")
 
     def describe(self) -> str:
         text = (f"{self.num_qo_heads}/{self.num_kv_heads} heads, head_dim {self.head_dim}, "

@@ -9,6 +9,7 @@ import numpy as np
 from ..core.geometry import RECORD_PAGES, TILE_TOKENS
 from ..core.plan import Plan
 from ..core.problem import PageLengths, PageTable
+from ..core.unified_max import LOG2E
 from .kernel_abi import CHUNK_RECORD, IDLE_REQUEST, RECORD_HAS_PAGES, RECORD_TICKET_MERGE
 from .streams import stream_pool_array
 
@@ -101,6 +102,12 @@ def query_rows_array(rows, kv_lens: np.ndarray, window_left: int) -> np.ndarray:
     return out
 
 
+def alibi_bits(slopes: np.ndarray) -> np.ndarray:
+    """ALiBi's slopes as the kernels read them: slope x log2(e) (the kernels' scores are in
+    log2 units) in float32, as int32 bits (they ride the int32 uploads)."""
+    return (np.asarray(slopes, np.float64) * LOG2E).astype(np.float32).view(np.int32)
+
+
 class PlanUpload:
     """The device copy of each plan's records, page table and merge_indptr. Both buffers keep
     their capacity across plans; before the pinned one is rewritten, the previous copy out of it
@@ -149,22 +156,24 @@ class PlanUpload:
 
 class GraphPlanUpload:
     """A graph-stable wrapper's plan buffers: fixed device addresses, sized once for the
-    capacity (records, merge_indptr, a multi-token grid's query_rows, page-table entries), so
-    a captured launch reads whatever plan was uploaded last; each plan copies the records,
-    merge_indptr (and query_rows) and its own entries. Each plan is written to one of two
+    capacity (records, merge_indptr, the query rows of a multi-token or ALiBi grid, ALiBi's
+    slopes, page-table entries), so a captured launch reads whatever plan was uploaded last;
+    each plan copies the records, merge_indptr (query rows, slopes) and its own entries. Each plan is written to one of two
     pinned host buffers in turn and copied with one async copy on the plan's stream; before a
     host buffer is rewritten, the copy out of it two plans ago must have finished (a host wait
     on that small copy only)."""
 
     def __init__(self, max_chunks: int, max_num_pages: int, max_batch_size: int, stream,
-                 query_rows: bool = False):
+                 query_rows: bool = False, alibi_heads: int = 0):
         import cupy
 
         # the page table last: a plan copies only as much of it as it has entries; with
-        # ``query_rows`` (a multi-token grid), four ints a request before it
+        # ``query_rows`` (a multi-token grid, or ALiBi's positions), four ints a request before
+        # it, and with ``alibi_heads``, ALiBi's slopes x log2(e) (float32 bits), one a head
         self.capacity = {"records": max_chunks * CHUNK_RECORD.itemsize // 4,
                          "merge_indptr": max_batch_size + 1,
                          **({"query_rows": 4 * max_batch_size} if query_rows else {}),
+                         **({"alibi_slopes_log2": alibi_heads} if alibi_heads else {}),
                          "kv_indices": max_num_pages}
         self._sizes = [-(-max(1, n) // 4) * 4 for n in self.capacity.values()]
         total = int(sum(self._sizes))
@@ -181,9 +190,10 @@ class GraphPlanUpload:
         for records in self._records:
             records[:] = self._idle
         self._filled = [0, 0]               # records of each buffer's last plan (the rest idle)
-        self.pointers, offset = {}, 0
+        self.pointers, self._offsets, offset = {}, {}, 0
         for name, size in zip(self.capacity, self._sizes):
             self.pointers[name] = self._device.data.ptr + offset * 4
+            self._offsets[name] = offset
             offset += size
         self.ready = None
 
@@ -200,22 +210,23 @@ class GraphPlanUpload:
         return records[:num_chunks]
 
     def upload(self, kv_indices: np.ndarray, merge_indptr: np.ndarray, stream,
-               query_rows: np.ndarray | None = None) -> None:
-        """Write the page table and merge_indptr (and a multi-token grid's ``query_rows``, the
-        whole capacity's) next to the records ``next_records`` gave (each within its capacity:
-        the caller checks) and copy all on ``stream``; ``ready`` is then the event after the
-        copy."""
+               query_rows: np.ndarray | None = None, alibi_bits: np.ndarray | None = None) -> None:
+        """Write the page table and merge_indptr (and the grid's ``query_rows``, the whole
+        capacity's, and ALiBi's slopes as ``alibi_bits``, where it has them) next to the records
+        ``next_records`` gave (each within its capacity: the caller checks) and copy all on
+        ``stream``; ``ready`` is then the event after the copy."""
         i = self._next
         self._next ^= 1
         host = self._int_views[i]
-        indptr_at = self._sizes[0]
-        pages_at = indptr_at + self._sizes[1]
-        if "query_rows" in self.capacity:
-            if query_rows is None or query_rows.size != self.capacity["query_rows"]:
-                raise ValueError("query_rows: a multi-token grid's upload needs its capacity's "
-                                 "rows")
-            host[pages_at:pages_at + query_rows.size] = query_rows.ravel()
-            pages_at += self._sizes[2]
+        for name, part in (("query_rows", query_rows), ("alibi_slopes_log2", alibi_bits)):
+            if name not in self.capacity:
+                continue
+            if part is None or part.size != self.capacity[name]:
+                raise ValueError(f"{name}: this grid's upload needs its capacity's "
+                                 f"{self.capacity[name]} values")
+            at = self._offsets[name]
+            host[at:at + part.size] = part.ravel()
+        indptr_at, pages_at = self._offsets["merge_indptr"], self._offsets["kv_indices"]
         host[indptr_at:indptr_at + merge_indptr.size] = merge_indptr
         host[pages_at:pages_at + kv_indices.size] = kv_indices
         # the rest of the page table is never read (a chunk reads its own request's entries)
@@ -224,3 +235,9 @@ class GraphPlanUpload:
         self._copied[i].record(stream)
         self._used[i] = True
         self.ready = self._copied[i]
+
+    def write_alibi(self, bits: np.ndarray, stream) -> None:
+        """Copy ALiBi's slopes (float32 bits, one a head) alone on ``stream``, from host memory
+        (a device-planned wrapper, whose plans upload nothing): outside any capture."""
+        at, n = self._offsets["alibi_slopes_log2"], self.capacity["alibi_slopes_log2"]
+        self._device[at:at + n].set(np.ascontiguousarray(bits, np.int32), stream=stream)

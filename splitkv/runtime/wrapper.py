@@ -34,7 +34,7 @@ from .launch import DecodeLaunch, bind_decode_launch
 from .page_tables import plan_page_table
 from .params import LaunchGrid, decode_params, sm_scale_log2, soft_cap_log2, unified_max_log2
 from .per_shape import per_shape_plan
-from .records import PlanUpload, query_rows_array
+from .records import PlanUpload, alibi_bits, query_rows_array
 from .run_inputs import DecodeShape, run_inputs, run_stream
 from .streams import PlanStreams
 from .unified_counter import FallbackCounter
@@ -257,10 +257,6 @@ class BatchDecodeWrapper:
         soft_cap = soft_cap_log2(logits_soft_cap)
         phi = UM.check_unified_max(unified_max)
         slopes = VA.check_alibi_slopes(self.num_qo_heads, alibi_slopes)
-        if slopes is not None and self.use_cuda_graph:
-            raise ValueError("alibi_slopes: graph-stable wrappers do not take it yet (their "
-                             "planning kernel writes no query positions); use a per-shape "
-                             "wrapper")
         if phi is not None and self.use_cuda_graph:
             raise ValueError("unified_max: graph-stable wrappers do not take it yet (their "
                              "captured launch holds one build); use a per-shape wrapper")
@@ -346,10 +342,9 @@ class BatchDecodeWrapper:
             if not isinstance(value, bool):
                 raise TypeError(f"{name}: expected True or False (whether plans will take "
                                 f"it), got {value!r}")
-        for name, value in (("unified_max", unified_max), ("alibi", alibi)):
-            if value and self.use_cuda_graph:
-                raise ValueError(f"{name}: graph-stable wrappers do not take it (their plans "
-                                 "refuse it)")
+        if unified_max and self.use_cuda_graph:
+            raise ValueError("unified_max: graph-stable wrappers do not take it (their plans "
+                             "refuse it)")
         rows = self._warmup_rows(max_q_len)
         self.profile            # noqa: B018  (resolved, probed where the GPU has no profile)
         count = compile_reachable(
@@ -425,7 +420,7 @@ class BatchDecodeWrapper:
                                base=self.base_build, experiments=self.experiments,
                                variant=variant, rows_array=rows_array)
         if alibi is not None:       # float32 slope x log2(e) a head, riding the plan's upload
-            built.extra["alibi_slopes_log2"] = (alibi * UM.LOG2E).astype("float32").view("int32")
+            built.extra["alibi_slopes_log2"] = alibi_bits(alibi)
         kernels, per_kv_head, in_record = built.kernels, built.per_kv_head, built.pages_in_record
         meta = self._upload.upload(built.records, page_table, chosen, s, built.extra)
         if page_table.kv_indices is None:             # the caller's table, read in place

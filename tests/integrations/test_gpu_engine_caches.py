@@ -101,6 +101,46 @@ def test_vllms_flash_attention_cache_read_in_place_in_a_graph(order):
         close(out, reference(q, k, v, lens, t, BLOCK))
 
 
+def test_an_alibi_session_in_a_graph_replays_new_lengths_with_its_slopes():
+    """The torch op with ALiBi (vLLM's alibi_slopes): planned on the device inside the captured
+    graph, each request biased at its own position, against the float64 reference."""
+    from splitkv.core.variants import alibi_slopes
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    k, v = halves(vllm_cache("tokens_then_heads", gen))
+    seq_lens = torch.zeros(ROWS, dtype=torch.int32, device="cuda")
+    table = torch.full((ROWS, 8), -1, dtype=torch.int32, device="cuda")
+    q = torch.randn(ROWS, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
+    slopes = alibi_slopes(HQ).tolist()
+    handle = torch_ops.new_session(num_qo_heads=HQ, num_kv_heads=HK, head_dim=D,
+                                   page_size=BLOCK, dtype=torch.bfloat16, layout="block_table",
+                                   capacity=8, width=8, sm_scale=D ** -0.5, alibi_slopes=slopes)
+
+    def step():
+        return torch.ops.splitkv.paged_decode(q, k, v, [seq_lens, table], None, handle, True)
+
+    def load(seed):
+        r = np.random.default_rng(seed)
+        lens = lengths(r, ROWS)
+        t = block_table(r, lens)
+        seq_lens.copy_(torch.from_numpy(lens))
+        table.copy_(torch.from_numpy(t))
+        return lens, t
+
+    lens, t = load(6)
+    close(step(), reference(q, k, v, lens, t, BLOCK, alibi_slopes=slopes))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in (7, 8):
+        lens, t = load(seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        close(out, reference(q, k, v, lens, t, BLOCK, alibi_slopes=slopes))
+    torch_ops.close_session(handle)
+
+
 def test_sglangs_token_pool_as_one_token_pages():
     gen = torch.Generator(device="cuda").manual_seed(5)
     rng = np.random.default_rng(5)

@@ -184,6 +184,37 @@ def test_a_session_with_chunked_attention_decodes_each_requests_last_chunk():
                                 sm_scale=0.1, attention_chunk_size=-3)
 
 
+def test_a_session_with_alibi_biases_each_head_by_its_slope():
+    """DecodeSession(alibi_slopes=) on the CPU path: the float64 reference with the same
+    slopes (a list, or a torch tensor); a slope count other than the heads' is refused."""
+    from splitkv import PageTable, reference_decode
+    from splitkv.core.variants import alibi_slopes
+
+    slopes = alibi_slopes(4).tolist()
+    lens = torch.tensor([40, 21, 7], dtype=torch.int32)
+    table = torch.tensor([[0, 1, 2, -1], [3, 4, -1, -1], [5, -1, -1, -1]], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 4, 64, generator=gen)
+    k, v = (torch.randn(6, 16, 2, 64, generator=gen) for _ in range(2))
+    pt = PageTable.from_block_table(table.clamp(min=0).numpy(), lens.numpy(), 16)
+    want, _ = reference_decode(q.double().numpy(), k.double().numpy(), v.double().numpy(), pt,
+                               0.125, alibi_slopes=slopes)
+    plain, _ = reference_decode(q.double().numpy(), k.double().numpy(), v.double().numpy(), pt,
+                                0.125)
+    assert not np.allclose(want, plain)
+    for given in (slopes, torch.tensor(slopes)):
+        s = torch_ops.DecodeSession(num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                                    dtype=torch.float32, layout="block_table", capacity=3,
+                                    width=4, sm_scale=0.125, alibi_slopes=given)
+        s.plan([lens, table], 3)
+        np.testing.assert_allclose(s.run(q, k, v, None).double().numpy(), want, rtol=1e-5,
+                                   atol=1e-5)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        torch_ops.DecodeSession(num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                                dtype=torch.float32, layout="block_table", capacity=2, width=4,
+                                sm_scale=0.1, alibi_slopes=slopes[:3])
+
+
 # sequences longer than the sliding window (16) and the page (16); one finishes early
 PROMPT_LENS = [5, 23, 40, 12]
 

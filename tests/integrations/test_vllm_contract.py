@@ -139,9 +139,14 @@ def test_the_configuration_check_refuses_by_name(changes, named):
     assert not any(r in ("head_size not supported", "MLA not supported") for r in reasons)
 
 
-def test_the_layer_refuses_alibi_and_other_attention_types():
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        B.SplitKVImpl(8, 128, 0.1, 2, [0.5] * 8, None, "auto")
+def test_the_layer_takes_alibi_and_refuses_other_attention_types():
+    slopes = [2.0 ** -(i + 1) for i in range(8)]
+    layer = B.SplitKVImpl(8, 128, 0.1, 2, slopes, None, "auto")
+    assert layer.alibi_slopes == tuple(slopes) and layer._delegate_args[4] == slopes
+    assert B.SplitKVImpl(8, 128, 0.1, 2, torch.tensor(slopes), None, "auto").alibi_slopes \
+        == tuple(slopes)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        B.SplitKVImpl(8, 128, 0.1, 2, slopes[:4], None, "auto")
     with pytest.raises(NotImplementedError, match="attn_type"):
         B.SplitKVImpl(8, 128, 0.1, 2, None, None, "auto", attn_type=AttentionType.ENCODER)
     with pytest.raises(NotImplementedError, match="kv_cache_dtype"):

@@ -189,7 +189,7 @@ def test_alibi_on_every_strategy_with_the_other_variants(kv_dtype, hq, hk, d):
                              "alibi, multi-token rows")
 
 
-def test_alibi_slopes_of_zero_are_the_plain_answer_and_graph_stable_refuses_them():
+def test_alibi_slopes_of_zero_are_the_plain_answer():
     rng = np.random.default_rng(5)
     pt, q, k, v = make(rng, 32, 8, 128, "bfloat16")
     k, v = cupy.asarray(k), cupy.asarray(v)
@@ -201,7 +201,100 @@ def test_alibi_slopes_of_zero_are_the_plain_answer_and_graph_stable_refuses_them
     cupy.cuda.runtime.deviceSynchronize()
     np.testing.assert_array_equal(zero[0].get(), plain[0].get())
     np.testing.assert_array_equal(zero[1].get(), plain[1].get())
-    g = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", use_cuda_graph=True, max_batch_size=8,
-                           max_num_pages=pt.kv_indices.size)
-    with pytest.raises(ValueError, match="alibi_slopes: graph-stable wrappers do not take it"):
-        g.plan(pt, alibi_slopes=np.zeros(32))
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
+def test_alibi_on_a_graph_stable_wrapper_planned_on_the_host(kv_dtype):
+    """plan(alibi_slopes=) of a graph-stable wrapper: its fixed buffers carry each request's
+    position and the slopes (new values each plan), against the reference on every strategy;
+    ALiBi stays on or off as its first plan had it."""
+    from splitkv.core.variants import alibi_slopes
+
+    rng = np.random.default_rng(zlib.crc32(f"stable-alibi{kv_dtype}".encode()))
+    pt, q, k, v = make(rng, 32, 8, 128, "bfloat16", kv_dtype)
+    stable = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", kv_dtype=kv_dtype,
+                                use_cuda_graph=True, max_batch_size=8,
+                                max_num_pages=pt.kv_indices.size)
+    for slopes in (alibi_slopes(32), rng.uniform(-0.05, 0.05, 32)):
+        for strategy, splits in (("single", 1), ("fused", 4), ("split_merge", 3)):
+            run_and_check(stable, pt, q, k, v, "bfloat16", kv_dtype, None, None,
+                          variant={"alibi_slopes": slopes}, num_splits=splits,
+                          strategy=strategy)
+    assert stable.kernel_build.variant.alibi
+    with pytest.raises(ValueError, match="keeps its first plan's ALiBi on"):
+        stable.plan(pt)
+    plain = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", kv_dtype=kv_dtype,
+                               use_cuda_graph=True, max_batch_size=8,
+                               max_num_pages=pt.kv_indices.size)
+    plain.plan(pt)
+    with pytest.raises(ValueError, match="keeps its first plan's ALiBi off"):
+        plain.plan(pt, alibi_slopes=alibi_slopes(32))
+
+
+def test_alibi_planned_on_the_device_in_one_graph_as_lengths_and_slopes_change():
+    """plan_on_device(alibi_slopes=) captured with the runs: each replay plans the new lengths
+    and biases each request at its own position; new slopes are copied outside the capture
+    (and refused inside it), the same array again costs nothing."""
+    from splitkv import PageTable
+    from splitkv.core.variants import alibi_slopes
+
+    rng = np.random.default_rng(77)
+    hq, hk, d, page, rows, width = 32, 8, 128, 16, 6, 64
+    num_pages = rows * width
+    k, v = (random_device_array((num_pages, page, hk, d), "bfloat16", rng) for _ in range(2))
+    q = random_device_array((rows, hq, d), "bfloat16", rng)
+    seq_lens = cupy.zeros(rows, cupy.int32)
+    table = cupy.zeros((rows, width), cupy.int32)
+    out = cupy.empty(q.shape, cupy.uint16)
+    w = BatchDecodeWrapper(hq, hk, d, page, "bfloat16", use_cuda_graph=True,
+                           max_batch_size=rows, max_num_pages=num_pages)
+    slopes = alibi_slopes(hq)
+
+    def load(seed):
+        """New lengths (one empty) over scattered pages of the pool, written in place."""
+        r = np.random.default_rng(seed)
+        lens = r.integers(1, width * page, rows).astype(np.int32)
+        lens[seed % rows] = 0
+        pages = -(-lens // page)
+        host_table = np.zeros((rows, width), np.int32)
+        ids = r.permutation(num_pages)[:pages.sum()]
+        for b, start in enumerate(np.cumsum(pages) - pages):
+            host_table[b, :pages[b]] = ids[start:start + pages[b]]
+        pt = PageTable.from_block_table(host_table, lens, page)
+        seq_lens.set(lens)
+        table.set(host_table)
+        cupy.cuda.runtime.deviceSynchronize()
+        return pt
+
+    def check(pt, given, what):
+        ref_o, _ = reference_decode(q.get(), k.get(), v.get(), pt, alibi_slopes=given)
+        assert rel_err(to_float64(out.get()), ref_o) < 1e-2, what
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        pt = load(1)
+        w.plan_on_device(seq_lens=seq_lens, block_table=table, alibi_slopes=slopes)
+        w.run(q, k, v, out=out)
+        stream.synchronize()
+        check(pt, slopes, "eager")
+        stream.begin_capture()
+        w.plan_on_device(seq_lens=seq_lens, block_table=table, alibi_slopes=slopes)
+        w.run(q, k, v, out=out)
+        graph = stream.end_capture()
+        for seed in (2, 3):
+            pt = load(seed)
+            out.fill(0xFFFF)
+            graph.launch(stream)
+            stream.synchronize()
+            check(pt, slopes, f"replay {seed}")
+        halved = slopes / 2
+        w.plan_on_device(seq_lens=seq_lens, block_table=table, alibi_slopes=halved)
+        graph.launch(stream)
+        stream.synchronize()
+        check(pt, halved, "new slopes, then the replay")
+        stream.begin_capture()
+        try:
+            with pytest.raises(ValueError, match="alibi_slopes: new slopes"):
+                w.plan_on_device(seq_lens=seq_lens, block_table=table, alibi_slopes=slopes)
+        finally:
+            stream.end_capture()

@@ -181,14 +181,13 @@ def test_a_failed_compile_or_write_is_one_line_and_exit_1(cache, monkeypatch, ca
 @pytest.mark.nvrtc
 def test_alibi_plans_warm_up_their_own_builds_too(cache, capsys):
     """--alibi (warmup(alibi=True): the wrapper's plans take alibi_slopes): the builds of the
-    same grids, each with ALiBi; refused with --graph-stable (graph-stable wrappers do not
-    take alibi_slopes)."""
-    assert cli.main(["precompile", "--arch", "sm_90", "--dry-run", "--json", "--head-dim", "64",
-                     "--no-clusters", "--alibi"]) == 0
-    labels = {m["label"] for m in json.loads(capsys.readouterr().out)["modules"]}
-    plain = {name.split(".")[0] for name in expected_names(90, 64, (False,), clusters=False)}
-    assert all("_alibi" in label for label in labels)
-    assert {label.replace("_alibi", "") for label in labels} == plain
-    assert cli.main(["precompile", "--arch", "sm_90", "--dry-run", "--alibi",
-                     "--graph-stable"]) == 2
-    assert "alibi: graph-stable wrappers do not take it" in capsys.readouterr().err
+    same grids, each with ALiBi, per-shape and graph-stable alike."""
+    for graph_stable in ([], ["--graph-stable"]):
+        args = ["precompile", "--arch", "sm_90", "--dry-run", "--json", "--head-dim", "64",
+                "--no-clusters", *graph_stable]
+        assert cli.main(args) == 0
+        plain = {m["label"] for m in json.loads(capsys.readouterr().out)["modules"]}
+        assert cli.main([*args, "--alibi"]) == 0
+        labels = {m["label"] for m in json.loads(capsys.readouterr().out)["modules"]}
+        assert labels and all("_alibi" in label for label in labels if label != "device_plan")
+        assert {label.replace("_alibi", "") for label in labels} == plain

@@ -34,6 +34,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from splitkv.core.validation import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+from splitkv.core.variants import check_alibi_slopes
 
 from .. import torch_ops
 from . import NAME
@@ -158,7 +159,7 @@ class SplitKVBackend(AttentionBackend):
 # --------------------------------------------------------------------------- metadata
 class SessionPool:
     """The decode sessions (``torch_ops.DecodeSession``) of one KV cache group: one per layer
-    configuration (heads, scale, window, soft cap, dtype), each a graph-stable wrapper of
+    configuration (heads, scale, window, soft cap, ALiBi slopes, dtype), each a graph-stable wrapper of
     ``capacity`` rows that serves every batch size vLLM captures."""
 
     def __init__(self, capacity: int, page_size: int):
@@ -168,14 +169,15 @@ class SessionPool:
 
     def handle(self, impl: "SplitKVImpl", width: int, dtype) -> int:
         key = (impl.num_heads, impl.num_kv_heads, impl.head_size, dtype, impl.scale,
-               impl.logits_soft_cap, impl.window_left, impl.kv_dtype, width)
+               impl.logits_soft_cap, impl.window_left, impl.kv_dtype, impl.alibi_slopes, width)
         if key not in self.handles:
             self.handles[key] = torch_ops.new_session(
                 num_qo_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
                 head_dim=impl.head_size, page_size=self.page_size, dtype=dtype,
                 layout="block_table", capacity=self.capacity, width=width,
                 sm_scale=impl.scale, logits_soft_cap=impl.logits_soft_cap,
-                window_left=impl.window_left, kv_dtype=impl.kv_dtype)
+                window_left=impl.window_left, kv_dtype=impl.kv_dtype,
+                alibi_slopes=impl.alibi_slopes)
         return self.handles[key]
 
     @staticmethod
@@ -305,9 +307,6 @@ class SplitKVImpl(AttentionImpl[SplitKVMetadata]):
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: str | None = None,
                  sinks: torch.Tensor | None = None) -> None:
-        if alibi_slopes is not None:
-            raise NotImplementedError("alibi_slopes: ALiBi is not supported by splitkv "
-                                      "(expected None)")
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"attn_type: {attn_type} is not supported by splitkv "
                                       f"(expected decoder)")
@@ -319,6 +318,12 @@ class SplitKVImpl(AttentionImpl[SplitKVMetadata]):
                                            or sliding_window < 1):
             raise ValueError(f"sliding_window: expected None or a positive int, got "
                              f"{sliding_window!r}")
+        # ALiBi (vLLM's alibi_slopes: a list of floats, one a query head): kept as a tuple,
+        # which also keys the layer's session
+        if isinstance(alibi_slopes, torch.Tensor):
+            alibi_slopes = alibi_slopes.detach().to("cpu", torch.float64).tolist()
+        checked = check_alibi_slopes(num_heads, alibi_slopes)
+        self.alibi_slopes = None if checked is None else tuple(checked.tolist())
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
@@ -331,7 +336,9 @@ class SplitKVImpl(AttentionImpl[SplitKVMetadata]):
         self.sinks = sinks
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self._delegate_args = (num_heads, head_size, scale, num_kv_heads, None, sliding_window,
+        self._delegate_args = (num_heads, head_size, scale, num_kv_heads,
+                               None if self.alibi_slopes is None else list(self.alibi_slopes),
+                               sliding_window,
                                kv_cache_dtype, logits_soft_cap, attn_type,
                                kv_sharing_target_layer_name)
         self._prefill_impl = None

@@ -17,6 +17,7 @@ from ..core.variants import PLAIN, KernelVariant
 from . import require_gpu
 from .arrays import as_cupy_stream
 from .compiled_builds import graph_kernels
+from .page_tables import is_device_array
 from .params import LaunchGrid, sm_scale_log2, soft_cap_log2
 from .run_inputs import run_stream
 from .records import (GraphPlanUpload, alibi_bits, chunk_records, pages_fit_record,
@@ -365,6 +366,10 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
             return None
         if alibi_slopes is self._alibi_given:
             return self._alibi_given_checked
+        if is_device_array(alibi_slopes):     # reading it back would wait (and break a capture)
+            raise TypeError("alibi_slopes: plan_on_device() takes the slopes as host numbers "
+                            f"(a list or a NumPy array), got a device array "
+                            f"({type(alibi_slopes).__name__})")
         slopes = VA.check_alibi_slopes(self.num_qo_heads, alibi_slopes)
         self._alibi_given, self._alibi_given_checked = alibi_slopes, slopes
         return slopes

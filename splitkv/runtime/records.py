@@ -118,6 +118,7 @@ class PlanUpload:
     def __init__(self):
         self._capacity = 0          # int32 elements
         self._host = self._device = self.ready = None
+        self._stream_ptr = None     # the stream the device buffer was made for
 
     def upload(self, records: np.ndarray, page_table: PageTable | PageLengths, plan: Plan, stream,
                extra: dict | None = None) -> dict:
@@ -137,8 +138,10 @@ class PlanUpload:
         if total > self._capacity:
             self._capacity = max(total, 2 * self._capacity)
             self._host = cupy.cuda.alloc_pinned_memory(self._capacity * 4)
-            self._device = stream_pool_array(self._capacity, np.int32, stream,
-                                             replaces=self._device)
+            self._device = stream_pool_array(
+                self._capacity, np.int32, stream,
+                replacing_from=None if self._device is None else self._stream_ptr)
+            self._stream_ptr = stream.ptr
             self.ready = cupy.cuda.Event(disable_timing=True)
         else:
             self.ready.synchronize()
@@ -158,10 +161,10 @@ class GraphPlanUpload:
     """A graph-stable wrapper's plan buffers: fixed device addresses, sized once for the
     capacity (records, merge_indptr, the query rows of a multi-token or ALiBi grid, ALiBi's
     slopes, page-table entries), so a captured launch reads whatever plan was uploaded last;
-    each plan copies the records, merge_indptr (query rows, slopes) and its own entries. Each plan is written to one of two
-    pinned host buffers in turn and copied with one async copy on the plan's stream; before a
-    host buffer is rewritten, the copy out of it two plans ago must have finished (a host wait
-    on that small copy only)."""
+    each plan copies the records, merge_indptr (query rows, slopes) and its own entries. Each
+    plan is written to one of two pinned host buffers in turn and copied with one async copy on
+    the plan's stream; before a host buffer is rewritten, the copy out of it two plans ago must
+    have finished (a host wait on that small copy only)."""
 
     def __init__(self, max_chunks: int, max_num_pages: int, max_batch_size: int, stream,
                  query_rows: bool = False, alibi_heads: int = 0):

@@ -97,7 +97,7 @@ class PlanStreams:
         return self.chain.use(s) if not s.is_capturing() else _NO_CHAIN
 
 
-def stream_pool_array(size: int, dtype, stream, replaces=None):
+def stream_pool_array(size: int, dtype, stream, replacing_from: int | None = None):
     """An uninitialised device array from ``stream``'s part of CuPy's pool.
 
     CuPy's pool hands a freed block again only to allocations made for the stream it was
@@ -105,12 +105,16 @@ def stream_pool_array(size: int, dtype, stream, replaces=None):
     current stream but written on another one (the plan's copy, a run) can be a block that a
     kernel queued on the current stream (a caller's random fill, say) writes after the copy
     landed, and a run then reads garbage page indices. A block taken for ``stream`` is ordered
-    after everything enqueued there before. ``replaces``: the buffer this one supersedes, which
-    runs on other streams may still read; the device is waited for before it is let go (a
-    regrowth: rare)."""
+    after everything enqueued there before.
+
+    ``replacing_from``: the stream (handle) the buffer this one supersedes was made for, which
+    runs may still read. Made for this plan's stream, its block goes back to this stream's
+    part of the pool, whose next work already waits for the runs elsewhere
+    (``PlanStreams.before_plan``); made for another, the device is waited for first (a
+    regrowth on another plan stream: rare)."""
     import cupy
 
-    if replaces is not None:
+    if replacing_from is not None and replacing_from != stream.ptr:
         cupy.cuda.runtime.deviceSynchronize()
     with stream:
         return cupy.empty(size, dtype=dtype)

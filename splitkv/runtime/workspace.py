@@ -51,6 +51,7 @@ class Workspace:
         self.head_dim = head_dim
         self.partial_o = self.partial_lse = self.counters = None
         self._rows = self._counters = 0
+        self._partials_stream = self._counters_stream = None   # the streams they were made for
         self._buffer = None
         if buffer is not None:
             from .arrays import as_device_array, itemsize
@@ -92,14 +93,16 @@ class Workspace:
 
         # from ``stream``'s pool, as the plan's upload (``streams.stream_pool_array``)
         if rows > self._rows:
-            old = self.partial_o if self._rows else None
+            made_for = self._partials_stream if self._rows else None
             self.partial_o = stream_pool_array(rows * self.head_dim, np.float32, stream,
-                                               replaces=old)
+                                               replacing_from=made_for)
             self.partial_lse = stream_pool_array(rows, np.float32, stream)
-            self._rows = rows
+            self._rows, self._partials_stream = rows, stream.ptr
         if counters > self._counters:
-            if self._counters:      # the old counters may still be read by a run
+            if self._counters and self._counters_stream != stream.ptr:
+                # the old counters, made for another stream, may still be read by a run
                 cupy.cuda.runtime.deviceSynchronize()
+            self._counters_stream = stream.ptr
             # Zeroed once: a fused run leaves every ticket counter at 0 again (atomicInc wraps
             # on the last arrival), so later plans need no fill (a launch per plan() call).
             with stream:

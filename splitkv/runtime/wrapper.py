@@ -243,8 +243,8 @@ class BatchDecodeWrapper:
         scores offset by phi, a CTA leaving its band falls back to the running max; per-shape
         wrappers only), ``attention_chunk_size`` (chunked local attention: each query sees the
         keys of its own chunk; the plan covers only those; one query row a request),
-        ``alibi_slopes`` (ALiBi: [num_qo_heads] slopes, host or CuPy; a build of its own;
-        per-shape wrappers only).
+        ``alibi_slopes`` (ALiBi: [num_qo_heads] slopes, host or CuPy; a build of its own,
+        which a graph-stable wrapper keeps on or off as its first plan had it).
         """
         require_gpu("BatchDecodeWrapper.plan()")
         self._check_plans_on_host()

@@ -103,7 +103,9 @@ def test_vllms_flash_attention_cache_read_in_place_in_a_graph(order):
 
 def test_an_alibi_session_in_a_graph_replays_new_lengths_with_its_slopes():
     """The torch op with ALiBi (vLLM's alibi_slopes): planned on the device inside the captured
-    graph, each request biased at its own position, against the float64 reference."""
+    graph, each request biased at its own position, against the float64 reference. With a soft
+    cap, so that the output depends on the position (alone, the bias at the query's position
+    is the same for every key and cancels in the softmax)."""
     from splitkv.core.variants import alibi_slopes
 
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -114,7 +116,8 @@ def test_an_alibi_session_in_a_graph_replays_new_lengths_with_its_slopes():
     slopes = alibi_slopes(HQ).tolist()
     handle = torch_ops.new_session(num_qo_heads=HQ, num_kv_heads=HK, head_dim=D,
                                    page_size=BLOCK, dtype=torch.bfloat16, layout="block_table",
-                                   capacity=8, width=8, sm_scale=D ** -0.5, alibi_slopes=slopes)
+                                   capacity=8, width=8, sm_scale=D ** -0.5, alibi_slopes=slopes,
+                                   logits_soft_cap=2.0)
 
     def step():
         return torch.ops.splitkv.paged_decode(q, k, v, [seq_lens, table], None, handle, True)
@@ -128,7 +131,8 @@ def test_an_alibi_session_in_a_graph_replays_new_lengths_with_its_slopes():
         return lens, t
 
     lens, t = load(6)
-    close(step(), reference(q, k, v, lens, t, BLOCK, alibi_slopes=slopes))
+    close(step(), reference(q, k, v, lens, t, BLOCK, alibi_slopes=slopes,
+                            logits_soft_cap=2.0))
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -137,7 +141,8 @@ def test_an_alibi_session_in_a_graph_replays_new_lengths_with_its_slopes():
         lens, t = load(seed)
         graph.replay()
         torch.cuda.synchronize()
-        close(out, reference(q, k, v, lens, t, BLOCK, alibi_slopes=slopes))
+        close(out, reference(q, k, v, lens, t, BLOCK, alibi_slopes=slopes,
+                             logits_soft_cap=2.0))
     torch_ops.close_session(handle)
 
 

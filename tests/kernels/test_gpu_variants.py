@@ -229,6 +229,20 @@ def test_alibi_on_a_graph_stable_wrapper_planned_on_the_host(kv_dtype):
     plain.plan(pt)
     with pytest.raises(ValueError, match="keeps its first plan's ALiBi off"):
         plain.plan(pt, alibi_slopes=alibi_slopes(32))
+    # several query rows a request (a wrapper made with max_q_len), each at its own position
+    qo_indptr = np.array([0, 1, 3, 7, 8, 12])
+    q_rows = random_device_array((12, 32, 128), "bfloat16", rng)
+    slopes = alibi_slopes(32)
+    ref_o, ref_lse = reference_decode(q_rows.get(), k, v, pt, kv_dtype=kv_dtype,
+                                      qo_indptr=qo_indptr, alibi_slopes=slopes)
+    rows = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", kv_dtype=kv_dtype,
+                              use_cuda_graph=True, max_batch_size=8,
+                              max_num_pages=pt.kv_indices.size, max_q_len=4)
+    rows.plan(pt, qo_indptr=qo_indptr, alibi_slopes=slopes)
+    o, lse = rows.run(q_rows, cupy.asarray(k), cupy.asarray(v), return_lse=True)
+    cupy.cuda.runtime.deviceSynchronize()
+    assert_matches_reference(to_float64(o.get()), lse.get(), ref_o, ref_lse, TOL["bfloat16"],
+                             "graph-stable, alibi, multi-token rows")
 
 
 def test_alibi_planned_on_the_device_in_one_graph_as_lengths_and_slopes_change():
@@ -246,6 +260,7 @@ def test_alibi_planned_on_the_device_in_one_graph_as_lengths_and_slopes_change()
     seq_lens = cupy.zeros(rows, cupy.int32)
     table = cupy.zeros((rows, width), cupy.int32)
     out = cupy.empty(q.shape, cupy.uint16)
+    lse = cupy.empty(q.shape[:2], cupy.float32)
     w = BatchDecodeWrapper(hq, hk, d, page, "bfloat16", use_cuda_graph=True,
                            max_batch_size=rows, max_num_pages=num_pages)
     slopes = alibi_slopes(hq)
@@ -267,23 +282,30 @@ def test_alibi_planned_on_the_device_in_one_graph_as_lengths_and_slopes_change()
         return pt
 
     def check(pt, given, what):
-        ref_o, _ = reference_decode(q.get(), k.get(), v.get(), pt, alibi_slopes=given)
-        assert rel_err(to_float64(out.get()), ref_o) < 1e-2, what
+        """Against the reference, the LSE too: a request's position moves only its LSE (the
+        bias at the query's own position is the same for every key)."""
+        ref_o, ref_lse = reference_decode(q.get(), k.get(), v.get(), pt, alibi_slopes=given)
+        assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse,
+                                 TOL["bfloat16"], what)
 
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         pt = load(1)
+        with pytest.raises(TypeError, match="alibi_slopes: plan_on_device.. takes the slopes"):
+            w.plan_on_device(seq_lens=seq_lens, block_table=table,
+                             alibi_slopes=cupy.asarray(slopes))
         w.plan_on_device(seq_lens=seq_lens, block_table=table, alibi_slopes=slopes)
-        w.run(q, k, v, out=out)
+        w.run(q, k, v, out=out, lse=lse)
         stream.synchronize()
         check(pt, slopes, "eager")
         stream.begin_capture()
         w.plan_on_device(seq_lens=seq_lens, block_table=table, alibi_slopes=slopes)
-        w.run(q, k, v, out=out)
+        w.run(q, k, v, out=out, lse=lse)
         graph = stream.end_capture()
         for seed in (2, 3):
             pt = load(seed)
             out.fill(0xFFFF)
+            lse.fill(np.nan)
             graph.launch(stream)
             stream.synchronize()
             check(pt, slopes, f"replay {seed}")

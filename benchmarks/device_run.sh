@@ -26,14 +26,25 @@
 #   bash benchmarks/device_run.sh baseline bench       # the bench of an older tree in .baseline/, then
 #     this tree's: before and after in one run (git archive REV | tar -x -C .baseline)
 # eval, eval_fp8, bench, bench_fp8, bench_classes and ab plan with the profile `calibrate` (or
-# `calibrate_fp8`) wrote earlier in the run, else with the shipped one.
+# `calibrate_fp8`) wrote earlier in the run, else as below.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 # Results go to $RES and come back as one archive, $OUT/results.tgz, written even when the run
 # is cut off.
 OUT=${OUT:-$PWD/out}; RES=$(mktemp -d); mkdir -p "$OUT"
 trap 'tar -C "$RES" -czf "$OUT/results.tgz" .' EXIT
-PROFILE=splitkv/planner/profiles/nvidia-h200.yaml
+# The GPU it runs on names the result files (h100-..., h200-...), and splitkv's name for it
+# (profiles.device_slug) a profile calibrated here. The phases plan with the profile shipped for
+# this GPU where there is one, else with what splitkv picks on it by itself (its first use).
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 \
+  | grep -o -i -E 'h100|h200|a100|l40s|b200' | head -1 | tr '[:upper:]' '[:lower:]')
+GPU=${GPU:-gpu}
+SLUG=$(python3 -c "import cupy; from splitkv.planner.profiles import device_slug; \
+print(device_slug(cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()))" 2>/dev/null)
+SLUG=${SLUG:-$GPU}
+PROFILE=""
+[ -f "splitkv/planner/profiles/$SLUG.yaml" ] && PROFILE="splitkv/planner/profiles/$SLUG.yaml"
+echo "device_run: $GPU ($SLUG), planning with ${PROFILE:-the profile splitkv picks (first use)}"
 # the logs without the libraries' warnings, a line at a time (a phase cut off keeps its lines)
 quiet() { grep --line-buffered -v Warning; }
 # FlashInfer as the benches' live peer, where .peers/ holds its slim archive
@@ -72,52 +83,52 @@ for phase in "$@"; do
       done ;;
     calibrate)
       # --verbose: the log keeps a line per plan timed; the tail shows the fit and the plans' table
-      python3 -m splitkv.cli calibrate --plot --verbose --trials 3 --min-trial-ms 10 --out "$RES/nvidia-h200.yaml" 2>&1 | tee "$RES/calibrate.log" | tail -32
-      [ -f "$RES/nvidia-h200.yaml" ] && PROFILE="$RES/nvidia-h200.yaml" ;;
+      python3 -m splitkv.cli calibrate --plot --verbose --trials 3 --min-trial-ms 10 --out "$RES/$SLUG.yaml" 2>&1 | tee "$RES/calibrate.log" | tail -32
+      [ -f "$RES/$SLUG.yaml" ] && PROFILE="$RES/$SLUG.yaml" ;;
     calibrate_fp8)
       # the fp8 (e4m3) fit, added as kv_fp8 to the profile the later phases plan with
-      python3 -m splitkv.cli calibrate --kv-dtype fp8_e4m3 --base "$PROFILE" --verbose --trials 3 --min-trial-ms 5 \
-        --out "$RES/nvidia-h200-fp8.yaml" 2>&1 | tee "$RES/calibrate_fp8.log" | tail -32
-      [ -f "$RES/nvidia-h200-fp8.yaml" ] && PROFILE="$RES/nvidia-h200-fp8.yaml" ;;
+      python3 -m splitkv.cli calibrate --kv-dtype fp8_e4m3 ${PROFILE:+--base "$PROFILE"} --verbose --trials 3 --min-trial-ms 5 \
+        --out "$RES/$SLUG-fp8.yaml" 2>&1 | tee "$RES/calibrate_fp8.log" | tail -32
+      [ -f "$RES/$SLUG-fp8.yaml" ] && PROFILE="$RES/$SLUG-fp8.yaml" ;;
     eval)
       # the 44 standard held-out shapes and the 24 class shapes (--shapes all)
-      python3 benchmarks/eval_planner.py --profile "$PROFILE" --json "$RES/h200-planner.json" 2>&1 \
+      python3 benchmarks/eval_planner.py ${PROFILE:+--profile "$PROFILE"} --json "$RES/$GPU-planner.json" 2>&1 \
         | tee "$RES/eval.log" | tail -8 ;;
     eval_fp8)
-      python3 benchmarks/eval_planner.py --profile "$PROFILE" --kv-dtype fp8_e4m3 \
-        --json "$RES/h200-planner-fp8.json" 2>&1 | tee "$RES/eval_fp8.log" | tail -8 ;;
+      python3 benchmarks/eval_planner.py ${PROFILE:+--profile "$PROFILE"} --kv-dtype fp8_e4m3 \
+        --json "$RES/$GPU-planner-fp8.json" 2>&1 | tee "$RES/eval_fp8.log" | tail -8 ;;
     bench)
       # a fresh CuPy kernel cache, so the first-call compile time is a cold one
-      CUPY_CACHE_DIR=$(mktemp -d) SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench $FI --json "$RES/h200.json" --markdown "$RES/h200.md" 2>&1 \
+      CUPY_CACHE_DIR=$(mktemp -d) env ${PROFILE:+SPLITKV_PROFILE=$PROFILE} python3 -m splitkv.bench $FI --json "$RES/$GPU.json" --markdown "$RES/$GPU.md" 2>&1 \
         | quiet | tee "$RES/bench.log" | tail -22 ;;
     bench_fp8)
       # fp8 K/V (e4m3, scale 1) through the same cases, beside the fp8 peers' numbers
-      CUPY_CACHE_DIR=$(mktemp -d) SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench $FI --kv-dtype fp8_e4m3 \
-        --json "$RES/h200-fp8.json" --markdown "$RES/h200-fp8.md" 2>&1 | quiet | tee "$RES/bench_fp8.log" | tail -22 ;;
+      CUPY_CACHE_DIR=$(mktemp -d) env ${PROFILE:+SPLITKV_PROFILE=$PROFILE} python3 -m splitkv.bench $FI --kv-dtype fp8_e4m3 \
+        --json "$RES/$GPU-fp8.json" --markdown "$RES/$GPU-fp8.md" 2>&1 | quiet | tee "$RES/bench_fp8.log" | tail -22 ;;
     bench_classes)
       # head_dim 64/256, pages 1/64, groups 16/32, short requests (splitkv/bench/cases.py)
-      CUPY_CACHE_DIR=$(mktemp -d) SPLITKV_PROFILE=$PROFILE python3 -m splitkv.bench $FI --cases classes \
-        --json "$RES/h200-classes.json" --markdown "$RES/h200-classes.md" 2>&1 | quiet \
+      CUPY_CACHE_DIR=$(mktemp -d) env ${PROFILE:+SPLITKV_PROFILE=$PROFILE} python3 -m splitkv.bench $FI --cases classes \
+        --json "$RES/$GPU-classes.json" --markdown "$RES/$GPU-classes.md" 2>&1 | quiet \
         | tee "$RES/bench_classes.log" | tail -14 ;;
     bench_variants)
       # soft cap, sinks, a 4k window over 128k, multi-token decode, beside plain (bf16, then fp8)
-      python3 benchmarks/bench_variants.py --json "$RES/h200-variants.json" 2>&1 | quiet \
+      python3 benchmarks/bench_variants.py --json "$RES/$GPU-variants.json" 2>&1 | quiet \
         | tee "$RES/bench_variants.log"
-      python3 benchmarks/bench_variants.py --kv-dtype float8_e4m3fn --json "$RES/h200-variants-fp8.json" \
+      python3 benchmarks/bench_variants.py --kv-dtype float8_e4m3fn --json "$RES/$GPU-variants-fp8.json" \
         2>&1 | quiet | tee "$RES/bench_variants_fp8.log" ;;
     first_use)
       # the planner evaluation's 68 shapes planned by the first-use probes' model, the shipped
       # profile and the roofline prior, each against the best plan measured in the same run
-      CUPY_CACHE_DIR=$(mktemp -d) python3 benchmarks/eval_first_use.py --json "$RES/h200-first-use.json" 2>&1 \
+      CUPY_CACHE_DIR=$(mktemp -d) python3 benchmarks/eval_first_use.py --json "$RES/$GPU-first-use.json" 2>&1 \
         | quiet | tee "$RES/first_use.log" | tail -12 ;;
     dissect)
       # the same plans with parts of the kernel cut out: what each part of a short call costs
       python3 benchmarks/dissect_latency.py --probes base,no_merge,bare,empty,cluster \
-        --json "$RES/h200-dissect.json" 2>&1 | quiet | tee "$RES/dissect.log" | tail -25 ;;
+        --json "$RES/$GPU-dissect.json" 2>&1 | quiet | tee "$RES/dissect.log" | tail -25 ;;
     plan_cost)
       # the host's plan() (choose_plan, then with the upload), then planning on the device
       python3 benchmarks/plan_host_cost.py 2>&1 | quiet | tee "$RES/plan_host_cost.log"
-      python3 benchmarks/device_plan_cost.py --json "$RES/h200-device-plan.json" 2>&1 | quiet \
+      python3 benchmarks/device_plan_cost.py --json "$RES/$GPU-device-plan.json" 2>&1 | quiet \
         | tee "$RES/device_plan_cost.log" ;;
     engine_path)
       # $ENGINE_ARGS: more options (--cases ...), split on spaces
@@ -129,7 +140,7 @@ for phase in "$@"; do
     ab)
       # benchmarks/ab.py with $AB_ARGS (split on spaces, no globbing)
       read -r -a ab_args <<< "$AB_ARGS"
-      SPLITKV_PROFILE=$PROFILE python3 benchmarks/ab.py "${ab_args[@]}" --json "$RES/h200-ab.json" 2>&1 \
+      env ${PROFILE:+SPLITKV_PROFILE=$PROFILE} python3 benchmarks/ab.py "${ab_args[@]}" --json "$RES/$GPU-ab.json" 2>&1 \
         | quiet | tee "$RES/ab.log" ;;
     dist)
       # NVLink multicast stays off on shared machines (NCCL's and torch's)
@@ -139,7 +150,7 @@ for phase in "$@"; do
       timeout 330 python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/integrations/test_distributed.py 2>&1 \
         | tee "$RES/dist_tests.log" | tail -6
       timeout 250 torchrun --nproc-per-node "$gpus" --max-restarts 0 benchmarks/bench_distributed.py \
-        --timeout 240 --json "$RES/h200-distributed.json" 2>&1 \
+        --timeout 240 --json "$RES/$GPU-distributed.json" 2>&1 \
         | quiet | tee "$RES/dist_bench.log" | tail -20 ;;
     transformers_newest)
       # the wheels of a newer transformers (and what it needs beyond the machine's) put in front
@@ -159,8 +170,8 @@ for phase in "$@"; do
       # the bench of the tree in .baseline/ with its own shipped profile, for a before and after
       # in one run beside `bench`
       (cd .baseline && CUPY_CACHE_DIR=$(mktemp -d) PYTHONPATH=$PWD \
-        SPLITKV_PROFILE=$PWD/splitkv/planner/profiles/nvidia-h200.yaml \
-        python3 -m splitkv.bench --no-peer --json "$RES/h200-baseline.json" 2>&1 | quiet \
+        env ${PROFILE:+SPLITKV_PROFILE=$PWD/$PROFILE} \
+        python3 -m splitkv.bench --no-peer --json "$RES/$GPU-baseline.json" 2>&1 | quiet \
         | tee "$RES/baseline.log" | tail -16) ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac

@@ -3,8 +3,9 @@
 Each planned by the wrapper, timed like the bench (a graph over layers of >= 1 GiB of KV), in
 one run:
 
-- soft cap (``plan(logits_soft_cap=30)``), sinks (``run(sinks=)``), both: on memory-bound
-  standard cases, as a ratio to the plain call (target <= 1.03);
+- soft cap (``plan(logits_soft_cap=30)``), sinks (``run(sinks=)``), both, and ALiBi
+  (``plan(alibi_slopes=)``, the paper's slopes): on memory-bound standard cases, as a ratio to
+  the plain call (target <= 1.03);
 - a sliding window (``plan(window_left=4095)``: 4,096 tokens seen) over a 128k context, beside a
   plain 4k context (target <= 1.1x);
 - multi-token decode (``plan(qo_indptr=)``), q_len 2, 4, 8, 16 beside q_len 1 (targets: q_len 4
@@ -20,6 +21,7 @@ import cupy
 import numpy as np
 
 from splitkv.bench.cases import select
+from splitkv.core.variants import alibi_slopes
 from splitkv.measure.timing import make_layers, time_wrapper_us
 from splitkv.runtime.experiments import DecodeExperiments
 from splitkv.runtime.wrapper import BatchDecodeWrapper
@@ -55,7 +57,8 @@ def timed(pt, hq, hk, d, page, *, run_args=None, q_rows=None, warps=None, **plan
 
 print(f"K/V: {kv or 'bfloat16'}")
 skip = set(args.skip.split(","))
-print(f"{'case':>12} {'plain us':>9} {'soft cap':>13} {'sinks':>13} {'cap+sinks':>13}  plans")
+print(f"{'case':>12} {'plain us':>9} {'soft cap':>13} {'sinks':>13} {'cap+sinks':>13} "
+      f"{'alibi':>13}  plans")
 for case in ([] if "variants" in skip else select(args.cases)):
     pt, _ = scattered_page_table(case.kv_lens, case.page_size, np.random.default_rng(0),
                                  extra_pages=0)
@@ -66,11 +69,12 @@ for case in ([] if "variants" in skip else select(args.cases)):
     cap, p1 = timed(pt, *shape, logits_soft_cap=30.0)
     sink, p2 = timed(pt, *shape, run_args={"sinks": sinks})
     both, p3 = timed(pt, *shape, logits_soft_cap=30.0, run_args={"sinks": sinks})
+    alibi, p4 = timed(pt, *shape, alibi_slopes=alibi_slopes(case.num_qo_heads))
     rows.append({"case": case.name, "plain_us": plain, "soft_cap_us": cap, "sinks_us": sink,
-                 "soft_cap_sinks_us": both, "plans": [p0, p1, p2, p3]})
+                 "soft_cap_sinks_us": both, "alibi_us": alibi, "plans": [p0, p1, p2, p3, p4]})
     print(f"{case.name:>12} {plain:9.2f} " + " ".join(
-        f"{t:7.2f} {t / plain:5.3f}" for t in (cap, sink, both)) + f"  {p0} {p1} {p2} {p3}",
-        flush=True)
+        f"{t:7.2f} {t / plain:5.3f}" for t in (cap, sink, both, alibi))
+        + f"  {p0} {p1} {p2} {p3} {p4}", flush=True)
 
 print(f"\n{'window case':>22} {'us':>8} {'plain 4k us':>12} {'x':>6}  plans")
 windows = []

@@ -111,7 +111,7 @@ for phase in "$@"; do
         --json "$RES/$GPU-classes.json" --markdown "$RES/$GPU-classes.md" 2>&1 | quiet \
         | tee "$RES/bench_classes.log" | tail -14 ;;
     bench_variants)
-      # soft cap, sinks, a 4k window over 128k, multi-token decode, beside plain (bf16, then fp8)
+      # soft cap, sinks, ALiBi, a 4k window over 128k, multi-token decode, beside plain (bf16, then fp8)
       python3 benchmarks/bench_variants.py --json "$RES/$GPU-variants.json" 2>&1 | quiet \
         | tee "$RES/bench_variants.log"
       python3 benchmarks/bench_variants.py --kv-dtype float8_e4m3fn --json "$RES/$GPU-variants-fp8.json" \

@@ -39,8 +39,15 @@ def run(args: argparse.Namespace) -> int:
     cases = [case for case in make_cases(args.seed) if case.name in args.cases]
     on_gpu, reason = (False, "--cpu was given") if args.cpu else detect_gpu()
     out_tol, lse_tol = TOLERANCE["gpu" if on_gpu else "cpu"]
-    print("plans from " + ("BatchDecodeWrapper.plan(page_table)" if on_gpu
-                           else "splitkv.planner.choose_plan (the shipped H200 profile)"))
+    if on_gpu:
+        print("plans from BatchDecodeWrapper.plan(page_table) (the profile splitkv picks for "
+              "this GPU)")
+    else:          # choose_plan's default: the reference device's profile, as looked up
+        from ..planner.profile_lookup import default_profile
+
+        profile = default_profile()
+        print(f"plans from splitkv.planner.choose_plan ({profile.device_name}'s profile: "
+              f"{profile.origin})")
 
     header = ("case", "B", "heads", "tokens", "strategy", "splits", "work items", "max rel err",
               "lse err", "")

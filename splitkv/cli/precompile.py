@@ -120,7 +120,9 @@ def run(args: argparse.Namespace) -> int:
         records = precompile(jobs, folder, dry_run=args.dry_run, workers=args.jobs)
     except (RuntimeError, OSError) as exc:       # NVRTC's failure, or a folder not writable
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"splitkv precompile: {A.one_line(first)}", file=sys.stderr)
+        where = (f" (splitkv's kernel cache {folder}, {C.cache_dir_source()})"
+                 if isinstance(exc, OSError) else "")
+        print(f"splitkv precompile: {A.one_line(first)}{where}", file=sys.stderr)
         return 1
     seconds = time.perf_counter() - t0
     if args.json:

@@ -60,10 +60,22 @@ def test_python_dash_m_splitkv_bench_takes_the_bench_arguments():
     assert "python -m splitkv.bench" in done.stdout and "--min-total-mib" in done.stdout
 
 
+def test_demo_names_the_profile_it_plans_with(capsys, monkeypatch, tmp_path):
+    """$SPLITKV_PROFILE: the demo's plans come from that file, and its first line says so."""
+    from splitkv.planner.profiles import shipped_profile
+
+    path = tmp_path / "mine.yaml"
+    shipped_profile("nvidia-h200").save(path)
+    monkeypatch.setenv("SPLITKV_PROFILE", str(path))
+    assert cli.main(["demo", "--cpu", "--cases", "mha"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"plans from splitkv.planner.choose_plan (NVIDIA H200's profile: {path})")
+
+
 def test_demo_on_the_cpu(capsys):
     assert cli.main(["demo", "--cpu", "--cases", "mha,b16-ragged"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "plans from splitkv.planner.choose_plan (the shipped H200 profile)"
+    assert out[0].startswith("plans from splitkv.planner.choose_plan (NVIDIA H200's profile: ")
     assert out[1].split() == ["case", "B", "heads", "tokens", "strategy", "splits", "work",
                               "items", "max", "rel", "err", "lse", "err"]
     assert [line.split()[0] for line in out[2:4]] == ["b16-ragged", "mha"]   # the cases' order

@@ -122,7 +122,11 @@ def run(args) -> int:
         ranked = rank_candidates(problem, model, args.num_splits, args.strategy)
         plan = ranked[0].build(problem, clusters=model.clusters)
     except (TypeError, ValueError, ProfileError) as exc:
-        return A.refuse("plan", exc)
+        text = str(exc)          # the planner names its arguments; say the options given
+        for name, option in (("strategy:", "--strategy:"), ("num_splits:", "--num-splits:")):
+            if text.startswith(name):
+                text = option + text[len(name):]
+        return A.refuse("plan", text)
     for record in caught:
         print(f"note: {A.one_line(record.getMessage())}", file=sys.stderr)
 

@@ -52,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", type=A.existing_file, metavar="PATH",
                         help="a profile YAML (default: looked up)")
     parser.add_argument("--device-name", type=A.name, metavar="NAME",
-                        help="plan for this GPU (e.g. 'NVIDIA H100 80GB HBM3'); default the H200")
+                        help="plan for this GPU (e.g. 'NVIDIA H100 80GB HBM3'): its profile is "
+                             "looked up, or the one given checked against it; default: the "
+                             "given profile's GPU, else the H200")
     parser.add_argument("--num-sms", type=A.positive_int, metavar="N", help="its SM count")
     parser.add_argument("--num-splits", type=A.positive_int, metavar="N",
                         help="force this split count (a request shorter than N tiles of "

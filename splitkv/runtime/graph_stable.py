@@ -78,10 +78,9 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
         self._graph_pool_pages: int | None = None    # pages of the K/V pool a run was given
         self._device_planner = None           # plan_on_device()'s kernel, once bound
         self._device_plan_ready = None        # the event after the last eager plan_on_device()
-        self._alibi_given = None              # plan_on_device()'s last alibi_slopes, as given
-        self._alibi_given_checked = None      # (checked)
-        self._alibi_bits = None               # the slopes in the device buffer (int32 bits)
-        self._alibi_written = None            # the checked slopes those bits were written for
+        # plan_on_device()'s alibi_slopes last written to the buffer, as given and checked,
+        # and the buffer's bits
+        self._alibi_given = self._alibi_checked = self._alibi_bits = None
 
     def _warmup_rows(self, max_q_len) -> int:
         """A graph-stable wrapper's builds are sized for its own max_q_len."""
@@ -337,7 +336,7 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
             planner = self._device_planner
         # runs elsewhere may still read the records
         self._streams.before_plan(s, follow_runs=not s.is_capturing())
-        self._write_alibi(slopes, s)
+        self._write_alibi(alibi_slopes, slopes, s)
         window = -1 if window_left is None else V.check_int(
             "window_left", window_left, -1, V.MAX_KV_LEN, "MAX_KV_LEN")
         planner.params.attention_chunk_size = chunk
@@ -360,23 +359,22 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
                 "alibi_heads": self.num_qo_heads if alibi else 0}
 
     def _device_alibi(self, alibi_slopes):
-        """plan_on_device()'s slopes, checked (float64 [num_qo_heads]) or None; the array given
-        last time, given again, is taken as it was then."""
+        """plan_on_device()'s slopes, checked (float64 [num_qo_heads]) or None; the array last
+        written, given again, is taken as it was then."""
         if alibi_slopes is None:
             return None
         if alibi_slopes is self._alibi_given:
-            return self._alibi_given_checked
+            return self._alibi_checked
         if is_device_array(alibi_slopes):     # reading it back would wait (and break a capture)
             raise TypeError("alibi_slopes: plan_on_device() takes the slopes as host numbers "
                             f"(a list or a NumPy array), got a device array "
                             f"({type(alibi_slopes).__name__})")
-        slopes = VA.check_alibi_slopes(self.num_qo_heads, alibi_slopes)
-        self._alibi_given, self._alibi_given_checked = alibi_slopes, slopes
-        return slopes
+        return VA.check_alibi_slopes(self.num_qo_heads, alibi_slopes)
 
-    def _write_alibi(self, slopes, s) -> None:
-        """Copy the slopes into the wrapper's buffer when they differ from those there."""
-        if slopes is None or slopes is self._alibi_written:
+    def _write_alibi(self, given, slopes, s) -> None:
+        """Copy the slopes (``given``, checked) into the wrapper's buffer when they differ from
+        those there; ``given`` is then remembered (``_device_alibi``)."""
+        if given is None or given is self._alibi_given:
             return
         bits = alibi_bits(slopes)
         if self._alibi_bits is None or not np.array_equal(bits, self._alibi_bits):
@@ -386,7 +384,7 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
                                  "with them once before capturing")
             self._graph_upload.write_alibi(bits, s)
             self._alibi_bits = bits
-        self._alibi_written = slopes
+        self._alibi_given, self._alibi_checked = given, slopes
 
     def _check_device_plan_inputs(self, inputs, sm_scale, s, kernels) -> None:
         """plan_on_device()'s checks of its arguments; binds the planner on the first call."""

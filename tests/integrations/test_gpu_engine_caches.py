@@ -66,16 +66,19 @@ def close(out, ref, atol=2e-2):
     torch.testing.assert_close(out.float().cpu(), ref.float(), atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("order", ["tokens_then_heads", "heads_then_tokens"])
-def test_vllms_flash_attention_cache_read_in_place_in_a_graph(order):
-    gen = torch.Generator(device="cuda").manual_seed(1)
+def replay_a_block_table_session(order: str, seed: int, **variants) -> None:
+    """A block-table session of the op over vLLM's cache in ``order``, planned on the device:
+    eager (the first plan allocates), then one torch graph replayed as the lengths and the table
+    change in place, each output against the float64 reference; ``variants``: the session's
+    (and the reference's) ``alibi_slopes`` and ``logits_soft_cap``."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     k, v = halves(vllm_cache(order, gen))
     seq_lens = torch.zeros(ROWS, dtype=torch.int32, device="cuda")
     table = torch.full((ROWS, 8), -1, dtype=torch.int32, device="cuda")
     q = torch.randn(ROWS, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
     handle = torch_ops.new_session(num_qo_heads=HQ, num_kv_heads=HK, head_dim=D,
                                    page_size=BLOCK, dtype=torch.bfloat16, layout="block_table",
-                                   capacity=8, width=8, sm_scale=D ** -0.5)
+                                   capacity=8, width=8, sm_scale=D ** -0.5, **variants)
 
     def step():
         return torch.ops.splitkv.paged_decode(q, k, v, [seq_lens, table], None, handle, True)
@@ -88,17 +91,23 @@ def test_vllms_flash_attention_cache_read_in_place_in_a_graph(order):
         table.copy_(torch.from_numpy(t))
         return lens, t
 
-    lens, t = load(2)
-    close(step(), reference(q, k, v, lens, t, BLOCK))          # eager: the first plan allocates
+    lens, t = load(seed + 1)
+    close(step(), reference(q, k, v, lens, t, BLOCK, **variants))
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    for seed in (3, 4):
-        lens, t = load(seed)
+    for replay in (seed + 2, seed + 3):
+        lens, t = load(replay)
         graph.replay()
         torch.cuda.synchronize()
-        close(out, reference(q, k, v, lens, t, BLOCK))
+        close(out, reference(q, k, v, lens, t, BLOCK, **variants))
+    torch_ops.close_session(handle)
+
+
+@pytest.mark.parametrize("order", ["tokens_then_heads", "heads_then_tokens"])
+def test_vllms_flash_attention_cache_read_in_place_in_a_graph(order):
+    replay_a_block_table_session(order, 1)
 
 
 def test_an_alibi_session_in_a_graph_replays_new_lengths_with_its_slopes():
@@ -108,42 +117,8 @@ def test_an_alibi_session_in_a_graph_replays_new_lengths_with_its_slopes():
     is the same for every key and cancels in the softmax)."""
     from splitkv.core.variants import alibi_slopes
 
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    k, v = halves(vllm_cache("tokens_then_heads", gen))
-    seq_lens = torch.zeros(ROWS, dtype=torch.int32, device="cuda")
-    table = torch.full((ROWS, 8), -1, dtype=torch.int32, device="cuda")
-    q = torch.randn(ROWS, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
-    slopes = alibi_slopes(HQ).tolist()
-    handle = torch_ops.new_session(num_qo_heads=HQ, num_kv_heads=HK, head_dim=D,
-                                   page_size=BLOCK, dtype=torch.bfloat16, layout="block_table",
-                                   capacity=8, width=8, sm_scale=D ** -0.5, alibi_slopes=slopes,
-                                   logits_soft_cap=2.0)
-
-    def step():
-        return torch.ops.splitkv.paged_decode(q, k, v, [seq_lens, table], None, handle, True)
-
-    def load(seed):
-        r = np.random.default_rng(seed)
-        lens = lengths(r, ROWS)
-        t = block_table(r, lens)
-        seq_lens.copy_(torch.from_numpy(lens))
-        table.copy_(torch.from_numpy(t))
-        return lens, t
-
-    lens, t = load(6)
-    close(step(), reference(q, k, v, lens, t, BLOCK, alibi_slopes=slopes,
-                            logits_soft_cap=2.0))
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    for seed in (7, 8):
-        lens, t = load(seed)
-        graph.replay()
-        torch.cuda.synchronize()
-        close(out, reference(q, k, v, lens, t, BLOCK, alibi_slopes=slopes,
-                             logits_soft_cap=2.0))
-    torch_ops.close_session(handle)
+    replay_a_block_table_session("tokens_then_heads", 5, alibi_slopes=alibi_slopes(HQ).tolist(),
+                                 logits_soft_cap=2.0)
 
 
 def test_sglangs_token_pool_as_one_token_pages():

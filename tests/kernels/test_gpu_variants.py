@@ -175,18 +175,25 @@ def test_alibi_on_every_strategy_with_the_other_variants(kv_dtype, hq, hk, d):
                               variant={"alibi_slopes": slopes, "attention_chunk_size": chunk},
                               num_splits=splits, strategy=strategy)
                 assert w.kernel_build.variant.alibi
-    # several query rows a request, each at its own position
+    check_alibi_query_rows(BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", kv_dtype=kv_dtype),
+                           rng, pt, k, v, kv_dtype, "alibi, multi-token rows")
+
+
+def check_alibi_query_rows(w, rng, pt, k, v, kv_dtype, what):
+    """Several query rows a request (LENS' five requests), each at its own position: ``w``
+    plans them with the paper's slopes and runs, against the reference, the LSE too."""
+    from splitkv.core.variants import alibi_slopes
+
     qo_indptr = np.array([0, 1, 3, 7, 8, 12])
-    q_rows = random_device_array((12, hq, d), "bfloat16", rng)
-    slopes = alibi_slopes(hq)
+    q_rows = random_device_array((12, w.num_qo_heads, w.head_dim), "bfloat16", rng)
+    slopes = alibi_slopes(w.num_qo_heads)
     ref_o, ref_lse = reference_decode(q_rows.get(), k, v, pt, kv_dtype=kv_dtype,
                                       qo_indptr=qo_indptr, alibi_slopes=slopes)
-    w = BatchDecodeWrapper(hq, hk, d, 16, "bfloat16", kv_dtype=kv_dtype)
     w.plan(pt, qo_indptr=qo_indptr, alibi_slopes=slopes)
     out, lse = w.run(q_rows, cupy.asarray(k), cupy.asarray(v), return_lse=True)
     cupy.cuda.runtime.deviceSynchronize()
     assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse, TOL["bfloat16"],
-                             "alibi, multi-token rows")
+                             what)
 
 
 def test_alibi_slopes_of_zero_are_the_plain_answer():
@@ -230,19 +237,10 @@ def test_alibi_on_a_graph_stable_wrapper_planned_on_the_host(kv_dtype):
     with pytest.raises(ValueError, match="keeps its first plan's ALiBi off"):
         plain.plan(pt, alibi_slopes=alibi_slopes(32))
     # several query rows a request (a wrapper made with max_q_len), each at its own position
-    qo_indptr = np.array([0, 1, 3, 7, 8, 12])
-    q_rows = random_device_array((12, 32, 128), "bfloat16", rng)
-    slopes = alibi_slopes(32)
-    ref_o, ref_lse = reference_decode(q_rows.get(), k, v, pt, kv_dtype=kv_dtype,
-                                      qo_indptr=qo_indptr, alibi_slopes=slopes)
     rows = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", kv_dtype=kv_dtype,
                               use_cuda_graph=True, max_batch_size=8,
                               max_num_pages=pt.kv_indices.size, max_q_len=4)
-    rows.plan(pt, qo_indptr=qo_indptr, alibi_slopes=slopes)
-    o, lse = rows.run(q_rows, cupy.asarray(k), cupy.asarray(v), return_lse=True)
-    cupy.cuda.runtime.deviceSynchronize()
-    assert_matches_reference(to_float64(o.get()), lse.get(), ref_o, ref_lse, TOL["bfloat16"],
-                             "graph-stable, alibi, multi-token rows")
+    check_alibi_query_rows(rows, rng, pt, k, v, kv_dtype, "graph-stable, alibi, multi-token rows")
 
 
 def test_alibi_planned_on_the_device_in_one_graph_as_lengths_and_slopes_change():

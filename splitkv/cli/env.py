@@ -2,9 +2,10 @@
 each (``--json``: the same as one JSON object): splitkv, Python and its dependencies, the CuPy
 installed (two CuPy distributions overwrite each other's files: said as a warning), the CUDA
 runtime CuPy was built for, NVRTC, the driver, the devices, the profile planning would use on
-this GPU and why, the cache folders with their sizes, and the environment variables that
-change any of these. The caches: splitkv's folder, its profiles, its first-use models, the
-kernels ``splitkv precompile`` wrote ("precompiled kernels") and CuPy's ("kernel cache").
+this GPU (without one, as ``splitkv plan`` does) and why, the cache folders with their sizes,
+and the environment variables that change any of these. The caches: splitkv's folder, its
+profiles, its first-use models, the kernels ``splitkv precompile`` wrote ("precompiled
+kernels") and CuPy's ("kernel cache").
 
 Every probe is guarded: one that fails says why on its own line, so a broken install is
 described rather than a traceback. Nothing is compiled or timed: a GPU without a profile is
@@ -201,23 +202,32 @@ class _NoProbes:
 
 
 def _profile(device) -> str:
-    """The profile ``load_profile`` picks for the device (the reference device without one)
-    and its origin: explicit, user cache, shipped, first-use or prior."""
+    """The profile ``load_profile`` picks for the device and its origin: explicit, user cache,
+    shipped, first-use or prior. Without a GPU, asked as planning without one asks
+    (``load_profile()``: ``splitkv plan``, ``choose_plan``): the reference device's, or the
+    ``$SPLITKV_PROFILE`` file whatever GPU it was calibrated on, which a note then names."""
     from ..planner.first_use import FIRST_USE_ENV, first_use_mode
     from ..planner.profile_lookup import load_profile
     from ..planner.profiles import (PRIOR_ORIGIN, PROFILE_ENV, REFERENCE_DEVICE,
-                                    SHIPPED_ORIGIN_PREFIX, ProfileError)
+                                    SHIPPED_ORIGIN_PREFIX, ProfileError, device_slug)
 
     if device is None:
-        name, num_sms, source = REFERENCE_DEVICE, None, None
-        where = f"for {name}, the reference device: no GPU here"
+        name, num_sms, source = None, None, None
     else:
         name, num_sms, source = device["name"], device["num_sms"], _NoProbes()
-        where = f"for {name}, {num_sms} SMs"
     try:
         profile = load_profile(device_name=name, num_sms=num_sms, first_use=source)
     except (ProfileError, ValueError) as exc:
-        return f"error: {A.one_line(exc)}"
+        return f"error: {A.one_line(exc)}{_refused(device)}"
+    note = ""
+    if device is not None:
+        where = f"for {name}, {num_sms} SMs"
+    elif device_slug(profile.device_name) == device_slug(REFERENCE_DEVICE):
+        where = f"for {REFERENCE_DEVICE}, the reference device: no GPU here"
+    else:
+        where = f"for {profile.device_name}, {profile.num_sms} SMs, the profile's GPU: no GPU here"
+        note = (f"; calibrated on another GPU than the reference {REFERENCE_DEVICE}: planning "
+                "without a GPU plans for its GPU with it, a wrapper on another GPU refuses it")
     origin = profile.origin
     if origin == PRIOR_ORIGIN:
         kind = "prior"
@@ -229,7 +239,7 @@ def _profile(device) -> str:
         kind = "first-use"
     else:
         kind = "user cache"
-    text = f"{kind}: {origin} ({where})"
+    text = f"{kind}: {origin} ({where}){note}"
     if kind == "prior" and source is not None:
         try:
             mode = first_use_mode()
@@ -241,6 +251,25 @@ def _profile(device) -> str:
                               f"(${FIRST_USE_ENV}=calibrate)",
                  "off": f"; ${FIRST_USE_ENV}=off keeps it"}[mode]
     return text
+
+
+def _refused(device) -> str:
+    """Where ``load_profile`` refused the ``$SPLITKV_PROFILE`` file for this GPU because it was
+    calibrated on another one: a note saying so and what planning does with it; else ""."""
+    from ..planner.profiles import PROFILE_ENV, device_slug, read_profile
+
+    named = os.environ.get(PROFILE_ENV)
+    if device is None or not named:
+        return ""
+    try:
+        profile = read_profile(named)
+    except Exception:                # unreadable: the error says why
+        return ""
+    if (device_slug(profile.device_name) == device_slug(device["name"])
+            and profile.num_sms == device["num_sms"]):
+        return ""
+    return ("; calibrated on another GPU: a wrapper on this one refuses it as well, planning "
+            f"without a GPU (splitkv plan) plans for {profile.device_name} with it")
 
 
 def _cache(folder, recursive=False, source=None) -> dict:

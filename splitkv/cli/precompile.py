@@ -8,8 +8,9 @@ run it in a container image's build, and serving compiles nothing.
     splitkv precompile --heads 32/8 --dry-run --json       # this GPU's architecture, listed
 
 A file already there (the same source, options, architecture and NVRTC) is kept; one that is
-damaged is written again. A bad argument is one line and exit status 2; a compile or write
-that fails, one line and exit status 1.
+damaged is written again. ``--dry-run`` needs no NVRTC: without one it lists the modules by
+label and architecture (a file's name hashes the NVRTC build that compiles it). A bad argument
+is one line and exit status 2; a compile or write that fails, one line and exit status 1.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=A.int_range(1, 256), default=1, metavar="N",
                         help="compiles at once (default 1)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="list the files, compile and write nothing")
+                        help="list the files, compile and write nothing (without NVRTC: "
+                             "the modules)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from ..runtime import nvrtc_available
     from ..runtime.cubin_cache import cubin_dir, nvrtc_build
     from ..runtime.precompile_jobs import (Configuration, arch_properties, known_arches,
-                                           modules_for, precompile)
+                                           modules_for, precompile, unnamed)
 
     try:
         config = Configuration(*args.heads, args.head_dim, args.page_size, args.dtype,
@@ -98,11 +100,12 @@ def run(args: argparse.Namespace) -> int:
                                           f"to take one from ({why})")
         arches = [current.cc]
     ok, nvrtc = nvrtc_available()
-    if not ok:
+    if not ok and not args.dry_run:
         return A.refuse("precompile", f"needs NVRTC, which does not load: {nvrtc}")
     from ..runtime.kernel_source import nvrtc_archs
 
-    supported = nvrtc_archs()
+    # a dry run without NVRTC lists the modules and touches NVRTC no further
+    supported = nvrtc_archs() if ok else ()
     jobs, devices = [], {}
     for cc in arches:
         try:                      # splitkv's architectures first: NVRTC compiles for more
@@ -115,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
                                           f"sm_{cc}")
         jobs += [(*module, f"sm_{cc}") for module in modules_for(config, devices[cc])]
     folder = cubin_dir()
+    if not ok:
+        return _list_without_nvrtc(args, config, arches, folder, nvrtc, unnamed(jobs))
     t0 = time.perf_counter()
     try:
         records = precompile(jobs, folder, dry_run=args.dry_run, workers=args.jobs)
@@ -144,6 +149,27 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {counts['written']} of {len(records)} modules ({counts['present']} "
               f"already there) in {seconds:.1f} s")
+    return 0
+
+
+def _list_without_nvrtc(args, config, arches, folder, why: str, records: list[dict]) -> int:
+    """A dry run where NVRTC does not load: the modules a run would compile, by label and
+    architecture. A file's name hashes the NVRTC build that compiles it, so neither the name
+    nor whether it is there can be told without one."""
+    if args.json:
+        print(json.dumps({"cache": str(folder), "from": C.cache_dir_source(), "nvrtc": None,
+                          "nvrtc_error": why, "configuration": config.to_dict(),
+                          "arches": [f"sm_{cc}" for cc in arches], "dry_run": True,
+                          "modules": records, "seconds": 0.0}, indent=2))
+        return 0
+    print(f"splitkv's kernel cache: {folder} ({C.cache_dir_source()}); NVRTC does not load "
+          f"here: {why}")
+    print(f"{config.describe()}; {', '.join(f'sm_{cc}' for cc in arches)}")
+    for r in records:
+        print(f"would compile {r['label']} for {r['arch']}")
+    print(f"would compile {len(records)} modules (--dry-run without NVRTC: the files are named "
+          "by the NVRTC that compiles them, so which are already there is not known; nothing "
+          "written)")
     return 0
 
 

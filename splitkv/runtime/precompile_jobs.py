@@ -128,6 +128,13 @@ def modules_for(config: Configuration, device: DeviceProperties) -> list[tuple[s
     return sorted(found, key=lambda m: m[0])
 
 
+def unnamed(jobs: list[tuple[str, str, tuple, str]]) -> list[dict]:
+    """The records of a dry run without NVRTC: each (label, source, options, arch) once, in
+    order, with no path (a file's name hashes the NVRTC build) and status "would compile"."""
+    return [{"label": label, "arch": arch, "path": None, "status": "would compile", "bytes": 0,
+             "seconds": 0.0} for label, _, _, arch in dict.fromkeys(jobs)]
+
+
 def precompile(jobs: list[tuple[str, str, tuple, str]], folder=None, dry_run: bool = False,
                workers: int = 1) -> list[dict]:
     """``cubin_cache.precompile_module`` of each (label, source, options, arch), the same one

@@ -104,6 +104,25 @@ def test_bad_block_tables(table, lens, error, name):
         PageTable.from_block_table(table, lens, 16, num_pages=4)
 
 
+def test_num_pages_below_one_is_named_before_the_entries():
+    """num_pages=0 (or less) under a table that reads pages is refused as itself, before any
+    entry is checked (not as an entry outside an empty range); a pool of no pages suits a
+    table that reads none, a negative one none."""
+    for num_pages in (0, -3, np.int64(0)):
+        message = re.escape(f"num_pages: expected an integer >= 1, got {int(num_pages)}")
+        for table in ([[0, 1]], [[-1, 7]]):
+            with pytest.raises(ValueError, match=f"^{message}$"):
+                PageTable.from_block_table(table, [20], 16, num_pages=num_pages)
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            PageTable.from_flashinfer([0, 1], [0], [3], 16, num_pages=num_pages)
+    for table, lens in (([[-1]], [0]), (np.zeros((0, 2), int), [])):
+        assert PageTable.from_block_table(table, lens, 16, num_pages=0).kv_indices.size == 0
+        with pytest.raises(ValueError, match=r"^num_pages: expected an integer >= 0, got -1$"):
+            PageTable.from_block_table(table, lens, 16, num_pages=-1)
+    with pytest.raises(TypeError, match=r"^num_pages: expected an integer, got float 4\.0$"):
+        PageTable.from_block_table([[0, 1]], [20], 16, num_pages=4.0)
+
+
 def test_bad_contiguous():
     with pytest.raises(ValueError, match="seq_lens"):
         PageTable.contiguous([3, 9], 8)

@@ -7,6 +7,7 @@ import os
 import sys
 import types
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,42 @@ def test_env_names_the_profile_and_where_it_came_from(clean_env, no_cupy, monkey
     monkeypatch.setenv("SPLITKV_PROFILE", str(clean_env / "missing.yaml"))
     assert value(env_lines(capsys), "profile").startswith(
         f"error: profile {clean_env / 'missing.yaml'}: cannot read it")
+
+
+def test_env_reports_a_profile_named_for_another_gpu_as_planning_uses_it(clean_env, no_cupy,
+                                                                        monkeypatch, tmp_path,
+                                                                        capsys):
+    """$SPLITKV_PROFILE calibrated on another GPU than the reference H200: without a GPU,
+    planning (splitkv plan, load_profile()) plans for that GPU with it, and the profile line
+    names it so, with a note, rather than an error."""
+    path = replace(load_profile(), device_name="NVIDIA H100 80GB HBM3", num_sms=114).save(
+        tmp_path / "h100.yaml")
+    monkeypatch.setenv("SPLITKV_PROFILE", str(path))
+    assert value(env_lines(capsys), "profile") == (
+        f"explicit ($SPLITKV_PROFILE): {path} (for NVIDIA H100 80GB HBM3, 114 SMs, the "
+        "profile's GPU: no GPU here); calibrated on another GPU than the reference NVIDIA H200: "
+        "planning without a GPU plans for its GPU with it, a wrapper on another GPU refuses it")
+    assert cli.main(["plan"]) == 0
+    out = capsys.readouterr().out
+    assert f"profile:   NVIDIA H100 80GB HBM3, 114 SMs (calibrated; {path})" in out
+
+
+def test_env_on_a_gpu_says_a_profile_for_another_gpu_is_refused_there(clean_env, monkeypatch,
+                                                                       tmp_path):
+    """On a GPU, load_profile refuses $SPLITKV_PROFILE calibrated on another one, as a wrapper
+    there does: the line says so, and what planning without a GPU does with it."""
+    monkeypatch.setattr(env_cli, "_NoProbes", NoProbes)
+    path = replace(load_profile(), device_name="NVIDIA H100 80GB HBM3").save(tmp_path / "h.yaml")
+    monkeypatch.setenv("SPLITKV_PROFILE", str(path))
+    assert env_cli._profile({"name": "NVIDIA H200", "num_sms": 132}) == (
+        f"error: profile {path}: made for 'NVIDIA H100 80GB HBM3', not 'NVIDIA H200' (named by "
+        "$SPLITKV_PROFILE); calibrated on another GPU: a wrapper on this one refuses it as well, "
+        "planning without a GPU (splitkv plan) plans for NVIDIA H100 80GB HBM3 with it")
+    assert env_cli._profile({"name": "NVIDIA H100 80GB HBM3", "num_sms": 132}) == (
+        f"explicit ($SPLITKV_PROFILE): {path} (for NVIDIA H100 80GB HBM3, 132 SMs)")
+    assert env_cli._profile({"name": "NVIDIA H100 80GB HBM3", "num_sms": 114}).startswith(
+        f"error: profile {path}: made for 132 SMs, this device has 114 (a MIG slice or another "
+        "model?) (named by $SPLITKV_PROFILE); calibrated on another GPU: ")
 
 
 class NoProbes:

@@ -7,6 +7,7 @@ line with exit status 2, a failed compile or write with exit status 1."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -131,6 +132,85 @@ def test_without_nvrtc_it_says_so_in_one_line(cache, monkeypatch, capsys):
     assert cli.main(["precompile", "--arch", "sm_90"]) == 2
     assert capsys.readouterr().err == ("splitkv precompile: needs NVRTC, which does not load: "
                                        "libnvrtc not found\n")
+
+
+class NVRTCUsed(RuntimeError):
+    pass
+
+
+@pytest.fixture
+def no_nvrtc(monkeypatch):
+    """NVRTC absent, whether or not it is here: CuPy's NVRTC module raises on any use, and so
+    does each splitkv function that reaches it, so a test fails if one is called anyway."""
+    import types
+
+    import splitkv.runtime as runtime
+
+    def used(*args, **kwargs):
+        raise NVRTCUsed("NVRTC was used")
+
+    def attribute(name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        used()
+
+    fake = types.ModuleType("cupy_backends.cuda.libs.nvrtc")
+    fake.__getattr__ = attribute
+    try:
+        import cupy_backends.cuda.libs as libs
+    except ImportError:              # no CuPy: nothing to load NVRTC with
+        libs = None
+    if libs is not None:
+        monkeypatch.setattr(libs, "nvrtc", fake, raising=False)
+        monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs.nvrtc", fake)
+    for name in ("compile_cubin", "compile_ptx", "nvrtc_archs"):
+        monkeypatch.setattr(f"splitkv.runtime.kernel_source.{name}", used)
+    monkeypatch.setattr(CC, "nvrtc_build", used)
+    # its probe, unremembered: it tries the module above, which raises
+    monkeypatch.setattr(runtime, "nvrtc_available", runtime.nvrtc_available.__wrapped__)
+
+
+def expected_labels(arch_cc: int, head_dim: int, clusters: bool) -> set[str]:
+    """The labels (no file names: those need NVRTC) of ``expected_names``' builds."""
+    base = shape_build("bfloat16", head_dim, 4, 16, None, build_type=KernelBuild)
+    return {b.name for b in reachable_builds(base, device=architecture_properties(arch_cc),
+                                             page_size=16, group_size=4, soft_caps=(False,),
+                                             clusters=clusters)}
+
+
+def test_dry_run_without_nvrtc_lists_the_modules_by_label(cache, no_nvrtc, capsys):
+    """A dry run needs no NVRTC: it lists each module a run would compile by its label and
+    architecture (a file's name hashes the NVRTC build, so none is named) and writes nothing;
+    a run that compiles still refuses in one line."""
+    from splitkv.runtime import nvrtc_available
+
+    assert nvrtc_available()[0] is False
+    assert cli.main(["precompile", "--arch", "sm_90", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"splitkv's kernel cache: {cache} (from $SPLITKV_CACHE_DIR); NVRTC "
+                             "does not load here: ")
+    assert out[1] == "32/8 heads, head_dim 128, page 16, bfloat16; sm_90"
+    listed = [line.split()[2] for line in out[2:-1]]
+    assert all(line.endswith(" for sm_90") for line in out[2:-1])
+    assert sorted(listed) == sorted(expected_labels(90, 128, clusters=True)) and len(listed) == 4
+    assert out[-1] == ("would compile 4 modules (--dry-run without NVRTC: the files are named by "
+                       "the NVRTC that compiles them, so which are already there is not known; "
+                       "nothing written)")
+    assert cli.main(["precompile", "--arch", "sm_80,sm_90", "--graph-stable", "--dry-run",
+                     "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["nvrtc"] is None and report["nvrtc_error"] and report["dry_run"] is True
+    assert report["arches"] == ["sm_80", "sm_90"]
+    modules = report["modules"]
+    assert {(m["status"], m["path"]) for m in modules} == {("would compile", None)}
+    for arch in ("sm_80", "sm_90"):
+        labels = [m["label"] for m in modules if m["arch"] == arch]
+        assert "device_plan" in labels and len(labels) == len(set(labels)) >= 2
+    assert not cache.exists()
+    assert cli.main(["precompile", "--arch", "sm_90"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("splitkv precompile: needs NVRTC, which does not load: ")
+    assert err.count("\n") == 1 and not cache.exists()
 
 
 @pytest.mark.nvrtc

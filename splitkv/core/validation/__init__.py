@@ -218,10 +218,10 @@ def check_page_indices(kv_indices: np.ndarray, num_pages=None, name: str = "kv_i
     cache) of ``num_pages`` pages. The first bad entry is named as the caller wrote it:
     ``name`` is the argument it came from (``block_table`` for vLLM's layout) and
     ``position(i)`` says where entry i of ``kv_indices`` sits there (default ``[i]``)."""
+    if num_pages is not None:    # a pool of no pages suits only a table that addresses none
+        num_pages = check_int("num_pages", num_pages, 1 if kv_indices.size else 0)
     if not kv_indices.size:
         return
-    if num_pages is not None:
-        num_pages = check_int("num_pages", num_pages, 0)
     # two reductions over a plan's many entries; the mask only to find the first bad one
     if kv_indices.min() >= 0 and (num_pages is None or kv_indices.max() < num_pages):
         return

@@ -92,7 +92,7 @@ def main():
     warm = run_probes()
     models["first_use"] = first.cost_model()
     models["prior"] = profiles.prior_profile(name, num_sms).cost_model()
-    kin = kin_of(name, int(info["cc"]))
+    kin = kin_of(name, int(info["cc"]), results.bandwidth_gbps)
     if kin is not None:
         models["kin"] = kin_profile(kin, name, num_sms, results.bandwidth_gbps).cost_model()
         models["kin_as_is"] = kin.cost_model()

@@ -375,9 +375,10 @@ def resolve(device_name: str, num_sms: int | None, source) -> Profile | None:
                         f"calibration ({FIRST_USE_ENV}=calibrate) and wrote {profile.origin}")
             return profile
         start = time.perf_counter()
-        kin = kin_of(device_name, getattr(source, "cc", None))
-        if kin is not None and hasattr(source, "read_bandwidth"):
+        cc = getattr(source, "cc", None)
+        if kin_of(device_name, cc) is not None and hasattr(source, "read_bandwidth"):
             gbps = source.read_bandwidth()
+            kin = kin_of(device_name, cc, gbps)
             seconds = time.perf_counter() - start
             profile = kin_profile(kin, device_name, getattr(source, "num_sms", None)
                                   or num_sms or kin.num_sms, gbps, seconds)

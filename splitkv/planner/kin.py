@@ -13,6 +13,7 @@ model (docs/design/first-use.md); and only the read probe runs, no decode build 
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import replace
 from importlib import resources
 
@@ -29,16 +30,27 @@ def shipped_profiles() -> list[Profile]:
             for f in sorted(folder.iterdir(), key=lambda f: f.name) if f.name.endswith(".yaml")]
 
 
-def kin_of(device_name: str, cc: int | None) -> Profile | None:
+def kin_of(device_name: str, cc: int | None, gbps: float | None = None) -> Profile | None:
     """The shipped profile of another GPU of compute capability ``cc`` (a GPU of
-    ``core.architectures.GPU_SMS``), or None."""
+    ``core.architectures.GPU_SMS``), or None. Where the architecture has several (an H100's and
+    an H200's), the one whose measured streaming bandwidth is nearest ``gbps`` (this GPU's
+    read, in ratio): an H100 PCIe takes the H100's, an H200 NVL the H200's; without ``gbps``,
+    the first by file name."""
     if cc is None:
         return None
-    for profile in shipped_profiles():
-        known = GPU_SMS.get(profile.device_name)
-        if known and known[0] == cc and device_slug(profile.device_name) != device_slug(device_name):
-            return profile
-    return None
+    kins = [p for p in shipped_profiles()
+            if (GPU_SMS.get(p.device_name) or (None,))[0] == cc
+            and device_slug(p.device_name) != device_slug(device_name)]
+    if not kins:
+        return None
+    if gbps is None or gbps <= 0:
+        return kins[0]
+    return min(kins, key=lambda p: abs(math.log(_read_gbps(p) / gbps)))
+
+
+def _read_gbps(profile: Profile) -> float:
+    """The streaming bandwidth a profile's GPU reached in its calibration (its guess without)."""
+    return float(profile.measured_bandwidth_gbps or profile.bandwidth_gbps)
 
 
 def kin_profile(shipped: Profile, device_name: str, num_sms: int, bandwidth_gbps: float,

@@ -1,5 +1,5 @@
 """The planner plans for every GPU users run, with the profile such a GPU gets (the shipped fit
-on the H200, the roofline prior elsewhere) and its SM count and limits
+on the H200 and the H100, the roofline prior elsewhere) and its SM count and limits
 (``core.architectures``): over the standard and class shapes and random ragged batches, 16-bit
 and fp8 K/V, every plan covers every request, launches within CUDA's grid limits, merges in
 clusters only from compute capability 9.0 (where the wrapper lets it), runs a build whose
@@ -22,11 +22,13 @@ from splitkv.core.builds import PlanGrid, decode_build, row_tiles_for
 from splitkv.core.geometry import MAX_HEADS_PER_CTA, ctas_per_kv_head
 from splitkv.core.problem import DecodeProblem
 from splitkv.planner import choose_plan
+from splitkv.planner.kin import shipped_profiles
 from splitkv.planner.profile_lookup import load_profile
-from splitkv.planner.profiles import PROFILE_ENV
+from splitkv.planner.profiles import PROFILE_ENV, prior_profile
 from splitkv.runtime.workspace import workspace_size
 
 GPUS = sorted(GPU_SMS)
+SHIPPED = {p.device_name for p in shipped_profiles()}
 KV_DTYPES = ("", "float8_e4m3fn")
 
 
@@ -99,7 +101,7 @@ def test_each_gpu_plans_launchable_plans(name, profile_of):
     dev = device_properties(name)
     profile = profile_of(name)
     assert profile.num_sms == sms
-    assert profile.is_prior == (name != "NVIDIA H200")
+    assert profile.is_prior == (name not in SHIPPED)
     problems = cases_problems() + ragged_problems(sms)
     models = [profile.cost_model(kv or None).with_clusters(cc >= 90 and profile.clusters)
               for kv in KV_DTYPES]
@@ -118,12 +120,12 @@ def test_each_gpu_plans_launchable_plans(name, profile_of):
 
 
 @pytest.mark.parametrize("name", GPUS)
-def test_plans_follow_the_sm_count(name, profile_of):
+def test_plans_follow_the_sm_count(name):
     """The prior's plans scale with the GPU: a lone long request splits into chunks that fill
     the SMs (at least one CTA an SM, at most a few waves), and a batch that fills the GPU
     already is not split."""
     cc, sms = GPU_SMS[name]
-    model = profile_of(name).cost_model().with_clusters(False)
+    model = prior_profile(name, sms).cost_model().with_clusters(False)
     lone = choose_plan(DecodeProblem(np.array([131072]), 32, 8, 128, 16), model)
     assert sms <= lone.num_work_items * ctas_per_kv_head(4) <= 8 * sms
     full = choose_plan(DecodeProblem(np.full(4 * sms, 2048), 32, 8, 128, 16), model)

@@ -37,11 +37,24 @@ class ReadOnlyProbes:
 
 
 def test_a_gpu_finds_the_shipped_profile_of_its_architecture_only():
-    assert any(p.device_name == H200 for p in shipped_profiles())
-    assert kin_of(H100, 90).device_name == H200
-    assert kin_of(H200, 90) is None                 # its own is not a kin
+    assert {H100, H200} <= {p.device_name for p in shipped_profiles()}
+    assert kin_of(H100, 90).device_name == H200      # its own is not a kin
+    assert kin_of(H200, 90).device_name == H100
     assert kin_of("NVIDIA L40S", 89) is None and kin_of("NVIDIA B200", 100) is None
     assert kin_of(H100, None) is None
+
+
+def test_of_several_kins_the_nearest_in_streaming_bandwidth_is_taken():
+    # an H100 PCIe (2 TB/s) is nearer the H100 SXM's 3.1 TB/s, an H200 NVL (4.8) the H200's
+    assert kin_of("NVIDIA H100 PCIe", 90, 2000.0).device_name == H100
+    assert kin_of("NVIDIA H200 NVL", 90, 4800.0).device_name == H200
+    assert kin_of("NVIDIA H100 PCIe", 90).device_name == H100   # without a read: by file name
+
+
+def test_first_use_reads_before_it_picks_among_kins():
+    source = ReadOnlyProbes(num_sms=114, gbps=2000.0)
+    profile = resolve("NVIDIA H100 PCIe", 114, source)
+    assert source.reads == 1 and profile.sweep["from"] == H100 and profile.num_sms == 114
 
 
 def test_the_kin_keeps_every_fit_and_takes_this_gpus_bandwidth():

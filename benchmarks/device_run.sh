@@ -13,6 +13,8 @@
 #                                                      # per-shape wrapper, bf16 then fp8
 #   bash benchmarks/device_run.sh first_use            # first-use probes (shipped profile hidden) against
 #                                                      # the shipped profile and the roofline prior, ~5 min
+#   bash benchmarks/device_run.sh first_use_fp8        # the same over fp8 K/V
+#   bash benchmarks/device_run.sh calibrate_quick      # calibrate --quick, then the planner evaluation with it
 #   AB_ARGS='--cases b32_n8k --set default= --set w8=warps=8' bash benchmarks/device_run.sh ab
 #                                                      # an A/B (benchmarks/ab.py; AB_ARGS split on spaces)
 #   ENGINES_ARGS='--graphs on --repeats 1' bash benchmarks/device_run.sh engines
@@ -121,6 +123,17 @@ for phase in "$@"; do
       # profile and the roofline prior, each against the best plan measured in the same run
       CUPY_CACHE_DIR=$(mktemp -d) python3 benchmarks/eval_first_use.py --json "$RES/$GPU-first-use.json" 2>&1 \
         | quiet | tee "$RES/first_use.log" | tail -12 ;;
+    first_use_fp8)
+      # the same with fp8 K/V (e4m3): each model plans with its fp8 fit where it has one
+      CUPY_CACHE_DIR=$(mktemp -d) python3 benchmarks/eval_first_use.py --kv-dtype fp8_e4m3 \
+        --json "$RES/$GPU-first-use-fp8.json" 2>&1 | quiet | tee "$RES/first_use_fp8.log" | tail -12 ;;
+    calibrate_quick)
+      # `splitkv calibrate --quick` as a user runs it (an empty user cache), then the planner
+      # evaluation under the profile it wrote, to set beside the shipped profile's
+      XDG_CACHE_HOME=$(mktemp -d) python3 -m splitkv.cli calibrate --quick --out "$RES/$SLUG-quick.yaml" \
+        2>&1 | tee "$RES/calibrate_quick.log" | tail -20
+      python3 benchmarks/eval_planner.py --profile "$RES/$SLUG-quick.yaml" --json "$RES/$GPU-planner-quick.json" \
+        2>&1 | tee "$RES/eval_quick.log" | tail -8 ;;
     dissect)
       # the same plans with parts of the kernel cut out: what each part of a short call costs
       python3 benchmarks/dissect_latency.py --probes base,no_merge,bare,empty,cluster \

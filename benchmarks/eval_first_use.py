@@ -11,6 +11,7 @@ split; chunks of 64 to 16k tokens, each 'split_merge' and 'fused'); each pick is
 the best measured plan of its shape.
 
     python3 benchmarks/eval_first_use.py --json h200-first-use.json [--shapes all] [--limit N]
+        [--kv-dtype fp8_e4m3]
 
 Writes {"cases": [...], "within_5pct_frac", "geomean_ratio", "probe_seconds", ...} for the
 first-use model, and the same table under "shipped" and "prior".
@@ -30,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from eval_planner import GRID, heldout_class_shapes, heldout_shapes  # noqa: E402
 
+from splitkv.core.fp8 import fp8_format  # noqa: E402
 from splitkv.core.plan import plan_chunk_tokens  # noqa: E402
 from splitkv.measure.first_use_probes import run_probes  # noqa: E402
 from splitkv.measure.timing import make_layers, time_plan_us  # noqa: E402
@@ -69,7 +71,10 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--shapes", default="all", choices=["standard", "classes", "all"])
     ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--kv-dtype", default=None, help="fp8 K/V: fp8_e4m3 or fp8_e5m2 (each "
+                    "model plans with its fp8 fit where it has one)")
     args = ap.parse_args()
+    kv_dtype = fp8_format("--kv-dtype", args.kv_dtype)
     info = device_info()
     name, num_sms = info["name"], info["num_sms"]
 
@@ -77,7 +82,7 @@ def main():
     shipped = profiles.shipped_profile(profiles.device_slug(name))
     models = {}
     if shipped is not None:
-        models["shipped"] = shipped.cost_model()
+        models["shipped"] = shipped.cost_model(kv_dtype)
     # a device splitkv knows nothing of: no shipped profile, an empty user cache
     profile_lookup.shipped_profile = lambda slug: None
     os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="splitkv-first-use-")
@@ -90,12 +95,13 @@ def main():
     # again, every kernel compiled: what the probes cost on a machine that has compiled them
     # (another driver or splitkv version probes again with CuPy's cache warm)
     warm = run_probes()
-    models["first_use"] = first.cost_model()
-    models["prior"] = profiles.prior_profile(name, num_sms).cost_model()
+    models["first_use"] = first.cost_model(kv_dtype)
+    models["prior"] = profiles.prior_profile(name, num_sms).cost_model(kv_dtype)
     kin = kin_of(name, int(info["cc"]), results.bandwidth_gbps)
     if kin is not None:
-        models["kin"] = kin_profile(kin, name, num_sms, results.bandwidth_gbps).cost_model()
-        models["kin_as_is"] = kin.cost_model()
+        models["kin"] = kin_profile(kin, name, num_sms, results.bandwidth_gbps).cost_model(
+            kv_dtype)
+        models["kin_as_is"] = kin.cost_model(kv_dtype)
     print(f"probes: {results.seconds:.2f} s, {warm.seconds:.2f} s compiled "
           f"(phases {results.phase_seconds}, compiled {warm.phase_seconds}); bandwidth "
           f"{results.bandwidth_gbps:.0f} GB/s, empty kernel {results.empty_graph_us:.2f} us in "
@@ -109,7 +115,8 @@ def main():
     rows = []
     for i, (shape, prob) in enumerate(shapes):
         pt, _ = scattered_page_table(prob.kv_lens, prob.page_size, np.random.default_rng(i), 0)
-        data = make_layers(pt, prob.num_qo_heads, prob.num_kv_heads, prob.head_dim, prob.dtype)
+        data = make_layers(pt, prob.num_qo_heads, prob.num_kv_heads, prob.head_dim, prob.dtype,
+                           kv_dtype=kv_dtype)
         plans = {}
         picks = {who: choose_plan(prob, model) for who, model in models.items()}
         for p in picks.values():
@@ -121,7 +128,8 @@ def main():
                 p = plan_chunk_tokens(prob, chunk, strategy, align=64)
                 if p.num_splits > 1:
                     plans.setdefault(plan_key(p), p)
-        measured = {k: time_plan_us(p, pt, data=data, trials=3, min_trial_ms=10.0)
+        measured = {k: time_plan_us(p, pt, data=data, trials=3, min_trial_ms=10.0,
+                                    kv_dtype=kv_dtype)
                     for k, p in plans.items()}
         best = min(measured, key=measured.get)
         row = {"shape": shape, "oracle_us": round(measured[best], 3),
@@ -139,6 +147,7 @@ def main():
 
     result = {"device": name, "date": datetime.date.today().isoformat(),
               "command": "python3 " + " ".join(sys.argv), "shape_set": args.shapes,
+              "kv_dtype": kv_dtype,
               **table(rows, "first_use"), "probe_seconds": round(results.seconds, 3),
               "probe_wall_seconds": round(wall, 3),
               "probe_seconds_compiled": round(warm.seconds, 3), "probes": results.to_dict(),

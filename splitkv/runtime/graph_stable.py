@@ -73,6 +73,7 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
         self._launch_variant = PLAIN          # the hooks of the bound launches' build
         self._chunks_given = chunks is not None   # one fixed grid, else a grid per batch size
         self._launches: dict = {}             # requests a grid is built for -> its DecodeLaunch
+        self._logits_soft_cap_log2 = 0.0      # the last plan's soft cap, in every grid's params
         self._grid_binding = None             # what binding a grid needs: kernels, buffers, ...
         self._graph_upload: GraphPlanUpload | None = None
         self._graph_pool_pages: int | None = None    # pages of the K/V pool a run was given
@@ -240,6 +241,7 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
                              f"{max_chunks if self._chunks_given else None}; pass max_chunks= "
                              "for one larger fixed grid)")
         kernels = self._graph_kernels(soft_cap_log2, alibi is not None)
+        self._write_soft_cap(soft_cap_log2)
         stages = kernels.build.stages
         tile = kernels.build.tile_tokens
         may_carry_pages = record_pages_needed(self.page_size, stages, tile) <= RECORD_PAGES
@@ -343,8 +345,8 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
         planner.params.rows_window_left = window
         planner.params.window_left = (VA.covering_window_left(window, self._max_q_len)
                                       if self._max_q_len > 1 else window)
+        self._write_soft_cap(soft_cap)
         planner.launch(s.ptr)
-        self._logits_soft_cap_log2 = soft_cap
         self._run_after_device_plan = True
         self._streams.plan_stream = s
         if not s.is_capturing():
@@ -462,9 +464,18 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
             launch = self._bind(kernels, meta, LaunchGrid(
                 self.max_chunks_for(key), key, self.num_qo_heads * self._max_q_len,
                 self.ctas_per_kv_head, merge=True, pages_in_record=pages_in_record,
-                spread=self._spreads(key), device_planned=device_planned), scale_log2)
+                spread=self._spreads(key), device_planned=device_planned), scale_log2,
+                self._logits_soft_cap_log2)
             self._launches[key] = launch
         return launch
+
+    def _write_soft_cap(self, soft_cap_log2: float) -> None:
+        """A plan's soft cap, written at plan time into every grid's launch (they outlive the
+        plan; a captured graph holds the value of its capture) and kept for grids bound
+        later."""
+        self._logits_soft_cap_log2 = soft_cap_log2
+        for launch in self._launches.values():
+            launch.params.logits_soft_cap_log2 = soft_cap_log2
 
     def _launch_for_rows(self, rows: int):
         return self._grid_launch(-(-rows // self._max_q_len))

@@ -76,17 +76,20 @@ class LaunchGrid:
 
 def decode_params(meta: dict, workspace, grid: LaunchGrid, *, num_kv_heads: int, page_size: int,
                   q_group: int, sm_scale_log2: float, pdl_early_trigger: bool,
-                  unified_max_log2: float = 0.0, unified_fallbacks: int = 0) -> DecodeParams:
+                  soft_cap_log2: float = 0.0, unified_max_log2: float = 0.0,
+                  unified_fallbacks: int = 0) -> DecodeParams:
     """A plan's DecodeParams, all but the tensors: ``meta``, the device pointers of its
     records, page table and merge_indptr (and of multi-token rows, compact merge's split
-    requests and ALiBi's slopes, when it has them); ``workspace``, the partials and ticket counters."""
+    requests and ALiBi's slopes, when it has them); ``workspace``, the partials and ticket
+    counters; the plan-time scalars (the scale, the soft cap, the unified max), written here
+    once: a run writes only its own arguments (``write_run_arguments``)."""
     params = DecodeParams(
         kv_indices=meta["kv_indices"], records=meta["records"],
         merge_indptr=meta["merge_indptr"], partial_o=workspace.partial_o.data.ptr,
         partial_lse=workspace.partial_lse.data.ptr, counters=workspace.counters.data.ptr,
         batch_size=grid.batch_size, num_qo_heads=grid.heads,
         num_kv_heads=num_kv_heads, ctas_per_kv_head=grid.per_kv_head,
-        page_size=page_size, sm_scale_log2=sm_scale_log2,
+        page_size=page_size, sm_scale_log2=sm_scale_log2, logits_soft_cap_log2=soft_cap_log2,
         pages_in_record=int(grid.pages_in_record),
         pdl_early_trigger=int(pdl_early_trigger),
         query_rows=meta.get("query_rows", 0), q_group=q_group,
@@ -102,8 +105,8 @@ def decode_params(meta: dict, workspace, grid: LaunchGrid, *, num_kv_heads: int,
 @dataclass(frozen=True)
 class RunArguments:
     """What one ``run()`` gives the kernels: device pointers of q, the caches, out and lse (0:
-    not wanted); the caches' strides in elements; the fp8 scales; the soft cap (base 2) and
-    the sinks' pointer (0: none); q's row stride in elements."""
+    not wanted); the caches' strides in elements; the fp8 scales; the sinks' pointer (0:
+    none); q's row stride in elements. (The soft cap is the plan's: ``decode_params``.)"""
 
     q: int
     k_cache: int
@@ -115,7 +118,6 @@ class RunArguments:
     lse: int
     k_scale: Scale = NO_SCALE
     v_scale: Scale = NO_SCALE
-    logits_soft_cap_log2: float = 0.0
     sinks: int = 0
     q_stride: int = 0
 
@@ -126,5 +128,5 @@ def write_run_arguments(p: DecodeParams, a: RunArguments) -> None:
     p.page_stride, p.token_stride, p.head_stride = a.page_stride, a.token_stride, a.head_stride
     p.k_scale, p.k_scale_value, p.k_scale_stride = a.k_scale
     p.v_scale, p.v_scale_value, p.v_scale_stride = a.v_scale
-    p.logits_soft_cap_log2, p.sinks = a.logits_soft_cap_log2, a.sinks
+    p.sinks = a.sinks
     p.q_stride = a.q_stride

@@ -126,8 +126,8 @@ class RunInputs:
 
 
 def run_inputs(shape: DecodeShape, q, k_cache, v_cache, *, out, lse, want_lse: bool, stream,
-               k_scale, v_scale, sinks, rows: tuple[int, int], max_page: int, device,
-               soft_cap_log2: float) -> RunInputs:
+               k_scale, v_scale, sinks, rows: tuple[int, int], max_page: int,
+               device) -> RunInputs:
     """Check run()'s inputs against the wrapper's ``shape`` and the plan, before any launch.
     ``rows``: (fewest, most) rows q may have (a graph-stable wrapper takes any batch up to its
     capacity; a per-shape plan exactly its own); out and lse then have q's rows."""
@@ -154,7 +154,6 @@ def run_inputs(shape: DecodeShape, q, k_cache, v_cache, *, out, lse, want_lse: b
         V.check_device_output("lse", la, (n, shape.num_qo_heads), "float32")
         lse_ptr = la.ptr
     args = RunArguments(qa.ptr, ka.ptr, va.ptr, ka.strides[0], ka.strides[1], ka.strides[2],
-                        oa.ptr, lse_ptr, k_scale=k_scale, v_scale=v_scale,
-                        logits_soft_cap_log2=soft_cap_log2, sinks=sinks,
+                        oa.ptr, lse_ptr, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
                         q_stride=q_stride)
     return RunInputs(args, out, lse, s, n, ka)

@@ -133,7 +133,6 @@ class BatchDecodeWrapper:
         self._upload = PlanUpload()
         self._workspace = Workspace(self.head_dim, workspace_buffer)
         self._device_table = None             # a plan's page table kept on the device
-        self._logits_soft_cap_log2 = 0.0      # plan()'s logits_soft_cap, as the kernels hold it
         self._unified_fallbacks = FallbackCounter()   # the unified max's fallbacks
         # every use of the buffers (plan uploads, runs), ordered across streams
         self._streams = PlanStreams()
@@ -320,7 +319,6 @@ class BatchDecodeWrapper:
                           phi=phi, heads=heads, alibi=slopes)
         self._streams.plan_stream = s
         self._plan, self._max_page = chosen, max_page
-        self._logits_soft_cap_log2 = soft_cap
         return chosen
 
     def warmup(self, *, logits_soft_cap: bool = False, max_q_len: int | None = None,
@@ -435,19 +433,19 @@ class BatchDecodeWrapper:
         self._launch = self._bind(kernels, meta, LaunchGrid(
             chosen.num_chunks, chosen.problem.batch_size, heads, per_kv_head,
             merge=chosen.merge == MERGE_KERNEL, pages_in_record=in_record,
-            cluster_size=chosen.cluster_size), sm_scale_log2, **unified)
+            cluster_size=chosen.cluster_size), sm_scale_log2, soft_cap_log2, **unified)
         self._query_rows = query_rows
         self._device_id = cupy.cuda.runtime.getDevice()
         self._pages_in_record = in_record
 
     def _bind(self, kernels, meta: dict, grid: LaunchGrid, sm_scale_log2: float,
-              **unified) -> DecodeLaunch:
+              soft_cap_log2: float, **unified) -> DecodeLaunch:
         """The launches of ``grid`` and their DecodeParams, all but the tensors (``params``,
         ``launch``); ``meta``: the device pointers of the plan's buffers."""
         pdl = sm90_option("pdl", self.pdl, "programmatic dependent launch")
         params = decode_params(meta, self._workspace, grid, num_kv_heads=self.num_kv_heads,
                                page_size=self.page_size, q_group=self.group_size,
-                               sm_scale_log2=sm_scale_log2,
+                               sm_scale_log2=sm_scale_log2, soft_cap_log2=soft_cap_log2,
                                pdl_early_trigger=pdl and self.experiments.pdl_trigger == "early",
                                **unified)
         spread = grid.spread if grid.spread is not None else self.experiments.pdl_spread
@@ -502,8 +500,7 @@ class BatchDecodeWrapper:
         want_lse = return_lse or lse is not None
         io = run_inputs(self._shape, q, k_cache, v_cache, out=out, lse=lse, want_lse=want_lse,
                         stream=stream, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
-                        rows=self._run_rows(), max_page=self._max_page, device=self._device_id,
-                        soft_cap_log2=self._logits_soft_cap_log2)
+                        rows=self._run_rows(), max_page=self._max_page, device=self._device_id)
         self._streams.wait_for_plan(io.stream, self._ready_event())
         self._note_pool(io.k_cache)
         if io.rows:

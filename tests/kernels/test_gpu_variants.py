@@ -121,13 +121,29 @@ def test_an_infinite_score_stays_nan_under_the_cap():
         assert not np.isnan(o[rest]).any() and rel_err(o[rest], ref_o[rest]) < 1e-2, strategy
 
 
-def test_a_graph_stable_wrapper_keeps_its_first_plans_cap_on_or_off():
+def test_a_graph_stable_wrapper_keeps_its_first_plans_cap_on_or_off_and_takes_each_value():
     rng = np.random.default_rng(44)
     pt, q, k, v = make(rng, 32, 8, 128, "bfloat16")
     stable = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", use_cuda_graph=True,
                                 max_batch_size=len(LENS), max_num_pages=pt.kv_indices.size)
-    stable.plan(pt, logits_soft_cap=4.0)
-    stable.plan(pt, logits_soft_cap=8.0)                     # another value: the same build
+    # each plan's value reaches the launches it keeps (written at plan time), host-planned and
+    # planned on the device; a cap of 2 against 30 moves the output well past the tolerance
+    for cap in (2.0, 30.0, 2.0):
+        run_and_check(stable, pt, q, k, v, "bfloat16", None, cap, None)
+    lens = cupy.asarray(pt.kv_lens.astype(np.int32))
+    table = np.zeros((len(LENS), int(np.diff(pt.kv_indptr).max())), np.int32)
+    for b in range(len(LENS)):
+        table[b, :pt.kv_indptr[b + 1] - pt.kv_indptr[b]] = \
+            pt.kv_indices[pt.kv_indptr[b]:pt.kv_indptr[b + 1]]
+    device = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", use_cuda_graph=True,
+                                max_batch_size=len(LENS), max_num_pages=pt.kv_indices.size)
+    for cap in (30.0, 2.0):
+        ref_o, ref_lse = reference_decode(q.get(), k, v, pt, logits_soft_cap=cap)
+        device.plan_on_device(seq_lens=lens, block_table=cupy.asarray(table),
+                              logits_soft_cap=cap)
+        out, lse = device.run(q, cupy.asarray(k), cupy.asarray(v), return_lse=True)
+        assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse,
+                                 TOL["bfloat16"], f"plan_on_device, cap {cap}")
     with pytest.raises(ValueError, match="keeps its first plan's soft cap on"):
         stable.plan(pt)
 

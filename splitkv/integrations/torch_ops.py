@@ -25,6 +25,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from splitkv.core import validation as V
 from splitkv.core.fp8 import fp8_format
 from splitkv.core.variants import check_alibi_slopes, check_chunk_size
 
@@ -52,9 +53,14 @@ class DecodeSession:
         for name, value in (("capacity", capacity), ("width", width), ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        # the GPU wrapper's own checks, so that a configuration the CPU path runs also runs on
+        # a GPU
+        num_qo_heads, num_kv_heads = V.check_heads(num_qo_heads, num_kv_heads)
+        head_dim = V.check_head_dim(head_dim)
         if not isinstance(dtype, torch.dtype) or dtype not in (torch.float16, torch.bfloat16,
                                                                 torch.float32):
-            raise TypeError(f"dtype: expected torch.float16 or torch.bfloat16, got {dtype!r}")
+            raise TypeError(f"dtype: expected torch.float16 or torch.bfloat16 (torch.float32 "
+                            f"on CPU tensors only), got {dtype!r}")
         if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
             raise ValueError(f"sm_scale: expected a finite number > 0, got {sm_scale!r}")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
@@ -88,6 +94,12 @@ class DecodeSession:
         if not 1 <= rows <= self.capacity:
             raise ValueError(f"q: expected 1 to {self.capacity} rows (the session's capacity), "
                              f"got {rows}")
+        names = (("seq_lens", "block_table") if self.layout == "block_table"
+                 else ("kv_indptr", "kv_indices"))
+        for name, t in zip(names, tables):      # a float length would be truncated by the copy
+            if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"{name}: expected a torch.int32 (or int64) tensor, got "
+                                f"{getattr(t, 'dtype', type(t).__name__)}")
         if self.buffers is None:
             self._allocate(tables[0].device)
         b = self.buffers
@@ -190,11 +202,35 @@ class DecodeSession:
             self.page_table = PageTable.from_flashinfer(
                 ptr, host["kv_indices"][:ptr[-1]], host["kv_last_page_len"], 1)
 
+    def _check_cpu_inputs(self, q, k_cache, v_cache) -> None:
+        """What the GPU wrapper's run() refuses, refused on the CPU path too: q and the caches
+        of the session's heads, head_dim, page size and dtypes (fp8 codes as uint8 or the
+        session's float8 type)."""
+        want_q = (q.shape[0], self.num_qo_heads, self.head_dim)
+        if q.dim() != 3 or tuple(q.shape) != want_q:
+            raise ValueError(f"q: expected shape {list(want_q)}, got {list(q.shape)}")
+        if q.dtype != self.dtype:
+            raise TypeError(f"q: expected {self.dtype} (the session's dtype), got {q.dtype}")
+        codes = (None if self.kv_dtype is None
+                 else (torch.uint8, getattr(torch, self.kv_dtype, torch.uint8)))
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            tail = (self.page_size, self.num_kv_heads, self.head_dim)
+            if cache.dim() != 4 or tuple(cache.shape[1:]) != tail:
+                raise ValueError(f"{name}: expected shape [num_pages, {', '.join(map(str, tail))}]"
+                                 f" (NHD), got {list(cache.shape)}")
+            if codes is None and cache.dtype != self.dtype:
+                raise TypeError(f"{name}: expected {self.dtype} (the session's dtype), got "
+                                f"{cache.dtype}")
+            if codes is not None and cache.dtype not in codes:
+                raise TypeError(f"{name}: expected {self.kv_dtype} codes (torch.uint8 or "
+                                f"torch.{self.kv_dtype}), got {cache.dtype}")
+
     def _run_cpu(self, q, k_cache, v_cache, sinks, k_scale, v_scale):
         from splitkv import reference_decode
 
         if self.page_table is None:
             raise RuntimeError("paged_decode: plan first (plan=True on the first call)")
+        self._check_cpu_inputs(q, k_cache, v_cache)
         rows, cap = q.shape[0], self.capacity
         q64 = np.zeros((cap, *q.shape[1:]))
         q64[:rows] = q.detach().double().numpy()

@@ -156,6 +156,36 @@ def test_a_session_names_what_it_refuses():
         torch_ops.get_session(-5)
 
 
+def test_the_cpu_path_refuses_what_the_gpu_wrapper_refuses():
+    """A configuration or an input the GPU path would refuse is refused on the CPU path too,
+    by name, before anything runs: an engine's CPU tests then fail where its GPU run would."""
+    config = dict(num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                  dtype=torch.float16, layout="block_table", capacity=2, width=4, sm_scale=0.1)
+    for bad, match in (({"num_kv_heads": 3}, "num_qo_heads: 4 is not a multiple"),
+                       ({"num_qo_heads": -1}, "num_qo_heads"),
+                       ({"head_dim": 96}, "head_dim: 96 is not supported"),
+                       ({"dtype": torch.int32}, "torch.float32 on CPU tensors only")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            torch_ops.DecodeSession(**{**config, **bad})
+    s = torch_ops.DecodeSession(**config)
+    table = torch.tensor([[0, 1, -1, -1], [2, -1, -1, -1]], dtype=torch.int32)
+    with pytest.raises(TypeError, match="seq_lens: expected a torch.int32"):
+        s.plan([torch.tensor([17.9, 3.0]), table], 2)       # never truncated to 17
+    s.plan([torch.tensor([17, 3], dtype=torch.int32), table], 2)
+    q = torch.zeros(2, 4, 64, dtype=torch.float16)
+    k = v = torch.zeros(3, 16, 2, 64, dtype=torch.float16)
+    half = dict(dtype=torch.float16)
+    for args, error, match in (
+            ((torch.zeros(2, 2, 64, **half), k, v), ValueError, r"q: expected shape \[2, 4, 64\]"),
+            ((torch.zeros(2, 4, 32, **half), k, v), ValueError, r"q: expected shape"),
+            ((q.float(), k, v), TypeError, "q: expected torch.float16"),
+            ((q, torch.zeros(3, 16, 4, 64, **half), v), ValueError, "k_cache: expected shape"),
+            ((q, k, v.bfloat16()), TypeError, "v_cache: expected torch.float16")):
+        with pytest.raises(error, match=match):
+            s.run(*args, None)
+    assert s.run(q, k, v, None).shape == (2, 4, 64)
+
+
 def test_a_session_with_chunked_attention_decodes_each_requests_last_chunk():
     """DecodeSession(attention_chunk_size=) on the CPU path: the float64 reference over each
     request's last chunk (what the GPU path plans on the device)."""

@@ -86,6 +86,8 @@ def _splits_used(plan, asked: int) -> str | None:
 
 def run(args) -> int:
     from ..planner import ProfileError, load_profile, rank_candidates
+    from ..core.architectures import GPU_SMS
+    from ..planner.kin import kin_by_name
     from ..planner.planner import NUM_SPLITS
     from ..core.problem import DecodeProblem
 
@@ -116,8 +118,14 @@ def run(args) -> int:
                                 args.head_dim, args.page_size, window_left=window,
                                 attention_chunk_size=args.attention_chunk_size)
         with caught_notices() as caught:
+            # a GPU splitkv knows (core.architectures.GPU_SMS) has its own SM count
+            num_sms = args.num_sms or GPU_SMS.get(args.device_name, (0, None))[1]
             profile = load_profile(args.profile, device_name=args.device_name,
-                                   num_sms=args.num_sms)
+                                   num_sms=num_sms)
+        if profile.is_prior and args.device_name:   # what that GPU's first plan would take
+            kin = kin_by_name(args.device_name, num_sms)
+            if kin is not None:
+                profile, caught = kin, []
         model = profile.cost_model(args.kv_dtype)
         if args.q_len > 1:                       # the builds' tiles of multi-token plans
             model = model.for_multi_token()

@@ -50,11 +50,14 @@ ARCHITECTURES = {a.cc: a for a in (
 )}
 
 # SMs per GPU, from NVIDIA's product specifications (CUDA cores / 128 where a sheet lists cores):
-# A100 108; RTX 3090 10,496 cores, 82; L40S 18,176 cores, 142; H100 SXM5 132; H200 132; B200 148; RTX 4090 16,384 cores,
+# A100 108; RTX 3090 10,496 cores, 82; L40S 18,176 cores, 142; H100 SXM5 132; H100 PCIe 14,592
+# cores, 114; H100 NVL and H200 NVL 16,896 cores, 132; H200 132; B200 148; RTX 4090 16,384 cores,
 # 128; RTX 5090 21,760 cores, 170.
 GPU_SMS = {"NVIDIA A100-SXM4-80GB": (80, 108), "NVIDIA GeForce RTX 3090": (86, 82),
            "NVIDIA L40S": (89, 142),
            "NVIDIA H100 80GB HBM3": (90, 132), "NVIDIA H200": (90, 132),
+           "NVIDIA H100 PCIe": (90, 114), "NVIDIA H100 NVL": (90, 132),
+           "NVIDIA H200 NVL": (90, 132),
            "NVIDIA B200": (100, 148), "NVIDIA GeForce RTX 4090": (89, 128),
            "NVIDIA GeForce RTX 5090": (120, 170)}
 

@@ -53,6 +53,25 @@ def _read_gbps(profile: Profile) -> float:
     return float(profile.measured_bandwidth_gbps or profile.bandwidth_gbps)
 
 
+def kin_by_name(device_name: str, num_sms: int | None = None) -> Profile | None:
+    """Without the GPU: what first use on a GPU named ``device_name`` (of ``GPU_SMS``) would
+    take, its kin rescaled to the bandwidth guessed from its name (the GPU measures its own
+    read), for ``splitkv plan --device-name``; None where its architecture has no shipped
+    profile of another GPU."""
+    from .profiles import guess_bandwidth_gbps
+
+    known = GPU_SMS.get(device_name)
+    if known is None:
+        return None
+    gbps = guess_bandwidth_gbps(device_name)
+    kin = kin_of(device_name, known[0], gbps)
+    if kin is None:
+        return None
+    profile = kin_profile(kin, device_name, num_sms or known[1], gbps)
+    return replace(profile, origin=f"the shipped profile of {kin.device_name} at a guessed "
+                                   f"{gbps:,.0f} GB/s (the GPU measures its own streaming read)")
+
+
 def kin_profile(shipped: Profile, device_name: str, num_sms: int, bandwidth_gbps: float,
                 seconds: float = 0.0) -> Profile:
     """``shipped`` for this device: its fits, this device's SMs and streaming bandwidth (the

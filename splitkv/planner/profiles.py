@@ -49,8 +49,10 @@ PRIOR_SOURCE = "prior, not yet calibrated"
 
 # Streaming-read bandwidth guesses (GB/s) for the prior, by a substring of the device name.
 # H200: measured (a streaming read of 4 GiB, 16-byte loads, 528-2112 CTAs: 4,457-4,497 GB/s).
-# The others: ~90% of the spec sheet, to be calibrated.
-BANDWIDTH_GUESS_GBPS = {"h200": 4460.0, "h100": 3000.0, "a100": 1800.0, "l40": 780.0}
+# The others: ~90% of the spec sheet, to be calibrated (the first key a name holds counts:
+# the H100 PCIe's 2.0 TB/s and NVL's 3.9 before the SXM's 3.35).
+BANDWIDTH_GUESS_GBPS = {"h200": 4460.0, "h100 pcie": 1800.0, "h100 nvl": 3500.0, "h100": 3000.0,
+                        "a100": 1800.0, "l40": 780.0}
 DEFAULT_BANDWIDTH_GBPS = 2000.0
 DEFAULT_NUM_SMS = 132
 

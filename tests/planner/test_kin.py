@@ -51,6 +51,16 @@ def test_of_several_kins_the_nearest_in_streaming_bandwidth_is_taken():
     assert kin_of("NVIDIA H100 PCIe", 90).device_name == H100   # without a read: by file name
 
 
+def test_without_the_gpu_its_name_gives_the_kin_at_a_guessed_bandwidth():
+    from splitkv.planner.kin import kin_by_name
+
+    pcie = kin_by_name("NVIDIA H100 PCIe")
+    assert (pcie.num_sms, pcie.bandwidth_gbps, pcie.sweep["from"]) == (114, 1800.0, H100)
+    assert pcie.kv_fp8 is not None and "guessed 1,800 GB/s" in pcie.origin
+    assert kin_by_name("NVIDIA H200 NVL").sweep["from"] == H200
+    assert kin_by_name("NVIDIA L40S") is None and kin_by_name("Acme GPU 9000") is None
+
+
 def test_first_use_reads_before_it_picks_among_kins():
     source = ReadOnlyProbes(num_sms=114, gbps=2000.0)
     profile = resolve("NVIDIA H100 PCIe", 114, source)

@@ -216,6 +216,15 @@ def test_plan_with_query_rows_and_fp8(capsys):
     assert cli.main(["plan", "--kv-dtype", "fp8_e4m3", "--device-name", "NVIDIA A100-SXM4-80GB",
                      "--num-sms", "108"]) == 0
     assert "the profile's 16-bit fit: it has no fp8 fit" in capsys.readouterr().out
+    # a GPU splitkv knows: its SM count; one whose architecture has a shipped profile of
+    # another GPU: what its first plan takes, that profile at a bandwidth guessed from the name
+    assert cli.main(["plan", "--device-name", "NVIDIA H100 PCIe", "--kv-dtype", "fp8"]) == 0
+    captured = capsys.readouterr()
+    assert "profile:   NVIDIA H100 PCIe, 114 SMs" in captured.out and not captured.err
+    assert ("the shipped profile of NVIDIA H100 80GB HBM3 at a guessed 1,800 GB/s"
+            in captured.out and "the profile's fp8 fit" in captured.out)
+    assert cli.main(["plan", "--device-name", "NVIDIA L40S"]) == 0
+    assert "NVIDIA L40S, 142 SMs (prior" in capsys.readouterr().out
     assert cli.main(["plan", "--lens", "2,100", "--q-len", "4"]) == 2
     assert capsys.readouterr().err == ("splitkv plan: --q-len 4: a request has fewer tokens "
                                        "(2) than query rows; its new tokens are the last q_len "

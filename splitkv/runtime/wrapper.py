@@ -25,7 +25,7 @@ from ..core.layouts import check_kv_layout
 from ..core.plan import Plan
 from ..core.problem import DecodeProblem, PageTable
 from ..core.variants import KernelVariant
-from . import require_gpu
+from . import GPUUnavailableError, require_gpu
 from .compiled_builds import base_build
 from .device_features import check_option, sm90_option
 from .experiments import DecodeExperiments
@@ -245,11 +245,19 @@ class BatchDecodeWrapper:
         ``alibi_slopes`` (ALiBi: [num_qo_heads] slopes, host or CuPy; a build of its own,
         which a graph-stable wrapper keeps on or off as its first plan had it).
         """
-        require_gpu("BatchDecodeWrapper.plan()")
-        self._check_plans_on_host()
         layout = dict(kv_indptr=kv_indptr, kv_indices=kv_indices,
                       kv_last_page_len=kv_last_page_len, block_table=block_table,
                       seq_lens=seq_lens)
+        try:
+            require_gpu("BatchDecodeWrapper.plan()")
+        except GPUUnavailableError:   # a bad argument is named first, as on a GPU
+            _check_host_arguments(self, page_table, layout, num_splits=num_splits,
+                                  strategy=strategy, window_left=window_left,
+                                  logits_soft_cap=logits_soft_cap, unified_max=unified_max,
+                                  attention_chunk_size=attention_chunk_size,
+                                  alibi_slopes=alibi_slopes)
+            raise
+        self._check_plans_on_host()
         page_table = plan_page_table(page_table, self.page_size, **layout)
         on_device = page_table.kv_indices is None      # the caller's table, read in place
         s = run_stream(stream, *layout.values(), qo_indptr)   # torch's with torch tensors
@@ -509,3 +517,25 @@ class BatchDecodeWrapper:
                 launch(io.args, io.stream.ptr, plain=self._run_after_device_plan)
             self._run_after_device_plan = False
         return (io.out, io.lse) if want_lse else io.out
+
+
+def _check_host_arguments(wrapper: BatchDecodeWrapper, page_table, layout: dict, *, num_splits,
+                          strategy, window_left, logits_soft_cap, unified_max,
+                          attention_chunk_size, alibi_slopes) -> None:
+    """plan()'s checks of host arguments, made where no GPU is before the missing GPU is
+    named: an engine wired up on a machine without one sees its bad lengths, tables and
+    variant values refused as a GPU would refuse them."""
+    table = PageTable.from_layout(page_table, wrapper.page_size, **layout)
+    if table.page_size != wrapper.page_size:
+        raise ValueError(f"page_table: page_size {table.page_size} differs from the wrapper's "
+                         f"page_size {wrapper.page_size}")
+    if num_splits is not None:
+        V.check_int("num_splits", num_splits, 1, V.MAX_CHUNKS, "MAX_CHUNKS")
+    if strategy is not None:
+        V.check_strategy(strategy)
+    if window_left is not None:
+        V.check_int("window_left", window_left, -1, V.MAX_KV_LEN, "MAX_KV_LEN")
+    soft_cap_log2(logits_soft_cap)
+    UM.check_unified_max(unified_max)
+    VA.check_chunk_size(attention_chunk_size)
+    VA.check_alibi_slopes(wrapper.num_qo_heads, alibi_slopes)

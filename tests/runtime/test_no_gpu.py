@@ -33,12 +33,31 @@ def test_plan_and_run_without_a_gpu_raise_a_clear_error(monkeypatch):
     wrapper = splitkv.BatchDecodeWrapper(32, 8, 128, 16)          # no GPU work: works
     table = PageTable.from_block_table(np.array([[0, 1]]), np.array([20]), 16)
     for call, what in ((lambda: wrapper.plan(table), "plan()"),
-                       (lambda: wrapper.plan(), "plan()"),         # before checking arguments
                        (lambda: wrapper.run(None, None, None), "run()")):
         with pytest.raises(GPUUnavailableError) as raised:
             call()
         assert str(raised.value) == f"BatchDecodeWrapper.{what} needs a usable CUDA GPU: {HERE_WHY}"
         assert raised.value.reason == HERE_WHY
+
+
+def test_plan_names_a_bad_host_argument_before_the_missing_gpu(monkeypatch):
+    """An engine wired up on a machine without a GPU sees its bad lengths, tables and variant
+    values refused as a GPU would refuse them; good ones reach the missing GPU."""
+    monkeypatch.setattr(splitkv.runtime, "_gpu_found", False)
+    wrapper = splitkv.BatchDecodeWrapper(32, 8, 128, 16)
+    table = np.zeros((2, 4), np.int32)
+    for kw, error, match in (
+            ({}, TypeError, "page_table: give exactly one of"),
+            (dict(seq_lens=np.array([-1, 3])), ValueError, "seq_lens: lengths must be >= 0"),
+            (dict(seq_lens=np.array([1.5, 3.0])), TypeError, "seq_lens: expected an integer"),
+            (dict(seq_lens=np.array([5, 3]), strategy="bogus"), ValueError, "strategy"),
+            (dict(seq_lens=np.array([5, 3]), num_splits=0), ValueError, "num_splits"),
+            (dict(seq_lens=np.array([5, 3]), window_left=-2), ValueError, "window_left"),
+            (dict(seq_lens=np.array([5, 3]), logits_soft_cap=-1.0), ValueError, "logits_soft_cap"),
+            (dict(seq_lens=np.array([5, 3]), alibi_slopes=[0.5]), ValueError, "alibi_slopes"),
+            (dict(seq_lens=np.array([5, 3])), GPUUnavailableError, "needs a usable CUDA GPU")):
+        with pytest.raises(error, match=match):
+            wrapper.plan(**({"block_table": table} if kw else {}), **kw)
 
 
 def test_without_cupy_plan_and_run_raise_a_clear_error():

@@ -107,12 +107,16 @@ def folder_files(folder: Path, recursive: bool = False) -> list[Path]:
 
 
 def folder_usage(folder: Path | None, recursive: bool = False) -> dict:
-    """{"path", "exists", "files", "bytes"} of a folder's files (``folder_files``)."""
+    """{"path", "exists", "files", "bytes"} of a folder's files (``folder_files``), and
+    "not_a_folder" where something else has the folder's name."""
     if folder is None:
         return {"path": None, "exists": False, "files": 0, "bytes": 0}
     files = folder_files(folder, recursive)
-    return {"path": str(folder), "exists": folder.is_dir(), "files": len(files),
-            "bytes": sum(_size(f) for f in files)}
+    usage = {"path": str(folder), "exists": folder.is_dir(), "files": len(files),
+             "bytes": sum(_size(f) for f in files)}
+    if folder.exists() and not folder.is_dir():
+        usage["not_a_folder"] = True
+    return usage
 
 
 def files_and_bytes(count: int, size: int) -> str:
@@ -167,6 +171,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _clear(kernels: bool, dry_run: bool) -> int:
     folder = cache_dir()
+    if folder.exists() and not folder.is_dir():
+        print(f"splitkv cache: {folder} ({cache_dir_source()}) is not a folder: nothing "
+              "cleared", file=sys.stderr)
+        return 1
     print(f"splitkv's cache: {folder} ({cache_dir_source()})")
     groups = [("splitkv", user_profile_dir(), dict(patterns=PROFILE_FILES)),
               ("splitkv", first_use_dir(), dict(patterns=FIRST_USE_FILES))]

@@ -102,12 +102,26 @@ def collect() -> dict:
         report["environment"] = {
             name: A.one_line(text) for name, text in sorted(os.environ.items())
             if name.startswith(ENV_PREFIXES) or name in ENV_NAMES}
+        found += _bad_settings()
     found += [A.one_line(r.getMessage()) for r in noted]
     found += [A.one_line(w.message) for w in caught]
     ordered = {key: report.pop(key) for key in KEYS if key in report}
     if found:
         report["warnings"] = list(dict.fromkeys(found))
     return {**ordered, **report}
+
+
+def _bad_settings() -> list[str]:
+    """The environment's values that a later call would refuse: $SPLITKV_FIRST_USE (the first
+    plan on a GPU without a profile raises on a bad one)."""
+    from ..planner.first_use import first_use_mode
+
+    try:
+        first_use_mode()
+    except ValueError as exc:
+        return [f"{A.one_line(exc)} (a wrapper's first plan on a GPU without a profile raises "
+                "this)"]
+    return []
 
 
 def _module_version(name: str) -> str:
@@ -302,8 +316,8 @@ def lines(report: dict) -> list[str]:
                 out.append(f"{key}: none (${C.CUPY_CACHE_ENV} is set but empty: CuPy writes "
                            "into the working folder)")
                 continue
-            size = C.files_and_bytes(value["files"], value["bytes"]) if value["exists"] \
-                else "absent"
+            size = (C.files_and_bytes(value["files"], value["bytes"]) if value["exists"]
+                    else "not a folder" if value.get("not_a_folder") else "absent")
             source = f"; {value['from']}" if value.get("from") else ""
             out.append(f"{key}: {value['path']} ({size}{source})")
         else:

@@ -365,3 +365,24 @@ def test_a_bad_argument_is_one_line_and_exit_2(argv, message, capsys):
     assert cli.main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith(message), err
+
+
+def test_env_flags_settings_a_later_call_would_refuse(clean_env, no_cupy, monkeypatch, capsys):
+    monkeypatch.setenv(FIRST_USE_ENV, "bogus")
+    lines = env_lines(capsys)
+    assert any(line.startswith(f"warning: ${FIRST_USE_ENV}: expected one of off, probe, "
+                               "calibrate, got 'bogus'") for line in lines), lines
+    clean_env.parent.mkdir(exist_ok=True)
+    clean_env.write_text("not a folder")                 # $SPLITKV_CACHE_DIR names a file
+    monkeypatch.delenv(FIRST_USE_ENV)
+    assert value(env_lines(capsys), "cache dir").startswith(f"{clean_env} (not a folder;")
+
+
+def test_cache_clear_refuses_a_cache_dir_that_is_a_file(clean_env, capsys):
+    clean_env.parent.mkdir(exist_ok=True)
+    clean_env.write_text("not a folder")
+    assert cli.main(["cache", "clear"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"splitkv cache: {clean_env} (from $SPLITKV_CACHE_DIR) "
+                                        "is not a folder: nothing cleared")
+    assert clean_env.read_text() == "not a folder"

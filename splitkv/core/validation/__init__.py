@@ -50,7 +50,7 @@ def dtype_name(dtype) -> str:
 def check_dtype(name: str, dtype) -> str:
     canon = dtype_name(dtype)
     if canon not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name}: dtype {canon!r} is not supported; expected one of {SUPPORTED_DTYPES}")
+        raise TypeError(f"{name}: {'dtype ' * (name != 'dtype')}{canon!r} is not supported; expected one of {SUPPORTED_DTYPES}")
     return canon
 
 

@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "looked up, or the one given checked against it; default: the "
                              "given profile's GPU, else the H200")
     parser.add_argument("--num-sms", type=A.positive_int, metavar="N", help="its SM count")
-    parser.add_argument("--num-splits", type=A.positive_int, metavar="N",
+    parser.add_argument("--num-splits", type=A.int_range(1, MAX_CHUNKS), metavar="N",
                         help="force this split count (a request shorter than N tiles of "
                              f"{TILE_TOKENS} tokens gets one chunk per tile)")
     parser.add_argument("--strategy", choices=V.STRATEGIES, help="force this strategy")

@@ -260,7 +260,9 @@ BAD_ARGUMENTS = [
     (["plan", "--top", "0"], "argument --top: expected an integer from 1"),
     (["plan", "--num-splits", "0"], "argument --num-splits: expected an integer from 1"),
     (["plan", "--num-splits", "2.5"], "argument --num-splits: expected an integer from 1 to "
-                                      "2,147,483,647, got '2.5'"),
+                                      "4,194,304, got '2.5'"),
+    (["plan", "--num-splits", "4194305"], "argument --num-splits: expected an integer from 1 "
+                                          "to 4,194,304, got 4194305"),
     (["plan", "--heads", "32:8"], "argument --heads: expected QO/KV heads like 32/8, got '32:8'"),
     (["plan", "--heads", "32/0"], "argument --heads: expected kv heads from 1"),
     (["plan", "--heads", "32/5"], "argument --heads: num_qo_heads: 32 is not a multiple of "
@@ -348,10 +350,10 @@ def test_plan_says_what_a_forced_split_count_became(capsys):
 
 
 def test_plan_refuses_a_split_count_that_makes_millions_of_chunks(capsys):
-    argv = ["plan", "--batch", "64", "--kv-len", "2147483647", "--num-splits", "2147483647"]
+    argv = ["plan", "--batch", "64", "--kv-len", "2147483647", "--num-splits", "4194304"]
     assert cli.main(argv) == 2
     assert capsys.readouterr().err == (
-        "splitkv plan: --num-splits 2147483647: the plan would have 2,147,483,648 chunks; the "
+        "splitkv plan: --num-splits 4194304: the plan would have 268,435,456 chunks; the "
         "command line plans at most 4,194,304\n")
 
 

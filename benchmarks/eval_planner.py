@@ -14,6 +14,11 @@ measured plan, and writes benchmarks/results/h200-planner.json's format.
 
 With --kv-dtype the K/V are fp8 codes and the planner plans with the profile's fp8 fit
 (``Profile.cost_model(kv_dtype)``).
+
+Offline, no GPU: ``--offline RUN.json --profile PATH`` scores another profile against a
+recorded run (its K/V dtype and shape set): each shape's pick is matched to the run's timed
+plan of the same chunks and strategy (the grid's plans, and the run's own pick rebuilt under
+the run's profile); a pick the run never timed is counted, not scored.
 """
 
 import argparse
@@ -30,6 +35,7 @@ from splitkv.core.problem import DecodeProblem
 from splitkv.measure.timing import make_layers, time_plan_us
 from splitkv.planner import choose_plan
 from splitkv.planner.profile_lookup import load_profile
+from splitkv.planner.profiles import read_profile
 from splitkv.runtime import device_info
 from splitkv.testing import scattered_page_table
 
@@ -55,6 +61,49 @@ def heldout_shapes(seed: int = 12345):
         name = f"{'r' if ragged else 'b'}{b}_n{mean}_g{g}_hk{hk}"
         shapes.append((name, DecodeProblem(lens, hk * g, hk, 128, 16, "bfloat16")))
     return shapes
+
+
+def plan_key(plan) -> tuple:
+    """What makes two plans the same launch: the strategy and every chunk."""
+    return (plan.strategy, plan.chunk_request.tobytes(), plan.chunk_start.tobytes(),
+            plan.chunk_end.tobytes())
+
+
+def offline(run_path: str, profile_path: str) -> dict:
+    """The scores of ``profile_path``'s picks against the run recorded in ``run_path``."""
+    with open(run_path) as f:
+        run = json.load(f)
+    kv_dtype = run.get("kv_dtype")
+    model = read_profile(profile_path).cost_model(kv_dtype)
+    try:                           # the run's own pick is timed too: rebuilt under its profile
+        run_model = read_profile(run["profile"]).cost_model(kv_dtype)
+    except Exception:
+        run_model = None
+    shapes = dict(heldout_shapes() + heldout_class_shapes())
+    ratios, untimed = [], []
+    for row in run["shapes"]:
+        problem, timed = shapes[row["shape"]], {}
+        for c in row["candidates"]:
+            tokens, strategy = c["chunk_tokens"], c["plan"].split("/")[0]
+            if tokens == "planner":
+                if run_model is None:
+                    continue
+                p = choose_plan(problem, run_model)
+            elif tokens == "single":
+                p = plan_chunk_tokens(problem, 1 << 30, "single")
+            else:
+                p = plan_chunk_tokens(problem, int(tokens), strategy, align=64)
+            timed.setdefault(plan_key(p), c["us"])
+        us = timed.get(plan_key(choose_plan(problem, model)))
+        if us is None:
+            untimed.append(row["shape"])
+        else:
+            ratios.append(us / row["oracle_us"])
+    r = np.array(ratios)
+    return {"run": run_path, "profile": profile_path, "kv_dtype": kv_dtype, "scored": r.size,
+            "within_5pct_frac": round(float(np.mean(r <= 1.05)), 4),
+            "geomean_ratio": round(float(np.exp(np.mean(np.log(r)))), 4),
+            "worst_ratio": round(float(r.max()), 4), "untimed": untimed}
 
 
 def heldout_class_shapes(seed: int = 54321):
@@ -101,7 +150,21 @@ def main():
     ap.add_argument("--only", default=None,
                     help="comma-separated shape names: time these of the set only (e.g. the "
                          "shapes whose choice a new profile moves)")
+    ap.add_argument("--offline", default=None, metavar="RUN.json",
+                    help="no GPU: score --profile against this recorded run")
     args = ap.parse_args()
+    if args.offline:
+        if not args.profile:
+            ap.error("--offline: needs --profile, the profile to score")
+        result = offline(args.offline, args.profile)
+        print(f"{result['profile']} on {result['run']}: within 5% "
+              f"{result['within_5pct_frac']:.1%} of {result['scored']} scored shapes, geomean "
+              f"{result['geomean_ratio']:.4f}, worst {result['worst_ratio']:.3f}; "
+              f"untimed picks: {', '.join(result['untimed']) or 'none'}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return
     kv_dtype = fp8_format("--kv-dtype", args.kv_dtype)
     info = device_info()
     profile = load_profile(args.profile, device_name=info["name"], num_sms=info["num_sms"])

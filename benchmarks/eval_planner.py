@@ -35,7 +35,7 @@ from splitkv.core.problem import DecodeProblem
 from splitkv.measure.timing import make_layers, time_plan_us
 from splitkv.planner import choose_plan
 from splitkv.planner.profile_lookup import load_profile
-from splitkv.planner.profiles import read_profile
+from splitkv.planner.profiles import SHIPPED_ORIGIN_PREFIX, read_profile, shipped_profile
 from splitkv.runtime import device_info
 from splitkv.testing import scattered_page_table
 
@@ -75,10 +75,13 @@ def offline(run_path: str, profile_path: str) -> dict:
         run = json.load(f)
     kv_dtype = run.get("kv_dtype")
     model = read_profile(profile_path).cost_model(kv_dtype)
-    try:                           # the run's own pick is timed too: rebuilt under its profile
-        run_model = read_profile(run["profile"]).cost_model(kv_dtype)
-    except Exception:
-        run_model = None
+    # the run's own pick is timed too: rebuilt under its profile (a file, or a shipped one)
+    origin = run["profile"]
+    if origin.startswith(SHIPPED_ORIGIN_PREFIX):
+        run_profile = shipped_profile(origin[len(SHIPPED_ORIGIN_PREFIX):].removesuffix(".yaml"))
+    else:
+        run_profile = read_profile(origin)
+    run_model = run_profile.cost_model(kv_dtype)
     shapes = dict(heldout_shapes() + heldout_class_shapes())
     ratios, untimed = [], []
     for row in run["shapes"]:
@@ -86,8 +89,6 @@ def offline(run_path: str, profile_path: str) -> dict:
         for c in row["candidates"]:
             tokens, strategy = c["chunk_tokens"], c["plan"].split("/")[0]
             if tokens == "planner":
-                if run_model is None:
-                    continue
                 p = choose_plan(problem, run_model)
             elif tokens == "single":
                 p = plan_chunk_tokens(problem, 1 << 30, "single")
@@ -99,6 +100,8 @@ def offline(run_path: str, profile_path: str) -> dict:
             untimed.append(row["shape"])
         else:
             ratios.append(us / row["oracle_us"])
+    if not ratios:
+        raise SystemExit(f"--offline: none of the picks was timed in {run_path}")
     r = np.array(ratios)
     return {"run": run_path, "profile": profile_path, "kv_dtype": kv_dtype, "scored": r.size,
             "within_5pct_frac": round(float(np.mean(r <= 1.05)), 4),

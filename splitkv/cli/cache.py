@@ -171,15 +171,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _clear(kernels: bool, dry_run: bool) -> int:
     folder = cache_dir()
-    if folder.exists() and not folder.is_dir():
-        print(f"splitkv cache: {folder} ({cache_dir_source()}) is not a folder: nothing "
-              "cleared", file=sys.stderr)
-        return 1
-    print(f"splitkv's cache: {folder} ({cache_dir_source()})")
-    groups = [("splitkv", user_profile_dir(), dict(patterns=PROFILE_FILES)),
-              ("splitkv", first_use_dir(), dict(patterns=FIRST_USE_FILES))]
-    if kernels:
-        groups.append(("splitkv", cubin_dir(), dict(match=is_cubin_file)))
+    not_a_folder = folder.exists() and not folder.is_dir()
+    groups = []
+    if not_a_folder:             # splitkv's files cannot be there; CuPy's cache is elsewhere
+        print(f"splitkv cache: {folder} ({cache_dir_source()}) is not a folder: none of "
+              "splitkv's files cleared", file=sys.stderr)
+    else:
+        print(f"splitkv's cache: {folder} ({cache_dir_source()})")
+        groups = [("splitkv", user_profile_dir(), dict(patterns=PROFILE_FILES)),
+                  ("splitkv", first_use_dir(), dict(patterns=FIRST_USE_FILES))]
+        if kernels:
+            groups.append(("splitkv", cubin_dir(), dict(match=is_cubin_file)))
     cupy_dir = kernel_cache_dir()
     if kernels and cupy_dir is None:
         print(f"CuPy's kernel cache: not cleared: ${CUPY_CACHE_ENV} is set but empty (CuPy "
@@ -207,7 +209,7 @@ def _clear(kernels: bool, dry_run: bool) -> int:
         if others:
             print(f"kept {others:,} file{'s' * (others != 1)} in {where}: not named as "
                   f"{writer} names its files")
-    if not kernels:
+    if not kernels and not not_a_folder:
         usage = folder_usage(cubin_dir())
         if usage["files"]:
             print(f"kept splitkv's precompiled kernels {cubin_dir()} "
@@ -220,4 +222,4 @@ def _clear(kernels: bool, dry_run: bool) -> int:
                   f"({files_and_bytes(usage['files'], usage['bytes'])}): --kernels clears it too")
     print(f"{verb} {files_and_bytes(count, total)}"
           + (" (--dry-run: nothing removed)" if dry_run else ""))
-    return 1 if failed else 0
+    return 1 if failed or not_a_folder else 0

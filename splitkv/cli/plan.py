@@ -86,8 +86,9 @@ def _splits_used(plan, asked: int) -> str | None:
 
 def run(args) -> int:
     from ..planner import ProfileError, load_profile, rank_candidates
-    from ..core.architectures import GPU_SMS
-    from ..planner.kin import kin_by_name
+    from ..planner.first_use import first_use_mode
+    from ..planner.kin import kin_by_name, known_gpu
+    from ..planner.profile_lookup import PRIOR_NOTICE
     from ..planner.planner import NUM_SPLITS
     from ..core.problem import DecodeProblem
 
@@ -119,13 +120,16 @@ def run(args) -> int:
                                 attention_chunk_size=args.attention_chunk_size)
         with caught_notices() as caught:
             # a GPU splitkv knows (core.architectures.GPU_SMS) has its own SM count
-            num_sms = args.num_sms or GPU_SMS.get(args.device_name, (0, None))[1]
+            known = known_gpu(args.device_name) if args.device_name else None
+            num_sms = args.num_sms or (known[1] if known else None)
             profile = load_profile(args.profile, device_name=args.device_name,
                                    num_sms=num_sms)
-        if profile.is_prior and args.device_name:   # what that GPU's first plan would take
+        # what that GPU's first plan would take ($SPLITKV_FIRST_USE=off: the prior)
+        if profile.is_prior and args.device_name and first_use_mode() != "off":
             kin = kin_by_name(args.device_name, num_sms)
-            if kin is not None:
-                profile, caught = kin, []
+            if kin is not None:              # the prior's notice no longer applies; the rest do
+                profile = kin
+                caught = [r for r in caught if not r.getMessage().startswith(PRIOR_NOTICE)]
         model = profile.cost_model(args.kv_dtype)
         if args.q_len > 1:                       # the builds' tiles of multi-token plans
             model = model.for_multi_token()

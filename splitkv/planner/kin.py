@@ -53,6 +53,13 @@ def _read_gbps(profile: Profile) -> float:
     return float(profile.measured_bandwidth_gbps or profile.bandwidth_gbps)
 
 
+def known_gpu(device_name: str) -> tuple[int, int] | None:
+    """(compute capability, SMs) of a GPU of ``GPU_SMS`` named ``device_name`` in any case or
+    spacing (as profile files are matched: ``device_slug``), else None."""
+    slug = device_slug(device_name)
+    return next((cc_sms for name, cc_sms in GPU_SMS.items() if device_slug(name) == slug), None)
+
+
 def kin_by_name(device_name: str, num_sms: int | None = None) -> Profile | None:
     """Without the GPU: what first use on a GPU named ``device_name`` (of ``GPU_SMS``) would
     take, its kin rescaled to the bandwidth guessed from its name (the GPU measures its own
@@ -60,7 +67,7 @@ def kin_by_name(device_name: str, num_sms: int | None = None) -> Profile | None:
     profile of another GPU."""
     from .profiles import guess_bandwidth_gbps
 
-    known = GPU_SMS.get(device_name)
+    known = known_gpu(device_name)
     if known is None:
         return None
     gbps = guess_bandwidth_gbps(device_name)

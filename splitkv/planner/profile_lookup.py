@@ -33,6 +33,7 @@ from .profiles import (CACHE_DIR_ENV, PROFILE_ENV, REFERENCE_DEVICE, SHIPPED_ORI
                        read_profile, shipped_profile, user_profile_path, warn_skipped)
 
 _warned_prior: set = set()
+PRIOR_NOTICE = "splitkv has no calibrated profile"   # how the prior's notice begins
 
 
 def _found(where: str, read, device_name: str, num_sms) -> Profile | None:
@@ -97,7 +98,7 @@ def load_profile(path=None, device_name: str | None = None, num_sms: int | None 
     key = (slug, num_sms)
     if key not in _warned_prior:
         _warned_prior.add(key)
-        logger.warning(f"splitkv has no calibrated profile for {name!r}"
+        logger.warning(f"{PRIOR_NOTICE} for {name!r}"
                        f"{f' with {num_sms} SMs' if num_sms else ''}; planning with a roofline "
                        "prior. Run `splitkv calibrate` on this GPU for better plans.")
     return prior_profile(name, num_sms, bandwidth_gbps)

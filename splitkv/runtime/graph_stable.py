@@ -241,7 +241,6 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
                              f"{max_chunks if self._chunks_given else None}; pass max_chunks= "
                              "for one larger fixed grid)")
         kernels = self._graph_kernels(soft_cap_log2, alibi is not None)
-        self._write_soft_cap(soft_cap_log2)
         stages = kernels.build.stages
         tile = kernels.build.tile_tokens
         may_carry_pages = record_pages_needed(self.page_size, stages, tile) <= RECORD_PAGES
@@ -275,6 +274,7 @@ class GraphStableDecodeWrapper(BatchDecodeWrapper):
             rows_array = full
         self._graph_upload.upload(page_table.kv_indices, merge_indptr, s, query_rows=rows_array,
                                   alibi_bits=None if alibi is None else alibi_bits(alibi))
+        self._write_soft_cap(soft_cap_log2)   # last: a refused plan leaves the launches be
         self._pages_in_record = in_record
         self._query_rows = query_rows
 

@@ -155,7 +155,7 @@ class DecodeLaunch:
 
     def __call__(self, args: RunArguments, stream_ptr: int, plain: bool = False) -> None:
         """Launch on ``stream_ptr`` with a run's ``args`` (``params.RunArguments``: the
-        tensors' device pointers and strides, the fp8 scales, the soft cap and sinks);
+        tensors' device pointers and strides, the fp8 scales and the sinks);
         ``plain``: the partial kernel without PDL."""
         with self._lock:
             write_run_arguments(self.params, args)

@@ -31,7 +31,7 @@ from .device_features import check_option, sm90_option
 from .experiments import DecodeExperiments
 from .kernel_source import KernelBuild
 from .launch import DecodeLaunch, bind_decode_launch
-from .page_tables import plan_page_table
+from .page_tables import is_device_array, plan_page_table
 from .params import LaunchGrid, decode_params, sm_scale_log2, soft_cap_log2, unified_max_log2
 from .per_shape import per_shape_plan
 from .records import PlanUpload, alibi_bits, query_rows_array
@@ -252,7 +252,7 @@ class BatchDecodeWrapper:
             require_gpu("BatchDecodeWrapper.plan()")
         except GPUUnavailableError:   # a bad argument is named first, as on a GPU
             _check_host_arguments(self, page_table, layout, num_splits=num_splits,
-                                  strategy=strategy, window_left=window_left,
+                                  strategy=strategy, plan=plan, window_left=window_left,
                                   logits_soft_cap=logits_soft_cap, unified_max=unified_max,
                                   attention_chunk_size=attention_chunk_size,
                                   alibi_slopes=alibi_slopes)
@@ -520,18 +520,21 @@ class BatchDecodeWrapper:
 
 
 def _check_host_arguments(wrapper: BatchDecodeWrapper, page_table, layout: dict, *, num_splits,
-                          strategy, window_left, logits_soft_cap, unified_max,
+                          strategy, plan, window_left, logits_soft_cap, unified_max,
                           attention_chunk_size, alibi_slopes) -> None:
     """plan()'s checks of host arguments, made where no GPU is before the missing GPU is
     named: an engine wired up on a machine without one sees its bad lengths, tables and
-    variant values refused as a GPU would refuse them."""
-    table = PageTable.from_layout(page_table, wrapper.page_size, **layout)
-    if table.page_size != wrapper.page_size:
-        raise ValueError(f"page_table: page_size {table.page_size} differs from the wrapper's "
-                         f"page_size {wrapper.page_size}")
-    if num_splits is not None:
+    variant values refused as a GPU would refuse them. A table on a device (a CUDA tensor
+    where CuPy is missing) is a GPU's to check; a given ``plan`` makes the split arguments
+    unread, as on a GPU."""
+    if not any(is_device_array(layout[name]) for name in ("block_table", "kv_indices")):
+        table = PageTable.from_layout(page_table, wrapper.page_size, **layout)
+        if table.page_size != wrapper.page_size:
+            raise ValueError(f"page_table: page_size {table.page_size} differs from the "
+                             f"wrapper's page_size {wrapper.page_size}")
+    if num_splits is not None and plan is None:
         V.check_int("num_splits", num_splits, 1, V.MAX_CHUNKS, "MAX_CHUNKS")
-    if strategy is not None:
+    if strategy is not None and plan is None:
         V.check_strategy(strategy)
     if window_left is not None:
         V.check_int("window_left", window_left, -1, V.MAX_KV_LEN, "MAX_KV_LEN")

@@ -130,6 +130,12 @@ def test_a_graph_stable_wrapper_keeps_its_first_plans_cap_on_or_off_and_takes_ea
     # planned on the device; a cap of 2 against 30 moves the output well past the tolerance
     for cap in (2.0, 30.0, 2.0):
         run_and_check(stable, pt, q, k, v, "bfloat16", None, cap, None)
+    with pytest.raises(ValueError, match="keeps the sm_scale of its first plan"):
+        stable.plan(pt, logits_soft_cap=30.0, sm_scale=0.01)     # refused: the cap stays 2
+    ref_o, ref_lse = reference_decode(q.get(), k, v, pt, logits_soft_cap=2.0)
+    out, lse = stable.run(q, cupy.asarray(k), cupy.asarray(v), return_lse=True)
+    assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse,
+                             TOL["bfloat16"], "after a refused plan")
     lens = cupy.asarray(pt.kv_lens.astype(np.int32))
     table = np.zeros((len(LENS), int(np.diff(pt.kv_indptr).max())), np.int32)
     for b in range(len(LENS)):

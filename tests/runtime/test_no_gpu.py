@@ -14,7 +14,9 @@ import pytest
 
 import splitkv
 import splitkv.runtime
-from splitkv import PageTable
+from splitkv import DecodeProblem, PageTable
+from splitkv.planner import choose_plan
+from splitkv.planner.profiles import prior_profile
 from splitkv.runtime import GPUUnavailableError, gpu_available
 
 ROOT = str(Path(splitkv.__file__).resolve().parents[1])
@@ -58,6 +60,17 @@ def test_plan_names_a_bad_host_argument_before_the_missing_gpu(monkeypatch):
             (dict(seq_lens=np.array([5, 3])), GPUUnavailableError, "needs a usable CUDA GPU")):
         with pytest.raises(error, match=match):
             wrapper.plan(**({"block_table": table} if kw else {}), **kw)
+
+    class OnDevice:             # a CUDA tensor where CuPy is missing: the GPU's to check
+        __cuda_array_interface__ = {"shape": (2, 4), "typestr": "<i4", "data": (0, False),
+                                    "version": 3}
+
+    model = prior_profile("NVIDIA H200").cost_model()
+    plan = choose_plan(DecodeProblem([5, 3], 32, 8, 128, 16), model)
+    for kw in (dict(block_table=OnDevice(), seq_lens=np.array([5, 3])),
+               dict(block_table=table, seq_lens=np.array([5, 3]), plan=plan, strategy="bogus")):
+        with pytest.raises(GPUUnavailableError):         # split arguments a plan makes unread
+            wrapper.plan(**kw)
 
 
 def test_without_cupy_plan_and_run_raise_a_clear_error():

@@ -185,6 +185,22 @@ def test_plan_with_attention_chunks_plans_only_the_last_chunk(capsys):
                                        "chunked attention takes one query row a request\n")
 
 
+def test_plan_for_a_named_gpu_keeps_the_other_notices_and_first_use_off(capsys, monkeypatch):
+    from splitkv.planner import profiles
+    from splitkv.planner.first_use import FIRST_USE_ENV
+
+    monkeypatch.setattr(profiles, "_warned_files", set())     # said once a process
+    monkeypatch.delenv(FIRST_USE_ENV, raising=False)
+    # the shipped profile refused for its SMs: said, and the kin planned with
+    assert cli.main(["plan", "--device-name", "NVIDIA H100 80GB HBM3", "--num-sms", "114"]) == 0
+    captured = capsys.readouterr()
+    assert "made for 132 SMs, this device has 114" in captured.err
+    assert "the shipped profile of NVIDIA H200 at a guessed" in captured.out
+    monkeypatch.setenv(FIRST_USE_ENV, "off")                  # that GPU's first plan: the prior
+    assert cli.main(["plan", "--device-name", "NVIDIA H100 PCIe"]) == 0
+    assert "NVIDIA H100 PCIe, 114 SMs (prior" in capsys.readouterr().out
+
+
 def test_plan_with_query_rows_and_fp8(capsys):
     """--q-len: the kernel's rows are q_len x the heads (the problem counts them), the same plan
     the wrapper makes; --kv-dtype: the profile's fp8 fit and one-byte K/V."""
@@ -223,6 +239,8 @@ def test_plan_with_query_rows_and_fp8(capsys):
     assert "profile:   NVIDIA H100 PCIe, 114 SMs" in captured.out and not captured.err
     assert ("the shipped profile of NVIDIA H100 80GB HBM3 at a guessed 1,800 GB/s"
             in captured.out and "the profile's fp8 fit" in captured.out)
+    assert cli.main(["plan", "--device-name", "nvidia h100 pcie"]) == 0    # named as files are
+    assert "nvidia h100 pcie, 114 SMs (first use" in capsys.readouterr().out
     assert cli.main(["plan", "--device-name", "NVIDIA L40S"]) == 0
     assert "NVIDIA L40S, 142 SMs (prior" in capsys.readouterr().out
     assert cli.main(["plan", "--lens", "2,100", "--q-len", "4"]) == 2

@@ -378,11 +378,17 @@ def test_env_flags_settings_a_later_call_would_refuse(clean_env, no_cupy, monkey
     assert value(env_lines(capsys), "cache dir").startswith(f"{clean_env} (not a folder;")
 
 
-def test_cache_clear_refuses_a_cache_dir_that_is_a_file(clean_env, capsys):
+def test_cache_clear_says_a_cache_dir_that_is_a_file_and_still_clears_cupys(clean_env,
+                                                                           tmp_path, capsys):
     clean_env.parent.mkdir(exist_ok=True)
     clean_env.write_text("not a folder")
     assert cli.main(["cache", "clear"]) == 1
     out, err = capsys.readouterr()
-    assert out == "" and err.startswith(f"splitkv cache: {clean_env} (from $SPLITKV_CACHE_DIR) "
-                                        "is not a folder: nothing cleared")
-    assert clean_env.read_text() == "not a folder"
+    assert err.startswith(f"splitkv cache: {clean_env} (from $SPLITKV_CACHE_DIR) is not a "
+                          "folder: none of splitkv's files cleared")
+    assert out.splitlines()[-1] == "removed 0 files, 0 bytes"
+    cupy_file = tmp_path / "kernels" / f"{'ab' * 32}.cubin"  # CuPy's cache is elsewhere
+    cupy_file.parent.mkdir()
+    cupy_file.write_bytes(b"k" * 5)
+    assert cli.main(["cache", "clear", "--kernels"]) == 1
+    assert not cupy_file.exists() and clean_env.read_text() == "not a folder"

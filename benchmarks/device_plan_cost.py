@@ -9,30 +9,49 @@ kernel adds to a step's GPU time. Both graphs run the same plan (the test suite 
 The design and the numbers of record: docs/design/graph-stable.md.
 
     PYTHONPATH=$PWD python3 benchmarks/device_plan_cost.py [--cases b1_n8k,...] [--json out.json]
-        [--phases]
+        [--phases] [--scratch global]
+
+--cases takes what ``ab.py --cases`` takes (standard names, ragged_b256, or generic ones such as
+b16_n8k), so ``--phases --cases b1_n8k,b2_n8k,b8_n8k,b16_n8k,b32_n8k`` sweeps the batch size;
+--scratch global keeps the planning kernel's scratch in global memory where it would fit in
+shared memory (what each step costs from where its per-request arrays live).
 """
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import cupy
 import numpy as np
 
-from splitkv.bench.cases import STANDARD_CASES, Case, ragged_b256_lengths, select
-from splitkv.measure.timing import WARMUP_MS, make_layers, median_host_us, median_us_per_call
-from splitkv.runtime.cupy_timers import cupy_timer
-from splitkv.runtime.wrapper import BatchDecodeWrapper
-from splitkv.testing import scattered_page_table
+sys.path.insert(0, str(Path(__file__).parent))
+from ab import select_cases  # noqa: E402
+
+from splitkv.bench.cases import STANDARD_CASES, Case, ragged_b256_lengths  # noqa: E402
+from splitkv.measure.timing import (WARMUP_MS, make_layers, median_host_us,  # noqa: E402
+                                     median_us_per_call)
+from splitkv.runtime.cupy_timers import cupy_timer  # noqa: E402
+from splitkv.runtime.wrapper import BatchDecodeWrapper  # noqa: E402
+from splitkv.testing import scattered_page_table  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--cases", default=None, help="standard case names (default: all + r256)")
+parser.add_argument("--cases", default=None,
+                    help="cases as ab.py --cases takes them (default: the standard ones + r256)")
 parser.add_argument("--json", default=None)
 parser.add_argument("--phases", action="store_true",
                     help="also split the planning kernel's time by its steps (capacity = the "
                          "batch and 256), from the build that stamps the SM clock")
+parser.add_argument("--scratch", choices=("auto", "global"), default="auto",
+                    help="where the planning kernel keeps its scratch: in shared memory where "
+                         "it fits (auto), or always in global memory")
 args = parser.parse_args()
+if args.scratch == "global":
+    from splitkv.runtime import device_planner
 
-cases = select(args.cases) if args.cases else list(STANDARD_CASES)
+    device_planner.MAX_SHARED_SCRATCH_BYTES = 0
+
+cases = select_cases(args.cases) if args.cases else list(STANDARD_CASES)
 if not args.cases:
     cases.append(Case("ragged_b256", tuple(int(n) for n in ragged_b256_lengths())))
 

@@ -8,6 +8,7 @@
 #   bash benchmarks/device_run.sh bench_classes        # the classes of shape outside the standard set
 #   bash benchmarks/device_run.sh bench_variants       # soft cap, sinks, windows, multi-token beside plain
 #   bash benchmarks/device_run.sh dissect plan_cost    # what a short call spends; planning's cost a step
+#   bash benchmarks/device_run.sh plan_phases          # the planning kernel's steps over batch sizes 1-32
 #   bash benchmarks/device_run.sh engine_path          # the engines' path (graph-stable, capacity 256,
 #                                                      # planned on the device, the torch op) beside the
 #                                                      # per-shape wrapper, bf16 then fp8
@@ -143,6 +144,14 @@ for phase in "$@"; do
       python3 benchmarks/plan_host_cost.py 2>&1 | quiet | tee "$RES/plan_host_cost.log"
       python3 benchmarks/device_plan_cost.py --json "$RES/$GPU-device-plan.json" 2>&1 | quiet \
         | tee "$RES/device_plan_cost.log" ;;
+    plan_phases)
+      # the planning kernel's steps over batch sizes 1-32, its scratch in shared memory, then
+      # in global memory
+      for scratch in auto global; do
+        python3 benchmarks/device_plan_cost.py --phases --scratch $scratch \
+          --cases b1_n8k,b2_n8k,b4_n8k,b8_n8k,b16_n8k,b24_n8k,b32_n8k \
+          --json "$RES/$GPU-plan-phases-$scratch.json" 2>&1 | quiet | tee "$RES/plan_phases_$scratch.log"
+      done ;;
     engine_path)
       # $ENGINE_ARGS: more options (--cases ...), split on spaces
       read -r -a engine_args <<< "${ENGINE_ARGS:-}"

@@ -140,9 +140,9 @@ def _dispatch(argv: list[str]) -> int:
             return 2
     parser = build_parser(command, module)
     args, unknown = parser.parse_known_args(argv)
-    if unknown:      # said by the subcommand's parser, so its usage and --help are the ones named
-        parser.commands.get(args.command, parser).error(
-            f"unrecognized arguments: {' '.join(unknown)}")
+    if unknown:      # said by the (sub)command's parser, so its usage and --help are the ones named
+        said_by = getattr(args, "action_parser", None) or parser.commands.get(args.command, parser)
+        said_by.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2

@@ -160,6 +160,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             f"{CUPY_DEFAULT_CACHE}): the next run compiles them again")
     clear.add_argument("--dry-run", action="store_true",
                        help="list what would be removed, remove nothing")
+    clear.set_defaults(action_parser=clear)     # its own errors name `splitkv cache clear`
 
 
 def run(args: argparse.Namespace) -> int:

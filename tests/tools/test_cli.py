@@ -332,6 +332,12 @@ def test_a_bad_argument_is_one_line_and_exit_2(argv, message, capsys):
                            "splitkv: error: "))
 
 
+def test_an_unknown_argument_of_an_action_names_the_action(capsys):
+    assert cli.main(["cache", "clear", "--bogus"]) == 2
+    assert capsys.readouterr().err == ("splitkv cache clear: error: unrecognized arguments: "
+                                       "--bogus (see splitkv cache clear --help)\n")
+
+
 def test_calibrate_names_a_missing_flag_before_looking_for_a_gpu(capsys):
     assert cli.main(["calibrate", "--graph-stable"]) == 2
     assert capsys.readouterr().err == ("splitkv calibrate: --graph-stable fits the model "

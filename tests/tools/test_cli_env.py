@@ -358,7 +358,7 @@ def test_cache_without_an_action_prints_its_usage_and_exits_2(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["cache", "empty"], "splitkv cache: error: argument ACTION: invalid choice: 'empty'"),
-    (["cache", "clear", "--all"], "splitkv cache: error: unrecognized arguments: --all"),
+    (["cache", "clear", "--all"], "splitkv cache clear: error: unrecognized arguments: --all"),
     (["env", "--yaml"], "splitkv env: error: unrecognized arguments: --yaml"),
 ])
 def test_a_bad_argument_is_one_line_and_exit_2(argv, message, capsys):

@@ -33,7 +33,7 @@ from splitkv.measure.timing import (WARMUP_MS, make_layers, median_host_us,  # n
                                      median_us_per_call)
 from splitkv.runtime.cupy_timers import cupy_timer  # noqa: E402
 from splitkv.runtime.wrapper import BatchDecodeWrapper  # noqa: E402
-from splitkv.testing import scattered_page_table  # noqa: E402
+from splitkv.testing import block_table_of, scattered_page_table  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--cases", default=None,
@@ -85,10 +85,7 @@ for case in cases:
     plan = host.plan(pt, stream=stream)
     host_us = median_host_us(lambda: host.plan(pt, stream=stream), 200, warmup=20,
                              idle_device=True)
-    table = np.zeros((batch, width), np.int32)
-    for b in range(batch):
-        table[b, :pt.kv_indptr[b + 1] - pt.kv_indptr[b]] = \
-            pt.kv_indices[pt.kv_indptr[b]:pt.kv_indptr[b + 1]]
+    table = block_table_of(pt, width, pad=0)
     seq_lens, block_table = cupy.asarray(np.asarray(case.kv_lens, np.int32)), cupy.asarray(table)
 
     def plan_on_device(s):
@@ -134,11 +131,8 @@ def phase_us(case, capacity: int, repeats: int = 30) -> list[float]:
     from splitkv.runtime.device_planner import phase_clocks
 
     pt, _ = scattered_page_table(case.kv_lens, case.page_size, np.random.default_rng(0), 0)
-    batch, width = len(case.kv_lens), int(np.diff(pt.kv_indptr).max())
-    table = np.zeros((batch, width), np.int32)
-    for b in range(batch):
-        table[b, :pt.kv_indptr[b + 1] - pt.kv_indptr[b]] = \
-            pt.kv_indices[pt.kv_indptr[b]:pt.kv_indptr[b + 1]]
+    width = int(np.diff(pt.kv_indptr).max())
+    table = block_table_of(pt, width, pad=0)
     w = BatchDecodeWrapper(case.num_qo_heads, case.num_kv_heads, case.head_dim, case.page_size,
                            "bfloat16", use_cuda_graph=True, max_batch_size=capacity,
                            max_num_pages=capacity * width)

@@ -32,7 +32,7 @@ import numpy as np
 from splitkv.bench.cases import select
 from splitkv.measure.timing import make_layers, time_graph_us
 from splitkv.runtime.wrapper import BatchDecodeWrapper
-from splitkv.testing import scattered_page_table
+from splitkv.testing import block_table_of, scattered_page_table
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--cases", default=None, help="case names or groups (default: standard)")
@@ -47,14 +47,6 @@ try:
     have_torch = not args.no_op and torch.cuda.is_available()
 except ImportError:
     have_torch = False
-
-
-def block_table_of(pt, batch: int, width: int) -> np.ndarray:
-    table = np.zeros((batch, width), np.int32)
-    for b in range(batch):
-        row = pt.kv_indices[pt.kv_indptr[b]:pt.kv_indptr[b + 1]]
-        table[b, :row.size] = row
-    return table
 
 
 def time_op_us(case, pt, data, table, capacity: int) -> float:
@@ -124,7 +116,7 @@ def time_case(case) -> dict:
     shape = (case.num_qo_heads, case.num_kv_heads, case.head_dim, case.page_size, "bfloat16")
     data = make_layers(pt, case.num_qo_heads, case.num_kv_heads, case.head_dim, "bfloat16",
                        min_total_bytes=1 << 30, seed=0, kv_dtype=KV)
-    table = block_table_of(pt, batch, width)
+    table = block_table_of(pt, width, pad=0)
     seq_lens, block_table = cupy.asarray(np.asarray(case.kv_lens, np.int32)), cupy.asarray(table)
     stream = cupy.cuda.Stream(non_blocking=True)
     us = {}

@@ -27,7 +27,7 @@ from splitkv.bench.cases import RAGGED_B32, Case, ragged_b256_lengths, select
 from splitkv.core.problem import DecodeProblem, PageTable
 from splitkv.measure.timing import median_host_us
 from splitkv.planner import choose_plan
-from splitkv.testing import scattered_page_table
+from splitkv.testing import block_table_of, scattered_page_table
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--repeats", type=int, default=500)
@@ -52,16 +52,6 @@ def cases() -> list[Case]:
 
 def time(fn) -> float:
     return median_host_us(fn, args.repeats, warmup=warmup, idle_device=idle)
-
-
-def block_table_of(pt: PageTable) -> np.ndarray:
-    """The table as vLLM holds it: a row per request, padded with -1."""
-    width = max(1, int(np.diff(pt.kv_indptr).max()))
-    table = np.full((pt.batch_size, width), -1, np.int32)
-    for b in range(pt.batch_size):
-        row = pt.kv_indices[pt.kv_indptr[b]:pt.kv_indptr[b + 1]]
-        table[b, :row.size] = row
-    return table
 
 
 def cpu_only() -> None:

@@ -29,3 +29,16 @@ def scattered_page_table(kv_lens, page_size: int, rng: np.random.Generator,
     """The same as a ``PageTable``. Returns (table, pool size)."""
     table, num_pages = scattered_block_table(kv_lens, page_size, rng, extra_pages)
     return PageTable.from_block_table(table, kv_lens, page_size, num_pages=num_pages), num_pages
+
+
+def block_table_of(page_table: PageTable, width: int | None = None, pad: int = -1,
+                   dtype=np.int32) -> np.ndarray:
+    """``page_table`` as vLLM's ``block_table`` [batch, width] (default: the most pages a
+    request has, at least 1), each row's unused entries ``pad`` (never read)."""
+    pages = np.diff(page_table.kv_indptr)
+    if width is None:
+        width = max(1, int(pages.max(initial=0)))
+    table = np.full((page_table.batch_size, width), pad, dtype)
+    for b, start in enumerate(page_table.kv_indptr[:-1]):
+        table[b, :pages[b]] = page_table.kv_indices[start:start + pages[b]]
+    return table

@@ -13,6 +13,7 @@ model (docs/design/first-use.md); and only the read probe runs, no decode build 
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 from dataclasses import replace
 from importlib import resources
@@ -23,11 +24,14 @@ from .profiles import SHIPPED_ORIGIN_PREFIX, Profile, device_slug, parse_profile
 KIN_SOURCE = "first use: a shipped profile of the same architecture"
 
 
-def shipped_profiles() -> list[Profile]:
-    """Every profile splitkv ships, by file name."""
+@functools.lru_cache(maxsize=1)
+def shipped_profiles() -> tuple[Profile, ...]:
+    """Every profile splitkv ships, by file name; read once (they are part of the package, and
+    first use asks before and after its read probe)."""
     folder = resources.files(__package__).joinpath("profiles")
-    return [parse_profile(f.read_bytes(), f"{SHIPPED_ORIGIN_PREFIX}{f.name}")
-            for f in sorted(folder.iterdir(), key=lambda f: f.name) if f.name.endswith(".yaml")]
+    return tuple(parse_profile(f.read_bytes(), f"{SHIPPED_ORIGIN_PREFIX}{f.name}")
+                 for f in sorted(folder.iterdir(), key=lambda f: f.name)
+                 if f.name.endswith(".yaml"))
 
 
 def kin_of(device_name: str, cc: int | None, gbps: float | None = None) -> Profile | None:

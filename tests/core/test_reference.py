@@ -5,7 +5,7 @@ import pytest
 from scipy.special import logsumexp, softmax
 
 from splitkv import PageTable, reference_decode
-from splitkv.testing import scattered_block_table
+from splitkv.testing import block_table_of, scattered_block_table
 
 
 def dense_attention(q, k_cache, v_cache, block_table, kv_lens, sm_scale=None):
@@ -157,3 +157,12 @@ def test_contiguous_cache(rng):
     want_out, want_lse = dense_attention(q, k, v, table, lens)
     np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_block_table_of_gives_the_block_table_back(rng):
+    kv_lens = np.array([1, 15, 16, 17, 100, 0, 33])
+    table, num_pages = scattered_block_table(kv_lens, 16, rng, 2)
+    pt = PageTable.from_block_table(table, kv_lens, 16, num_pages=num_pages)
+    np.testing.assert_array_equal(block_table_of(pt), table.astype(np.int32))
+    wide = block_table_of(pt, 9, pad=0)
+    assert wide.shape == (7, 9) and (wide[:, table.shape[1]:] == 0).all()

@@ -15,6 +15,7 @@ from splitkv.core.reference import to_float64
 from splitkv.measure.test_data import (assert_matches_reference, random_device_array,
                                        random_kv_caches, scattered_page_table)
 from splitkv.runtime.wrapper import BatchDecodeWrapper
+from splitkv.testing import block_table_of
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
 pytestmark = pytest.mark.gpu
@@ -137,10 +138,7 @@ def test_a_graph_stable_wrapper_keeps_its_first_plans_cap_on_or_off_and_takes_ea
     assert_matches_reference(to_float64(out.get()), lse.get(), ref_o, ref_lse,
                              TOL["bfloat16"], "after a refused plan")
     lens = cupy.asarray(pt.kv_lens.astype(np.int32))
-    table = np.zeros((len(LENS), int(np.diff(pt.kv_indptr).max())), np.int32)
-    for b in range(len(LENS)):
-        table[b, :pt.kv_indptr[b + 1] - pt.kv_indptr[b]] = \
-            pt.kv_indices[pt.kv_indptr[b]:pt.kv_indptr[b + 1]]
+    table = block_table_of(pt, pad=0)
     device = BatchDecodeWrapper(32, 8, 128, 16, "bfloat16", use_cuda_graph=True,
                                 max_batch_size=len(LENS), max_num_pages=pt.kv_indices.size)
     for cap in (30.0, 2.0):

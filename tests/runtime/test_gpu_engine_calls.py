@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from splitkv import reference_decode
-from splitkv.testing import scattered_page_table
+from splitkv.testing import block_table_of, scattered_page_table
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 pytest.importorskip("cupy", reason="CuPy is not installed")
@@ -23,15 +23,6 @@ HQ, HK, D, PAGE = 32, 8, 128, 16
 
 def bits(t):
     return t.view(torch.int16).cpu().numpy()
-
-
-def padded_block_table(page_table, width: int) -> np.ndarray:
-    """The page table as vLLM's block table [batch, width], unused entries -1."""
-    table = np.full((page_table.batch_size, width), -1, np.int32)
-    for b in range(page_table.batch_size):
-        pages = page_table.kv_indices[page_table.kv_indptr[b]:page_table.kv_indptr[b + 1]]
-        table[b, :pages.size] = pages
-    return table
 
 
 def batch(seed: int, lens):
@@ -86,7 +77,7 @@ def test_plan_reads_a_device_page_table_in_place(layout):
     w.plan(table, num_splits=8)                          # split: later chunks read the table
     host = w.run(q, k, v)
     if layout == "block_table":
-        device_table = torch.from_numpy(padded_block_table(table, 2100 + 7)).cuda()
+        device_table = torch.from_numpy(block_table_of(table, 2100 + 7)).cuda()
         w.plan(seq_lens=table.kv_lens, block_table=device_table, num_splits=8)
     else:
         indices = torch.from_numpy(table.kv_indices.astype(np.int32)).cuda()
@@ -97,7 +88,7 @@ def test_plan_reads_a_device_page_table_in_place(layout):
     torch.cuda.synchronize()
     assert np.array_equal(bits(out), bits(host))
     w.plan(seq_lens=table.kv_lens, block_table=torch.from_numpy(
-        padded_block_table(table, 2100)).cuda())         # the planner's own choice
+        block_table_of(table, 2100)).cuda())         # the planner's own choice
     check_close(w.run(q, k, v), reference(table, q, k, v), f"{layout}, adaptive plan")
 
 
@@ -106,7 +97,7 @@ def test_a_device_table_is_checked_before_any_launch():
 
     table, *_ = batch(2, [100, 200])
     w = BatchDecodeWrapper(HQ, HK, D, PAGE, "bfloat16")
-    device_table = torch.from_numpy(padded_block_table(table, 16)).cuda()
+    device_table = torch.from_numpy(block_table_of(table, 16)).cuda()
     with pytest.raises(TypeError, match="block_table: expected an int32"):
         w.plan(seq_lens=table.kv_lens, block_table=device_table.long())
     with pytest.raises(ValueError, match="seq_lens: request 1 has 300"):
@@ -130,7 +121,7 @@ def test_one_graph_stable_wrapper_serves_every_batch_size_in_torch_graphs():
     lens0 = rng.integers(1, 3800, max_batch)
     table, q, k, v = batch(3, lens0 + 2 * 97)     # pages for the steps' growth
     seq_lens = torch.zeros(max_batch, dtype=torch.int32, device="cuda")
-    block_table = torch.from_numpy(padded_block_table(table, width)).cuda()
+    block_table = torch.from_numpy(block_table_of(table, width)).cuda()
     out = torch.full((max_batch, HQ, D), float("nan"), dtype=torch.bfloat16, device="cuda")
     w = BatchDecodeWrapper(HQ, HK, D, PAGE, "bfloat16", use_cuda_graph=True,
                            max_batch_size=max_batch, max_num_pages=max_batch * width)
@@ -152,7 +143,7 @@ def test_one_graph_stable_wrapper_serves_every_batch_size_in_torch_graphs():
             out.fill_(float("nan"))
             graphs[n].replay()
             torch.cuda.synchronize()
-            sub = type(table).from_block_table(padded_block_table(table, width)[:n], lens[:n],
+            sub = type(table).from_block_table(block_table_of(table, width)[:n], lens[:n],
                                                PAGE)
             check_close(out[:n], reference(sub, q[:n], k, v), f"step {step}, batch {n}")
             assert torch.isnan(out[n:].float()).all(), "rows past the batch were written"

@@ -122,7 +122,10 @@ for case in cases:
     data = None                 # this case's layers freed before the next case's
     cupy.get_default_memory_pool().free_all_blocks()
 
-STEPS = ("requests", "candidates", "row sums", "cheapest", "chunks", "grid order", "records")
+# the stamps' intervals: from the start to the first barrier, thread 0 reading its request, the
+# rest of the requests' step (the other reads, the sums), then the later steps
+STEPS = ("start", "request read", "request sums", "candidates", "row sums", "cheapest", "chunks",
+         "grid order", "records")
 
 
 def phase_us(case, capacity: int, repeats: int = 30) -> list[float]:

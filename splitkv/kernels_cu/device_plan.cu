@@ -49,11 +49,12 @@ __device__ int block_exclusive_scan(int v, int* total) {
 }
 
 // With DEVICE_PLAN_PHASES defined (benchmarks/device_plan_cost.py --phases), thread 0
-// stamps the SM clock as each step below begins and at the end, into
-// device_plan_phases[0..7], so that the kernel's time splits by step; otherwise the
-// stamps compile to nothing.
+// stamps the SM clock as the kernel starts, as each step below begins (the first step twice:
+// again once its own request is read) and at the end, into device_plan_phases[0..9], so that
+// the kernel's time splits by step; otherwise the stamps compile to nothing.
+#define PLAN_STAMPS 10
 #ifdef DEVICE_PLAN_PHASES
-__device__ long long device_plan_phases[8];
+__device__ long long device_plan_phases[PLAN_STAMPS];
 #define PLAN_PHASE(k) if (threadIdx.x == 0) device_plan_phases[k] = clock64();
 #else
 #define PLAN_PHASE(k)
@@ -66,9 +67,11 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   __shared__ unsigned long long reduced[5];   // tokens, tiles, pages, max length, empty requests
   __shared__ Choice best;
   __shared__ double predicted[2 * MAX_ROWS];
+  __shared__ i64 slot_values[END_SLOT];
   __shared__ int misaligned;
   __shared__ int bad_rows;                    // some query_rows entry was bad
   extern __shared__ int shared_scratch[];     // the scratch, when it fits (scratch_in_shared)
+  PLAN_PHASE(0)
   DevicePlanState& st = *reinterpret_cast<DevicePlanState*>(p.state);
   const Scratch sc = scratch_at(p.scratch_in_shared ? shared_scratch : p.scratch, p);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -78,7 +81,7 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   if (tid == 0) misaligned = bad_rows = 0;
   __syncthreads();
 
-  PLAN_PHASE(0)
+  PLAN_PHASE(1)
   // 1. the requests: lengths, errors, sums and maxima
   i64 tokens = 0, tiles = 0, pages = 0, longest = 0, empty = 0;
   for (int b = tid; b < n; b += PLAN_THREADS) {
@@ -95,6 +98,7 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
     longest = len > longest ? len : longest;
     empty += len == 0;
   }
+  PLAN_PHASE(2)
   if (p.query_rows != nullptr) {   // multi-token decode: each request's rows (the same thread
     for (int b = tid; b < p.max_batch; b += PLAN_THREADS) {   // wrote its length above)
       const int error = write_query_rows(p, b, b < n ? sc.lens[b] + sc.kv_begin[b] : 0);
@@ -117,12 +121,23 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   const i64 total = (i64)reduced[0], total_pages = (i64)reduced[2];
   const int max_len = (int)reduced[3], num_empty = (int)reduced[4];
 
-  PLAN_PHASE(1)
-  // 2. the candidate rows
-  if (tid == 0) enumerate_rows(cands, n, max_len, total, p.items_per_chunk, p.slots);
+  PLAN_PHASE(3)
+  // 2. the candidate rows: the first warp, two slots a lane
+  if (warp == 0) {
+    const CandidateSpace cs = candidate_space(n, max_len, total, p.items_per_chunk, p.slots);
+    for (int s = lane; s < END_SLOT; s += 32) slot_values[s] = slot_value(s, cs);
+    __syncwarp();
+    const bool low = slot_kept(lane, slot_values), high = slot_kept(lane + 32, slot_values);
+    const unsigned long long kept = __ballot_sync(0xffffffffu, low)
+                                  | (unsigned long long)__ballot_sync(0xffffffffu, high) << 32;
+    if (low) cands.rows[slot_position(lane, kept, slot_values)] = slot_row(lane, slot_values[lane]);
+    if (high)
+      cands.rows[slot_position(lane + 32, kept, slot_values)] = slot_row(lane + 32, slot_values[lane + 32]);
+    if (lane == 0) cands.num_rows = popcount64(kept);
+  }
   __syncthreads();
 
-  PLAN_PHASE(2)
+  PLAN_PHASE(4)
   // 3. each row's sums over the requests: one warp per row
   for (int r = warp; r < cands.num_rows; r += PLAN_WARPS) {
     RowSums s = {};
@@ -138,7 +153,7 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   }
   __syncthreads();
 
-  PLAN_PHASE(3)
+  PLAN_PHASE(5)
   // 4. the cheapest candidate: one thread per (row, strategy) pair
   const int pairs = num_pairs(cands);
   if (tid < pairs) {
@@ -146,21 +161,40 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
     predicted[tid] = pair_prediction(scorer, cands, sums, tid, p.max_chunks);
   }
   __syncthreads();
-  if (tid == 0) best = cheapest(predicted, pairs);
+  if (warp == 0) {                     // the first cheapest: a warp's argmin, ties to the lower
+    int at = lane;                       // pair (pairs <= 2 x MAX_ROWS)
+    for (int i = lane + 32; i < pairs; i += 32)
+      if (predicted[i] < predicted[at]) at = i;
+    double value = lane < pairs ? predicted[at] : infinity();
+    if (lane >= pairs) at = pairs;
+    for (int o = 16; o; o >>= 1) {
+      const double v = __shfl_xor_sync(0xffffffffu, value, o);
+      const int i = __shfl_xor_sync(0xffffffffu, at, o);
+      if (v < value || (v == value && i < at)) { value = v; at = i; }
+    }
+    if (lane == 0) {
+      best = pair_choice(at);
+      best.predicted_us = value;
+    }
+  }
   __syncthreads();
   const Row row = cands.rows[best.row];
 
-  PLAN_PHASE(4)
+  PLAN_PHASE(6)
   // 5. its chunks: counts per request, their prefix sum, then every chunk by its own thread
   const int per_thread = (n + PLAN_THREADS - 1) / PLAN_THREADS;
   const int lo = min(n, tid * per_thread), hi = min(n, lo + per_thread);
   int count = 0;
-  for (int b = lo; b < hi; ++b) count += (int)cut_request(row, sc.lens[b]).count;
+  for (int b = lo; b < hi; ++b) {        // each request's count, kept in its offset until the scan
+    sc.offsets[b] = (int)cut_request(row, sc.lens[b]).count;
+    count += sc.offsets[b];
+  }
   int num_chunks;
   int at = block_exclusive_scan(count, &num_chunks);
   for (int b = lo; b < hi; ++b) {
+    const int chunks = sc.offsets[b];
     sc.offsets[b] = at;
-    at += (int)cut_request(row, sc.lens[b]).count;
+    at += chunks;
   }
   if (tid == 0) sc.offsets[n] = num_chunks;
   __syncthreads();
@@ -177,7 +211,7 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   if (!aligned) misaligned = 1;
   const int merge = merge_mode(best.strategy, num_chunks, n);
 
-  PLAN_PHASE(5)
+  PLAN_PHASE(7)
   // 6. the grid order: a stable sort by decreasing key
   int* keys = sc.keys;
   for (int i = tid; i < num_chunks; i += PLAN_THREADS)
@@ -192,6 +226,7 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
     for (int i = warp; i < num_chunks; i += PLAN_WARPS) {
       const int key = keys[i];
       unsigned rank = 0;
+#pragma unroll 4
       for (int j = lane; j < num_chunks; j += 32) rank += keys[j] > key || (keys[j] == key && j < i);
       rank = __reduce_add_sync(0xffffffffu, rank);
       if (lane == 0) sc.order[rank] = i;
@@ -199,7 +234,7 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   }
   __syncthreads();
 
-  PLAN_PHASE(6)
+  PLAN_PHASE(8)
   // 7. the records (one warp writes one, lane j its int j), idle records past them,
   // merge_indptr, the state
   const int record_pages = misaligned ? 0 : p.record_pages;
@@ -249,6 +284,6 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   if (tid == 0) record_plan(p, st, best, row, num_chunks, merge);
 #ifdef DEVICE_PLAN_PHASES
   __syncthreads();
-  PLAN_PHASE(7)
+  PLAN_PHASE(9)
 #endif
 }

@@ -155,70 +155,126 @@ struct Candidates {
 
 // planner._candidates, unforced: no split, the chunk sizes of at least a tile (powers of two,
 // then the wave-filling sizes not already there), the split counts, the tiny chunk sizes.
+// Each candidate has a slot whose value is found apart from the others, so that a warp's lanes
+// take a slot each (the planning kernel) or one thread takes them all (enumerate_rows):
+//   slot 0              no split
+//   1 .. 25             the powers of two of at least a tile, largest first (slot s: the
+//                       largest power below the longest request, halved s - 1 times)
+//   26 .. 29            the wave-filling chunk sizes, j = 1..4 waves
+//   30 .. 36            the wave-filling split counts (j = 1..4 waves, then 2, 3, 4), ascending
+//   37, 38              the tiny chunk sizes, 32 and 16 tokens
+// A slot's value is 0 where it holds no candidate; a chunk size or split count already held by
+// an earlier slot of its kind is dropped (slot_kept); the kept slots are rows in slot order,
+// except that the split counts run ascending (slot_position).
+constexpr int POW_SLOT = 1, WAVE_SLOT = 26, SPLIT_SLOT = 30, TINY_SLOT = 37, END_SLOT = 39;
+static_assert(END_SLOT <= MAX_ROWS && END_SLOT <= 64, "a slot is a bit of a 64-bit mask");
+
+DEVICE_PLAN_HD inline int popcount64(unsigned long long x) {
+#ifdef __CUDACC__
+  return __popcll(x);
+#else
+  return __builtin_popcountll(x);
+#endif
+}
+
+// What every slot reads.
+struct CandidateSpace {
+  int batch, max_len, ipc, slots;
+  i64 total;
+  i64 top;          // the largest power of two below the longest request (1 when it has <= 2)
+  double limit;     // max_useful_items: MAX_WAVES x slots work items
+  bool halving;     // powers past the first are tried: the batch unsplit is within the limit
+};
+
+DEVICE_PLAN_HD inline CandidateSpace candidate_space(int batch, int max_len, i64 total, int ipc,
+                                                     int slots) {
+  CandidateSpace cs;
+  cs.batch = batch; cs.max_len = max_len; cs.ipc = ipc; cs.slots = slots; cs.total = total;
+  cs.top = (i64)1 << (bit_length(max_len - 1 > 1 ? max_len - 1 : 1) - 1);
+  cs.limit = (double)MAX_WAVES * slots;
+  cs.halving = (double)batch * ipc <= cs.limit;      // Python ints: exact either way
+  return cs;
+}
+
+// Slot s's chunk tokens or split count (1 for no split), 0 where it holds no candidate.
+DEVICE_PLAN_HD inline i64 slot_value(int s, const CandidateSpace& cs) {
+  if (s == 0) return 1;
+  if (s < WAVE_SLOT || s >= TINY_SLOT) {    // chunk_token_candidates: a power of two
+    if (s >= END_SLOT) return 0;
+    i64 size;
+    if (s < WAVE_SLOT) {
+      size = cs.top >> (s - POW_SLOT);
+      if (size < TILE) return 0;
+    } else {
+      if (cs.max_len > TINY_CONTEXT) return 0;
+      size = s == TINY_SLOT ? 32 : 16;
+      if (size > cs.top) return 0;
+    }
+    if (size == cs.top) return size;      // the largest is always kept
+    // after it, a size is kept while total / size x items is within the limit: true for a
+    // prefix of the halvings, as the quotient only grows
+    return cs.halving && (double)cs.total / (double)size * (double)cs.ipc <= cs.limit ? size : 0;
+  }
+  if (s < SPLIT_SLOT) {                     // wave_filling_chunk_tokens: about j whole waves,
+    const int j = s - WAVE_SLOT + 1;        // half a chunk of waste a request
+    const double chunks = (double)((i64)j * cs.slots / cs.ipc) - (double)cs.batch / 2.0;
+    if (!(chunks > 0)) return 0;
+    const i64 q = (i64)((double)cs.total / chunks);   // int(total / chunks): truncation
+    const i64 size = ceil_div(q, TILE) * TILE;
+    return size >= TILE && size < cs.max_len ? size : 0;
+  }
+  // wave_filling_splits: the largest s with items * s <= j slots, j = 1..4, then 2, 3, 4;
+  // within MAX_WAVES waves, and none past the longest request's tiles
+  const i64 items = (i64)cs.batch * cs.ipc;
+  if (items <= 0) return 0;
+  const int f = s - SPLIT_SLOT;
+  const i64 count = f < WAVE_FILL_MAX ? (i64)(f + 1) * cs.slots / items : f - WAVE_FILL_MAX + 2;
+  if (count <= 1 || (double)(count * items) > cs.limit || count > ceil_div(cs.max_len, TILE))
+    return 0;
+  return count;
+}
+
+// Whether slot s holds a row: it has a value, and no earlier slot of its kind has the same one
+// (a wave-filling size among the powers or the earlier wave sizes, a split count among the
+// earlier counts). values: every slot's slot_value.
+DEVICE_PLAN_HD inline bool slot_kept(int s, const i64* values) {
+  if (s >= END_SLOT || values[s] == 0) return false;
+  int first = s;                            // the slots that could repeat s's value
+  if (s >= WAVE_SLOT && s < SPLIT_SLOT) first = POW_SLOT;
+  else if (s >= SPLIT_SLOT && s < TINY_SLOT) first = SPLIT_SLOT;
+  for (int t = first; t < s; ++t)
+    if (values[t] == values[s]) return false;
+  return true;
+}
+
+// The row of kept slot s, of the kept slots `kept` (bit t: slot t): its place in slot order,
+// the split counts among themselves ascending.
+DEVICE_PLAN_HD inline int slot_position(int s, unsigned long long kept, const i64* values) {
+  if (s < SPLIT_SLOT || s >= TINY_SLOT) return popcount64(kept & ((1ull << s) - 1));
+  int at = popcount64(kept & ((1ull << SPLIT_SLOT) - 1));
+  for (int t = SPLIT_SLOT; t < TINY_SLOT; ++t) at += (int)((kept >> t) & 1) && values[t] < values[s];
+  return at;
+}
+
+DEVICE_PLAN_HD inline Row slot_row(int s, i64 value) {
+  if (s == 0) return {NO_SPLIT_CHUNK, 0.0, 1, 0, 0, TILE};
+  if (s >= SPLIT_SLOT && s < TINY_SLOT) return {(double)TILE, (double)value, (int)value, 2, 0, TILE};
+  const int tiny = s >= TINY_SLOT;
+  return {(double)value, 0.0, (int)value, 1, tiny, tiny ? (int)value : TILE};
+}
+
+// Every slot by one thread (the CPU tests' driver; the planning kernel spreads the slots over
+// a warp).
 DEVICE_PLAN_HD inline void enumerate_rows(Candidates& c, int batch, int max_len, i64 total,
                                           int ipc, int slots) {
-  int n = 0;
-  c.rows[n++] = {NO_SPLIT_CHUNK, 0.0, 1, 0, 0, TILE};
-  // chunk_token_candidates: powers of two below max_len, largest first
-  const double limit = (double)MAX_WAVES * slots;
-  const int smallest = max_len <= TINY_CONTEXT ? 16 : TILE;
-  i64 sizes[64];
-  int num_sizes = 0;
-  i64 p = (i64)1 << (bit_length(max_len - 1 > 1 ? max_len - 1 : 1) - 1);
-  if (p >= smallest) {
-    sizes[num_sizes++] = p;
-    if ((double)batch * ipc <= limit) {       // Python ints: exact either way
-      p /= 2;
-      while (p >= smallest && (double)total / (double)p * (double)ipc <= limit) {
-        sizes[num_sizes++] = p;
-        p /= 2;
-      }
-    }
-  }
-  int num_tiny = 0;
-  if (max_len <= TINY_CONTEXT)
-    for (int i = 0; i < num_sizes; ++i) num_tiny += sizes[i] < TILE;
-  const int num_big_pow = num_sizes - num_tiny;    // sizes run largest first
-  for (int i = 0; i < num_big_pow; ++i)
-    c.rows[n++] = {(double)sizes[i], 0.0, (int)sizes[i], 1, 0, TILE};
-  // wave_filling_chunk_tokens: about j whole waves, j = 1..4, half a chunk of waste a request
-  i64 last = -1;
-  for (int j = 1; j <= WAVE_FILL_MAX; ++j) {
-    const double chunks = (double)((i64)j * slots / ipc) - (double)batch / 2.0;
-    if (!(chunks > 0)) continue;
-    const i64 q = (i64)((double)total / chunks);       // int(total / chunks): truncation
-    const i64 size = ceil_div(q, TILE) * TILE;
-    if (size >= TILE && size < max_len && size != last) {
-      last = size;
-      bool seen = false;              // only the powers of two: wave sizes never repeat
-      for (int i = 0; i < num_big_pow; ++i) seen |= sizes[i] == size;
-      if (!seen) c.rows[n++] = {(double)size, 0.0, (int)size, 1, 0, TILE};
-    }
-  }
-  // wave_filling_splits: the largest s with items * s <= j slots, j = 1..4, and 2, 3, 4;
-  // ascending, within MAX_WAVES waves, and none past the longest request's tiles
-  const i64 items = (i64)batch * ipc;
-  if (items > 0) {
-    i64 fills[WAVE_FILL_MAX + 3];
-    int num_fills = 0;
-    for (int j = 1; j <= WAVE_FILL_MAX; ++j) fills[num_fills++] = (i64)j * slots / items;
-    fills[num_fills++] = 2; fills[num_fills++] = 3; fills[num_fills++] = 4;
-    const i64 max_units = ceil_div(max_len, TILE);
-    i64 prev = 1;
-    for (;;) {              // ascending distinct values, as sorted(set(...))
-      i64 next = -1;
-      for (int i = 0; i < num_fills; ++i)
-        if (fills[i] > prev && (next < 0 || fills[i] < next)) next = fills[i];
-      if (next < 0) break;
-      prev = next;
-      if ((double)(next * items) > limit) continue;
-      if (next > max_units) continue;
-      c.rows[n++] = {(double)TILE, (double)next, (int)next, 2, 0, TILE};
-    }
-  }
-  for (int i = num_big_pow; i < num_sizes; ++i)
-    c.rows[n++] = {(double)sizes[i], 0.0, (int)sizes[i], 1, 1, (int)sizes[i]};
-  c.num_rows = n;
+  const CandidateSpace cs = candidate_space(batch, max_len, total, ipc, slots);
+  i64 values[END_SLOT];
+  for (int s = 0; s < END_SLOT; ++s) values[s] = slot_value(s, cs);
+  unsigned long long kept = 0;
+  for (int s = 0; s < END_SLOT; ++s) kept |= (unsigned long long)slot_kept(s, values) << s;
+  for (int s = 0; s < END_SLOT; ++s)
+    if ((kept >> s) & 1) c.rows[slot_position(s, kept, values)] = slot_row(s, values[s]);
+  c.num_rows = popcount64(kept);
 }
 
 // A request's chunk count under a row (stats.ragged_candidate_stats' k), from its length.

@@ -35,6 +35,7 @@ _POINTER = ctypes.c_void_p
 _FEATURES = len(FEATURE_NAMES)
 
 PLAN_THREADS = 512                  # device_plan.cu's PLAN_THREADS
+PLAN_STAMPS = 10                    # device_plan.cu's PLAN_STAMPS: the phase build's clock stamps
 # The kernel keeps its scratch in dynamic shared memory up to this: with its ~6 KiB of static
 # shared memory, within the 99 KiB a block may opt in to on every GPU of compute capability
 # 8.0+ (the H200: 227 KiB). Larger scratch stays in global memory.
@@ -416,14 +417,15 @@ def plan_kernel(phases: bool = False):
 
 
 def phase_clocks() -> np.ndarray:
-    """The SM clock at the start of the phase build's steps 1-7 and at its end (8 int64), as
-    its last launch on the current device stamped them (waits for the device)."""
+    """The SM clock as the phase build started, at the start of its steps (the first step's
+    twice: again once thread 0 read its request) and at its end (``PLAN_STAMPS`` int64), as its
+    last launch on the current device stamped them (waits for the device)."""
     import cupy
 
     cupy.cuda.Device().synchronize()
     module, _ = _PHASE_KERNELS[cupy.cuda.runtime.getDevice()]
     stamps = module.get_global("device_plan_phases")
-    return cupy.ndarray((8,), np.int64, stamps).get()
+    return cupy.ndarray((PLAN_STAMPS,), np.int64, stamps).get()
 
 
 def _data_ptr(obj) -> int | None:

@@ -113,6 +113,19 @@ inline void plan_on_host(const DevicePlanParams& p) {
 extern "C" void splitkv_plan_on_host(const device_plan::DevicePlanParams* p) {
   device_plan::plan_on_host(*p);
 }
+// The candidate rows (value, kind, tiny each, in order) for a batch: what the tests compare
+// with planner._candidates. Returns the number of rows.
+extern "C" int splitkv_candidate_rows(int batch, int max_len, long long total, int ipc, int slots,
+                                      int* out) {
+  device_plan::Candidates c;
+  device_plan::enumerate_rows(c, batch, max_len, total, ipc, slots);
+  for (int r = 0; r < c.num_rows; ++r) {
+    out[3 * r] = c.rows[r].value;
+    out[3 * r + 1] = c.rows[r].kind;
+    out[3 * r + 2] = c.rows[r].tiny;
+  }
+  return c.num_rows;
+}
 extern "C" int splitkv_plan_params_size() { return (int)sizeof(device_plan::DevicePlanParams); }
 
 // The cost model's rows of one candidate (FeatureRows' members in order) from its inputs

@@ -214,6 +214,44 @@ def test_later_plans_idle_what_earlier_ones_used():
     assert empty_plan.num_chunks == 5
 
 
+def test_the_candidate_rows_are_the_host_planners():
+    """The slots a warp enumerates in parallel, placed, are ``planner._candidates``' rows in
+    order: kinds, values and tiny sizes, over batches from one request to past the grid's
+    limit, tiny to very long contexts, slot counts of the GPUs and small ones."""
+    import ctypes
+
+    from splitkv.planner.planner import _candidates
+
+    lib = host_library()
+    lib.splitkv_candidate_rows.restype = ctypes.c_int
+    lib.splitkv_candidate_rows.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong,
+                                           ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    rng = np.random.default_rng(5)
+    out = np.zeros(3 * 64, np.int32)
+    kinds = collections.Counter()
+    for trial in range(6000):
+        batch = int(rng.choice([1, 2, 3, 8, 32, 256, 1024, 5000]))
+        top = int(rng.choice([16, 65, 2049, 40_000, 1 << 20, (1 << 31) - 1]))
+        max_len = int(rng.integers(0, top + 1)) if trial % 7 else int(rng.integers(0, 70))
+        total = max_len + int(rng.integers(0, max(batch - 1, 0) * max_len + 1))
+        ipc = int(rng.choice([1, 2, 4, 8, 16, 32, 64]))
+        slots = int(rng.choice([8, 66, 132, 264, 296, 528]))
+        values, split_rows, _, chunk, num_tiny, _ = _candidates(batch, max_len, total, ipc,
+                                                                slots, None, None)
+        rows = lib.splitkv_candidate_rows(batch, max_len, total, ipc, slots, out.ctypes.data)
+        got = out[:3 * rows].reshape(rows, 3)
+        want_kinds = [0] + [2 if split_rows.start <= r < split_rows.stop else 1
+                            for r in range(1, len(values))]
+        want_tiny = [int(r >= len(values) - num_tiny and r > 0) for r in range(len(values))]
+        what = (batch, max_len, total, ipc, slots)
+        assert got[:, 0].tolist() == list(values), what
+        assert got[:, 1].tolist() == want_kinds, what
+        assert got[:, 2].tolist() == want_tiny, what
+        kinds.update(want_kinds)
+        kinds["tiny"] += num_tiny
+    assert all(kinds[k] for k in (0, 1, 2, "tiny")), kinds
+
+
 def test_the_argument_struct_matches_its_mirror():
     import ctypes
 

@@ -61,6 +61,7 @@ def cpu_only() -> None:
     from splitkv.core.execution import grid_order
     from splitkv.core.geometry import MAX_HEADS_PER_CTA, ctas_per_kv_head
     from splitkv.planner.profiles import read_profile
+    from splitkv.runtime.compiled_builds import mean_chunk_tokens
     from splitkv.runtime.records import chunk_records, pages_fit_record, record_pages_needed
 
     import splitkv.planner
@@ -79,9 +80,8 @@ def cpu_only() -> None:
 
         def host_plan():
             chosen = choose_plan(DecodeProblem.from_page_table(pt, hq, hk, d), model)
-            sizes = chosen.chunk_end - chosen.chunk_start
             build = plan_build(base, PlanGrid(chosen.num_work_items * ctas_per_kv_head(group),
-                                              float(sizes.mean()), chosen.cluster_size,
+                                              mean_chunk_tokens(chosen), chosen.cluster_size,
                                               row_tiles_for(min(group, MAX_HEADS_PER_CTA))),
                                page_size=page, device=H200)
             fits = pages_fit_record(chosen, page, build.stages, build.tile_tokens)

@@ -6,6 +6,8 @@ current device and compiles what it decides."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..core.builds import PlanGrid, graph_build, plan_build, reachable_builds, shape_build
 from ..core.geometry import MAX_HEADS_PER_CTA
 from ..core.variants import KernelVariant
@@ -22,15 +24,21 @@ def base_build(dtype: str, head_dim: int, group_size: int, page_size: int, kv_dt
                        experiments.build_forces, build_type=KernelBuild)
 
 
+def mean_chunk_tokens(plan) -> float:
+    """The mean tokens of ``plan``'s chunks (0.0 for none), bit for bit ``sizes.mean()`` (the
+    same float64 sum, divided by the count) without NumPy's slow Python-level ``mean``: every
+    plan() asks."""
+    sizes = plan.chunk_end - plan.chunk_start
+    return float(np.add.reduce(sizes, dtype=np.float64)) / sizes.size if sizes.size else 0.0
+
+
 def per_shape_build(base: KernelBuild, plan, ctas: int, row_tiles: int, *, page_size: int,
                     experiments: DecodeExperiments, variant: KernelVariant,
                     device) -> KernelBuild:
     """The build a per-shape ``plan`` of ``ctas`` CTAs runs with ``variant``'s hooks on
     ``device`` (its ``DeviceProperties``), not compiled (``core.builds.plan_build``; the K/V
     dtype and head_dim are ``base``'s)."""
-    sizes = plan.chunk_end - plan.chunk_start
-    grid = PlanGrid(ctas, float(sizes.mean()) if sizes.size else 0.0, plan.cluster_size,
-                    row_tiles, variant)
+    grid = PlanGrid(ctas, mean_chunk_tokens(plan), plan.cluster_size, row_tiles, variant)
     return plan_build(base, grid, page_size=page_size, device=device,
                       forces=experiments.build_forces)
 

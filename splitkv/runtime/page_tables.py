@@ -11,6 +11,7 @@ known on the host is not checked there: page ids must lie in the K/V pool (as wi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -50,6 +51,15 @@ def _int32_device(name: str, obj, ndim: int, device) -> DeviceArray:
     return a
 
 
+@lru_cache(maxsize=32)
+def _row_starts(rows: int, row_stride: int) -> np.ndarray:
+    """Each block-table row's first entry, and the end: read-only, kept (an engine's batch
+    sizes recur, and plan() runs on every step)."""
+    starts = np.arange(rows + 1, dtype=np.int64) * row_stride
+    starts.setflags(write=False)
+    return starts
+
+
 def device_page_table(page_size: int, device, *, kv_indptr=None, kv_indices=None,
                       kv_last_page_len=None, block_table=None,
                       seq_lens=None) -> DevicePageTable | None:
@@ -73,8 +83,7 @@ def device_page_table(page_size: int, device, *, kv_indptr=None, kv_indices=None
             raise ValueError(f"block_table: expected rows that do not overlap and fewer than "
                              f"2**31 entries in all (the kernels' offsets are int32), got shape "
                              f"{list(table.shape)} with strides {list(table.strides)}")
-        indptr = np.arange(rows + 1, dtype=np.int64) * row_stride
-        return DevicePageTable(indptr, lens, page_size, table)
+        return DevicePageTable(_row_starts(rows, row_stride), lens, page_size, table)
     if is_device_array(kv_indices):
         table = _int32_device("kv_indices", kv_indices, 1, device)
         if kv_indptr is None or kv_last_page_len is None:

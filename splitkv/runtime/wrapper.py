@@ -40,6 +40,10 @@ from .streams import PlanStreams
 from .unified_counter import FallbackCounter
 from .workspace import Workspace
 
+# planner.choose_plan, imported on the first plan() (the planner reads profiles with PyYAML,
+# which importing the runtime does not load) and kept, not imported again on every step
+_choose_plan = None
+
 
 class BatchDecodeWrapper:
     """Decode attention over a paged KV cache (NHD or HND layout) with an adaptive split-KV plan.
@@ -299,7 +303,9 @@ class BatchDecodeWrapper:
                                                          else chunk))
             chosen = plan.with_execution(clusters=clusters, launch_order=self.launch_order)
         else:
-            from ..planner import choose_plan
+            global _choose_plan
+            if _choose_plan is None:
+                from ..planner import choose_plan as _choose_plan
 
             problem = DecodeProblem.from_page_table(
                 page_table, heads, self.num_kv_heads, self.head_dim, self.dtype,
@@ -309,9 +315,9 @@ class BatchDecodeWrapper:
                 model = model.with_clusters(False)
             if query_rows is not None:           # the builds' tiles of multi-token plans
                 model = model.for_multi_token()
-            chosen = choose_plan(problem, model, num_splits, strategy,
-                                 launch_order=self.launch_order,
-                                 max_chunks=self._plan_max_chunks(page_table.batch_size))
+            chosen = _choose_plan(problem, model, num_splits, strategy,
+                                  launch_order=self.launch_order,
+                                  max_chunks=self._plan_max_chunks(page_table.batch_size))
         scale_log2 = sm_scale_log2(sm_scale, self.head_dim)
         if max_page >= 2**31:
             raise ValueError("page_table: page indices must be < 2**31")

@@ -11,6 +11,8 @@ import os
 
 import numpy as np
 
+from .dtypes import dtype_name
+
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = ("float16", "bfloat16")
 STRATEGIES = ("single", "split_merge", "fused")
@@ -31,20 +33,6 @@ MAX_CHUNKS = 2**24              # chunks of one plan: building one that large ta
                                 # candidates stay within a few thousand chunks)
 MAX_BATCH_SIZE = MAX_CHUNKS     # requests of one batch: a plan has a chunk per request
 MAX_TOTAL_PAGES = 2**31 - 1     # entries of kv_indices: the kernel's page-table offsets are int
-
-
-def dtype_name(dtype) -> str:
-    """Canonical name of a dtype given as a string, NumPy dtype or scalar type (``np.float16``),
-    or framework dtype."""
-    if isinstance(dtype, type):
-        try:
-            dtype = np.dtype(dtype)
-        except TypeError:
-            pass
-    name = getattr(dtype, "name", None) or str(dtype)
-    name = name.replace("torch.", "").replace("jax.numpy.", "")
-    aliases = {"half": "float16", "bf16": "bfloat16", "fp16": "float16", "<V2": "bfloat16"}
-    return aliases.get(name, name)
 
 
 def check_dtype(name: str, dtype) -> str:
@@ -125,7 +113,7 @@ def host_int_array(name: str, value, ndim: int, as_int64: bool = True) -> np.nda
                         f"that NumPy cannot read as one ({e})") from None
     if arr.ndim != ndim:
         raise ValueError(f"{name}: expected a {ndim}-d array, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    if arr.size and not issubclass(arr.dtype.type, np.integer):   # np.issubdtype's test
         raise TypeError(f"{name}: expected an integer array, got dtype {arr.dtype}")
     # compared as uint64: NumPy 1.x compares uint64 with an int through float64, which rounds
     if arr.size and arr.dtype == np.uint64 and arr.max() > np.uint64(np.iinfo(np.int64).max):
@@ -139,18 +127,21 @@ def check_batch_size(name: str, batch_size: int) -> None:
                          "are supported (a plan has a chunk per request)")
 
 
-def check_kv_lens(name: str, lens: np.ndarray) -> None:
-    """Request lengths (int64): 0..MAX_KV_LEN tokens each, at most MAX_BATCH_SIZE requests."""
+def check_kv_lens(name: str, lens: np.ndarray):
+    """Request lengths (int64): 0..MAX_KV_LEN tokens each, at most MAX_BATCH_SIZE requests.
+    Returns the longest (None for no requests), so a caller's bound needs no second max."""
     check_batch_size(name, lens.size)
     if not lens.size:
-        return
+        return None
     if lens.min() < 0:
         raise ValueError(f"{name}: lengths must be >= 0, got {lens.min()}")
-    if lens.max() > MAX_KV_LEN:
+    longest = lens.max()
+    if longest > MAX_KV_LEN:
         b = int(np.argmax(lens))
         raise ValueError(f"{name}: request {b} has {lens[b]} tokens; at most MAX_KV_LEN="
                          f"{MAX_KV_LEN} (2**31 - 1) per request are supported (plans hold token "
                          "offsets as int32)")
+    return longest
 
 
 def check_page_table(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_last_page_len: np.ndarray,
@@ -236,8 +227,8 @@ def check_page_indices(kv_indices: np.ndarray, num_pages=None, name: str = "kv_i
 
 
 def check_seq_lens(seq_lens: np.ndarray, capacity: int, page_size: int) -> None:
-    check_kv_lens("seq_lens", seq_lens)
-    if seq_lens.size and seq_lens.max() > capacity:
+    longest = check_kv_lens("seq_lens", seq_lens)
+    if longest is not None and longest > capacity:
         b = int(np.argmax(seq_lens))
         raise ValueError(f"seq_lens: request {b} has {seq_lens[b]} tokens, more than its "
                          f"{capacity // page_size} pages x page_size {page_size} = {capacity} hold")

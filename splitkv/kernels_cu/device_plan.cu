@@ -64,7 +64,7 @@ extern "C" __global__ void __launch_bounds__(PLAN_THREADS, 1)
 plan_decode(const __grid_constant__ DevicePlanParams p) {
   __shared__ Candidates cands;
   __shared__ RowSums sums[MAX_ROWS];
-  __shared__ unsigned long long reduced[5];   // tokens, tiles, pages, max length, empty requests
+  __shared__ i64 per_warp[PLAN_WARPS][5];    // tokens, tiles, pages, max length, empty requests
   __shared__ Choice best;
   __shared__ double predicted[2 * MAX_ROWS];
   __shared__ i64 slot_values[END_SLOT];
@@ -77,14 +77,16 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int n = p.batch_size;
   const int filled = st.filled;               // read by every thread before thread 0 rewrites it
-  if (tid < 5) reduced[tid] = 0;
   if (tid == 0) misaligned = bad_rows = 0;
   __syncthreads();
 
   PLAN_PHASE(1)
-  // 1. the requests: lengths, errors, sums and maxima
+  // 1. the requests: lengths, errors, sums and maxima (every lane of a warp takes as many
+  // turns, those past the batch idle)
   i64 tokens = 0, tiles = 0, pages = 0, longest = 0, empty = 0;
-  for (int b = tid; b < n; b += PLAN_THREADS) {
+  for (int base = 0; base < n; base += PLAN_THREADS) {
+    const int b = base + tid;
+    if (b >= n) continue;
     const Request r = read_request(p, b);
     if (r.error && atomicCAS(&st.error, 0, r.error) == 0) st.error_request = b;
     const int len = read_len(p, r.len);   // the window's tokens, with a window
@@ -106,20 +108,25 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
       if (error) bad_rows = 1;
     }
   }
+  // each warp's sums and maximum, then every thread adds the warps' (no atomics: their order
+  // would not matter, but a 64-bit shared-memory maximum is a compare-and-swap loop)
   tokens = warp_sum(tokens); tiles = warp_sum(tiles); pages = warp_sum(pages);
   longest = warp_max(longest); empty = warp_sum(empty);
   if (lane == 0) {
-    atomicAdd(&reduced[0], (unsigned long long)tokens);
-    atomicAdd(&reduced[1], (unsigned long long)tiles);
-    atomicAdd(&reduced[2], (unsigned long long)pages);
-    atomicMax(&reduced[3], (unsigned long long)longest);
-    atomicAdd(&reduced[4], (unsigned long long)empty);
+    per_warp[warp][0] = tokens; per_warp[warp][1] = tiles; per_warp[warp][2] = pages;
+    per_warp[warp][3] = longest; per_warp[warp][4] = empty;
   }
   __syncthreads();
   if (bad_rows)                     // past a bad entry the rows may overlap: none has rows
     for (int b = tid; b < p.max_batch; b += PLAN_THREADS) clear_query_rows(p, b);
-  const i64 total = (i64)reduced[0], total_pages = (i64)reduced[2];
-  const int max_len = (int)reduced[3], num_empty = (int)reduced[4];
+  i64 total = 0, total_tiles = 0, total_pages = 0, longest_len = 0, empties = 0;
+#pragma unroll
+  for (int w = 0; w < PLAN_WARPS; ++w) {
+    total += per_warp[w][0]; total_tiles += per_warp[w][1]; total_pages += per_warp[w][2];
+    longest_len = per_warp[w][3] > longest_len ? per_warp[w][3] : longest_len;
+    empties += per_warp[w][4];
+  }
+  const int max_len = (int)longest_len, num_empty = (int)empties;
 
   PLAN_PHASE(3)
   // 2. the candidate rows: the first warp, two slots a lane
@@ -157,7 +164,7 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   // 4. the cheapest candidate: one thread per (row, strategy) pair
   const int pairs = num_pairs(cands);
   if (tid < pairs) {
-    const Scorer scorer = {&p, (double)total, (double)reduced[1], (double)max_len, n, num_empty};
+    const Scorer scorer = {&p, (double)total, (double)total_tiles, (double)max_len, n, num_empty};
     predicted[tid] = pair_prediction(scorer, cands, sums, tid, p.max_chunks);
   }
   __syncthreads();

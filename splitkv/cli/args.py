@@ -24,9 +24,18 @@ def one_line(message) -> str:
 
 
 def refuse(command: str, message) -> int:
-    """Print why ``splitkv <command>`` cannot go on, as one line on stderr; the exit status 2."""
+    """Print why ``splitkv <command>`` cannot go on with the arguments it was given, as one line
+    on stderr; the exit status 2."""
     print(f"splitkv {command}: {one_line(message)}", file=sys.stderr)
     return 2
+
+
+def unavailable(command: str, message) -> int:
+    """Print what this machine lacks for ``splitkv <command>`` (a GPU, NVRTC, the GPU runtime),
+    as one line on stderr; the exit status 1: the arguments were fine, so a script can tell a
+    wrong call (2) from the wrong machine."""
+    print(f"splitkv {command}: {one_line(message)}", file=sys.stderr)
+    return 1
 
 
 class Parser(argparse.ArgumentParser):

@@ -73,7 +73,7 @@ def run(args) -> int:
 
     ok, why = gpu_available()
     if not ok:
-        return A.refuse("bench", f"needs a GPU ({why})")
+        return A.unavailable("bench", f"needs a GPU ({why})")
     from ..bench.cases import select
     from ..bench.harness import markdown_table, run_cases
 

@@ -102,10 +102,10 @@ def run(args) -> int:
     try:
         from ..runtime import device_info, gpu_available
     except ImportError as exc:
-        return A.refuse("calibrate", f"the GPU runtime cannot be imported ({exc})")
+        return A.unavailable("calibrate", f"the GPU runtime cannot be imported ({exc})")
     ok, why = gpu_available()
     if not ok:
-        return A.refuse("calibrate", f"needs a CUDA GPU to measure on ({why}). Without one, "
+        return A.unavailable("calibrate", f"needs a CUDA GPU to measure on ({why}). Without one, "
                                      "splitkv plans with its shipped profiles or a roofline prior.")
 
     from ..calibration.calibrate import calibrate, profile_path, save, sweep_for

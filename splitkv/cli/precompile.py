@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         arches = [current.cc]
     ok, nvrtc = nvrtc_available()
     if not ok and not args.dry_run:
-        return A.refuse("precompile", f"needs NVRTC, which does not load: {nvrtc}")
+        return A.unavailable("precompile", f"needs NVRTC, which does not load: {nvrtc}")
     from ..runtime.kernel_source import nvrtc_archs
 
     # a dry run without NVRTC lists the modules and touches NVRTC no further

@@ -118,11 +118,11 @@ def run_calibrate(argv):
     return calibrate_cli.run(parser.parse_args(argv))
 
 
-def test_calibrate_without_a_gpu_exits_2(monkeypatch, capsys):
+def test_calibrate_without_a_gpu_exits_1(monkeypatch, capsys):
     import splitkv.runtime
 
     monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: (False, "no device here"))
-    assert run_calibrate(["--quick"]) == 2
+    assert run_calibrate(["--quick"]) == 1
     err = capsys.readouterr().err
     assert "needs a CUDA GPU" in err and "no device here" in err
 

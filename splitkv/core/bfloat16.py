@@ -24,7 +24,11 @@ def bits_to_float32(bits, xp=np):
 
 
 def float32_to_bits(x, xp=np):
-    """float32 -> uint16 bfloat16 bits, rounded to nearest even."""
-    bits = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
+    """float32 -> uint16 bfloat16 bits, rounded to nearest even; a NaN is 0x7FFF, as the GPU's
+    conversion (cvt.rn.bf16.f32) gives it (the rounding bias added to a NaN's bits could carry
+    it into the sign bit: 0x7FFFFFFF, the GPU's own NaN, would become -0)."""
+    x = xp.ascontiguousarray(x, dtype=xp.float32)
+    bits = x.view(xp.uint32)
     rounded = bits + xp.uint32(0x7FFF) + ((bits >> xp.uint32(16)) & xp.uint32(1))
-    return (rounded >> xp.uint32(16)).astype(xp.uint16)
+    out = (rounded >> xp.uint32(16)).astype(xp.uint16)
+    return xp.where(xp.isnan(x), xp.uint16(0x7FFF), out)

@@ -41,9 +41,12 @@ __device__ __forceinline__ float bits16_to_float(unsigned short h) {
 
 __device__ __forceinline__ unsigned short float_to_bits16(float x) {
 #if OUT_BF16
-  // nearest even, exactly as core/bfloat16.py's float32_to_bits (uint32 wrap-around included)
-  const unsigned b = __float_as_uint(x);
-  return (unsigned short)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+  // nearest even, a NaN the canonical 0x7FFF: the decode kernels' conversion, and
+  // core/bfloat16.py's float32_to_bits (adding the rounding bias to a NaN's bits would carry
+  // the GPU's NaN, 0x7FFFFFFF, into -0)
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  return h;
 #else
   unsigned short h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));

@@ -98,7 +98,9 @@ class TorchGroup(ExchangeGroup):
 
         s = as_cupy_stream(stream)
         index = getattr(s, "device_id", None)
-        device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        # CuPy's null stream has device_id -1 (bound to no device): the current one
+        device = torch.device("cuda", torch.cuda.current_device() if index is None or index < 0
+                              else index)
         if s.ptr == 0:
             return torch.cuda.default_stream(device)
         key = (s.ptr, device.index)

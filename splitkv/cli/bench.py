@@ -82,7 +82,7 @@ def run(args) -> int:
 
         ok, why = flashinfer_available()
         if not ok:
-            return A.refuse("bench", f"--flashinfer: {why}")
+            return A.unavailable("bench", f"--flashinfer: {why}")
 
     result = run_cases(select(args.cases), dtype=args.dtype, min_total_mib=args.min_total_mib,
                        num_splits=args.num_splits, strategy=args.strategy, peer=not args.no_peer,

@@ -104,6 +104,8 @@ def run(args) -> int:
     except ImportError as exc:
         return A.unavailable("calibrate", f"the GPU runtime cannot be imported ({exc})")
     ok, why = gpu_available()
+    if not ok and args.device is not None:      # the device asked for is not there
+        return A.refuse("calibrate", f"--device {args.device}: no such CUDA GPU here ({why})")
     if not ok:
         return A.unavailable("calibrate", f"needs a CUDA GPU to measure on ({why}). Without one, "
                                      "splitkv plans with its shipped profiles or a roofline prior.")

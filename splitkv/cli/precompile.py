@@ -10,7 +10,8 @@ run it in a container image's build, and serving compiles nothing.
 A file already there (the same source, options, architecture and NVRTC) is kept; one that is
 damaged is written again. ``--dry-run`` needs no NVRTC: without one it lists the modules by
 label and architecture (a file's name hashes the NVRTC build that compiles it). A bad argument
-is one line and exit status 2; a compile or write that fails, one line and exit status 1.
+is one line and exit status 2; a missing NVRTC, or a compile or write that fails, one line and
+exit status 1.
 """
 
 from __future__ import annotations

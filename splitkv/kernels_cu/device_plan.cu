@@ -175,10 +175,13 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   }
   __syncthreads();
   if (warp == 0) {                     // the first cheapest: a warp's argmin, ties to the lower
-    int at = lane;                       // pair (pairs <= 2 x MAX_ROWS)
+    // pair (pairs <= 2 x MAX_ROWS), as the serial `cheapest` scans: a NaN is never less than
+    // anything, so it is passed over (read here as +inf), unless pair 0 is one, which then stays
+    const double inf = infinity();
+    int at = lane;
+    double value = lane < pairs && !isnan(predicted[lane]) ? predicted[lane] : inf;
     for (int i = lane + 32; i < pairs; i += 32)
-      if (predicted[i] < predicted[at]) at = i;
-    double value = lane < pairs ? predicted[at] : infinity();
+      if (predicted[i] < value) { value = predicted[i]; at = i; }
     if (lane >= pairs) at = pairs;
     for (int o = 16; o; o >>= 1) {
       const double v = __shfl_xor_sync(0xffffffffu, value, o);
@@ -186,8 +189,9 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
       if (v < value || (v == value && i < at)) { value = v; at = i; }
     }
     if (lane == 0) {
+      if (isnan(predicted[0])) at = 0;
       best = pair_choice(at);
-      best.predicted_us = value;
+      best.predicted_us = predicted[at];
     }
   }
   __syncthreads();

@@ -127,6 +127,16 @@ def test_calibrate_without_a_gpu_exits_1(monkeypatch, capsys):
     assert "needs a CUDA GPU" in err and "no device here" in err
 
 
+def test_calibrate_on_a_device_that_is_not_there_names_it_and_exits_2(monkeypatch, capsys):
+    """--device N with no such GPU is the call's mistake (2), not the machine's (1)."""
+    import splitkv.runtime
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")       # restored after the test
+    monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: (False, "no device here"))
+    assert run_calibrate(["--quick", "--device", "0"]) == 2
+    assert "splitkv calibrate: --device 0: no such CUDA GPU here" in capsys.readouterr().err
+
+
 def test_calibrate_with_a_simulated_gpu(monkeypatch, tmp_path, capsys, fake_gpu):
     import splitkv.runtime
     import splitkv.measure.timing

@@ -131,7 +131,10 @@ def test_calibrate_on_a_device_that_is_not_there_names_it_and_exits_2(monkeypatc
     """--device N with no such GPU is the call's mistake (2), not the machine's (1)."""
     import splitkv.runtime
 
+    import sys
+
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")       # restored after the test
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)   # as before CUDA starts
     monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: (False, "no device here"))
     assert run_calibrate(["--quick", "--device", "0"]) == 2
     assert "splitkv calibrate: --device 0: no such CUDA GPU here" in capsys.readouterr().err

@@ -27,13 +27,14 @@ from ..core import validation as V
 from ..core.plan import (Plan, _chunk_arrays, _single_chunk_arrays, _uniform_chunk_arrays,
                     in_window, plan_chunk_tokens, plan_fixed_splits, plan_from_chunk_counts)
 from ..core.problem import DecodeProblem
-from ..core.execution import DEFAULT_LAUNCH_ORDER, check_launch_order, may_cluster
+from ..core.execution import (DEFAULT_LAUNCH_ORDER, MERGE_CLUSTER, _execution,
+                              check_launch_order, may_cluster)
 from ..core.geometry import TILE_TOKENS
 from .cost_model import CostModel
-from .features import (PLAIN_TILES, build_tile_units, count_build_tiles, feature_constants,
-                       feature_index, features_from_stats, gather_features, new_feature_rows,
-                       row_features, strategy_scale, stream_ratio_of)
-from .stats import (S_NUM_CHUNKS, STAT_NAMES, equal_candidate_stats, ones,
+from .features import (PLAIN_TILES, R_CLUSTERED, build_tile_units, count_build_tiles,
+                       feature_constants, feature_index, features_from_stats, gather_features,
+                       new_feature_rows, row_features, strategy_scale, stream_ratio_of)
+from .stats import (S_MAX_SPLITS, S_NUM_CHUNKS, STAT_NAMES, equal_candidate_stats, ones,
                     ragged_candidate_stats)
 
 NO_SPLIT, CHUNK_TOKENS, NUM_SPLITS = "no split", "chunk tokens", "num splits"
@@ -245,7 +246,8 @@ class _Scores:
     """Every candidate of one problem, scored (``_candidates``' rows; the chunk counts k
     [rows, requests] and tiles per request of ``stats.ragged_candidate_stats``, or when all
     lengths are equal ``stats.equal_candidate_stats``' k [rows, 1] and None), and per pair
-    its row index, strategy and predicted us; ``num_chunks``: each row's chunk count."""
+    its row index, strategy and predicted us; ``num_chunks``: each row's chunk count;
+    ``rows``: the ``row_features`` array the predictions were made from."""
 
     values: list
     splits: slice
@@ -255,6 +257,7 @@ class _Scores:
     strategies: tuple
     predicted: np.ndarray
     num_chunks: np.ndarray
+    rows: np.ndarray
 
     def row(self, row: int) -> tuple[str, int]:
         """(kind, value) of a row."""
@@ -280,9 +283,18 @@ class _Scores:
         else:
             units = self.units.astype(_INT64) if align == TILE_TOKENS else None
             arrays = _chunk_arrays(lens, self.k[row].astype(_INT64), align, units)
-        return Plan._trusted(problem, self.strategies[i], *in_window(problem, arrays),
-                             predicted_us=self.predicted.item(i), clusters=clusters,
-                             launch_order=launch_order)
+        # ``decide`` tests a fused plan on a GPU with clusters from its arrays, at a cost; the
+        # row's 'clustered' value is that test in closed form (``execution.clustered``), and
+        # a clustered row has max_splits chunks in every request. So the plan is decided
+        # without clusters, and a clustered one then given its cluster execution.
+        strategy = self.strategies[i]
+        size = (int(self.rows[S_MAX_SPLITS, row])
+                if clusters and strategy == "fused" and self.rows[R_CLUSTERED, row] else 0)
+        plan = Plan._trusted(problem, strategy, *in_window(problem, arrays),
+                             predicted_us=self.predicted.item(i), launch_order=launch_order)
+        if size:
+            plan.__dict__["execution"] = _execution(MERGE_CLUSTER, size, "plan")
+        return plan
 
 
 def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=None,
@@ -341,7 +353,7 @@ def _score(problem: DecodeProblem, model: CostModel, num_splits=None, strategy=N
     if too_many is not None:
         predicted[too_many] = np.inf
     return _Scores(values, splits, k, units, pair_rows, strategies, predicted,
-                   stats[S_NUM_CHUNKS])
+                   stats[S_NUM_CHUNKS], rows)
 
 
 def _as_cost_model(profile) -> CostModel:

@@ -183,6 +183,7 @@ def test_fast_path_matches_a_straightforward_reference():
         assert got.strategy == want.strategy, (cand.label, p)
         for name in ("chunk_request", "chunk_start", "chunk_end", "merge_indptr"):
             np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+        assert got.execution == want.execution, (cand.label, p)    # decided from its arrays
         # the cheapest of rank_candidates' predictions (an identical plan under another label
         # may be the one chosen: a matrix-vector product can round equal rows 1 ulp apart)
         assert got.predicted_us == ranked[0].predicted_us

@@ -23,19 +23,17 @@ def one_line(message) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(message))
 
 
-def refuse(command: str, message) -> int:
+def refuse(command: str, message, status: int = 2) -> int:
     """Print why ``splitkv <command>`` cannot go on with the arguments it was given, as one line
-    on stderr; the exit status 2."""
+    on stderr; the exit status 2 (or ``status``)."""
     print(f"splitkv {command}: {one_line(message)}", file=sys.stderr)
-    return 2
+    return status
 
 
 def unavailable(command: str, message) -> int:
-    """Print what this machine lacks for ``splitkv <command>`` (a GPU, NVRTC, the GPU runtime),
-    as one line on stderr; the exit status 1: the arguments were fine, so a script can tell a
-    wrong call (2) from the wrong machine."""
-    print(f"splitkv {command}: {one_line(message)}", file=sys.stderr)
-    return 1
+    """``refuse`` for what this machine lacks (a GPU, NVRTC, the GPU runtime): exit status 1,
+    the arguments were fine, so a script can tell a wrong call (2) from the wrong machine."""
+    return refuse(command, message, 1)
 
 
 class Parser(argparse.ArgumentParser):

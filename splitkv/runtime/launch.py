@@ -195,8 +195,9 @@ def bind_decode_launch(kernels, params: DecodeParams, grid: LaunchGrid, *, num_k
         shared = kernels.one_per_sm_shared_bytes
     threads = kernels.build.threads
     partial = KernelLaunch(kernels.partial, ctas, threads, shared, pdl=pdl)
+    after_plan_pdl = pdl_after_plan and grid.device_planned
     plain = None
-    if pdl and grid.device_planned:
+    if pdl and grid.device_planned and not after_plan_pdl:
         plain = KernelLaunch(kernels.partial, ctas, threads, kernels.build.shared_bytes)
     merge = None
     if grid.merge:
@@ -204,4 +205,4 @@ def bind_decode_launch(kernels, params: DecodeParams, grid: LaunchGrid, *, num_k
         slots = requests * grid.heads * (head_dim // 4)
         merge = KernelLaunch(kernels.merge, -(-slots // threads), threads, 0, pdl=pdl)
     return DecodeLaunch(params, partial, merge, current_context(), plain,
-                        pdl_after_plan=pdl_after_plan and grid.device_planned)
+                        pdl_after_plan=after_plan_pdl)

@@ -61,6 +61,9 @@ def host_library(expressions: dict | None = None):
     lib.splitkv_plan_params_size.restype = ctypes.c_int
     lib.splitkv_feature_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.splitkv_row_inputs.restype = lib.splitkv_row_members.restype = ctypes.c_int
+    lib.splitkv_candidate_rows.restype = ctypes.c_int
+    lib.splitkv_candidate_rows.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong,
+                                           ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     _LIBS[digest] = lib
     return lib
 

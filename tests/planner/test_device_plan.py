@@ -218,14 +218,9 @@ def test_the_candidate_rows_are_the_host_planners():
     """The slots a warp enumerates in parallel, placed, are ``planner._candidates``' rows in
     order: kinds, values and tiny sizes, over batches from one request to past the grid's
     limit, tiny to very long contexts, slot counts of the GPUs and small ones."""
-    import ctypes
-
     from splitkv.planner.planner import _candidates
 
     lib = host_library()
-    lib.splitkv_candidate_rows.restype = ctypes.c_int
-    lib.splitkv_candidate_rows.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong,
-                                           ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     rng = np.random.default_rng(5)
     out = np.zeros(3 * 64, np.int32)
     kinds = collections.Counter()

@@ -105,6 +105,10 @@ def run(args) -> int:
         return A.refuse("plan", f"--num-splits {args.num_splits}: the plan would have "
                                 f"{chunks:,} chunks; the command line plans at most {MAX_CHUNKS:,}")
     try:
+        if args.kv_dtype and args.head_dim not in V.FP8_HEAD_DIMS:
+            raise ValueError(f"--kv-dtype {args.kv_dtype}: fp8 K/V is not supported at --head-dim "
+                             f"{args.head_dim}; expected --head-dim one of {V.FP8_HEAD_DIMS} with "
+                             f"it")
         if args.attention_chunk_size and args.q_len > 1:
             raise ValueError(f"--attention-chunk-size {args.attention_chunk_size} with --q-len "
                              f"{args.q_len}: chunked attention takes one query row a request")

@@ -24,7 +24,9 @@ from .variants import PLAIN, KernelVariant
 # three CTAs fit on an SM. fp8 tiles are half the bytes: twice the tiles keeps the bytes in
 # flight (and so the CTAs an SM holds), within the RECORD_PAGES the first tiles may take at
 # page 16.
-DEFAULT_STAGES = {64: 4, 128: 3, 256: 2}
+# Head dim 96 (192-byte rows): 4 stages, the 96 KiB in flight of head_dim 128's 3 (its 188
+# registers hold two CTAs an SM, as 128's 219 do).
+DEFAULT_STAGES = {64: 4, 96: 4, 128: 3, 256: 2}
 DEFAULT_FP8_STAGES = {64: 6, 128: 6, 256: 4}
 
 
@@ -82,8 +84,11 @@ def row_tiles_for(group_size: int) -> int:
 
 def row_step(head_dim: int, row_tiles: int, kv_bytes: int) -> int:
     """Token rows one pass of a row tile's threads copies (decode.cu's GROUP_THREADS /
-    DCHUNKS): pages smaller than this take the page walk's per-copy division."""
-    return max(1, 32 * row_tiles // (head_dim * kv_bytes // 16))
+    COPY_SLOTS, the 16-byte chunks of a row rounded up to a power of two): pages smaller than
+    this take the page walk's per-copy division."""
+    chunks = head_dim * kv_bytes // 16
+    slots = 1 << (max(chunks, 4) - 1).bit_length()
+    return max(1, 32 * row_tiles // slots)
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,7 @@ class Build:
     its source and name)."""
 
     dtype: str          # "float16" | "bfloat16"
-    head_dim: int       # 64 | 128 | 256
+    head_dim: int       # 64 | 96 | 128 | 256 (fp8 K/V: not 96)
     row_tiles: int      # 1, 2 or 4 row tiles of 16 query heads per CTA (ROW_TILES)
     stages: int = 0     # pipeline depth in tiles; 0 = the default for head_dim
     max_registers: int = 0    # per-thread register cap (experiments); 0 = the compiler's choice
@@ -124,6 +129,9 @@ class Build:
         if self.num_warps < self.row_tiles * self.dim_split:
             raise ValueError(f"dim_split: {self.num_warps} warps cannot hold {self.row_tiles} "
                              f"row tiles x {self.dim_split} dim halves")
+        if self.kv_dtype and self.head_dim not in DEFAULT_FP8_STAGES:
+            raise ValueError(f"kv_dtype: fp8 K/V has no build at head_dim {self.head_dim}; "
+                             f"expected one of {tuple(DEFAULT_FP8_STAGES)}")
         if self.stages == 0:
             defaults = DEFAULT_FP8_STAGES if self.kv_dtype else DEFAULT_STAGES
             # tiles of more tokens (8 warps, or 32 a warp): fewer stages keep the bytes in flight

@@ -70,6 +70,7 @@ class DecodeSession:
         self.window_left = -1 if window_left is None else int(window_left)
         self.attention_chunk_size = check_chunk_size(attention_chunk_size)   # 0: none
         self.kv_dtype = fp8_format("kv_dtype", kv_dtype)   # None: K/V in ``dtype``
+        V.check_head_dim_for_kv(head_dim, self.kv_dtype)
         # ALiBi: one slope a query head (a list, NumPy or a torch tensor), kept on the host
         if isinstance(alibi_slopes, torch.Tensor):
             alibi_slopes = alibi_slopes.detach().to("cpu", torch.float64).numpy()

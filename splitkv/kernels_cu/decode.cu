@@ -90,6 +90,13 @@ enum : int { ROWS = 16 * ROW_TILES };                      // query heads per CT
 enum : int { KV_BYTES = Build::fp8 ? 1 : 2 };
 enum : int { ROW_BYTES = HEAD_DIM * KV_BYTES };            // one token's K (or V) row of one kv head
 enum : int { DCHUNKS = ROW_BYTES / 16 };                   // 16-byte chunks per row
+// The copy threads' chunk slots per row: DCHUNKS rounded up to a power of two (16 for head_dim
+// 96's 12 chunks), so a row step is a whole number of rows; threads of slots past DCHUNKS copy
+// nothing.
+enum : int { COPY_SLOTS = DCHUNKS <= 4 ? 4 : DCHUNKS <= 8 ? 8 : DCHUNKS <= 16 ? 16 : 32 };
+static_assert(COPY_SLOTS >= DCHUNKS && DCHUNKS <= 32, "16-byte chunks per row: at most 32");
+static_assert(!Build::fp8 || DCHUNKS % 4 == 0, "fp8 rows: whole 16-byte chunks for 4 lanes each");
+static_assert(DCHUNKS % 8 == 0 || DCHUNKS % 4 == 0, "16-bit rows: 8 or a multiple of 4 chunks");
 enum : int { KSTEPS = HEAD_DIM / 16 };
 enum : int { DTILES = HEAD_DIM / 8 };
 enum : int { DTILES_W = DTILES / WARPS_D };                // d-tiles of O one warp accumulates
@@ -109,9 +116,12 @@ using RowState = SoftmaxState<2 * DTILES_W>;
 using SlotState = SoftmaxState<4>;
 
 // Shared-memory tile rows are HEAD_DIM halves; chunk c of row r lives at chunk c ^ (r & 7), so
-// the 8 rows one ldmatrix reads fall in 8 different bank groups.
+// the 8 rows one ldmatrix reads fall in 8 different bank groups. Rows of 12 chunks (head_dim
+// 96, 192 bytes) start alternately at bank group 0 and 4: chunk c ^ ((r >> 1) & 3) stays within
+// its row's 12 and puts the 8 rows in 8 groups too.
 __device__ __forceinline__ u32 tile_offset_bytes(int row, int chunk) {
-  return (u32)(row * HEAD_DIM + ((chunk ^ (row & 7)) << 3)) * 2u;
+  const int swizzle = DCHUNKS % 8 == 0 ? row & 7 : (row >> 1) & 3;
+  return (u32)(row * HEAD_DIM + ((chunk ^ swizzle) << 3)) * 2u;
 }
 
 // fp8 tile rows are HEAD_DIM bytes, in 16-byte chunks swizzled so that the main loop's fragment
@@ -509,8 +519,8 @@ __device__ __forceinline__ WarpRole warp_role() {
 // of stalling it.
 struct KvPipeline {
   enum : int {
-    LOADS = TOK_PER_WARP * DCHUNKS / GROUP_THREADS,  // 16-byte copies per thread per tile
-    ROW_STEP = GROUP_THREADS / DCHUNKS,             // rows my_row0 + i * ROW_STEP
+    LOADS = TOK_PER_WARP * COPY_SLOTS / GROUP_THREADS,  // 16-byte copies per thread per tile
+    ROW_STEP = GROUP_THREADS / COPY_SLOTS,             // rows my_row0 + i * ROW_STEP
   };
   u32 k_smem_u32, v_smem_u32;
   // the caches as bytes: offsets below are in elements, and an fp8 element is a byte
@@ -538,8 +548,8 @@ struct KvPipeline {
     v_bytes = reinterpret_cast<const unsigned char*>(params.v_cache);
     num_tiles = (tok_end - tok_begin + TILE_N - 1) / TILE_N;
     const int group_tid = (role.warp_m * WARPS_D + role.warp_d) * 32 + role.lane;
-    my_chunk = group_tid % DCHUNKS;
-    my_row0 = warp_n * TOK_PER_WARP + group_tid / DCHUNKS;
+    my_chunk = group_tid % COPY_SLOTS;
+    my_row0 = warp_n * TOK_PER_WARP + group_tid / COPY_SLOTS;
     step_within_page = page_size >= ROW_STEP;
     page_bytes = (int)(params.page_stride * KV_BYTES);
     token_bytes = (int)(params.token_stride * KV_BYTES);
@@ -621,6 +631,7 @@ struct KvPipeline {
   // are zero-filled without reading (a tile wholly inside the chunk has none).
   __device__ __forceinline__ void issue_copies(int stage, bool full) {
     const u32 stage_bytes = (u32)(stage * STAGE_BYTES);
+    if (COPY_SLOTS != DCHUNKS && my_chunk >= DCHUNKS) return;   // a slot past the row
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) {
       const int row = my_row0 + i * ROW_STEP;

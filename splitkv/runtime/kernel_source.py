@@ -11,6 +11,7 @@ from importlib import resources
 
 from ..core.builds import Build
 from ..core.geometry import RECORD_PAGES, WARPS_PER_CTA
+from ..core.validation import FP8_HEAD_DIMS, SUPPORTED_HEAD_DIMS
 from .kernel_abi import layout_checks
 
 # KV_FP8 of each fp8 format (core/fp8.py's names)
@@ -99,14 +100,14 @@ class KernelBuild(Build):
 
 
 def all_builds() -> list[KernelBuild]:
-    return [KernelBuild(dt, d, rt) for dt in ("float16", "bfloat16") for d in (64, 128, 256)
+    return [KernelBuild(dt, d, rt) for dt in ("float16", "bfloat16") for d in SUPPORTED_HEAD_DIMS
             for rt in (1, 2, 4)]
 
 
 def fp8_builds() -> list[KernelBuild]:
     """Every fp8-KV build of all_builds (both formats), as CI compiles them."""
     return [KernelBuild(v.dtype, v.head_dim, v.row_tiles, kv_dtype=f) for v in all_builds()
-            for f in KV_FP8_CODES]
+            if v.head_dim in FP8_HEAD_DIMS for f in KV_FP8_CODES]
 
 
 def _nvrtc_compile(source: str, arch: str, name: str, extra_options=(), read=None,

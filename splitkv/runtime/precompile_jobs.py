@@ -50,6 +50,7 @@ class Configuration:
                    "kv_dtype": fp8.fp8_format("kv_dtype", self.kv_dtype),
                    "max_q_len": V.check_int("max_q_len", self.max_q_len, 1, VA.MAX_Q_LEN,
                                             "MAX_Q_LEN")}
+        V.check_head_dim_for_kv(checked["head_dim"], checked["kv_dtype"])
         for name, value in checked.items():
             object.__setattr__(self, name, value)
         for name in ("soft_cap", "unified_max", "graph_stable", "alibi"):

@@ -111,6 +111,7 @@ class BatchDecodeWrapper:
         V.check_instance("experiments", experiments, DecodeExperiments)
         self.experiments = experiments
         self.kv_dtype = fp8.fp8_format("kv_dtype", kv_dtype)
+        V.check_head_dim_for_kv(self.head_dim, self.kv_dtype)
         self.kv_layout = check_kv_layout(kv_layout)
         self._shape = DecodeShape(self.num_qo_heads, self.num_kv_heads, self.head_dim,
                                   self.page_size, self.dtype, self.kv_dtype, self.kv_layout)

@@ -294,7 +294,7 @@ def problem_args(draw):
     return draw(mutated(valid, dict(
         kv_lens=st.one_of(st.lists(lengths, max_size=6), int_arrays(values=lengths)),
         num_qo_heads=scalar_or(1, 7, 64, V.MAX_HEADS), num_kv_heads=scalar_or(1, 3, 8),
-        head_dim=scalar_or(32, 64, 96, 512), page_size=page_sizes,
+        head_dim=scalar_or(32, 64, 80, 512), page_size=page_sizes,
         dtype=st.sampled_from(BAD_DTYPES + DTYPES))))
 
 

@@ -138,7 +138,7 @@ def test_bad_contiguous():
     (([4], 0, 1, 128, 16), ValueError, "num_qo_heads"),
     (([4], 8, 0, 128, 16), ValueError, "num_kv_heads"),
     (([4], 8.0, 8, 128, 16), TypeError, "num_qo_heads"),
-    (([4], 8, 8, 96, 16), ValueError, "head_dim"),           # unsupported head_dim
+    (([4], 8, 8, 80, 16), ValueError, "head_dim"),           # unsupported head_dim
     (([4], 8, 8, 512, 16), ValueError, "head_dim"),
     (([4], 8, 8, 128, 0), ValueError, "page_size"),
     (([-1], 8, 8, 128, 16), ValueError, "kv_lens"),
@@ -466,3 +466,27 @@ def test_q_may_be_a_fused_qkv_slice_but_nothing_else():
         V.check_query_strides(q((769, 64, 1)), 8, 64)
     with pytest.raises(ValueError, match="q: expected a 4-byte aligned start"):
         V.check_query_strides(q((768, 64, 1), ptr=2), 8, 64)
+
+
+def test_head_dim_96_plans_and_fp8_at_96_is_refused_by_name(rng):
+    """Head dim 96 (Phi-3) runs 16-bit K/V: a wrapper of it is made and the host planner and CPU
+    executor take it; fp8 K/V has no build at 96 and every entry point that would make one says
+    so by name, before any GPU work."""
+    from splitkv.core.builds import Build
+    from splitkv.runtime.precompile_jobs import Configuration
+    from splitkv.runtime.wrapper import BatchDecodeWrapper
+
+    BatchDecodeWrapper(32, 8, 96, 16, "bfloat16")
+    table = PageTable.contiguous([700, 5, 0], 704)
+    q = rng.standard_normal((3, 32, 96))
+    k, v = (rng.standard_normal((3, 704, 8, 96)) for _ in range(2))
+    plan = plan_chunk_tokens(DecodeProblem.from_page_table(table, 32, 8, 96), 256, "split_merge")
+    out, _ = execute_plan_cpu(plan, q, k, v, table)
+    np.testing.assert_allclose(out, reference_decode(q, k, v, table)[0], atol=1e-9)
+    for make in (lambda: BatchDecodeWrapper(32, 8, 96, 16, "bfloat16", kv_dtype="fp8_e4m3"),
+                 lambda: Configuration(32, 8, 96, 16, "bfloat16", kv_dtype="float8_e5m2")):
+        with pytest.raises(ValueError, match=r"kv_dtype: fp8 K/V \('float8_e\w+'\) is not "
+                                             r"supported at head_dim 96"):
+            make()
+    with pytest.raises(ValueError, match="kv_dtype: fp8 K/V has no build at head_dim 96"):
+        Build("bfloat16", 96, 1, kv_dtype="float8_e4m3fn")

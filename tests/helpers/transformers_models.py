@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-MODELS = ("llama", "qwen2", "mistral", "gemma2", "gpt_oss")
+MODELS = ("llama", "qwen2", "mistral", "gemma2", "gpt_oss", "phi3")
 
 # A decode step whose token is not the judge's argmax is a near-tie, not a mismatch, when the
 # judge's top logit beats its logit for that token by less than this gap. The models' logits
@@ -69,6 +69,10 @@ def build_model(kind: str, *, dtype=torch.float32, device="cpu", seed: int = 0, 
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.sinks.normal_(0.0, 2.0)
+    elif kind == "phi3":
+        # Phi-3's head dim, 96 (its fused qkv projection; the config's head_dim attribute is
+        # what the attention reads)
+        model = tf.Phi3ForCausalLM(tf.Phi3Config(**dict(options, head_dim=96)))
     else:
         raise ValueError(f"kind: expected one of {MODELS}, got {kind!r}")
     return model.eval().to(device=device, dtype=dtype)

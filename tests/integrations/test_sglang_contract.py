@@ -178,7 +178,8 @@ def test_the_factory_builds_the_backend():
 # --------------------------------------------------------------------------- what is refused
 @pytest.mark.parametrize("overrides,match", [
     (dict(use_mla_backend=True), "MLA"),
-    (dict(head_dim=96), "head_dim: 96"),
+    (dict(head_dim=80), "head_dim: 80"),
+    (dict(head_dim=96, kv_dtype=torch.float8_e4m3fn), r"float8_e4m3fn \(fp8\) at head_dim 96"),
     (dict(dtype=torch.float32), "dtype: torch.float32"),
     (dict(prefill="splitkv"), "--prefill-attention-backend"),
     (dict(model_config=SimpleNamespace(head_dim=64, is_encoder_decoder=True, context_len=64)),

@@ -108,7 +108,7 @@ def _reasons(**changes):
 
 
 @pytest.mark.parametrize("changes", [
-    {}, {"head_size": 64}, {"head_size": 256}, {"dtype": torch.float16},
+    {}, {"head_size": 64}, {"head_size": 96}, {"head_size": 256}, {"dtype": torch.float16},
     {"kv_cache_dtype": "fp8"}, {"kv_cache_dtype": "fp8_e4m3"}, {"kv_cache_dtype": None},
     {"kv_cache_dtype": "bfloat16"}, {"block_size": 32}, {"block_size": None},
     {"has_sink": True}, {"has_sliding_window": True}, {"capability": DeviceCapability(8, 0)},
@@ -118,10 +118,11 @@ def test_the_configuration_check_accepts(changes):
 
 
 @pytest.mark.parametrize("changes,named", [
-    ({"head_size": 96}, "head_size: 96"),
+    ({"head_size": 80}, "head_size: 80"),
     ({"head_size": 512}, "head_size: 512"),
     ({"dtype": torch.float32}, "dtype: torch.float32"),
     ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype: 'fp8_e5m2'"),
+    ({"kv_cache_dtype": "fp8", "head_size": 96}, "kv_cache_dtype: 'fp8' at head_size 96"),
     ({"kv_cache_dtype": "float16"}, "kv_cache_dtype: float16 with a torch.bfloat16"),
     ({"block_size": 8}, "block_size: 8"),
     ({"use_mla": True}, "use_mla: MLA"),

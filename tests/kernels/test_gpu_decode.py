@@ -78,7 +78,7 @@ def check_against_reference(rng, lens, hq, hk, d, page, dtype, strategies=("sing
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("group", [1, 4, 5, 8, 32])
 def test_matches_reference_ragged(dtype, head_dim, group):
     rng = np.random.default_rng(hash((dtype, head_dim, group)) % 2**32)
@@ -145,7 +145,8 @@ def test_launch_order_changes_no_bit(strategy):
 
 
 @pytest.mark.parametrize("hq,hk,d,dtype", [(32, 8, 128, "bfloat16"), (8, 2, 64, "float16"),
-                                            (96, 1, 128, "bfloat16"), (4, 4, 256, "float16")])
+                                            (96, 1, 128, "bfloat16"), (4, 4, 256, "float16"),
+                                            (32, 8, 96, "bfloat16")])
 def test_cluster_merge_matches_reference_and_ticket_merge(hq, hk, d, dtype):
     """Fused plans with 2, 4 or 8 short chunks per request merge inside thread-block clusters
     on sm_90+ (where execution.fused_cluster_size allows): the same answer as the atomic-ticket

@@ -98,6 +98,13 @@ TABLE = [
     (WARPS_8, "bfloat16", 128, 32, 8, 16, None), (WARPS_8, "bfloat16", 128, 32, 8, 16, "float8_e4m3fn"),
     (WARPS_8, "bfloat16", 64, 64, 2, 1, None), (WARPS_8, "bfloat16", 64, 64, 2, 1, "float8_e4m3fn"),
     (WARPS_8, "bfloat16", 256, 16, 16, 64, "float8_e4m3fn"),
+    # head_dim 96's 12-chunk rows (copy slots past the row idle, their own swizzle) under each
+    # knob that changes the copies or the d-tiles: 8 warps, 128-token tiles, the head dim split,
+    # the shifting page walk, q in shared memory, four row tiles
+    (WARPS_8, "bfloat16", 96, 32, 8, 16, None), (WARPS_8, "float16", 96, 64, 2, 1, None),
+    (TILE_32, "bfloat16", 96, 32, 8, 16, None), (DIM_SPLIT, "bfloat16", 96, 32, 8, 16, None),
+    (POW2, "bfloat16", 96, 32, 8, 1, None), (Q_SMEM, "float16", 96, 32, 4, 16, None),
+    (rows(64), "bfloat16", 96, 64, 1, 16, None),
 ]
 
 

@@ -25,7 +25,7 @@ from splitkv.runtime.kernel_source import (KernelBuild, all_builds,  # noqa: E40
 CLUSTER_SAMPLE = [KernelBuild("bfloat16", 128, 1, cluster=c) for c in (2, 4, 8)] + [
     KernelBuild("float16", 64, 2, cluster=8), KernelBuild("float16", 256, 4, cluster=2)]
 
-MAIN_VARIANTS = {KernelBuild(dt, d, ht) for dt in ("float16", "bfloat16") for d in (64, 128)
+MAIN_VARIANTS = {KernelBuild(dt, d, ht) for dt in ("float16", "bfloat16") for d in (64, 96, 128)
                  for ht in (1, 2)}
 _FUNC = re.compile(r"Function properties for (\w+)\s*\n.*?(\d+) bytes spill stores.*?\n.*?Used (\d+) registers",
                    re.S)
@@ -386,7 +386,8 @@ def default_build(head_dim: int, row_tiles: int, **fields) -> KernelBuild:
 
 
 @pytest.mark.nvrtc
-@pytest.mark.parametrize("head_dim,row_tiles", [(64, 1), (64, 2), (64, 4), (128, 1), (256, 1)])
+@pytest.mark.parametrize("head_dim,row_tiles", [(64, 1), (64, 2), (64, 4), (96, 1), (128, 1),
+                                               (256, 1)])
 def test_the_cost_models_residency_is_what_the_default_builds_hold(head_dim, row_tiles):
     """``features.resident_ctas`` (the slots the planner deals CTAs onto) against the default
     16-bit build's registers (NVRTC, sm_90) and shared memory on an H200-class SM (64 K

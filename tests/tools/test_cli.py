@@ -186,6 +186,16 @@ def test_plan_with_attention_chunks_plans_only_the_last_chunk(capsys):
                                        "chunked attention takes one query row a request\n")
 
 
+def test_plan_takes_head_dim_96_with_16_bit_kv_and_refuses_fp8_there(capsys):
+    from splitkv import cli
+
+    assert "head_dim=96" in plan_output(capsys, "--head-dim", "96")
+    assert cli.main(["plan", "--head-dim", "96", "--kv-dtype", "fp8_e4m3"]) == 2
+    assert capsys.readouterr().err == (
+        "splitkv plan: --kv-dtype float8_e4m3fn: fp8 K/V is not supported at --head-dim 96; "
+        "expected --head-dim one of (64, 128, 256) with it\n")
+
+
 def test_plan_for_a_named_gpu_keeps_the_other_notices_and_first_use_off(capsys, monkeypatch):
     from splitkv.planner import profiles
     from splitkv.planner.first_use import FIRST_USE_ENV
@@ -286,7 +296,7 @@ BAD_ARGUMENTS = [
     (["plan", "--heads", "32/0"], "argument --heads: expected kv heads from 1"),
     (["plan", "--heads", "32/5"], "argument --heads: num_qo_heads: 32 is not a multiple of "
                                   "num_kv_heads=5"),
-    (["plan", "--head-dim", "96"], "argument --head-dim: head_dim: 96 is not supported"),
+    (["plan", "--head-dim", "80"], "argument --head-dim: head_dim: 80 is not supported"),
     (["plan", "--page-size", "0"], "argument --page-size: expected an integer from 1"),
     (["plan", "--profile", "/no/such/profile.yaml"],
      "argument --profile: expected an existing file, got '/no/such/profile.yaml' (no such file)"),

@@ -30,7 +30,7 @@ SHIPPED_PROFILE = str(Path(splitkv.__file__).parent / "planner" / "profiles" / "
 # argument its check names ("num_splits: ...", "profile ...: ...").
 NAMES_AN_ARGUMENT = re.compile(
     r"^splitkv( plan| demo)?: (error: (argument --[a-z-]+: |unrecognized arguments: |"
-    r"the following arguments are required: )|--(num-splits|q-len) \d+: |"
+    r"the following arguments are required: )|--(num-splits|q-len) \d+: |--kv-dtype \w+: |"
     r"--(strategy|num-splits): |"
     r"(num_splits|strategy|kv_lens|page_size|head_dim|num_qo_heads|num_kv_heads|max_chunks): |"
     r"profile )")
@@ -64,7 +64,7 @@ path_text = mostly(st.just(SHIPPED_PROFILE),
 
 PLAN_VALUES = {
     "--batch": int_text, "--kv-len": int_text, "--lens": lens_text, "--heads": heads_text,
-    "--head-dim": mostly(st.sampled_from(["64", "128", "256"]), st.one_of(st.just("96"), int_text)),
+    "--head-dim": mostly(st.sampled_from(["64", "96", "128", "256"]), st.one_of(st.just("80"), int_text)),
     "--page-size": int_text, "--profile": path_text,
     "--device-name": mostly(st.sampled_from(["NVIDIA H200", "NVIDIA H100 80GB HBM3"]),
                             st.one_of(st.sampled_from(["", " "]), junk)),

@@ -87,8 +87,10 @@ BAD_ARGUMENTS = [
                            "sm_90,sm_100, got 'sm_90,'"),
     (["--arch", "sm_90", "--heads", "32/5"], "error: argument --heads: num_qo_heads: 32 is not "
                                              "a multiple of num_kv_heads=5"),
-    (["--arch", "sm_90", "--head-dim", "96"], "error: argument --head-dim: head_dim: 96 is not "
+    (["--arch", "sm_90", "--head-dim", "80"], "error: argument --head-dim: head_dim: 80 is not "
                                               "supported"),
+    (["--arch", "sm_90", "--head-dim", "96", "--kv-dtype", "fp8_e4m3"],
+     "--kv-dtype: fp8 K/V ('float8_e4m3fn') is not supported at head_dim 96"),
     (["--arch", "sm_90", "--page-size", "0"], "error: argument --page-size: expected an integer "
                                               "from 1"),
     (["--arch", "sm_90", "--max-q-len", "17"], "error: argument --max-q-len: expected an integer "

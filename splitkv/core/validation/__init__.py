@@ -13,7 +13,8 @@ import numpy as np
 
 from .dtypes import dtype_name
 
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
+FP8_HEAD_DIMS = (64, 128, 256)    # fp8 rows: 16-byte chunks, 4 lanes a k-step group (decode.cu)
 SUPPORTED_DTYPES = ("float16", "bfloat16")
 STRATEGIES = ("single", "split_merge", "fused")
 
@@ -76,6 +77,14 @@ def check_head_dim(head_dim) -> int:
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim: {head_dim} is not supported; expected one of {SUPPORTED_HEAD_DIMS}")
     return head_dim
+
+
+def check_head_dim_for_kv(head_dim: int, kv_dtype) -> None:
+    """fp8 K/V only at the head dims whose fp8 builds exist (``head_dim`` already checked)."""
+    if kv_dtype and head_dim not in FP8_HEAD_DIMS:
+        raise ValueError(f"kv_dtype: fp8 K/V ({kv_dtype!r}) is not supported at head_dim "
+                         f"{head_dim}; expected head_dim one of {FP8_HEAD_DIMS} with fp8 K/V, "
+                         f"or K/V in the model's dtype")
 
 
 def check_strategy(strategy) -> str:

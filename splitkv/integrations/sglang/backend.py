@@ -28,7 +28,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from splitkv.core.validation import SUPPORTED_HEAD_DIMS
+from splitkv.core.validation import FP8_HEAD_DIMS, SUPPORTED_HEAD_DIMS
 from splitkv.integrations import torch_ops
 
 from . import NAME
@@ -65,6 +65,10 @@ def check_runner(model_runner) -> dict:
         if not SESSIONS_TAKE_FP8:
             raise ValueError(f"kv_cache_dtype: {kv} (fp8) is not supported by this splitkv "
                              f"install; expected the model's dtype ({model_runner.dtype})")
+        if head_dim not in FP8_HEAD_DIMS:
+            raise ValueError(f"kv_cache_dtype: {kv} (fp8) at head_dim {head_dim} is not "
+                             f"supported by splitkv; expected head_dim one of {FP8_HEAD_DIMS} "
+                             f"with fp8, or the model's dtype ({model_runner.dtype})")
         kv_dtype = kv
     elif kv == model_runner.dtype:
         kv_dtype = None

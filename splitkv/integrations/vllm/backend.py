@@ -33,7 +33,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from splitkv.core.validation import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+from splitkv.core.validation import FP8_HEAD_DIMS, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 from splitkv.core.variants import check_alibi_slopes
 
 from .. import torch_ops
@@ -113,6 +113,9 @@ class SplitKVBackend(AttentionBackend):
                 getattr(torch, kv_cache_dtype) != dtype:
             return (f"kv_cache_dtype: {kv_cache_dtype} with a {dtype} model; splitkv reads K/V "
                     f"in the model's dtype or fp8 (expected 'auto')")
+        if kv_cache_dtype in FP8_KV_DTYPES and head_size not in FP8_HEAD_DIMS:
+            return (f"kv_cache_dtype: {kv_cache_dtype} at head_size {head_size}; splitkv's fp8 "
+                    f"K/V runs at head_size {FP8_HEAD_DIMS}")
         if has_sink and (device_capability.major, device_capability.minor) < (9, 0):
             return ("sinks: the prefill rows run vLLM's FlashAttention, whose sinks need "
                     "compute capability 9.0 or newer")
@@ -131,6 +134,9 @@ class SplitKVBackend(AttentionBackend):
         if dtype not in cls.supported_dtypes:
             named.append(f"dtype: {dtype} is not supported; expected one of "
                          f"{SUPPORTED_DTYPES}")
+        if kv_cache_dtype in FP8_KV_DTYPES and head_size not in FP8_HEAD_DIMS:
+            named.append(f"kv_cache_dtype: {kv_cache_dtype!r} at head_size {head_size} is not "
+                         f"supported; fp8 K/V runs at head_size {FP8_HEAD_DIMS}")
         if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
             why = (" (vLLM's FlashAttention, which runs the prefill rows, does not take it)"
                    if kv_cache_dtype == "fp8_e5m2" else "")

@@ -16,12 +16,15 @@ or 64 layers, the median of 7 trials), on one page table and one set of layers, 
   capacity 256 in a torch CUDA graph, ``plan=True`` on the first layer: the engines' call.
 
 A device-planned graph holds one planning kernel and the L layers (a step), so the planning
-kernel's time is shared by the L layers, as in a model. Prints a table of microseconds per layer
+kernel's time is shared by the L layers, as in a model. L is what holds 1 GiB (2 layers for the
+largest cases), fewer layers than a model has; ``--model-layers N`` makes every column's step N
+layer calls instead, layer i reading K/V layer i mod L (so the reads still come from memory,
+not L2): the planning kernel then shares a step with N layers, as in an N-layer model. Prints a table of microseconds per layer
 and each column's ratio to ``per_shape``; ``--json`` writes the rows with the device, date and
 command.
 
     PYTHONPATH=$PWD python3 benchmarks/engine_path.py [--cases b1_n1k,...] \\
-        [--kv-dtype fp8_e4m3] [--json out.json] [--capacity 256]
+        [--kv-dtype fp8_e4m3] [--json out.json] [--capacity 256] [--model-layers 32]
 """
 
 import argparse
@@ -46,6 +49,9 @@ parser.add_argument("--no-op", action="store_true", help="skip the torch op's co
 parser.add_argument("--pdl-after-plan", action="store_true",
                     help="a dev_<capacity>_pdl column: the first layer after the planning kernel "
                          "launched with PDL (DecodeExperiments.pdl_after_plan)")
+parser.add_argument("--model-layers", type=int, default=None,
+                    help="layer calls a step (a model's depth, like 32), cycling over the "
+                         "case's K/V layers; default: the case's layers, one each")
 parser.add_argument("--json", default=None)
 args = parser.parse_args()
 KV = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}.get(args.kv_dtype, args.kv_dtype)
@@ -79,9 +85,11 @@ def time_op_us(case, pt, data, table, capacity: int) -> float:
     block_table = torch.from_numpy(table).cuda()
     op = torch.ops.splitkv.paged_decode
 
+    calls = args.model_layers or len(ks)
+
     def step():
-        for i, (k, v) in enumerate(zip(ks, vs)):
-            op(q, k, v, [seq_lens, block_table], None, handle, i == 0)
+        for i in range(calls):
+            op(q, ks[i % len(ks)], vs[i % len(vs)], [seq_lens, block_table], None, handle, i == 0)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -102,7 +110,7 @@ def time_op_us(case, pt, data, table, capacity: int) -> float:
         return start.elapsed_time(end)
 
     run_timed(20)
-    us = median_us_per_call(run_timed, len(ks))
+    us = median_us_per_call(run_timed, calls)
     torch_ops.close_session(handle)
     return us
 
@@ -129,13 +137,15 @@ def time_case(case) -> dict:
     seq_lens, block_table = cupy.asarray(np.asarray(case.kv_lens, np.int32)), cupy.asarray(table)
     stream = cupy.cuda.Stream(non_blocking=True)
     us = {}
+    calls = args.model_layers or data.num_layers
 
     def timed(w, device_planned: bool) -> float:
         def layer(i, s):
             if i == 0 and device_planned:
                 w.plan_on_device(seq_lens=seq_lens, block_table=block_table, stream=s)
-            w.run(data.q, data.k_layers[i], data.v_layers[i], out=data.out, stream=s)
-        return time_graph_us(layer, data.num_layers, stream=stream)
+            j = i % data.num_layers
+            w.run(data.q, data.k_layers[j], data.v_layers[j], out=data.out, stream=s)
+        return time_graph_us(layer, calls, stream=stream)
 
     per_shape = BatchDecodeWrapper(*shape, kv_dtype=KV)
     plan = per_shape.plan(pt, stream=stream)
@@ -156,7 +166,7 @@ def time_case(case) -> dict:
         us[name] = timed(w, device_planned)
     if have_torch:
         us[f"op_{args.capacity}"] = time_op_us(case, pt, data, table, args.capacity)
-    return {"case": case.name, "layers": data.num_layers,
+    return {"case": case.name, "layers": data.num_layers, "layer_calls": calls,
             "per_shape_plan": f"{plan.strategy}/{plan.num_splits}",
             **{k: round(v, 2) for k, v in us.items()},
             **{f"{k}_ratio": round(v / us["per_shape"], 3) for k, v in us.items()}}

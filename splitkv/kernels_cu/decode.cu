@@ -96,7 +96,7 @@ enum : int { DCHUNKS = ROW_BYTES / 16 };                   // 16-byte chunks per
 enum : int { COPY_SLOTS = DCHUNKS <= 4 ? 4 : DCHUNKS <= 8 ? 8 : DCHUNKS <= 16 ? 16 : 32 };
 static_assert(COPY_SLOTS >= DCHUNKS && DCHUNKS <= 32, "16-byte chunks per row: at most 32");
 static_assert(!Build::fp8 || DCHUNKS % 4 == 0, "fp8 rows: whole 16-byte chunks for 4 lanes each");
-static_assert(DCHUNKS % 8 == 0 || DCHUNKS % 4 == 0, "16-bit rows: 8 or a multiple of 4 chunks");
+static_assert(DCHUNKS % 4 == 0, "rows of whole groups of 4 chunks (the swizzles stay in a row)");
 enum : int { KSTEPS = HEAD_DIM / 16 };
 enum : int { DTILES = HEAD_DIM / 8 };
 enum : int { DTILES_W = DTILES / WARPS_D };                // d-tiles of O one warp accumulates

@@ -122,7 +122,7 @@ def test_the_configuration_check_accepts(changes):
     ({"head_size": 512}, "head_size: 512"),
     ({"dtype": torch.float32}, "dtype: torch.float32"),
     ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype: 'fp8_e5m2'"),
-    ({"kv_cache_dtype": "fp8", "head_size": 96}, "kv_cache_dtype: 'fp8' at head_size 96"),
+    ({"kv_cache_dtype": "fp8", "head_size": 96}, "kv_cache_dtype: fp8 at head_size 96"),
     ({"kv_cache_dtype": "float16"}, "kv_cache_dtype: float16 with a torch.bfloat16"),
     ({"block_size": 8}, "block_size: 8"),
     ({"use_mla": True}, "use_mla: MLA"),
@@ -138,6 +138,12 @@ def test_the_configuration_check_refuses_by_name(changes, named):
     reasons = _reasons(**changes)
     assert any(named in reason for reason in reasons), reasons
     assert not any(r in ("head_size not supported", "MLA not supported") for r in reasons)
+
+
+def test_the_layer_refuses_an_fp8_cache_at_head_size_96():
+    B.SplitKVImpl(8, 96, 0.1, 2, None, None, "auto")
+    with pytest.raises(ValueError, match="kv_cache_dtype: fp8 at head_size 96"):
+        B.SplitKVImpl(8, 96, 0.1, 2, None, None, "fp8")
 
 
 def test_the_layer_takes_alibi_and_refuses_other_attention_types():

@@ -17,6 +17,7 @@ import pytest
 
 from splitkv.core.architectures import ARCHITECTURES, architecture_properties
 from splitkv.core.builds import PlanGrid, decode_build, graph_build, row_tiles_for, shape_build
+from splitkv.core.validation import FP8_HEAD_DIMS, SUPPORTED_HEAD_DIMS
 from splitkv.core.variants import KernelVariant
 
 GROUPS = (1, 4, 8, 16, 32)
@@ -44,8 +45,10 @@ def builds_for(cc: int) -> tuple:
     dev = architecture_properties(cc)
     clusters = ARCHITECTURES[cc].clusters
     found = {}
-    for dtype, kv, d, g, page in itertools.product(("bfloat16", "float16"), KV, (64, 128, 256),
-                                                   GROUPS, PAGES):
+    for dtype, kv, d, g, page in itertools.product(("bfloat16", "float16"), KV,
+                                                   SUPPORTED_HEAD_DIMS, GROUPS, PAGES):
+        if kv and d not in FP8_HEAD_DIMS:
+            continue
         for grid in _grids(dev.num_sms, clusters, g):
             build = decode_build(dtype, d, g, page, kv, grid, dev)
             found.setdefault(build, None)

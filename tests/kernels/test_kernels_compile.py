@@ -23,7 +23,8 @@ from splitkv.runtime.kernel_source import (KernelBuild, all_builds,  # noqa: E40
 # The cluster-merge variants build for sm_90 only; a sample covers every cluster size, dtype,
 # head dim and row-tile count.
 CLUSTER_SAMPLE = [KernelBuild("bfloat16", 128, 1, cluster=c) for c in (2, 4, 8)] + [
-    KernelBuild("float16", 64, 2, cluster=8), KernelBuild("float16", 256, 4, cluster=2)]
+    KernelBuild("float16", 64, 2, cluster=8), KernelBuild("float16", 256, 4, cluster=2),
+    KernelBuild("bfloat16", 96, 2, cluster=4)]
 
 MAIN_VARIANTS = {KernelBuild(dt, d, ht) for dt in ("float16", "bfloat16") for d in (64, 96, 128)
                  for ht in (1, 2)}

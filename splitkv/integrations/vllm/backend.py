@@ -134,9 +134,6 @@ class SplitKVBackend(AttentionBackend):
         if dtype not in cls.supported_dtypes:
             named.append(f"dtype: {dtype} is not supported; expected one of "
                          f"{SUPPORTED_DTYPES}")
-        if kv_cache_dtype in FP8_KV_DTYPES and head_size not in FP8_HEAD_DIMS:
-            named.append(f"kv_cache_dtype: {kv_cache_dtype!r} at head_size {head_size} is not "
-                         f"supported; fp8 K/V runs at head_size {FP8_HEAD_DIMS}")
         if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
             why = (" (vLLM's FlashAttention, which runs the prefill rows, does not take it)"
                    if kv_cache_dtype == "fp8_e5m2" else "")
@@ -334,6 +331,9 @@ class SplitKVImpl(AttentionImpl[SplitKVMetadata]):
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_dtype = FP8_KV_DTYPES.get(kv_cache_dtype)
+        if self.kv_dtype and head_size not in FP8_HEAD_DIMS:
+            raise ValueError(f"kv_cache_dtype: {kv_cache_dtype} at head_size {head_size}; "
+                             f"splitkv's fp8 K/V runs at head_size {FP8_HEAD_DIMS}")
         # vLLM's window counts the query: it sees itself and the sliding_window - 1 before,
         # which is splitkv's window_left
         self.sliding_window = sliding_window

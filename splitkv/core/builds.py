@@ -24,9 +24,10 @@ from .variants import PLAIN, KernelVariant
 # three CTAs fit on an SM. fp8 tiles are half the bytes: twice the tiles keeps the bytes in
 # flight (and so the CTAs an SM holds), within the RECORD_PAGES the first tiles may take at
 # page 16.
-# Head dim 96 (192-byte rows): 4 stages, the 96 KiB in flight of head_dim 128's 3 (its 188
-# registers hold two CTAs an SM, as 128's 219 do).
-DEFAULT_STAGES = {64: 4, 96: 4, 128: 3, 256: 2}
+# Head dim 96 (192-byte rows): 3 stages, 72 KiB (its 188 registers hold two CTAs an SM, as 128's
+# 219 do). On the H100 3 stages beat 4 (96 KiB) by 0.4-2.0% on five d96 shapes (2026-12-08,
+# docs/design/kernel.md).
+DEFAULT_STAGES = {64: 4, 96: 3, 128: 3, 256: 2}
 DEFAULT_FP8_STAGES = {64: 6, 128: 6, 256: 4}
 
 
@@ -374,9 +375,18 @@ def graph_build(base, *, variant: KernelVariant, rows: int, device: DeviceProper
     """The build of a graph-stable grid: no cluster, the wrapper's warps (4 unless forced: the
     one captured grid serves every plan), the ``variant``'s hooks (multi-token where the
     wrapper holds more than one query row a request), row tiles for ``rows`` (the query rows
-    a request x the group)."""
+    a request x the group), and the tile a warp ``default_tile_per_warp`` gives 4 warps: 32
+    tokens for fp8 at head_dim 128 with one row tile. Measured on the H100 (2026-12-08,
+    docs/design/graph-stable.md), fp8 graph-stable against 16 tokens a warp, each wrapper its
+    own plan: 0.92-1.00x on all 12 standard cases (b1_n8k 14.41 -> 13.29 us, b32_n8k 192.1 ->
+    187.5); the 16-bit builds keep 16 (b32_n2k 91.4 -> 94.2, b128_n2k 349.9 -> 357.8 with 32)."""
+    row_tiles = row_tiles_for(rows)
+    tile_per_warp = forces.tile_per_warp or default_tile_per_warp(
+        base.kv_dtype, base.head_dim, base.num_warps, row_tiles, variant.multi_token,
+        forced=forces.stages is not None or forces.forced_warps is not None)
     return fitting_build(default_occupancy(replace(
-        base, variant=variant, row_tiles=row_tiles_for(rows)), forced=forces.forces_occupancy),
+        base, variant=variant, row_tiles=row_tiles, tile_per_warp=tile_per_warp,
+        stages=forces.stages or 0), forced=forces.forces_occupancy),
         q_default=forces.q_in_smem is None, warps_default=False,
         shared_limit=device.shared_per_block_optin, stages=forces.stages or 0,
         split_default=forces.dim_split is None)

@@ -9,8 +9,7 @@ process, each timed like the bench (a CUDA graph over layers of >= 1 GiB of KV).
 --set NAME=KEY=VALUE[,KEY=VALUE...] gives one setting (NAME= alone: every default); the first
 is the baseline. VALUE is a Python literal (True, False, None, 3, 'early'), else the bare
 string. KEY is a ``DecodeExperiments`` field (stages, max_registers, warps, pdl_trigger,
-pdl_spread, pdl_after_plan, q_in_smem, pow2_pages, rows_per_cta, tile_per_warp, compact_merge,
-dim_split),
+pdl_spread, q_in_smem, pow2_pages, rows_per_cta, tile_per_warp, compact_merge, dim_split),
 ``wrapper.OPTION`` (a ``BatchDecodeWrapper`` option: use_clusters, launch_order, pdl, profile,
 use_cuda_graph, max_batch_size, max_num_pages, max_chunks; a graph-stable wrapper's capacity
 defaults to the case's requests and pages) or ``plan.ARG`` (a ``plan()`` argument:

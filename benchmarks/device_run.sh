@@ -12,7 +12,7 @@
 #   bash benchmarks/device_run.sh engine_path          # the engines' path (graph-stable, capacity 256,
 #                                                      # planned on the device, the torch op) beside the
 #                                                      # per-shape wrapper, bf16 then fp8
-#     ENGINE_ARGS='--pdl-after-plan --no-op' ...       # with the first layer's PDL launch beside it
+#     ENGINE_ARGS='--model-layers 32 --no-op' ...      # steps of 32 layer calls (a model's depth)
 #   bash benchmarks/device_run.sh first_use            # first-use probes (shipped profile hidden) against
 #                                                      # the shipped profile and the roofline prior, ~5 min
 #   bash benchmarks/device_run.sh first_use_fp8        # the same over fp8 K/V

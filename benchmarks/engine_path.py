@@ -9,9 +9,6 @@ or 64 layers, the median of 7 trials), on one page table and one set of layers, 
 - ``dev_cap``: graph-stable, capacity = the batch, ``plan_on_device()`` inside the graph;
 - ``dev_256``: graph-stable, capacity 256, ``plan_on_device()`` inside the graph (what the
   torch op and the engine integrations run);
-- ``dev_256_pdl`` (with ``--pdl-after-plan``): ``dev_256`` with
-  ``DecodeExperiments(pdl_after_plan=True)``: the first layer launched with PDL, overlapping the
-  planning kernel;
 - ``op_256`` (with torch): ``torch.ops.splitkv.paged_decode`` of a ``DecodeSession`` of
   capacity 256 in a torch CUDA graph, ``plan=True`` on the first layer: the engines' call.
 
@@ -37,7 +34,6 @@ import numpy as np
 
 from splitkv.bench.cases import select
 from splitkv.measure.timing import make_layers, time_graph_us
-from splitkv.runtime.experiments import DecodeExperiments
 from splitkv.runtime.wrapper import BatchDecodeWrapper
 from splitkv.testing import block_table_of, scattered_page_table
 
@@ -46,9 +42,6 @@ parser.add_argument("--cases", default=None, help="case names or groups (default
 parser.add_argument("--kv-dtype", default=None, help="fp8_e4m3 for fp8 K/V")
 parser.add_argument("--capacity", type=int, default=256)
 parser.add_argument("--no-op", action="store_true", help="skip the torch op's column")
-parser.add_argument("--pdl-after-plan", action="store_true",
-                    help="a dev_<capacity>_pdl column: the first layer after the planning kernel "
-                         "launched with PDL (DecodeExperiments.pdl_after_plan)")
 parser.add_argument("--model-layers", type=int, default=None,
                     help="layer calls a step (a model's depth, like 32), cycling over the "
                          "case's K/V layers; default: the case's layers, one each")
@@ -117,8 +110,6 @@ def time_op_us(case, pt, data, table, capacity: int) -> float:
 
 rows = []
 cols = ["per_shape", "host_cap", f"host_{args.capacity}", "dev_cap", f"dev_{args.capacity}"]
-if args.pdl_after_plan:
-    cols.append(f"dev_{args.capacity}_pdl")
 if have_torch:
     cols.append(f"op_{args.capacity}")
 print(f"device: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}; kv "
@@ -150,17 +141,11 @@ def time_case(case) -> dict:
     per_shape = BatchDecodeWrapper(*shape, kv_dtype=KV)
     plan = per_shape.plan(pt, stream=stream)
     us["per_shape"] = timed(per_shape, False)
-    columns = [("host_cap", batch, False, None),
-               (f"host_{args.capacity}", args.capacity, False, None),
-               ("dev_cap", batch, True, None),
-               (f"dev_{args.capacity}", args.capacity, True, None)]
-    if args.pdl_after_plan:
-        columns.append((f"dev_{args.capacity}_pdl", args.capacity, True,
-                        DecodeExperiments(pdl_after_plan=True)))
-    for name, cap, device_planned, experiments in columns:
+    columns = [("host_cap", batch, False), (f"host_{args.capacity}", args.capacity, False),
+               ("dev_cap", batch, True), (f"dev_{args.capacity}", args.capacity, True)]
+    for name, cap, device_planned in columns:
         w = BatchDecodeWrapper(*shape, kv_dtype=KV, use_cuda_graph=True, max_batch_size=cap,
-                               max_num_pages=max(pt.kv_indices.size, cap * width),
-                               experiments=experiments)
+                               max_num_pages=max(pt.kv_indices.size, cap * width))
         if not device_planned:
             w.plan(pt, stream=stream)
         us[name] = timed(w, device_planned)

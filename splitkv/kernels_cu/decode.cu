@@ -1183,7 +1183,6 @@ decode_partial(const __grid_constant__ DecodeParams params) {
   if constexpr (Build::cuts(CUT_ALL)) {
     if (blockDim.x > 0) return;
   }
-  if (params.wait_before_record) wait_for_prior_grid();   // the records are the prior kernel's
   const int page_size = params.page_size;
   // the wrapper builds POW2_PAGES only for 2**k pages
   const int page_shift = Build::pow2_pages ? 31 - __clz(page_size) : 0;

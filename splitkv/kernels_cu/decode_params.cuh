@@ -121,8 +121,4 @@ struct DecodeParams {
   // row at position p adds slope x (j - p) to its score of token j. Each request's p comes from
   // query_rows (its KV length less its rows after), which the ALIBI build always has.
   const float* alibi_slopes_log2;
-  // 1: wait for the kernel before (the planning kernel, which wrote the records) before
-  // reading anything, so that this launch may still be a PDL one (the first run after a plan
-  // on the device, with DecodeExperiments.pdl_after_plan); 0: read the record, then wait.
-  int wait_before_record;
 };

@@ -72,12 +72,6 @@ plan_decode(const __grid_constant__ DevicePlanParams p) {
   __shared__ int bad_rows;                    // some query_rows entry was bad
   extern __shared__ int shared_scratch[];     // the scratch, when it fits (scratch_in_shared)
   PLAN_PHASE(0)
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // A run launched after it with programmatic dependent launch may launch now: it waits for
-  // this kernel's end before reading anything (DecodeParams.wait_before_record), so its launch
-  // overlaps the planning. A run launched without PDL waits for the end, as before.
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
   DevicePlanState& st = *reinterpret_cast<DevicePlanState*>(p.state);
   const Scratch sc = scratch_at(p.scratch_in_shared ? shared_scratch : p.scratch, p);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

@@ -34,10 +34,6 @@ class DecodeExperiments(BuildForces):
         with programmatic dependent launch (the wrapper's ``pdl``).
     pdl_spread: force whether a PDL launch pads its shared memory so that one CTA lands per SM
         (True / False); None: ``device_features.spreads_one_per_sm`` decides.
-    pdl_after_plan: the first run after ``plan_on_device`` launches with PDL too, its CTAs
-        waiting for the planning kernel's end before they read their records (the planning
-        kernel lets it launch as it starts), so that its launch overlaps the planning instead of
-        following it. None / False: that run launches without PDL (docs/design/graph-stable.md).
     q_in_smem: keep q's MMA fragments in shared memory, read back every tile, instead of in
         registers (the Q_SMEM build): at head_dim 256 they are 64 registers and the kernel
         spills without it (docs/design/kernel.md); None: the default
@@ -78,7 +74,6 @@ class DecodeExperiments(BuildForces):
     # forces_occupancy make of them)
     pdl_trigger: str = "late"
     pdl_spread: bool | None = None
-    pdl_after_plan: bool | None = None
     rows_per_cta: int | None = None
     compact_merge: bool | None = None
 
@@ -95,7 +90,6 @@ class DecodeExperiments(BuildForces):
             raise ValueError(f"pdl_trigger: expected one of {PDL_TRIGGERS}, "
                              f"got {self.pdl_trigger!r}")
         check_option("pdl_spread", self.pdl_spread)
-        check_option("pdl_after_plan", self.pdl_after_plan)
         check_option("q_in_smem", self.q_in_smem)
         check_option("pow2_pages", self.pow2_pages)
         check_option("compact_merge", self.compact_merge)

@@ -62,7 +62,6 @@ class DecodeParams(ctypes.Structure):
         ("num_split_requests", ctypes.c_int),
         ("q_stride", ctypes.c_int64),
         ("alibi_slopes_log2", _POINTER),
-        ("wait_before_record", ctypes.c_int32),
     ]
 
 

@@ -139,14 +139,12 @@ class DecodeLaunch:
 
     def __init__(self, params: DecodeParams, partial: KernelLaunch,
                  merge: KernelLaunch | None, context: int,
-                 partial_plain: KernelLaunch | None = None, *, pdl_after_plan: bool = False):
+                 partial_plain: KernelLaunch | None = None):
         self.params = params
         self.partial, self.merge = partial, merge
-        # for a run right after a kernel that wrote the records (the planning kernel): a PDL
-        # launch reads its record before it waits, so either the partial kernel without PDL,
-        # or (pdl_after_plan) with PDL and told to wait before it reads
+        # the partial kernel without PDL, for a run right after a kernel that wrote the records
+        # (the planning kernel): a PDL launch reads its record before it waits
         self.partial_plain = partial_plain or partial
-        self.pdl_after_plan = bool(pdl_after_plan) and partial.pdl
         self._args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         self._context = context
         self._lock = threading.Lock()
@@ -158,21 +156,14 @@ class DecodeLaunch:
     def __call__(self, args: RunArguments, stream_ptr: int, plain: bool = False) -> None:
         """Launch on ``stream_ptr`` with a run's ``args`` (``params.RunArguments``: the
         tensors' device pointers and strides, the fp8 scales and the sinks);
-        ``plain``: right after the kernel that wrote the records (see ``pdl_after_plan``)."""
+        ``plain``: the partial kernel without PDL."""
         with self._lock:
             write_run_arguments(self.params, args)
             previous = current_context()
             if previous != self._context:    # the driver launches in the current context
                 _check(_driver().cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
             try:
-                if plain and self.pdl_after_plan:    # the launch copies the arguments
-                    self.params.wait_before_record = 1
-                    try:
-                        self.partial(self._args, stream_ptr)
-                    finally:
-                        self.params.wait_before_record = 0
-                else:
-                    (self.partial_plain if plain else self.partial)(self._args, stream_ptr)
+                (self.partial_plain if plain else self.partial)(self._args, stream_ptr)
                 if self.merge is not None:
                     self.merge(self._args, stream_ptr)
             finally:
@@ -181,8 +172,7 @@ class DecodeLaunch:
 
 
 def bind_decode_launch(kernels, params: DecodeParams, grid: LaunchGrid, *, num_kv_heads: int,
-                       head_dim: int, pdl: bool, spread: bool | None,
-                       pdl_after_plan: bool = False) -> DecodeLaunch:
+                       head_dim: int, pdl: bool, spread: bool | None) -> DecodeLaunch:
     """The launches of ``grid`` with ``kernels`` (a compiled variant) and its ``params``: the
     partial kernel (one CTA per SM under PDL when ``spread``, None: where the grid's rule says
     so; also without PDL for a device-planned grid) and, with ``grid.merge``, the merge kernel
@@ -195,14 +185,12 @@ def bind_decode_launch(kernels, params: DecodeParams, grid: LaunchGrid, *, num_k
         shared = kernels.one_per_sm_shared_bytes
     threads = kernels.build.threads
     partial = KernelLaunch(kernels.partial, ctas, threads, shared, pdl=pdl)
-    after_plan_pdl = pdl_after_plan and grid.device_planned
     plain = None
-    if pdl and grid.device_planned and not after_plan_pdl:
+    if pdl and grid.device_planned:
         plain = KernelLaunch(kernels.partial, ctas, threads, kernels.build.shared_bytes)
     merge = None
     if grid.merge:
         requests = params.num_split_requests or grid.batch_size
         slots = requests * grid.heads * (head_dim // 4)
         merge = KernelLaunch(kernels.merge, -(-slots // threads), threads, 0, pdl=pdl)
-    return DecodeLaunch(params, partial, merge, current_context(), plain,
-                        pdl_after_plan=after_plan_pdl)
+    return DecodeLaunch(params, partial, merge, current_context(), plain)

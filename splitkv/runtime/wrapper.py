@@ -465,8 +465,7 @@ class BatchDecodeWrapper:
                                **unified)
         spread = grid.spread if grid.spread is not None else self.experiments.pdl_spread
         launch = bind_decode_launch(kernels, params, grid, num_kv_heads=self.num_kv_heads,
-                                    head_dim=self.head_dim, pdl=pdl, spread=spread,
-                                    pdl_after_plan=bool(self.experiments.pdl_after_plan))
+                                    head_dim=self.head_dim, pdl=pdl, spread=spread)
         self._bound_build = kernels.build
         return launch
 

@@ -95,15 +95,12 @@ class SlotLoop:
         return PageTable.from_block_table(self.table, self.lens, PAGE, num_pages=POOL_PAGES)
 
 
-@pytest.mark.parametrize("pdl_after_plan", [False, True])
-def test_one_graph_with_the_planner_replays_a_thousand_steps_bit_identically(pdl_after_plan):
+def test_one_graph_with_the_planner_replays_a_thousand_steps_bit_identically():
     """Graph = plan_on_device, then run() for two layers; each step the host only writes the
     new lengths, pages and queries. Each step's outputs equal, bit for bit, an eager run of the
-    host planner's plan of the same batch; the device's choice is the host's. pdl_after_plan:
-    the first layer launched with PDL, waiting for the planning kernel before its records."""
+    host planner's plan of the same batch; the device's choice is the host's."""
     from splitkv import BatchDecodeWrapper
     from splitkv.measure.test_data import random_device_array
-    from splitkv.runtime.experiments import DecodeExperiments
 
     rng = np.random.default_rng(77)
     layers = [(random_device_array((POOL_PAGES, PAGE, HK, D), DTYPE, rng),
@@ -113,8 +110,7 @@ def test_one_graph_with_the_planner_replays_a_thousand_steps_bit_identically(pdl
     lses = [cupy.zeros((MAX_BATCH, HQ), dtype=cupy.float32) for _ in layers]
     capacity = dict(use_cuda_graph=True, max_batch_size=MAX_BATCH,
                     max_num_pages=MAX_BATCH * WIDTH)
-    device = BatchDecodeWrapper(HQ, HK, D, PAGE, DTYPE, **capacity,
-                                experiments=DecodeExperiments(pdl_after_plan=pdl_after_plan))
+    device = BatchDecodeWrapper(HQ, HK, D, PAGE, DTYPE, **capacity)
     host = BatchDecodeWrapper(HQ, HK, D, PAGE, DTYPE, **capacity)
     loop = SlotLoop(rng)
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -154,14 +150,11 @@ def test_one_graph_with_the_planner_replays_a_thousand_steps_bit_identically(pdl
     assert {s for s, _ in seen} >= {"single", "split_merge"}, seen
 
 
-@pytest.mark.parametrize("pdl_after_plan", [False, True])
-def test_eager_plan_then_run_sees_each_new_plan(pdl_after_plan):
+def test_eager_plan_then_run_sees_each_new_plan():
     """plan_on_device() and run() back to back with no graph, the plan changing every step:
-    the first run after the planning kernel must not read its records early (PDL), launched
-    without PDL or (pdl_after_plan) with it and told to wait first."""
+    the first run after the planning kernel must not read its records early (PDL)."""
     from splitkv import BatchDecodeWrapper
     from splitkv.measure.test_data import random_device_array
-    from splitkv.runtime.experiments import DecodeExperiments
 
     rng = np.random.default_rng(5)
     k = random_device_array((POOL_PAGES, PAGE, HK, D), DTYPE, rng)
@@ -169,8 +162,7 @@ def test_eager_plan_then_run_sees_each_new_plan(pdl_after_plan):
     q = random_device_array((MAX_BATCH, HQ, D), DTYPE, rng)
     capacity = dict(use_cuda_graph=True, max_batch_size=MAX_BATCH,
                     max_num_pages=MAX_BATCH * WIDTH)
-    device = BatchDecodeWrapper(HQ, HK, D, PAGE, DTYPE, **capacity,
-                                experiments=DecodeExperiments(pdl_after_plan=pdl_after_plan))
+    device = BatchDecodeWrapper(HQ, HK, D, PAGE, DTYPE, **capacity)
     host = BatchDecodeWrapper(HQ, HK, D, PAGE, DTYPE, **capacity)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:                  # the engine's arrays, made on its stream

@@ -40,16 +40,19 @@ def test_a_graph_stable_plan_writes_its_soft_cap_into_every_launch_it_keeps():
 
 
 class _Recorder:
-    """A stand-in for a KernelLaunch: notes which launch ran and what the wait flag was."""
+    """A stand-in for a KernelLaunch: notes which launch ran."""
 
-    def __init__(self, name, calls, params, pdl):
-        self.name, self.calls, self.params, self.pdl = name, calls, params, pdl
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
 
     def __call__(self, args, stream_ptr):
-        self.calls.append((self.name, self.params.wait_before_record))
+        self.calls.append(self.name)
 
 
-def _launches(monkeypatch, pdl_after_plan: bool, pdl: bool = True):
+def test_the_first_run_after_the_planning_kernel_launches_without_pdl(monkeypatch):
+    """The run right after plan_on_device (``plain``): the partial kernel without PDL, since a
+    PDL launch reads its record before it waits for the kernel that wrote it; later runs launch
+    with PDL."""
     from splitkv.runtime import launch as L
 
     monkeypatch.setattr(L, "current_context", lambda: 0)
@@ -60,37 +63,9 @@ def _launches(monkeypatch, pdl_after_plan: bool, pdl: bool = True):
                            workspace, grid, num_kv_heads=8, page_size=16, q_group=4,
                            sm_scale_log2=0.125, pdl_early_trigger=False)
     calls = []
-    launch = L.DecodeLaunch(params, _Recorder("partial", calls, params, pdl),
-                            _Recorder("merge", calls, params, pdl), 0,
-                            _Recorder("plain", calls, params, False),
-                            pdl_after_plan=pdl_after_plan)
-    return launch, calls
-
-
-def test_the_first_run_after_the_planning_kernel_waits_before_its_record_only_when_asked(
-        monkeypatch):
-    """The run after plan_on_device: without PDL by default; with pdl_after_plan, the PDL
-    launch with wait_before_record set for that launch alone (later runs read, then wait)."""
+    launch = L.DecodeLaunch(params, _Recorder("partial", calls), _Recorder("merge", calls), 0,
+                            _Recorder("plain", calls))
     args = RunArguments(7 << 20, 8 << 20, 9 << 20, 256, 16, 1, 10 << 20, 0)
-    launch, calls = _launches(monkeypatch, pdl_after_plan=False)
     launch(args, 0, plain=True)
     launch(args, 0)
-    assert calls == [("plain", 0), ("merge", 0), ("partial", 0), ("merge", 0)]
-    launch, calls = _launches(monkeypatch, pdl_after_plan=True)
-    launch(args, 0, plain=True)
-    launch(args, 0)
-    assert calls == [("partial", 1), ("merge", 0), ("partial", 0), ("merge", 0)]
-    assert launch.params.wait_before_record == 0
-    launch, calls = _launches(monkeypatch, pdl_after_plan=True, pdl=False)   # no PDL at all
-    launch(args, 0, plain=True)
-    assert calls == [("plain", 0), ("merge", 0)]
-
-
-def test_pdl_after_plan_is_an_option():
-    import pytest
-
-    from splitkv.runtime.experiments import DecodeExperiments
-
-    assert DecodeExperiments(pdl_after_plan=True).pdl_after_plan is True
-    with pytest.raises(TypeError, match="pdl_after_plan: expected None, True or False"):
-        DecodeExperiments(pdl_after_plan="yes")
+    assert calls == ["plain", "merge", "partial", "merge"]

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default 1): the kernel computes N x the query heads a kv head")
     parser.add_argument("--kv-dtype", type=A.fp8_kv_dtype, default=None, metavar="FP8",
                         help="plan for fp8 K/V (float8_e4m3fn, float8_e5m2, fp8_e4m3, fp8_e5m2) "
-                             "with the profile's fp8 fit, where it has one")
+                             "with the profile's fp8 fit, where it has one; not at head_dim 96")
     parser.add_argument("--profile", type=A.existing_file, metavar="PATH",
                         help="a profile YAML (default: looked up)")
     parser.add_argument("--device-name", type=A.name, metavar="NAME",

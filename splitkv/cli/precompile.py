@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=V.SUPPORTED_DTYPES, default="bfloat16",
                         help="q and output dtype (default bfloat16)")
     parser.add_argument("--kv-dtype", type=A.fp8_kv_dtype, default=None, metavar="FP8",
-                        help="fp8 K/V (float8_e4m3fn, float8_e5m2, fp8_e4m3, fp8_e5m2)")
+                        help="fp8 K/V (float8_e4m3fn, float8_e5m2, fp8_e4m3, fp8_e5m2); not at "
+                             "head_dim 96")
     parser.add_argument("--soft-cap", action="store_true",
                         help="plans may take logits_soft_cap: compile the builds with and "
                              "without it (warmup(logits_soft_cap=True))")

@@ -1,7 +1,7 @@
 """Every architecture users run builds its kernels: for compute capability 8.0, 8.6, 8.9, 9.0,
 10.0 and 12.0, the builds a wrapper would run there (``core.builds`` with one GPU's
 ``DeviceProperties`` of that architecture, ``core.architectures``: no cluster below 9.0, the fit
-to its shared memory a block) over a grid of shapes (16-bit and fp8 K/V, head_dim 64/128/256,
+to its shared memory a block) over a grid of shapes (16-bit and fp8 K/V, head_dim 64/96/128/256,
 groups 1-32, pages 1/16/64, per-shape plans of every kind and graph-stable grids). The shared
 memory of every build is checked without a compiler; a sample covering every build field's
 values (and every build the fit to 99 KiB gave way to) compiles through NVRTC for that

@@ -6,6 +6,7 @@ The cases and the check are ``splitkv.demo``'s; this prints them as a table.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..demo import CASE_NAMES, TOLERANCE, check_cases, detect_gpu, make_cases
 from . import args as A
@@ -51,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
 
     header = ("case", "B", "heads", "tokens", "strategy", "splits", "work items", "max rel err",
               "lse err", "")
+    if not on_gpu:                # the table comes at the end: say why the wait
+        print(f"note: running {len(cases)} case(s) on the CPU executor in float64 (about 5 s "
+              f"each on a 2-core machine)", file=sys.stderr, flush=True)
     results = check_cases(cases, args.seed, on_gpu)
     rows = [(r.case.name, str(r.page_table.batch_size),
              f"{r.case.num_qo_heads}/{r.case.num_kv_heads}", str(int(r.page_table.kv_lens.sum())),

@@ -74,7 +74,9 @@ def test_demo_names_the_profile_it_plans_with(capsys, monkeypatch, tmp_path):
 
 def test_demo_on_the_cpu(capsys):
     assert cli.main(["demo", "--cpu", "--cases", "mha,b16-ragged"]) == 0
-    out = capsys.readouterr().out.splitlines()
+    out, err = capsys.readouterr()
+    assert err.startswith("note: running 2 case(s) on the CPU executor in float64")
+    out = out.splitlines()
     assert out[0].startswith("plans from splitkv.planner.choose_plan (NVIDIA H200's profile: ")
     assert out[1].split() == ["case", "B", "heads", "tokens", "strategy", "splits", "work",
                               "items", "max", "rel", "err", "lse", "err"]

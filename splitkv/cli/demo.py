@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     header = ("case", "B", "heads", "tokens", "strategy", "splits", "work items", "max rel err",
               "lse err", "")
-    if not on_gpu:                # the table comes at the end: say why the wait
+    if not on_gpu and sys.stderr.isatty():   # the table comes at the end: say why the wait
         print(f"note: running {len(cases)} case(s) on the CPU executor in float64 (about 5 s "
               f"each on a 2-core machine)", file=sys.stderr, flush=True)
     results = check_cases(cases, args.seed, on_gpu)

@@ -105,10 +105,7 @@ def run(args) -> int:
         return A.refuse("plan", f"--num-splits {args.num_splits}: the plan would have "
                                 f"{chunks:,} chunks; the command line plans at most {MAX_CHUNKS:,}")
     try:
-        if args.kv_dtype and args.head_dim not in V.FP8_HEAD_DIMS:
-            raise ValueError(f"--kv-dtype {args.kv_dtype}: fp8 K/V is not supported at --head-dim "
-                             f"{args.head_dim}; expected --head-dim one of {V.FP8_HEAD_DIMS} with "
-                             f"it")
+        V.check_head_dim_for_kv(args.head_dim, args.kv_dtype)
         if args.attention_chunk_size and args.q_len > 1:
             raise ValueError(f"--attention-chunk-size {args.attention_chunk_size} with --q-len "
                              f"{args.q_len}: chunked attention takes one query row a request")
@@ -141,7 +138,8 @@ def run(args) -> int:
         plan = ranked[0].build(problem, clusters=model.clusters)
     except (TypeError, ValueError, ProfileError) as exc:
         text = str(exc)          # the planner names its arguments; say the options given
-        for name, option in (("strategy:", "--strategy:"), ("num_splits:", "--num-splits:")):
+        for name, option in (("strategy:", "--strategy:"), ("num_splits:", "--num-splits:"),
+                             ("kv_dtype:", "--kv-dtype:")):
             if text.startswith(name):
                 text = option + text[len(name):]
         return A.refuse("plan", text)

@@ -72,7 +72,8 @@ def test_demo_names_the_profile_it_plans_with(capsys, monkeypatch, tmp_path):
         f"plans from splitkv.planner.choose_plan (NVIDIA H200's profile: {path})")
 
 
-def test_demo_on_the_cpu(capsys):
+def test_demo_on_the_cpu(capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)     # a terminal: the wait explained
     assert cli.main(["demo", "--cpu", "--cases", "mha,b16-ragged"]) == 0
     out, err = capsys.readouterr()
     assert err.startswith("note: running 2 case(s) on the CPU executor in float64")
@@ -194,8 +195,8 @@ def test_plan_takes_head_dim_96_with_16_bit_kv_and_refuses_fp8_there(capsys):
     assert "head_dim=96" in plan_output(capsys, "--head-dim", "96")
     assert cli.main(["plan", "--head-dim", "96", "--kv-dtype", "fp8_e4m3"]) == 2
     assert capsys.readouterr().err == (
-        "splitkv plan: --kv-dtype float8_e4m3fn: fp8 K/V is not supported at --head-dim 96; "
-        "expected --head-dim one of (64, 128, 256) with it\n")
+        "splitkv plan: --kv-dtype: fp8 K/V ('float8_e4m3fn') is not supported at head_dim 96; "
+        "expected head_dim one of (64, 128, 256) with fp8 K/V, or K/V in the model's dtype\n")
 
 
 def test_plan_for_a_named_gpu_keeps_the_other_notices_and_first_use_off(capsys, monkeypatch):

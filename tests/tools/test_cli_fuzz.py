@@ -30,8 +30,8 @@ SHIPPED_PROFILE = str(Path(splitkv.__file__).parent / "planner" / "profiles" / "
 # argument its check names ("num_splits: ...", "profile ...: ...").
 NAMES_AN_ARGUMENT = re.compile(
     r"^splitkv( plan| demo)?: (error: (argument --[a-z-]+: |unrecognized arguments: |"
-    r"the following arguments are required: )|--(num-splits|q-len) \d+: |--kv-dtype \w+: |"
-    r"--(strategy|num-splits): |"
+    r"the following arguments are required: )|--(num-splits|q-len) \d+: |"
+    r"--(strategy|num-splits|kv-dtype): |"
     r"(num_splits|strategy|kv_lens|page_size|head_dim|num_qo_heads|num_kv_heads|max_chunks): |"
     r"profile )")
 

@@ -13,12 +13,12 @@ or 64 layers, the median of 7 trials), on one page table and one set of layers, 
   capacity 256 in a torch CUDA graph, ``plan=True`` on the first layer: the engines' call.
 
 A device-planned graph holds one planning kernel and the L layers (a step), so the planning
-kernel's time is shared by the L layers, as in a model. L is what holds 1 GiB (2 layers for the
-largest cases), fewer layers than a model has; ``--model-layers N`` makes every column's step N
-layer calls instead, layer i reading K/V layer i mod L (so the reads still come from memory,
-not L2): the planning kernel then shares a step with N layers, as in an N-layer model. Prints a table of microseconds per layer
-and each column's ratio to ``per_shape``; ``--json`` writes the rows with the device, date and
-command.
+kernel's time is shared by the L layers. L is what holds 1 GiB (2 layers for the largest
+cases), fewer layers than a model has. ``--model-layers N`` makes every column's step N layer
+calls instead, layer i reading K/V layer i mod L (so the reads still come from memory, not
+L2): the planning kernel then shares a step with N layers, as in an N-layer model. Prints a
+table of microseconds per layer and each column's ratio to ``per_shape``; ``--json`` writes the
+rows with the device, date and command.
 
     PYTHONPATH=$PWD python3 benchmarks/engine_path.py [--cases b1_n1k,...] \\
         [--kv-dtype fp8_e4m3] [--json out.json] [--capacity 256] [--model-layers 32]

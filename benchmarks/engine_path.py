@@ -42,7 +42,14 @@ parser.add_argument("--cases", default=None, help="case names or groups (default
 parser.add_argument("--kv-dtype", default=None, help="fp8_e4m3 for fp8 K/V")
 parser.add_argument("--capacity", type=int, default=256)
 parser.add_argument("--no-op", action="store_true", help="skip the torch op's column")
-parser.add_argument("--model-layers", type=int, default=None,
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+parser.add_argument("--model-layers", type=positive, default=None,
                     help="layer calls a step (a model's depth, like 32), cycling over the "
                          "case's K/V layers; default: the case's layers, one each")
 parser.add_argument("--json", default=None)

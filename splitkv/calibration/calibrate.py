@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..core.builds import default_tile_per_warp, row_tiles_for
 from ..core.geometry import WARPS_PER_CTA
 from ..measure import timing as measure_timing
 from ..planner import Profile
@@ -16,6 +17,18 @@ from .fit import FitReport, fit_profile, fit_tile_rule
 from .sweep import Measurement, SweepPoint, measure, sweep_points, write_measurements
 
 QUICK_TIMING = {"trials": 3, "min_trial_ms": 10.0}
+
+
+def graph_stable_experiments(kv_dtype: str):
+    """The knobs that make a per-shape wrapper run a problem's graph-stable grid build: 4 warps,
+    no one-CTA-an-SM spreading, and the tile a warp ``core.builds.graph_build`` gives (32 tokens
+    for fp8 at head_dim 128 with one row tile, else 16)."""
+    def experiments(problem) -> DecodeExperiments:
+        tile = default_tile_per_warp(kv_dtype, problem.head_dim, WARPS_PER_CTA,
+                                     row_tiles_for(problem.num_qo_heads // problem.num_kv_heads),
+                                     False)
+        return DecodeExperiments(warps=WARPS_PER_CTA, pdl_spread=False, tile_per_warp=tile)
+    return experiments
 
 
 def sweep_for(device: dict, quick: bool = False, seed: int = 0) -> list[SweepPoint]:
@@ -52,9 +65,8 @@ def calibrate(points: list[SweepPoint], device: dict, *, quick: bool = False, se
     if min_trial_ms is not None:
         timing["min_trial_ms"] = min_trial_ms
     fp8 = {"kv_dtype": kv_dtype} if kv_dtype else {}
-    # 4 warps and no one-CTA-an-SM spreading, as a graph-stable fp8 wrapper runs its grid
-    experiments = ({"experiments": DecodeExperiments(warps=WARPS_PER_CTA, pdl_spread=False)}
-                   if graph_stable else {})
+    # each point's build as a graph-stable fp8 wrapper runs its grid
+    experiments = {"experiments": graph_stable_experiments(kv_dtype)} if graph_stable else {}
     measurements = measure(points, progress=progress, seed=seed, **timing, **fp8,
                            **experiments)
     measure_timing.release_cached_layers()

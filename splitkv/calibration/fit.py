@@ -93,8 +93,9 @@ def _relative_errors(model, measurements) -> np.ndarray:
 
 def fit_tile_rule(kv_dtype: str | None, graph_stable: bool) -> str:
     """The tiles a fit counts: fp8's per-shape builds run 128-token tiles where
-    ``core.builds`` decides them ('fp8'); the 16-bit builds, and the graph-stable fp8 fit
-    (its one grid runs 64-token tiles), count 64 ('')."""
+    ``core.builds`` decides them ('fp8'); the 16-bit builds count 64 (''), and so does the
+    graph-stable fp8 fit, as the planner on the device counts them, although its grid at
+    head_dim 128 runs 128-token tiles (docs/design/graph-stable.md, fp8 tiles)."""
     return "fp8" if kv_dtype and not graph_stable else ""
 
 

@@ -173,8 +173,8 @@ def time_plan_us(plan: Plan, page_table: PageTable, *, min_total_bytes: int = 1 
                  trials: int = TRIALS, min_trial_ms: float = MIN_TRIAL_MS, data: LayeredKV | None = None,
                  experiments=None, kv_dtype: str | None = None) -> float:
     """Median microseconds per call of ``plan`` on random data, run by a wrapper with
-    ``experiments`` (a ``DecodeExperiments``; None: the shipped kernel), over fp8 K/V codes if
-    ``kv_dtype`` names an fp8 format.
+    ``experiments`` (a ``DecodeExperiments``, or a function of the plan's problem giving one;
+    None: the shipped kernel), over fp8 K/V codes if ``kv_dtype`` names an fp8 format.
 
     Without ``data``, the random KV layers (about ``min_total_bytes``) are built for the page
     table and kept for the next call with the same table and shapes, so timing several plans
@@ -184,6 +184,8 @@ def time_plan_us(plan: Plan, page_table: PageTable, *, min_total_bytes: int = 1 
     from ..runtime.wrapper import BatchDecodeWrapper
 
     p = plan.problem
+    if callable(experiments):
+        experiments = experiments(p)
     if data is None:
         key = (id(page_table), p.num_qo_heads, p.num_kv_heads, p.head_dim, p.dtype, kv_dtype,
                min_total_bytes)

@@ -50,8 +50,8 @@ class DecodeExperiments(BuildForces):
         the stages halve with it, and a per-shape plan keeps 4 warps unless ``warps`` says
         otherwise (docs/design/kernel.md). None: 32 for fp8 head_dim 128
         per-shape plans of 4 warps and one row tile where neither stages nor warps are forced
-        (``core.builds.default_tile_per_warp``; not multi-token plans, not graph-stable
-        wrappers), else 16.
+        (``core.builds.default_tile_per_warp``; not multi-token plans; graph-stable fp8
+        wrappers take it too), else 16.
     dim_split: 2 splits the head dim of O = P V between pairs of warps, each computing the same
         scores and accumulating half of O (WARPS_D): CTAs of 8 warps keep 64-token tiles, so
         head_dim 256, one 4-warp CTA an SM by default, gets 8 warps an SM in 128 KiB, and O's

@@ -378,16 +378,24 @@ def test_calibrate_kv_dtype_adds_an_fp8_fit_to_the_base_profile(monkeypatch, tmp
 
 def test_calibrate_graph_stable_times_four_warps_and_fills_its_own_fit(monkeypatch, tmp_path,
                                                                        capsys):
-    """`--kv-dtype ... --graph-stable` times every plan with 4-warp CTAs (what a graph-stable
-    wrapper runs) and writes kv_fp8_graph_stable, leaving kv_fp8 as it was."""
+    """`--kv-dtype ... --graph-stable` times every plan with 4-warp CTAs and the tile a warp of
+    the graph-stable grid's build (``core.builds.graph_build``: what a graph-stable wrapper
+    runs) and writes kv_fp8_graph_stable, leaving kv_fp8 as it was."""
+    from splitkv.core.builds import H200, graph_build, shape_build
+    from splitkv.core.variants import PLAIN
     import splitkv.runtime
     import splitkv.measure.timing
 
     truth = CostModel.from_coef(dict(TRUE_COEF, waves=TRUE_COEF["waves"] * 2), clusters=True)
-    seen = []
+    seen, tiles = [], []
 
     def time_plan_us(plan, page_table, **timing):
-        seen.append((timing.get("kv_dtype"), timing["experiments"].warps))
+        p, experiments = plan.problem, timing["experiments"](plan.problem)
+        group = p.num_qo_heads // p.num_kv_heads
+        graph = graph_build(shape_build(p.dtype, p.head_dim, group, p.page_size, "float8_e4m3fn"),
+                            variant=PLAIN, rows=group, device=H200)
+        seen.append((timing.get("kv_dtype"), experiments.warps))
+        tiles.append((experiments.tile_per_warp, graph.tile_per_warp))
         return truth.predict(plan)
 
     monkeypatch.setattr(splitkv.runtime, "gpu_available", lambda: (True, DEVICE["name"]))
@@ -400,6 +408,7 @@ def test_calibrate_graph_stable_times_four_warps_and_fills_its_own_fit(monkeypat
                           str(base_path), "--out", str(out)]) == 0
     assert "4-warp CTAs" in capsys.readouterr().out
     assert set(seen) == {("float8_e4m3fn", 4)}
+    assert all(timed == built for timed, built in tiles) and {t for t, _ in tiles} == {16, 32}
     written = read_profile(out)
     assert written.kv_fp8 == base.kv_fp8 and written.kv_fp8_graph_stable is not None
     assert written.kv_fp8_graph_stable["sweep"]["graph_stable"] is True

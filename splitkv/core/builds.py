@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from .execution import CLUSTER_SIZES
 from .fp8 import FP8_FORMATS
 from .geometry import MAX_HEADS_PER_CTA, RECORD_PAGES, WARPS_PER_CTA
+from .validation import FP8_HEAD_DIMS
 from .variants import PLAIN, KernelVariant
 
 # Pipeline depth in tiles by head_dim: about 64-96 KiB of K+V in flight per CTA, so two or
@@ -130,9 +131,9 @@ class Build:
         if self.num_warps < self.row_tiles * self.dim_split:
             raise ValueError(f"dim_split: {self.num_warps} warps cannot hold {self.row_tiles} "
                              f"row tiles x {self.dim_split} dim halves")
-        if self.kv_dtype and self.head_dim not in DEFAULT_FP8_STAGES:
+        if self.kv_dtype and self.head_dim not in FP8_HEAD_DIMS:
             raise ValueError(f"kv_dtype: fp8 K/V has no build at head_dim {self.head_dim}; "
-                             f"expected one of {tuple(DEFAULT_FP8_STAGES)}")
+                             f"expected one of {FP8_HEAD_DIMS}")
         if self.stages == 0:
             defaults = DEFAULT_FP8_STAGES if self.kv_dtype else DEFAULT_STAGES
             # tiles of more tokens (8 warps, or 32 a warp): fewer stages keep the bytes in flight

@@ -95,7 +95,6 @@ enum : int { DCHUNKS = ROW_BYTES / 16 };                   // 16-byte chunks per
 // nothing.
 enum : int { COPY_SLOTS = DCHUNKS <= 4 ? 4 : DCHUNKS <= 8 ? 8 : DCHUNKS <= 16 ? 16 : 32 };
 static_assert(COPY_SLOTS >= DCHUNKS && DCHUNKS <= 32, "16-byte chunks per row: at most 32");
-static_assert(!Build::fp8 || DCHUNKS % 4 == 0, "fp8 rows: whole 16-byte chunks for 4 lanes each");
 static_assert(DCHUNKS % 4 == 0, "rows of whole groups of 4 chunks (the swizzles stay in a row)");
 enum : int { KSTEPS = HEAD_DIM / 16 };
 enum : int { DTILES = HEAD_DIM / 8 };

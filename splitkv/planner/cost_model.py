@@ -147,7 +147,8 @@ class CostModel:
 
     def for_graph_stable(self) -> "CostModel":
         """This model as a graph-stable grid runs: 64-token tiles (the planner on the device
-        counts them; an fp8 grid at head_dim 128 runs 128-token tiles, not yet a rule of its own) and merge_grid 0 (that grid launches the merge kernel over its capacity
+        counts them; an fp8 grid at head_dim 128 runs 128-token tiles, not yet a rule of its
+        own) and merge_grid 0 (that grid launches the merge kernel over its capacity
         whatever the strategy); itself where that changes nothing."""
         if not self.tile_rule and not self.coef_[F_MERGE_GRID]:
             return self

@@ -324,10 +324,11 @@ def critical_path(total, largest, num_items, slots):
 # CTAs an SM holds at each head_dim, relative to head_dim 128's (a profile's ``ctas_per_sm``).
 # The default 16-bit builds on sm_90 hold 4 at head_dim 64 with one row tile (3 stages under a
 # 128-register cap: ``core.builds.default_occupancy``), 3 with two row tiles (154
-# registers, 64 KiB of shared memory), 2 with four (182), 2 at 96 (188 registers, 96 KiB), 2 at
+# registers, 64 KiB of shared memory), 2 with four (182), 2 at 96 (188 registers, 72 KiB), 2 at
 # 128 (219 registers, 96 KiB) and 1 at 256 (160 KiB); fp8's hold 4, 2 and 1.
-# tests/kernels/test_kernels_compile.py pins the 16-bit ones against what NVRTC reports. (One count for every head_dim overstated head_dim 256's slots
-# twice and understated 64's: docs/design/cost-model.md.)
+# tests/kernels/test_kernels_compile.py pins the 16-bit ones against what NVRTC reports. (One
+# count for every head_dim overstated head_dim 256's slots twice and understated 64's:
+# docs/design/cost-model.md.)
 # The plan is chosen before its build, so a build that holds fewer than the default's is
 # counted as the default: the unified max at head_dim 64 (158 registers: 3 an SM), forced
 # experiments. GPUs of less shared memory an SM than the H200's (A100, sm_86/89) hold fewer at

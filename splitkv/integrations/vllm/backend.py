@@ -58,6 +58,14 @@ def _flash_attention():
     return flash_attn
 
 
+def _fp8_at_head_size(kv_cache_dtype, head_size) -> str | None:
+    """Why an fp8 cache cannot run at ``head_size`` (splitkv's fp8 builds' head dims), or None."""
+    if kv_cache_dtype in FP8_KV_DTYPES and head_size not in FP8_HEAD_DIMS:
+        return (f"kv_cache_dtype: {kv_cache_dtype} at head_size {head_size}; splitkv's fp8 K/V "
+                f"runs at head_size {FP8_HEAD_DIMS}")
+    return None
+
+
 class SplitKVBackend(AttentionBackend):
     """splitkv's decode, FlashAttention's prefill, on FlashAttention's KV cache."""
 
@@ -113,9 +121,8 @@ class SplitKVBackend(AttentionBackend):
                 getattr(torch, kv_cache_dtype) != dtype:
             return (f"kv_cache_dtype: {kv_cache_dtype} with a {dtype} model; splitkv reads K/V "
                     f"in the model's dtype or fp8 (expected 'auto')")
-        if kv_cache_dtype in FP8_KV_DTYPES and head_size not in FP8_HEAD_DIMS:
-            return (f"kv_cache_dtype: {kv_cache_dtype} at head_size {head_size}; splitkv's fp8 "
-                    f"K/V runs at head_size {FP8_HEAD_DIMS}")
+        if (why := _fp8_at_head_size(kv_cache_dtype, head_size)) is not None:
+            return why
         if has_sink and (device_capability.major, device_capability.minor) < (9, 0):
             return ("sinks: the prefill rows run vLLM's FlashAttention, whose sinks need "
                     "compute capability 9.0 or newer")
@@ -331,9 +338,8 @@ class SplitKVImpl(AttentionImpl[SplitKVMetadata]):
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_dtype = FP8_KV_DTYPES.get(kv_cache_dtype)
-        if self.kv_dtype and head_size not in FP8_HEAD_DIMS:
-            raise ValueError(f"kv_cache_dtype: {kv_cache_dtype} at head_size {head_size}; "
-                             f"splitkv's fp8 K/V runs at head_size {FP8_HEAD_DIMS}")
+        if (why := _fp8_at_head_size(kv_cache_dtype, head_size)) is not None:
+            raise ValueError(why)
         # vLLM's window counts the query: it sees itself and the sliding_window - 1 before,
         # which is splitkv's window_left
         self.sliding_window = sliding_window
